@@ -1,0 +1,136 @@
+"""Which implementation runs an op: the Triton kernels, the CUDA extension, or the PyTorch reference.
+
+Rule (revised as benchmarks show which backend is faster):
+
+- CUDA tensors, backend "auto": Triton when triton is importable, else the CUDA extension
+  when it was built, else the PyTorch reference with a one-time warning.
+  "triton" / "cuda" force one backend (an error if it is unavailable).
+- CPU tensors: the Triton kernel through the interpreter when TRITON_INTERPRET=1,
+  else the PyTorch reference. A forced "cuda" backend does not apply to CPU tensors.
+- "reference" runs the pure-PyTorch reference everywhere (for debugging and tests).
+
+The backend is chosen with remat.set_backend(name) or the REMAT_BACKEND environment variable.
+"""
+
+import contextlib
+import functools
+import importlib
+import os
+import warnings
+
+import torch
+
+BACKEND_NAMES = ("auto", "triton", "cuda", "reference")
+
+_chosen = None  # None: read REMAT_BACKEND on first use
+
+
+def _check_name(name, source):
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"{source} must be one of {BACKEND_NAMES}, got {name!r}")
+
+
+def set_backend(name):
+    """Choose the implementation for every op: "auto", "triton", "cuda" or "reference"."""
+    global _chosen
+    _check_name(name, "backend")
+    if name in ("triton", "cuda"):
+        available, reason = backends()[name]
+        if not available:
+            raise RuntimeError(f"remat backend {name!r} is not available: {reason}")
+    _chosen = name
+
+
+def get_backend():
+    """The backend set by set_backend, else REMAT_BACKEND, else "auto"."""
+    global _chosen
+    if _chosen is None:
+        name = os.environ.get("REMAT_BACKEND", "auto")
+        _check_name(name, "REMAT_BACKEND")
+        _chosen = name
+    return _chosen
+
+
+@contextlib.contextmanager
+def use_backend(name):
+    """Run the enclosed calls on backend `name`, then restore the previous choice."""
+    previous = get_backend()
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(previous)
+
+
+def interpreter_enabled():
+    """True when Triton kernels run on CPU tensors through the interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@functools.cache
+def _triton_status():
+    try:
+        import triton  # noqa: F401
+    except ImportError as error:
+        return False, f"triton is not importable ({error})"
+    return True, f"triton {triton.__version__}"
+
+
+@functools.cache
+def _cuda_extension_status():
+    if torch.version.cuda is None:
+        return False, f"torch {torch.__version__} is not a CUDA build"
+    try:
+        importlib.import_module("remat._C")
+    except ImportError as error:
+        return False, (f"remat._C is not built ({error}); reinstall with nvcc present and "
+                       "`pip install --no-build-isolation .`")
+    return True, "remat._C loaded"
+
+
+def backends():
+    """What is available, as {name: (available, why)}."""
+    interpreter = interpreter_enabled()
+    triton_ok, triton_why = _triton_status()
+    return {
+        "triton": (triton_ok, triton_why),
+        "cuda": _cuda_extension_status(),
+        "interpreter": (
+            interpreter and triton_ok,
+            "TRITON_INTERPRET=1: Triton kernels run on CPU tensors"
+            if interpreter else "TRITON_INTERPRET is not set: CPU tensors use the PyTorch reference",
+        ),
+        "gpu": (
+            torch.cuda.is_available(),
+            torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device visible",
+        ),
+        "reference": (True, "pure PyTorch, always available"),
+    }
+
+
+@functools.cache
+def _warn_reference_once(op):
+    warnings.warn(
+        f"remat: neither triton nor the CUDA extension is available; {op} runs the slow "
+        "PyTorch reference on the GPU (see remat.backends())",
+        stacklevel=3,
+    )
+
+
+def choose(op, device):
+    """The implementation for `op` on `device`: "triton", "cuda" or "reference"."""
+    backend = get_backend()
+    if backend == "reference":
+        return "reference"
+    if device.type != "cuda":
+        if interpreter_enabled() and _triton_status()[0]:
+            return "triton"
+        return "reference"
+    if backend != "auto":
+        return backend
+    if _triton_status()[0]:
+        return "triton"
+    if _cuda_extension_status()[0]:
+        return "cuda"
+    _warn_reference_once(op)
+    return "reference"

@@ -1,0 +1,113 @@
+"""LayerNorm cases: remat (each backend) against torch eager, torch.compile and Liger.
+
+Byte model (effective bandwidth): forward reads x and writes y, 2·M·N·elem bytes; forward +
+backward also reads x and dy and writes dx, 5·M·N·elem bytes. Weights and the per-row
+statistics are O(N + M) and not counted.
+"""
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+import remat
+
+from .cases import Case, Implementation
+
+GPU_ROWS, GPU_WIDTHS, QUICK_WIDTHS = 32768, (1024, 2048, 4096, 8192), (1024, 4096)
+CPU_ROWS, CPU_WIDTHS = 256, (256, 1000)  # a functional run: small, awkward widths
+EPS = 1e-5
+
+
+def _remat(backend):
+    def layer_norm(x, w, b):
+        with remat.use_backend(backend):
+            return remat.layer_norm(x, (x.shape[-1],), w, b, EPS)
+
+    return layer_norm
+
+
+def _torch(x, w, b):
+    return F.layer_norm(x, (x.shape[-1],), w, b, EPS)
+
+
+@functools.cache
+def _compiled():
+    return torch.compile(_torch)
+
+
+def _liger():
+    from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+
+    return lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, EPS)
+
+
+def implementations(device):
+    """(name, ours, function) for every implementation that can run on `device`."""
+    impls = []
+    if device.type == "cuda":
+        for backend in ("triton", "cuda"):
+            if remat.backends()[backend][0]:
+                impls.append((f"remat-{backend}", True, _remat(backend)))
+    else:
+        impls.append((f"remat-{remat._backend.choose('layer_norm', device)}", True, _remat("auto")))
+    impls += [("torch", False, _torch), ("torch.compile", False, lambda x, w, b: _compiled()(x, w, b))]
+    if device.type == "cuda":
+        try:
+            impls.append(("liger", False, _liger()))
+        except ImportError:
+            pass
+    return impls
+
+
+def _make_inputs(rows, width, dtype, device):
+    def make():
+        x = torch.randn(rows, width, device=device, dtype=dtype, requires_grad=True)
+        w = (torch.randn(width, device=device) * 0.1 + 1).to(dtype).requires_grad_()
+        b = (torch.randn(width, device=device) * 0.1).to(dtype).requires_grad_()
+        dy = torch.randn(rows, width, device=device, dtype=dtype)
+        return x, w, b, dy
+
+    return make
+
+
+def _forward(fn):
+    def build(inputs):
+        x, w, b, _ = inputs
+        return (lambda: fn(x, w, b)), None
+
+    return build
+
+
+def _forward_backward(fn):
+    def build(inputs):
+        x, w, b, dy = inputs
+
+        def reset():
+            x.grad = w.grad = b.grad = None
+
+        return (lambda: fn(x, w, b).backward(dy)), reset
+
+    return build
+
+
+def cases(device, dtypes, quick, widths=None):
+    rows = GPU_ROWS if device.type == "cuda" else CPU_ROWS
+    if widths is None:
+        widths = (QUICK_WIDTHS if quick else GPU_WIDTHS) if device.type == "cuda" else CPU_WIDTHS
+    impls = implementations(device)
+    for dtype in dtypes:
+        elem = torch.finfo(dtype).bits // 8
+        for width in widths:
+            for mode, factor, wrap in (("fwd", 2, _forward), ("fwd+bwd", 5, _forward_backward)):
+                yield Case(
+                    op="layernorm",
+                    mode=mode,
+                    dtype=dtype,
+                    shape=f"M={rows} N={width}",
+                    size=width,
+                    unit="GB/s",
+                    work=factor * rows * width * elem,
+                    make_inputs=_make_inputs(rows, width, dtype, device),
+                    implementations=[Implementation(name, ours, wrap(fn)) for name, ours, fn in impls],
+                )

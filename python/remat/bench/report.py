@@ -1,0 +1,165 @@
+"""Tables, CSV, markdown and plots of benchmark results, tagged with the machine and versions."""
+
+import csv
+import datetime
+import math
+import os
+import platform
+import shutil
+import subprocess
+
+import torch
+
+import remat
+
+from .cases import best_peer_ratio
+
+COLUMNS = ["op", "mode", "dtype", "shape", "implementation", "p20_ms", "p50_ms", "p80_ms",
+           "unit", "rate", "ratio_to_best_peer", "peak_mb", "error"]
+
+
+def environment(device):
+    """Where and with what the numbers were measured."""
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()})",
+        "driver": _nvidia_smi("driver_version") if device.type == "cuda" else "",
+        "cuda": torch.version.cuda or "",
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "remat": remat.__version__,
+        "commit": _git_commit(),
+        "backend_auto": remat.get_backend(),
+    }
+    if device.type != "cuda":
+        info["note"] = "functional run on CPU: these are not performance figures"
+    return info
+
+
+def _version(module):
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return "not installed"
+
+
+def _nvidia_smi(field):
+    if shutil.which("nvidia-smi") is None:
+        return "unknown"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _git_commit():
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def rows(results_by_case):
+    """One dict per (case, implementation), with the ratio of ours to the best peer."""
+    table = []
+    for results in results_by_case:
+        ratios = best_peer_ratio(results)
+        for r in results:
+            c = r.case
+            table.append({
+                "op": c.op, "mode": c.mode, "dtype": str(c.dtype).replace("torch.", ""),
+                "shape": c.shape, "implementation": r.implementation,
+                "p20_ms": r.p20_ms, "p50_ms": r.p50_ms, "p80_ms": r.p80_ms,
+                "unit": c.unit, "rate": math.nan if r.error else r.rate,
+                "ratio_to_best_peer": ratios[r.implementation],
+                "peak_mb": r.peak_mb, "error": r.error, "size": c.size,
+            })
+    return table
+
+
+def _fmt(value, digits=3):
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}" if abs(value) < 1e4 else f"{value:.0f}"
+    return str(value)
+
+
+def text_table(table, env):
+    header = ["op", "mode", "dtype", "shape", "implementation", "p50 ms", "rate", "vs best peer", "peak MB"]
+    lines = [[r["op"], r["mode"], r["dtype"], r["shape"], r["implementation"], _fmt(r["p50_ms"]),
+              f"{_fmt(r['rate'], 4)} {r['unit']}" if not r["error"] else r["error"][:40],
+              _fmt(r["ratio_to_best_peer"]) + ("x" if not math.isnan(r["ratio_to_best_peer"]) else ""),
+              _fmt(r["peak_mb"], 4)] for r in table]
+    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
+    out = [" | ".join(env_line for env_line in [f"{k}: {v}" for k, v in env.items()])]
+    out.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    out += ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)) for line in lines]
+    return "\n".join(out)
+
+
+def write_csv(table, env, path):
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS + list(env), extrasaction="ignore")
+        writer.writeheader()
+        for row in table:
+            writer.writerow({**{k: _fmt(v, 6) if isinstance(v, float) else v for k, v in row.items()}, **env})
+
+
+def write_markdown(table, env, path):
+    header = ["op", "mode", "dtype", "shape", "implementation", "p20 / p50 / p80 ms", "rate", "vs best peer", "peak MB"]
+    lines = ["# remat benchmark", "", *[f"- {k}: {v}" for k, v in env.items()], "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in table:
+        rate = f"{_fmt(r['rate'], 4)} {r['unit']}" if not r["error"] else f"error: {r['error']}"
+        lines.append("| " + " | ".join([
+            r["op"], r["mode"], r["dtype"], r["shape"], r["implementation"],
+            f"{_fmt(r['p20_ms'])} / {_fmt(r['p50_ms'])} / {_fmt(r['p80_ms'])}", rate,
+            _fmt(r["ratio_to_best_peer"]), _fmt(r["peak_mb"], 4)]) + " |")
+    with open(path, "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+
+
+def write_plots(table, env, out_dir):
+    """One PNG per (op, mode, dtype): rate against size, a line per implementation."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    paths = []
+    groups = {}
+    for r in table:
+        if not r["error"]:
+            groups.setdefault((r["op"], r["mode"], r["dtype"], r["unit"]), []).append(r)
+    for (op, mode, dtype, unit), group in groups.items():
+        figure, axes = plt.subplots(figsize=(6, 4))
+        for name in dict.fromkeys(r["implementation"] for r in group):
+            points = sorted((r["size"], r["rate"]) for r in group if r["implementation"] == name)
+            axes.plot(*zip(*points), marker="o", label=name)
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("size")
+        axes.set_ylabel(unit)
+        axes.set_title(f"{op} {mode} {dtype} on {env['device']}", fontsize=9)
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=8)
+        path = os.path.join(out_dir, f"{op}_{mode.replace('+', '_')}_{dtype}.png")
+        figure.tight_layout()
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        paths.append(path)
+    return paths
+
+
+def write_all(table, env, out_dir, stem="bench"):
+    os.makedirs(out_dir, exist_ok=True)
+    write_csv(table, env, os.path.join(out_dir, f"{stem}.csv"))
+    write_markdown(table, env, os.path.join(out_dir, f"{stem}.md"))
+    return write_plots(table, env, out_dir)

@@ -1,0 +1,52 @@
+"""The `remat` command: `remat bench ...` (kernel microbenchmarks) and `remat info`."""
+
+import argparse
+import sys
+
+
+def _bench(args):
+    from . import bench
+
+    ops = list(bench.SUITES) if "all" in args.ops else args.ops
+    dtypes = [bench.DTYPES[d] for d in args.dtype]
+    widths = [int(s) for s in args.shapes.split(",")] if args.shapes else None
+    bench.run(ops, dtypes, quick=args.quick, out_dir=args.out, device=args.device,
+              progress=not args.no_progress, widths=widths)
+
+
+def _info(_args):
+    import remat
+
+    for name, (available, why) in remat.backends().items():
+        print(f"{name:12s} {'yes' if available else 'no ':3s}  {why}")
+    print(f"{'selected':12s} {remat.get_backend()}")
+
+
+def parser():
+    from .bench import DTYPES, SUITES
+
+    top = argparse.ArgumentParser(prog="remat", description=__doc__)
+    commands = top.add_subparsers(dest="command", required=True)
+    bench = commands.add_parser("bench", help="kernel microbenchmarks against the peers")
+    bench.add_argument("ops", nargs="*", default=["all"], choices=[*SUITES, "all"], metavar="OP",
+                       help=f"one or more of {', '.join(SUITES)}, or all (default)")
+    bench.add_argument("--dtype", nargs="+", default=["bf16"], choices=list(DTYPES))
+    bench.add_argument("--shapes", help="comma-separated sizes (LayerNorm: widths N) instead of the standard ones")
+    bench.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    bench.add_argument("--out", default="bench/out", help="folder for CSV, markdown and PNG plots")
+    bench.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.set_defaults(run=_bench)
+    info = commands.add_parser("info", help="which backends are available and why")
+    info.set_defaults(run=_info)
+    return top
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    args.run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""LayerNorm: reference, custom ops (kernel, fake, autograd), public function.
+
+The op works on a (rows, N) matrix whose last dim has stride 1. The forward keeps x and the
+fp32 per-row statistics (mean, rstd); the backward recomputes x̂ = (x - mean) * rstd from them,
+and can also rebuild the output y (recompute_output) for a fused consumer such as a Linear
+that needs LN(x) for its weight gradient.
+"""
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import _backend
+from .._validate import check_float_tensor, check_optional_param, rows_with_unit_stride
+
+# ---------------------------------------------------------------------------------------------
+# Reference: plain PyTorch, in fp32 (or float64 when given float64, as the tests do).
+# ---------------------------------------------------------------------------------------------
+
+
+def _math_dtype(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def layer_norm_fwd_ref(x, weight, bias, eps):
+    """(y, mean, rstd) for x of shape (M, N); mean/rstd in fp32 (float64 for float64 input)."""
+    xf = x.to(_math_dtype(x))
+    mean = xf.mean(dim=1)
+    centered = xf - mean[:, None]
+    rstd = torch.rsqrt(centered.square().mean(dim=1) + eps)
+    y = _affine(centered * rstd[:, None], weight, bias)
+    return y.to(x.dtype), mean, rstd
+
+
+def _affine(x_hat, weight, bias):
+    y = x_hat
+    if weight is not None:
+        y = y * weight.to(x_hat.dtype)
+    if bias is not None:
+        y = y + bias.to(x_hat.dtype)
+    return y
+
+
+def layer_norm_bwd_ref(dy, x, weight, bias, mean, rstd, recompute_output):
+    """(dx, dw, db, y) from the saved x and statistics; see layer_norm_bwd for the contract."""
+    math_dtype = _math_dtype(x)
+    x_hat = (x.to(math_dtype) - mean[:, None].to(math_dtype)) * rstd[:, None].to(math_dtype)
+    dy_f = dy.to(math_dtype)
+    w_dy = dy_f * weight.to(math_dtype) if weight is not None else dy_f
+    c1 = (w_dy * x_hat).mean(dim=1, keepdim=True)
+    c2 = w_dy.mean(dim=1, keepdim=True)
+    dx = (w_dy - x_hat * c1 - c2) * rstd[:, None].to(math_dtype)
+    dw = (dy_f * x_hat).sum(dim=0).to(weight.dtype) if weight is not None else _absent(x)
+    db = dy_f.sum(dim=0).to(bias.dtype) if bias is not None else _absent(x)
+    y = _affine(x_hat, weight, bias).to(x.dtype) if recompute_output else _absent(x)
+    return dx.to(x.dtype), dw, db, y
+
+
+def _absent(x):
+    """Placeholder for an output that does not exist (no weight, no bias, no recompute)."""
+    return x.new_empty((0,))
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom ops. Each dispatches at run time to the backend chosen in remat._backend.
+# ---------------------------------------------------------------------------------------------
+
+
+def _implementation(device):
+    backend = _backend.choose("layer_norm", device)
+    if backend == "triton":
+        from ..triton_kernels import layer_norm as triton_layer_norm
+
+        return triton_layer_norm.layer_norm_fwd, triton_layer_norm.layer_norm_bwd
+    if backend == "cuda":
+        return torch.ops.remat_C.layer_norm_fwd, torch.ops.remat_C.layer_norm_bwd
+    return layer_norm_fwd_ref, layer_norm_bwd_ref
+
+
+@torch.library.custom_op("remat::layer_norm_fwd", mutates_args=())
+def layer_norm_fwd(
+    x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """y, fp32 mean and fp32 rstd of x (M, N), last dim of stride 1."""
+    forward, _ = _implementation(x.device)
+    return forward(x, weight, bias, eps)
+
+
+@layer_norm_fwd.register_fake
+def _layer_norm_fwd_fake(x, weight, bias, eps):
+    rows = x.shape[0]
+    return x.new_empty(x.shape), x.new_empty((rows,), dtype=torch.float32), x.new_empty(
+        (rows,), dtype=torch.float32
+    )
+
+
+@torch.library.custom_op("remat::layer_norm_bwd", mutates_args=())
+def layer_norm_bwd(
+    dy: Tensor,
+    x: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    mean: Tensor,
+    rstd: Tensor,
+    recompute_output: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dw, db, y): gradients of layer_norm_fwd, and its output y rebuilt when recompute_output.
+
+    dw, db and y are empty (shape (0,)) where there is no weight, no bias, or no recompute.
+    """
+    _, backward = _implementation(x.device)
+    return backward(dy, x, weight, bias, mean, rstd, recompute_output)
+
+
+@layer_norm_bwd.register_fake
+def _layer_norm_bwd_fake(dy, x, weight, bias, mean, rstd, recompute_output):
+    def param_grad(param):
+        return x.new_empty(param.shape, dtype=param.dtype) if param is not None else x.new_empty((0,))
+
+    y = x.new_empty(x.shape) if recompute_output else x.new_empty((0,))
+    return x.new_empty(x.shape), param_grad(weight), param_grad(bias), y
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, _eps = inputs
+    _y, mean, rstd = output
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _backward(ctx, dy, _dmean, _drstd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    dy = rows_with_unit_stride(dy, x.shape[1])
+    dx, dw, db, _ = layer_norm_bwd(dy, x, weight, bias, mean, rstd, False)
+    return (
+        dx if ctx.needs_input_grad[0] else None,
+        dw if weight is not None and ctx.needs_input_grad[1] else None,
+        db if bias is not None and ctx.needs_input_grad[2] else None,
+        None,
+    )
+
+
+layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _register_cuda_extension_fakes():
+    """Fake kernels for the remat_C ops too, so they trace and pass opcheck like the Python ones."""
+    if not _backend.backends()["cuda"][0]:
+        return
+    torch.library.register_fake("remat_C::layer_norm_fwd")(_layer_norm_fwd_fake)
+    torch.library.register_fake("remat_C::layer_norm_bwd")(_layer_norm_bwd_fake)
+
+
+_register_cuda_extension_fakes()
+
+# ---------------------------------------------------------------------------------------------
+# Public function
+# ---------------------------------------------------------------------------------------------
+
+
+def _normalized_width(x, normalized_shape):
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    normalized_shape = tuple(normalized_shape)
+    if not normalized_shape or any(not isinstance(d, int) or d < 1 for d in normalized_shape):
+        raise ValueError(
+            f"normalized_shape must be a non-empty tuple of positive ints, got {normalized_shape}"
+        )
+    if tuple(x.shape[x.dim() - len(normalized_shape):]) != normalized_shape or x.dim() < len(
+        normalized_shape
+    ):
+        raise ValueError(
+            f"normalized_shape {normalized_shape} does not match the trailing dims of x "
+            f"(shape {tuple(x.shape)})"
+        )
+    return normalized_shape, math.prod(normalized_shape)
+
+
+def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """LayerNorm over the trailing `normalized_shape` dims of x, like torch.nn.functional.layer_norm.
+
+    x: float32, float16 or bfloat16, any leading shape. weight/bias: optional, of
+    `normalized_shape`, float32 or x's dtype. Statistics are computed in fp32; autograd saves
+    x and the fp32 mean/rstd per row (8 bytes a row), never the output.
+    """
+    check_float_tensor("x", x)
+    normalized_shape, width = _normalized_width(x, normalized_shape)
+    check_optional_param("weight", weight, normalized_shape, "x", x)
+    check_optional_param("bias", bias, normalized_shape, "x", x)
+    if not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    rows = rows_with_unit_stride(x, width)
+    flat_weight = weight.reshape(width).contiguous() if weight is not None else None
+    flat_bias = bias.reshape(width).contiguous() if bias is not None else None
+    y, _mean, _rstd = layer_norm_fwd(rows, flat_weight, flat_bias, float(eps))
+    return y.view(x.shape)

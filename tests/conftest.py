@@ -1,0 +1,59 @@
+"""Test set-up: without a GPU, Triton kernels run on CPU tensors through the interpreter.
+
+TRITON_INTERPRET must be set before anything imports triton (its @triton.jit decides at
+decoration time), so this runs first, before the tests import remat.
+"""
+
+import os
+import zlib
+
+import torch
+
+HAS_GPU = torch.cuda.is_available()
+if not HAS_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+import remat  # noqa: E402
+from remat import _backend  # noqa: E402
+
+# Devices and backends every kernel test runs on: the interpreter on CPU everywhere, and on a
+# GPU each compiled backend that this install has.
+KERNEL_TARGETS = [pytest.param(("cpu", "triton"), id="cpu-triton")]
+if HAS_GPU:
+    KERNEL_TARGETS.append(pytest.param(("cuda", "triton"), id="cuda-triton"))
+    KERNEL_TARGETS.append(pytest.param(("cuda", "cuda"), id="cuda-cuda"))
+
+
+@pytest.fixture(params=KERNEL_TARGETS)
+def target(request):
+    """(device, backend) with the backend set for the test's duration."""
+    device, backend = request.param
+    available, why = remat.backends()[backend]
+    if device == "cpu" and not _backend.interpreter_enabled():
+        pytest.skip("TRITON_INTERPRET is not set: CPU tensors run the reference")
+    if not available:
+        if HAS_GPU and backend == "cuda":
+            pytest.fail(f"the CUDA extension should be built on a GPU machine: {why}")
+        pytest.skip(why)
+    previous = remat.get_backend()
+    remat.set_backend(backend)
+    yield device, backend
+    remat.set_backend(previous)
+
+
+@pytest.fixture
+def reference_backend():
+    previous = remat.get_backend()
+    remat.set_backend("reference")
+    yield
+    remat.set_backend(previous)
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed(request):
+    """A different, reproducible seed per test: fresh inputs, yet a failure can be rerun."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(seed)
+    return seed

@@ -1,0 +1,276 @@
+"""LayerNorm: kernels against a float64 reference, the op contract, the module, bad input."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import remat
+from remat.ops import layer_norm as ln_ops
+from numerics import REL_TOL, assert_close_to_ref, rel_error
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (rows, width): one row, width 1, primes, not powers of two, wider than one block, very wide.
+SHAPES = [(1, 1), (1, 7), (3, 1), (5, 127), (17, 1000), (4, 4099), (3, 16411), (2, 65536), (2, 100003)]
+AFFINE = [(True, True), (True, False), (False, False)]
+
+
+def make_inputs(shape, dtype, device, weight=True, bias=True, param_dtype=None):
+    """Fresh random x and parameters (never zeros, never ones), requiring grad."""
+    width = shape[-1]
+    param_dtype = param_dtype or dtype
+    x = (torch.randn(shape, device=device) * 2 + 0.5).to(dtype).requires_grad_()
+    w = (torch.randn(width, device=device) + 1).to(param_dtype).requires_grad_() if weight else None
+    b = torch.randn(width, device=device).to(param_dtype).requires_grad_() if bias else None
+    return x, w, b
+
+
+def float64_reference(x, w, b, dy, eps=1e-5):
+    """Output and gradients of torch's own LayerNorm in float64 (an oracle independent of remat)."""
+    leaves = [t.detach().double().requires_grad_() if t is not None else None for t in (x, w, b)]
+    y = F.layer_norm(leaves[0], (x.shape[-1],), leaves[1], leaves[2], eps)
+    y.backward(dy.double())
+    return y, *[t.grad if t is not None else None for t in leaves]
+
+
+def run_remat(x, w, b, dy, eps=1e-5):
+    y = remat.layer_norm(x, (x.shape[-1],), w, b, eps)
+    y.backward(dy)
+    return y, x.grad, w.grad if w is not None else None, b.grad if b is not None else None
+
+
+def check_against_float64(x, w, b, eps=1e-5):
+    dy = torch.randn(x.shape, device=x.device).to(x.dtype)
+    ref = float64_reference(x, w, b, dy, eps)
+    ours = run_remat(x, w, b, dy, eps)
+    for name, out, expected, dtype in zip(
+        ("y", "dx", "dw", "db"), ours, ref, (x.dtype, x.dtype, *(t.dtype if t is not None else None for t in (w, b)))
+    ):
+        if expected is None:
+            assert out is None, f"{name} should not exist"
+            continue
+        assert out.dtype == dtype, f"{name} dtype {out.dtype} != {dtype}"
+        assert_close_to_ref(name, out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_float64(target, shape, dtype):
+    device, _ = target
+    check_against_float64(*make_inputs(shape, dtype, device))
+
+
+@pytest.mark.parametrize("affine", AFFINE, ids=["weight+bias", "weight", "none"])
+@pytest.mark.parametrize("shape", [(1, 1), (7, 33), (3, 16411)], ids=lambda s: "x".join(map(str, s)))
+def test_optional_weight_and_bias(target, shape, affine):
+    device, _ = target
+    check_against_float64(*make_inputs(shape, torch.float16, device, *affine))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_fp32_parameters_with_half_input(target, dtype):
+    device, _ = target
+    check_against_float64(*make_inputs((9, 300), dtype, device, param_dtype=torch.float32))
+
+
+def test_leading_dims_and_strides(target):
+    """Rows with a stride larger than the width, and leading dims that cannot be flattened."""
+    device, _ = target
+    wide = torch.randn(6, 5, 96, device=device)
+    sliced = wide[:, :, :80].detach().requires_grad_()  # row stride 96, width 80
+    check_against_float64(sliced, *make_inputs((80,), torch.float32, device)[1:])
+    transposed = torch.randn(5, 6, 40, device=device).transpose(0, 1).detach().requires_grad_()
+    check_against_float64(transposed, *make_inputs((40,), torch.float32, device)[1:])
+
+
+def test_multi_dim_normalized_shape(target):
+    device, _ = target
+    x = torch.randn(3, 4, 5, 6, device=device, requires_grad=True)
+    w = torch.randn(5, 6, device=device, requires_grad=True)
+    y = remat.layer_norm(x, (5, 6), w, None)
+    ref = F.layer_norm(x.double(), (5, 6), w.double())
+    assert_close_to_ref("y", y, ref, torch.float32)
+    y.sum().backward()  # an expanded (stride 0) gradient
+    assert w.grad.shape == (5, 6)
+
+
+def test_empty_rows(target):
+    device, _ = target
+    x = torch.randn(0, 3, 17, device=device, requires_grad=True)
+    w = torch.randn(17, device=device, requires_grad=True)
+    b = torch.randn(17, device=device, requires_grad=True)
+    y = remat.layer_norm(x, (17,), w, b)
+    assert y.shape == x.shape
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
+
+
+def test_large_mean_is_stable(target):
+    """Catastrophic cancellation: a variance from E[x²] − E[x]² would lose every digit here."""
+    device, _ = target
+    x = (1e4 + torch.randn(4, 1000, device=device)).requires_grad_()
+    check_against_float64(x, None, None)
+
+
+def test_recompute_output_rebuilds_forward_bitwise(target):
+    device, _ = target
+    x, w, b = (t.detach() for t in make_inputs((13, 2053), torch.bfloat16, device))
+    y, mean, rstd = ln_ops.layer_norm_fwd(x, w, b, 1e-5)
+    dy = torch.randn_like(x)
+    dx, dw, db, y_again = ln_ops.layer_norm_bwd(dy, x, w, b, mean, rstd, True)
+    assert torch.equal(y, y_again), "recomputed output differs from the forward's"
+    dx_plain, dw_plain, db_plain, nothing = ln_ops.layer_norm_bwd(dy, x, w, b, mean, rstd, False)
+    assert nothing.numel() == 0
+    assert torch.equal(dx, dx_plain) and torch.equal(dw, dw_plain) and torch.equal(db, db_plain)
+
+
+def test_statistics_are_fp32(target):
+    device, _ = target
+    x = torch.randn(6, 50, device=device).to(torch.bfloat16)
+    _, mean, rstd = ln_ops.layer_norm_fwd(x, None, None, 1e-5)
+    assert mean.dtype == rstd.dtype == torch.float32
+    xd = x.double()
+    assert rel_error(mean, xd.mean(1)) < 1e-6
+    assert rel_error(rstd, torch.rsqrt(xd.var(1, unbiased=False) + 1e-5)) < 1e-6
+
+
+def test_backward_is_deterministic(target):
+    device, _ = target
+    x, w, b = make_inputs((67, 300), torch.float32, device)
+    dy = torch.randn_like(x)
+    first = torch.autograd.grad(remat.layer_norm(x, (300,), w, b), (x, w, b), dy)
+    second = torch.autograd.grad(remat.layer_norm(x, (300,), w, b), (x, w, b), dy)
+    for a, c in zip(first, second):
+        assert torch.equal(a, c)
+
+
+def test_backends_agree_with_reference_path(target):
+    """The kernel and the PyTorch reference (the CPU fallback) give the same numbers."""
+    device, backend = target
+    x, w, b = make_inputs((11, 257), torch.float32, device)
+    dy = torch.randn_like(x)
+    kernel = torch.autograd.grad(remat.layer_norm(x, (257,), w, b), (x, w, b), dy)
+    remat.set_backend("reference")
+    try:
+        reference = torch.autograd.grad(remat.layer_norm(x, (257,), w, b), (x, w, b), dy)
+    finally:
+        remat.set_backend(backend)
+    for ours, ref in zip(kernel, reference):
+        assert rel_error(ours, ref) < REL_TOL[torch.float32]
+
+
+# --- the op contract --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("affine", [(True, True), (False, False)], ids=["affine", "plain"])
+def test_opcheck(target, affine):
+    device, _ = target
+    x, w, b = (t.detach() if t is not None else None for t in make_inputs((5, 37), torch.float32, device, *affine))
+    torch.library.opcheck(ln_ops.layer_norm_fwd, (x, w, b, 1e-5))
+    _, mean, rstd = ln_ops.layer_norm_fwd(x, w, b, 1e-5)
+    dy = torch.randn_like(x)
+    for recompute in (False, True):
+        torch.library.opcheck(ln_ops.layer_norm_bwd, (dy, x, w, b, mean, rstd, recompute))
+
+
+def test_torch_compile_fullgraph(target):
+    device, _ = target
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), remat.nn.LayerNorm(40), torch.nn.Linear(40, 8)).to(device)
+    x = torch.randn(6, 24, device=device)
+    compiled = torch.compile(model, fullgraph=True)
+    out = compiled(x)
+    out.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    expected = model(x)
+    expected.sum().backward()
+    assert rel_error(out, expected) < 1e-5
+    for got, want in zip(grads, (p.grad for p in model.parameters())):
+        assert rel_error(got, want) < 1e-5
+
+
+# --- memory ------------------------------------------------------------------------------------
+
+
+def saved_bytes(fn):
+    """Bytes of the unique storages autograd saves while running fn()."""
+    storages = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
+
+
+def test_saves_input_and_fp32_statistics_only(target):
+    device, _ = target
+    rows, width = 64, 96
+    x, w, b = make_inputs((rows, width), torch.bfloat16, device)
+    measured = saved_bytes(lambda: remat.layer_norm(x, (width,), w, b))
+    x_bytes, params, stats = rows * width * 2, 2 * width * 2, 2 * rows * 4
+    assert measured == x_bytes + params + stats
+
+
+# --- the module --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"bias": False}, {"elementwise_affine": False}, {"eps": 1e-3}], ids=str)
+def test_module_is_a_drop_in(target, kwargs):
+    device, _ = target
+    stock = torch.nn.LayerNorm(48, **kwargs).to(device)
+    with torch.no_grad():
+        for p in stock.parameters():
+            p.copy_(torch.randn_like(p))
+    ours = remat.nn.LayerNorm(48, **kwargs).to(device)
+    assert isinstance(ours, torch.nn.LayerNorm)
+    ours.load_state_dict(stock.state_dict())
+    assert ours.state_dict().keys() == stock.state_dict().keys()
+    x = torch.randn(2, 5, 48, device=device)
+    assert rel_error(ours(x), stock(x)) < 1e-5
+    shared = remat.nn.LayerNorm.from_torch(stock)
+    assert rel_error(shared(x), stock(x)) < 1e-5
+    assert all(a is b for a, b in zip(shared.parameters(), stock.parameters()))
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+
+def test_reference_path_matches_float64(reference_backend):
+    check_against_float64(*make_inputs((7, 129), torch.float32, "cpu"))
+    check_against_float64(*make_inputs((7, 129), torch.bfloat16, "cpu", bias=False))
+
+
+@pytest.mark.parametrize(
+    "call, error, words",
+    [
+        (lambda x, w: remat.layer_norm(x.long(), (8,), w), TypeError, "x must have dtype"),
+        (lambda x, w: remat.layer_norm(x.double(), (8,), w), TypeError, "x must have dtype"),
+        (lambda x, w: remat.layer_norm(x.tolist(), (8,), w), TypeError, "x must be a torch.Tensor"),
+        (lambda x, w: remat.layer_norm(x, (8,), w[:5]), ValueError, "weight must have shape (8,)"),
+        (lambda x, w: remat.layer_norm(x, (8,), None, w.int()), TypeError, "bias must have dtype"),
+        (lambda x, w: remat.layer_norm(x, (8,), w.to("meta")), ValueError, "weight is on meta"),
+        (lambda x, w: remat.layer_norm(x, (7,), None), ValueError, "normalized_shape (7,) does not match"),
+        (lambda x, w: remat.layer_norm(x, (2, 3, 8), None), ValueError, "does not match"),
+        (lambda x, w: remat.layer_norm(x, (0,), None), ValueError, "normalized_shape must be"),
+        (lambda x, w: remat.layer_norm(x, (8,), w, eps=-1.0), ValueError, "eps must be"),
+        (lambda x, w: remat.set_backend("tpu"), ValueError, "backend must be one of"),
+    ],
+    ids=["int-x", "float64-x", "list-x", "weight-shape", "bias-dtype", "weight-device",
+         "normalized-shape", "normalized-shape-too-long", "normalized-shape-zero", "eps", "backend"],
+)
+def test_bad_input_is_named(call, error, words):
+    x, w = torch.randn(3, 8), torch.randn(8)
+    with pytest.raises(error) as caught:
+        call(x, w)
+    assert words in str(caught.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU for a CUDA input")
+def test_cpu_weight_with_cuda_input_is_named():
+    with pytest.raises(ValueError, match="weight is on cpu but x is on cuda"):
+        remat.layer_norm(torch.randn(3, 8, device="cuda"), (8,), torch.randn(8))
