@@ -2,8 +2,11 @@
 
 from . import nn, ops
 from ._backend import backends, get_backend, set_backend, use_backend
-from .ops import layer_norm
+from .ops import gelu, layer_norm, layer_norm_linear, mlp
 
 __version__ = "0.1.0"
 
-__all__ = ["backends", "get_backend", "layer_norm", "nn", "ops", "set_backend", "use_backend"]
+__all__ = [
+    "backends", "gelu", "get_backend", "layer_norm", "layer_norm_linear", "mlp", "nn", "ops",
+    "set_backend", "use_backend",
+]

@@ -1,5 +1,7 @@
 """Argument checks shared by every public op: each error names the argument and what was expected."""
 
+import math
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -41,7 +43,8 @@ def check_optional_param(name, value, shape, like_name, like):
 
 def rows_with_unit_stride(x, width):
     """x as a (rows, width) matrix whose last dim has stride 1: a view when strides allow, else a copy."""
-    rows = x.reshape(-1, width)
+    count = x.numel() // width if width else math.prod(x.shape[:-1])
+    rows = x.reshape(count, width)
     if rows.stride(-1) != 1 and rows.numel() > 0:
         rows = rows.contiguous()
     return rows

@@ -9,9 +9,9 @@ def _bench(args):
 
     ops = list(bench.SUITES) if "all" in args.ops else args.ops
     dtypes = [bench.DTYPES[d] for d in args.dtype]
-    widths = [int(s) for s in args.shapes.split(",")] if args.shapes else None
+    sizes = [int(s) for s in args.shapes.split(",")] if args.shapes else None
     bench.run(ops, dtypes, quick=args.quick, out_dir=args.out, device=args.device,
-              progress=not args.no_progress, widths=widths)
+              progress=not args.no_progress, sizes=sizes)
 
 
 def _info(_args):
@@ -31,7 +31,8 @@ def parser():
     bench.add_argument("ops", nargs="*", default=["all"], choices=[*SUITES, "all"], metavar="OP",
                        help=f"one or more of {', '.join(SUITES)}, or all (default)")
     bench.add_argument("--dtype", nargs="+", default=["bf16"], choices=list(DTYPES))
-    bench.add_argument("--shapes", help="comma-separated sizes (LayerNorm: widths N) instead of the standard ones")
+    bench.add_argument("--shapes", help="comma-separated sizes instead of the standard ones: "
+                       "LayerNorm widths N, GELU row counts M, MLP hidden sizes h")
     bench.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     bench.add_argument("--out", default="bench/out", help="folder for CSV, markdown and PNG plots")
     bench.add_argument("--device", help="cuda or cpu (default: cuda when available)")

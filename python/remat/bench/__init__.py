@@ -2,21 +2,21 @@
 
 import torch
 
-from . import layer_norm, report
+from . import gelu, layer_norm, mlp, report
 from .cases import Progress, Timer, measure_case
 
 # op name -> module with cases(device, dtypes, quick)
-SUITES = {"layernorm": layer_norm}
+SUITES = {"layernorm": layer_norm, "gelu": gelu, "mlp": mlp}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def run(ops, dtypes, quick=False, out_dir="bench/out", device=None, progress=True, widths=None):
+def run(ops, dtypes, quick=False, out_dir="bench/out", device=None, progress=True, sizes=None):
     """Measure every case of `ops`; print the table and write CSV, markdown and plots to out_dir.
 
     Ctrl-C stops early: what was measured so far is still printed and written.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    all_cases = [case for op in ops for case in SUITES[op].cases(device, dtypes, quick, widths)]
+    all_cases = [case for op in ops for case in SUITES[op].cases(device, dtypes, quick, sizes)]
     timer = Timer(device, warmup=2 if quick else 5, reps=6 if quick else 30) if device.type == "cuda" \
         else Timer(device, warmup=1, reps=3)
     bar = Progress(len(all_cases), enabled=progress)

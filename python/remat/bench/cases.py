@@ -12,7 +12,12 @@ from .timing import QUANTILES, Timer, quantiles
 
 @dataclasses.dataclass
 class Implementation:
-    """One way to run a case. `build(inputs)` returns (fn, reset): fn is timed, reset is not."""
+    """One way to run a case.
+
+    `build(inputs)` returns (fn, reset) or (fn, reset, forward): fn is timed, reset runs untimed
+    before each call, and forward (when given) runs the forward pass alone, to measure the memory
+    it leaves allocated for the backward.
+    """
 
     name: str
     ours: bool
@@ -41,6 +46,7 @@ class Result:
     p50_ms: float = math.nan
     p80_ms: float = math.nan
     peak_mb: Optional[float] = None
+    retained_mb: Optional[float] = None
     error: str = ""
 
     @property
@@ -66,17 +72,20 @@ def measure_case(case, timer, rounds=3):
             results[impl.name].error = _short(error)
     samples = {name: [] for name in runnable}
     for _ in range(rounds):
-        for name, (fn, reset) in list(runnable.items()):
+        for name, (fn, reset, *_) in list(runnable.items()):
             try:
                 samples[name] += timer.times_ms(fn, reset)
             except Exception as error:
                 results[name].error = _short(error)
                 del runnable[name]
-    for name, (fn, reset) in runnable.items():
+    for name, (fn, reset, *forward) in runnable.items():
         result = results[name]
         result.p20_ms, result.p50_ms, result.p80_ms = quantiles(samples[name])
         peak = timer.peak_memory_bytes(fn, reset)
         result.peak_mb = None if peak is None else peak / 2**20
+        if forward:
+            retained = timer.retained_memory_bytes(forward[0], reset)
+            result.retained_mb = None if retained is None else retained / 2**20
     return list(results.values())
 
 

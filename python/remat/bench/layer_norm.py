@@ -42,15 +42,16 @@ def _liger():
     return lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, EPS)
 
 
+def ours_by_backend(device):
+    """(name, backend) of each remat implementation to measure on `device`."""
+    if device.type != "cuda":
+        return [(f"remat-{remat._backend.choose('bench', device)}", "auto")]
+    return [(f"remat-{backend}", backend) for backend in ("triton", "cuda") if remat.backends()[backend][0]]
+
+
 def implementations(device):
     """(name, ours, function) for every implementation that can run on `device`."""
-    impls = []
-    if device.type == "cuda":
-        for backend in ("triton", "cuda"):
-            if remat.backends()[backend][0]:
-                impls.append((f"remat-{backend}", True, _remat(backend)))
-    else:
-        impls.append((f"remat-{remat._backend.choose('layer_norm', device)}", True, _remat("auto")))
+    impls = [(name, True, _remat(backend)) for name, backend in ours_by_backend(device)]
     impls += [("torch", False, _torch), ("torch.compile", False, lambda x, w, b: _compiled()(x, w, b))]
     if device.type == "cuda":
         try:
@@ -91,10 +92,9 @@ def _forward_backward(fn):
     return build
 
 
-def cases(device, dtypes, quick, widths=None):
+def cases(device, dtypes, quick, sizes=None):
     rows = GPU_ROWS if device.type == "cuda" else CPU_ROWS
-    if widths is None:
-        widths = (QUICK_WIDTHS if quick else GPU_WIDTHS) if device.type == "cuda" else CPU_WIDTHS
+    widths = sizes or ((QUICK_WIDTHS if quick else GPU_WIDTHS) if device.type == "cuda" else CPU_WIDTHS)
     impls = implementations(device)
     for dtype in dtypes:
         elem = torch.finfo(dtype).bits // 8

@@ -15,7 +15,7 @@ import remat
 from .cases import best_peer_ratio
 
 COLUMNS = ["op", "mode", "dtype", "shape", "implementation", "p20_ms", "p50_ms", "p80_ms",
-           "unit", "rate", "ratio_to_best_peer", "peak_mb", "error"]
+           "unit", "rate", "ratio_to_best_peer", "peak_mb", "retained_mb", "error"]
 
 
 def environment(device):
@@ -77,7 +77,7 @@ def rows(results_by_case):
                 "p20_ms": r.p20_ms, "p50_ms": r.p50_ms, "p80_ms": r.p80_ms,
                 "unit": c.unit, "rate": math.nan if r.error else r.rate,
                 "ratio_to_best_peer": ratios[r.implementation],
-                "peak_mb": r.peak_mb, "error": r.error, "size": c.size,
+                "peak_mb": r.peak_mb, "retained_mb": r.retained_mb, "error": r.error, "size": c.size,
             })
     return table
 
@@ -90,16 +90,22 @@ def _fmt(value, digits=3):
     return str(value)
 
 
+TABLE_HEADER = ["op", "mode", "dtype", "shape", "implementation", "p50 ms", "rate", "vs best peer",
+                "peak MB", "fwd keeps MB"]
+
+
+def _table_cells(r):
+    rate = f"{_fmt(r['rate'], 4)} {r['unit']}" if not r["error"] else f"error: {r['error'][:60]}"
+    ratio = r["ratio_to_best_peer"]
+    return [r["op"], r["mode"], r["dtype"], r["shape"], r["implementation"], _fmt(r["p50_ms"]), rate,
+            "-" if math.isnan(ratio) else f"{ratio:.2f}x", _fmt(r["peak_mb"], 4), _fmt(r["retained_mb"], 4)]
+
+
 def text_table(table, env):
-    header = ["op", "mode", "dtype", "shape", "implementation", "p50 ms", "rate", "vs best peer", "peak MB"]
-    lines = [[r["op"], r["mode"], r["dtype"], r["shape"], r["implementation"], _fmt(r["p50_ms"]),
-              f"{_fmt(r['rate'], 4)} {r['unit']}" if not r["error"] else r["error"][:40],
-              _fmt(r["ratio_to_best_peer"]) + ("x" if not math.isnan(r["ratio_to_best_peer"]) else ""),
-              _fmt(r["peak_mb"], 4)] for r in table]
-    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
-    out = [" | ".join(env_line for env_line in [f"{k}: {v}" for k, v in env.items()])]
-    out.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
-    out += ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)) for line in lines]
+    lines = [_table_cells(r) for r in table]
+    widths = [max([len(h)] + [len(line[i]) for line in lines]) for i, h in enumerate(TABLE_HEADER)]
+    out = [" | ".join(f"{k}: {v}" for k, v in env.items())]
+    out += ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)) for line in [TABLE_HEADER, *lines]]
     return "\n".join(out)
 
 
@@ -112,15 +118,13 @@ def write_csv(table, env, path):
 
 
 def write_markdown(table, env, path):
-    header = ["op", "mode", "dtype", "shape", "implementation", "p20 / p50 / p80 ms", "rate", "vs best peer", "peak MB"]
+    header = TABLE_HEADER[:5] + ["p20 / p50 / p80 ms"] + TABLE_HEADER[6:]
     lines = ["# remat benchmark", "", *[f"- {k}: {v}" for k, v in env.items()], "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in table:
-        rate = f"{_fmt(r['rate'], 4)} {r['unit']}" if not r["error"] else f"error: {r['error']}"
-        lines.append("| " + " | ".join([
-            r["op"], r["mode"], r["dtype"], r["shape"], r["implementation"],
-            f"{_fmt(r['p20_ms'])} / {_fmt(r['p50_ms'])} / {_fmt(r['p80_ms'])}", rate,
-            _fmt(r["ratio_to_best_peer"]), _fmt(r["peak_mb"], 4)]) + " |")
+        cells = _table_cells(r)
+        cells[5] = f"{_fmt(r['p20_ms'])} / {_fmt(r['p50_ms'])} / {_fmt(r['p80_ms'])}"
+        lines.append("| " + " | ".join(cells) + " |")
     with open(path, "w") as handle:
         handle.write("\n".join(lines) + "\n")
 

@@ -72,6 +72,20 @@ class Timer:
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device) - before
 
+    def retained_memory_bytes(self, forward, reset=None):
+        """Device memory a forward pass leaves allocated (its output and what autograd saved)."""
+        if self.device.type != "cuda":
+            return None
+        if reset:
+            reset()
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        output = forward()
+        torch.cuda.synchronize(self.device)
+        retained = torch.cuda.memory_allocated(self.device) - before
+        del output
+        return retained
+
 
 def quantiles(times_ms):
     """(p20, p50, p80) of the samples."""
@@ -79,3 +93,4 @@ def quantiles(times_ms):
         return (times_ms[0],) * 3
     cuts = statistics.quantiles(times_ms, n=10, method="inclusive")
     return cuts[1], statistics.median(times_ms), cuts[7]
+

@@ -27,10 +27,16 @@ def _math_dtype(x):
 def layer_norm_fwd_ref(x, weight, bias, eps):
     """(y, mean, rstd) for x of shape (M, N); mean/rstd in fp32 (float64 for float64 input)."""
     xf = x.to(_math_dtype(x))
-    mean = xf.mean(dim=1)
-    centered = xf - mean[:, None]
-    rstd = torch.rsqrt(centered.square().mean(dim=1) + eps)
-    y = _affine(centered * rstd[:, None], weight, bias)
+    # Corrected two-pass statistics: the rounding error of the first mean is measured on the
+    # centred values and removed, so the variance of inputs whose mean is far above their
+    # spread keeps full precision. y is normalised with the stored fp32 mean, as the backward
+    # recomputes it, so a recomputed y is bitwise the forward's.
+    rough_mean = xf.mean(dim=1, keepdim=True)
+    centered = xf - rough_mean
+    correction = centered.mean(dim=1, keepdim=True)
+    rstd = torch.rsqrt((centered - correction).square().mean(dim=1) + eps)
+    mean = (rough_mean + correction).squeeze(1)
+    y = _affine((xf - mean[:, None]) * rstd[:, None], weight, bias)
     return y.to(x.dtype), mean, rstd
 
 

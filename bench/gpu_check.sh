@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One command for a fresh GPU machine without network: build the extension, run the tests on
+# the GPU, run the benchmarks, and leave every log, CSV, markdown and PNG in one folder.
+#   bash bench/gpu_check.sh [OUT_DIR]      (default: bench/out/gpu_check; $OUT when set)
+# Uses the python3 and torch already installed there (no downloads). Meant to finish in < 8 min.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${1:-${OUT:-bench/out/gpu_check}}
+mkdir -p "$OUT_DIR"
+PYTHON=${PYTHON:-python3}
+status=0
+step() { echo "== $1 ($(date +%T))"; }
+
+step "environment"
+{ nvidia-smi; "$PYTHON" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"; } \
+    > "$OUT_DIR/environment.txt" 2>&1
+tail -n 1 "$OUT_DIR/environment.txt"
+
+step "build (sm_90 only)"
+if ! TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
+    "$PYTHON" -m pip install --no-build-isolation --no-deps -e . > "$OUT_DIR/build.log" 2>&1; then
+    echo "build failed: see build.log"; tail -n 30 "$OUT_DIR/build.log"; exit 1
+fi
+"$PYTHON" -m remat info | tee "$OUT_DIR/backends.txt"
+
+step "tests on the GPU"
+timeout 240 "$PYTHON" -m pytest -q -x --junitxml="$OUT_DIR/pytest.xml" > "$OUT_DIR/pytest.log" 2>&1 || status=1
+tail -n 5 "$OUT_DIR/pytest.log"
+
+step "benchmarks"
+timeout 240 "$PYTHON" -m remat bench all --dtype bf16 fp16 fp32 --no-progress --out "$OUT_DIR/bench" \
+    > "$OUT_DIR/bench.log" 2>&1 || status=1
+
+step "summary"
+cat "$OUT_DIR/bench/bench.md" 2>/dev/null | grep -E "^\| (layernorm|gelu|mlp)" | grep -E "bfloat16" | head -n 60
+exit $status

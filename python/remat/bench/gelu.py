@@ -1,0 +1,94 @@
+"""GELU cases (exact, tanh, and with a fused bias): remat against torch eager and torch.compile.
+
+Byte model (effective bandwidth): forward reads x and writes y, 2·M·N·elem bytes; forward +
+backward also reads x and dy and writes dx, 5·M·N·elem bytes. The bias is O(N), not counted.
+Eager bias + GELU is two kernels (add, then gelu), as `F.gelu(x + b)` runs.
+"""
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+import remat
+
+from .cases import Case, Implementation
+from .layer_norm import ours_by_backend
+
+GPU_ROWS, GPU_WIDTH, QUICK_ROWS = 32768, 8192, 8192
+CPU_ROWS, CPU_WIDTH = 256, 1000
+VARIANTS = (("none", False), ("tanh", False), ("none", True))  # (approximate, with bias)
+
+
+def _remat(backend, approximate):
+    def gelu(x, b):
+        with remat.use_backend(backend):
+            return remat.gelu(x, approximate, b)
+
+    return gelu
+
+
+def _torch(approximate):
+    return lambda x, b: F.gelu(x + b if b is not None else x, approximate=approximate)
+
+
+@functools.cache
+def _compiled(approximate):
+    return torch.compile(_torch(approximate))
+
+
+def implementations(device, approximate):
+    impls = [(name, True, _remat(backend, approximate)) for name, backend in ours_by_backend(device)]
+    impls += [("torch", False, _torch(approximate)),
+              ("torch.compile", False, lambda x, b: _compiled(approximate)(x, b))]
+    return impls
+
+
+def _make_inputs(rows, width, dtype, device, with_bias):
+    def make():
+        x = torch.randn(rows, width, device=device, dtype=dtype, requires_grad=True)
+        b = torch.randn(width, device=device, dtype=dtype, requires_grad=True) if with_bias else None
+        return x, b, torch.randn(rows, width, device=device, dtype=dtype)
+
+    return make
+
+
+def _forward(fn):
+    def build(inputs):
+        x, b, _ = inputs
+        return (lambda: fn(x, b)), None
+
+    return build
+
+
+def _forward_backward(fn):
+    def build(inputs):
+        x, b, dy = inputs
+
+        def reset():
+            x.grad = None
+            if b is not None:
+                b.grad = None
+
+        return (lambda: fn(x, b).backward(dy)), reset
+
+    return build
+
+
+def cases(device, dtypes, quick, sizes=None):
+    on_gpu = device.type == "cuda"
+    width = GPU_WIDTH if on_gpu else CPU_WIDTH
+    row_counts = sizes or ([QUICK_ROWS] if quick else [GPU_ROWS // 4, GPU_ROWS]) if on_gpu else [CPU_ROWS]
+    for dtype in dtypes:
+        elem = torch.finfo(dtype).bits // 8
+        for approximate, with_bias in VARIANTS:
+            impls = implementations(device, approximate)
+            for rows in row_counts:
+                for mode, factor, wrap in (("fwd", 2, _forward), ("fwd+bwd", 5, _forward_backward)):
+                    yield Case(
+                        op="gelu" + ("_tanh" if approximate == "tanh" else "") + ("+bias" if with_bias else ""),
+                        mode=mode, dtype=dtype, shape=f"M={rows} N={width}", size=rows * width,
+                        unit="GB/s", work=factor * rows * width * elem,
+                        make_inputs=_make_inputs(rows, width, dtype, device, with_bias),
+                        implementations=[Implementation(name, ours, wrap(fn)) for name, ours, fn in impls],
+                    )

@@ -1,0 +1,173 @@
+"""The fused layers where recomputation saves memory: LayerNorm → Linear, and [LayerNorm →] Linear → GELU → Linear.
+
+A LayerNorm or GELU that recomputes on its own saves nothing, because the Linear after it
+keeps its output for the weight gradient (dW = dyᵀ · input). Fused with that Linear, the
+backward rebuilds the input of the Linear inside the kernel that computes the LayerNorm or GELU
+gradient anyway, uses it for dW, and drops it:
+
+    LayerNormLinear   keeps x, fp32 mean/rstd          rebuilds LN(x)            saves 2 bytes/elem of LN(x)
+    MLP               keeps x and h = x·W1ᵀ            rebuilds gelu(h + b1)     saves gelu(h): 8·T·h bf16 at 4h
+    LayerNormMLP      keeps x, mean/rstd and h         rebuilds both             saves both
+
+With recompute=False the same functions keep the rebuilt tensors instead, as eager PyTorch
+does, so tests and benchmarks can compare the two modes.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .._validate import check_float_tensor, check_optional_param, check_same_device, rows_with_unit_stride
+from .gelu import check_approximate, gelu_bwd, gelu_fwd
+from .layer_norm import layer_norm_bwd, layer_norm_fwd
+
+
+def _grad_if(needed, compute):
+    return compute() if needed else None
+
+
+class _LayerNormLinear(torch.autograd.Function):
+    """out = Linear(LayerNorm(x)) on rows x (M, K)."""
+
+    @staticmethod
+    def forward(ctx, x, norm_weight, norm_bias, weight, bias, eps, recompute):
+        normed, mean, rstd = layer_norm_fwd(x, norm_weight, norm_bias, eps)
+        out = F.linear(normed, weight, bias)
+        kept = () if recompute else (normed,)
+        ctx.save_for_backward(x, norm_weight, norm_bias, weight, mean, rstd, *kept)
+        ctx.recompute, ctx.has_bias = recompute, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        x, norm_weight, norm_bias, weight, mean, rstd, *kept = ctx.saved_tensors
+        need_x, need_nw, need_nb, need_w, need_b = ctx.needs_input_grad[:5]
+        d_normed = d_out.matmul(weight)
+        dx, d_norm_weight, d_norm_bias, normed = layer_norm_bwd(
+            d_normed, x, norm_weight, norm_bias, mean, rstd, ctx.recompute and need_w
+        )
+        if not ctx.recompute:
+            normed = kept[0]
+        d_weight = _grad_if(need_w, lambda: d_out.t().matmul(normed))
+        d_bias = _grad_if(need_b and ctx.has_bias, lambda: d_out.sum(0))
+        return (
+            dx if need_x else None,
+            d_norm_weight if need_nw and norm_weight is not None else None,
+            d_norm_bias if need_nb and norm_bias is not None else None,
+            d_weight, d_bias, None, None,
+        )
+
+
+class _MLP(torch.autograd.Function):
+    """out = fc2(gelu(fc1(LayerNorm(x)))) on rows x (M, K); the LayerNorm is optional.
+
+    fc1's bias is added inside the GELU kernel, so its gradient comes out of the same pass
+    that computes dh, and h = x·W1ᵀ (without bias) is what is kept.
+    """
+
+    @staticmethod
+    def forward(ctx, x, norm_weight, norm_bias, eps, has_norm, w1, b1, w2, b2, approximate, recompute):
+        if has_norm:
+            fc1_input, mean, rstd = layer_norm_fwd(x, norm_weight, norm_bias, eps)
+        else:
+            fc1_input, mean, rstd = x, None, None
+        h = fc1_input.matmul(w1.t())
+        activation = gelu_fwd(h, b1, approximate)
+        out = F.linear(activation, w2, b2)
+        kept = () if recompute else (fc1_input, activation)
+        ctx.save_for_backward(x, norm_weight, norm_bias, mean, rstd, w1, b1, w2, h, *kept)
+        ctx.has_norm, ctx.approximate, ctx.recompute = has_norm, approximate, recompute
+        ctx.has_b2 = b2 is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        x, norm_weight, norm_bias, mean, rstd, w1, b1, w2, h, *kept = ctx.saved_tensors
+        need = dict(zip(("x", "nw", "nb", "w1", "b1", "w2", "b2"), (ctx.needs_input_grad[i] for i in (0, 1, 2, 5, 6, 7, 8))))
+        recompute = ctx.recompute
+        d_activation = d_out.matmul(w2)
+        dh, d_b1, activation = gelu_bwd(d_activation, h, b1, ctx.approximate, recompute and need["w2"])
+        del d_activation
+        if not recompute:
+            fc1_input, activation = kept
+        d_w2 = _grad_if(need["w2"], lambda: d_out.t().matmul(activation))
+        d_b2 = _grad_if(need["b2"] and ctx.has_b2, lambda: d_out.sum(0))
+        del activation  # the rebuilt gelu(h) lives only for dW2
+        d_fc1_input = _grad_if(need["x"] or need["nw"] or need["nb"], lambda: dh.matmul(w1))
+        dx = d_norm_weight = d_norm_bias = None
+        if ctx.has_norm:
+            if d_fc1_input is None:
+                d_fc1_input = torch.zeros_like(x)
+            dx, d_norm_weight, d_norm_bias, normed = layer_norm_bwd(
+                d_fc1_input, x, norm_weight, norm_bias, mean, rstd, recompute and need["w1"]
+            )
+            fc1_input = normed if recompute else fc1_input
+        else:
+            dx, fc1_input = d_fc1_input, x
+        d_w1 = _grad_if(need["w1"], lambda: dh.t().matmul(fc1_input))
+        return (
+            dx if need["x"] else None,
+            d_norm_weight if need["nw"] and norm_weight is not None else None,
+            d_norm_bias if need["nb"] and norm_bias is not None else None,
+            None, None,
+            d_w1,
+            d_b1 if need["b1"] and b1 is not None else None,
+            d_w2, d_b2, None, None,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Public functions
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_linear(weight_name, weight, bias_name, bias, in_features, x):
+    check_float_tensor(weight_name, weight)
+    if weight.dim() != 2 or weight.shape[1] != in_features:
+        raise ValueError(
+            f"{weight_name} must have shape (out_features, {in_features}), got {tuple(weight.shape)}"
+        )
+    if weight.dtype != x.dtype:
+        raise TypeError(f"{weight_name} has dtype {weight.dtype} but x has {x.dtype}; they must match")
+    check_same_device(weight_name, weight, "x", x)
+    check_optional_param(bias_name, bias, (weight.shape[0],), "x", x)
+
+
+def _check_norm_params(norm_weight, norm_bias, width, x):
+    check_optional_param("norm_weight", norm_weight, (width,), "x", x)
+    check_optional_param("norm_bias", norm_bias, (width,), "x", x)
+
+
+def _rows(x):
+    check_float_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (..., in_features)")
+    return rows_with_unit_stride(x, x.shape[-1])
+
+
+def layer_norm_linear(x, norm_weight, norm_bias, weight, bias=None, eps=1e-5, recompute=True):
+    """Linear(LayerNorm(x)): autograd keeps x and fp32 mean/rstd, and rebuilds LayerNorm(x) for dW."""
+    rows = _rows(x)
+    _check_norm_params(norm_weight, norm_bias, x.shape[-1], x)
+    _check_linear("weight", weight, "bias", bias, x.shape[-1], x)
+    out = _LayerNormLinear.apply(rows, norm_weight, norm_bias, weight, bias, float(eps), bool(recompute))
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def mlp(x, w1, b1, w2, b2=None, approximate="none", recompute=True,
+        norm_weight=None, norm_bias=None, eps=1e-5, layer_norm=False):
+    """fc2(gelu(fc1(x))), with LayerNorm(x) in front when layer_norm=True.
+
+    Autograd keeps x, the fc1 output h (and fp32 mean/rstd with the LayerNorm), and rebuilds
+    gelu(h) (and LayerNorm(x)) in the backward.
+    """
+    rows = _rows(x)
+    check_approximate(approximate)
+    if layer_norm:
+        _check_norm_params(norm_weight, norm_bias, x.shape[-1], x)
+    elif norm_weight is not None or norm_bias is not None:
+        raise ValueError("norm_weight and norm_bias need layer_norm=True")
+    _check_linear("w1", w1, "b1", b1, x.shape[-1], x)
+    _check_linear("w2", w2, "b2", b2, w1.shape[0], x)
+    out = _MLP.apply(rows, norm_weight, norm_bias, float(eps), bool(layer_norm),
+                     w1, b1, w2, b2, approximate, bool(recompute))
+    return out.view(*x.shape[:-1], w2.shape[0])

@@ -1,0 +1,205 @@
+"""Fused layers: LayerNormLinear, MLP, LayerNormMLP against the unfused torch stacks, and their exact memory."""
+
+import copy
+
+import pytest
+import torch
+
+import remat
+from numerics import assert_close_to_ref, rel_error, saved_bytes
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def randomize(module):
+    """Fresh random parameters (a LayerNorm starts at ones and zeros, which hides bugs)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) * (1 / p.shape[-1] ** 0.5 if p.dim() == 2 else 0.5) + (p.dim() == 1) * 0.1)
+    return module
+
+
+def build(kind, hidden, ffn, dtype, device, recompute=True, activation="gelu"):
+    """(remat layer, the equivalent stock torch stack sharing no storage with it)."""
+    if kind == "LayerNormLinear":
+        stock = torch.nn.Sequential(torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, ffn))
+        ours = remat.nn.LayerNormLinear.from_modules(*randomize(stock), recompute=recompute)
+    else:
+        gelu = torch.nn.GELU("tanh" if activation == "gelu_tanh" else "none")
+        layers = [torch.nn.Linear(hidden, ffn), gelu, torch.nn.Linear(ffn, hidden)]
+        if kind == "LayerNormMLP":
+            stock = randomize(torch.nn.Sequential(torch.nn.LayerNorm(hidden), *layers))
+            ours = remat.nn.LayerNormMLP.from_modules(*stock, recompute=recompute)
+        else:
+            stock = randomize(torch.nn.Sequential(*layers))
+            ours = remat.nn.MLP.from_modules(*stock, recompute=recompute)
+    return ours.to(device, dtype), stock.to(device)
+
+
+def float64_grads(module, x, dy):
+    x64 = x.detach().double().requires_grad_()
+    module64 = _clone_double(module)
+    y = module64(x64)
+    y.backward(dy.double())
+    return y, x64.grad, {name: p.grad for name, p in module64.named_parameters()}
+
+
+def _clone_double(module):
+    return copy.deepcopy(module).double()
+
+
+KINDS = ["LayerNormLinear", "MLP", "LayerNormMLP"]
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "keep"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+def test_matches_float64_stock_stack(target, kind, dtype, recompute):
+    """Output and every gradient (input, weights, biases) against the unfused stack in float64."""
+    device, _ = target
+    ours, stock = build(kind, 48, 136, dtype, device, recompute)
+    x = torch.randn(3, 7, 48, device=device).to(dtype).requires_grad_()
+    dy = torch.randn(3, 7, ours(x).shape[-1], device=device).to(dtype)
+    y = ours(x)
+    y.backward(dy)
+    want_y, want_dx, want_grads = float64_grads(stock, x, dy)
+    assert y.dtype == dtype
+    assert_close_to_ref("y", y, want_y, dtype)
+    assert_close_to_ref("dx", x.grad, want_dx, dtype)
+    for name, p in ours.named_parameters():
+        assert_close_to_ref(name, p.grad, want_grads[STOCK_INDEX[kind][name.split(".")[0]] + "." + name.split(".")[1]], dtype)
+
+
+# Where each of our submodules sits in the stock nn.Sequential that build() makes.
+STOCK_INDEX = {
+    "LayerNormLinear": {"norm": "0", "linear": "1"},
+    "MLP": {"fc1": "0", "fc2": "2"},
+    "LayerNormMLP": {"norm": "0", "fc1": "1", "fc2": "3"},
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_recompute_matches_keep_bitwise(target, kind):
+    """Recompute rebuilds exactly what the keep mode stores, so the gradients are bitwise equal."""
+    device, _ = target
+    ours, _ = build(kind, 32, 96, torch.float16, device, recompute=True)
+    x = torch.randn(4, 9, 32, device=device, dtype=torch.float16, requires_grad=True)
+    dy = torch.randn_like(ours(x))
+    first = torch.autograd.grad(ours(x), [x, *ours.parameters()], dy)
+    ours.recompute = False
+    second = torch.autograd.grad(ours(x), [x, *ours.parameters()], dy)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_tanh_activation_and_no_bias(target):
+    device, _ = target
+    stock = randomize(torch.nn.Sequential(torch.nn.Linear(20, 50, bias=False), torch.nn.GELU("tanh"),
+                                          torch.nn.Linear(50, 20, bias=False))).to(device)
+    ours = remat.nn.MLP.from_modules(*stock)
+    assert ours.activation == "gelu_tanh" and ours.fc1.bias is None
+    x = torch.randn(6, 20, device=device, requires_grad=True)
+    assert rel_error(ours(x), stock(x)) < 1e-5
+    grads = torch.autograd.grad(ours(x).sum(), [x, *ours.parameters()])
+    want = torch.autograd.grad(stock(x).sum(), [x, *stock.parameters()])
+    assert all(rel_error(g, w) < 1e-5 for g, w in zip(grads, want))
+
+
+def test_frozen_weights_and_input_without_grad(target):
+    device, _ = target
+    ours, stock = build("LayerNormMLP", 24, 64, torch.float32, device)
+    ours.fc1.weight.requires_grad_(False)
+    ours.norm.bias.requires_grad_(False)
+    x = torch.randn(5, 24, device=device)
+    ours(x).sum().backward()
+    assert ours.fc1.weight.grad is None and ours.norm.bias.grad is None
+    want = torch.autograd.grad(stock(x).sum(), list(stock.parameters()))
+    assert rel_error(ours.fc2.weight.grad, want[-2]) < 1e-5
+    assert rel_error(ours.norm.weight.grad, want[0]) < 1e-5
+
+
+# --- memory: exact byte counts -----------------------------------------------------------------
+
+
+def activation_bytes(module, x):
+    return saved_bytes(lambda: module(x), exclude=list(module.parameters()))
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "keep"])
+def test_mlp_keeps_input_and_fc1_output_only(target, recompute):
+    device, _ = target
+    tokens, hidden = 64, 32
+    ours, stock = build("MLP", hidden, 4 * hidden, torch.bfloat16, device, recompute)
+    stock = stock.to(torch.bfloat16)
+    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    measured = activation_bytes(ours, x)
+    eager = activation_bytes(stock, x)
+    assert eager == 18 * tokens * hidden  # x 2·T·h, fc1 output 8·T·h, GELU output 8·T·h
+    assert measured == (10 * tokens * hidden if recompute else eager)
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "keep"])
+def test_layer_norm_linear_keeps_input_and_statistics_only(target, recompute):
+    device, _ = target
+    tokens, hidden = 64, 48
+    ours, stock = build("LayerNormLinear", hidden, 3 * hidden, torch.bfloat16, device, recompute)
+    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    statistics = 2 * tokens * 4  # fp32 mean and rstd
+    assert activation_bytes(ours, x) == 2 * tokens * hidden + statistics + (0 if recompute else 2 * tokens * hidden)
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "keep"])
+def test_layer_norm_mlp_saves_ten_bytes_per_token_and_width(target, recompute):
+    device, _ = target
+    tokens, hidden = 64, 32
+    ours, stock = build("LayerNormMLP", hidden, 4 * hidden, torch.bfloat16, device, recompute)
+    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    statistics = 2 * tokens * 4
+    kept = 2 * tokens * hidden + 8 * tokens * hidden  # x and the fc1 output
+    dropped = 2 * tokens * hidden + 8 * tokens * hidden  # LayerNorm output and GELU output
+    assert activation_bytes(ours, x) == kept + statistics + (0 if recompute else dropped)
+
+
+# --- contract -----------------------------------------------------------------------------------
+
+
+def test_torch_compile_fullgraph(target):
+    device, _ = target
+    torch._dynamo.reset()
+    ours, _ = build("LayerNormMLP", 16, 40, torch.float32, device)
+    x = torch.randn(2, 5, 16, device=device)
+    out = torch.compile(ours, fullgraph=True)(x)
+    out.sum().backward()
+    grads = [p.grad.clone() for p in ours.parameters()]
+    ours.zero_grad()
+    ours(x).sum().backward()
+    assert all(rel_error(g, p.grad) < 1e-5 for g, p in zip(grads, ours.parameters()))
+
+
+def test_state_dict_is_the_unfused_stack():
+    ours = remat.nn.LayerNormMLP(16, 64)
+    assert set(ours.state_dict()) == {"norm.weight", "norm.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+    assert set(remat.nn.LayerNormLinear(16, 8).state_dict()) == {"norm.weight", "norm.bias", "linear.weight", "linear.bias"}
+
+
+@pytest.mark.parametrize(
+    "call, error, words",
+    [
+        (lambda: remat.nn.MLP(8, 16, activation="relu"), ValueError, "activation must be one of"),
+        (lambda: remat.nn.MLP(8, 16, recompute="yes"), TypeError, "recompute must be True or False"),
+        (lambda: remat.nn.MLP.from_modules(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8)),
+         TypeError, "activation must be a torch.nn.GELU"),
+        (lambda: remat.nn.MLP.from_modules(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)),
+         ValueError, "fc2 must map 16 back to 8"),
+        (lambda: remat.nn.MLP(8, 16)(torch.randn(2, 9)), ValueError, "w1 must have shape (out_features, 9)"),
+        (lambda: remat.nn.MLP(8, 16)(torch.randn(2, 8, dtype=torch.float16)), TypeError, "w1 has dtype torch.float32 but x"),
+        (lambda: remat.nn.LayerNormLinear(8, 4)(torch.randn(2, 7)), ValueError, "norm_weight must have shape (7,)"),
+        (lambda: remat.ops.mlp(torch.randn(2, 8), torch.randn(16, 8), None, torch.randn(8, 16), None, "exact"),
+         ValueError, "approximate must be one of"),
+    ],
+    ids=["activation", "recompute", "from-relu", "fc2-shape", "x-width", "x-dtype", "norm-width", "approximate"],
+)
+def test_bad_input_is_named(call, error, words):
+    with pytest.raises(error) as caught:
+        call()
+    assert words in str(caught.value)
