@@ -194,7 +194,7 @@ def test_state_dict_is_the_unfused_stack():
         (lambda: remat.nn.MLP(8, 16)(torch.randn(2, 9)), ValueError, "w1 must have shape (out_features, 9)"),
         (lambda: remat.nn.MLP(8, 16)(torch.randn(2, 8, dtype=torch.float16)), TypeError, "w1 has dtype torch.float32 but x"),
         (lambda: remat.nn.LayerNormLinear(8, 4)(torch.randn(2, 7)), ValueError, "norm_weight must have shape (7,)"),
-        (lambda: remat.ops.mlp(torch.randn(2, 8), torch.randn(16, 8), None, torch.randn(8, 16), None, "exact"),
+        (lambda: remat.mlp(torch.randn(2, 8), torch.randn(16, 8), None, torch.randn(8, 16), None, "exact"),
          ValueError, "approximate must be one of"),
     ],
     ids=["activation", "recompute", "from-relu", "fc2-shape", "x-width", "x-dtype", "norm-width", "approximate"],

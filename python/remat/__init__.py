@@ -2,7 +2,9 @@
 
 from . import nn, ops
 from ._backend import backends, get_backend, set_backend, use_backend
-from .ops import gelu, layer_norm, layer_norm_linear, mlp
+from .ops.fused import layer_norm_linear, mlp
+from .ops.gelu import gelu
+from .ops.layer_norm import layer_norm
 
 __version__ = "0.1.0"
 

@@ -7,8 +7,9 @@ one from existing modules, copying the weights.
 
 import torch
 
-from . import ops
 from .ops.fused import layer_norm_linear, mlp
+from .ops.gelu import gelu
+from .ops.layer_norm import layer_norm
 
 ACTIVATIONS = {"gelu": "none", "gelu_tanh": "tanh"}
 
@@ -21,7 +22,7 @@ class LayerNorm(torch.nn.LayerNorm):
     """
 
     def forward(self, x):
-        return ops.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
     @classmethod
     def from_torch(cls, module):
@@ -41,7 +42,7 @@ class GELU(torch.nn.GELU):
     """torch.nn.GELU on remat's kernel (exact or tanh). Autograd keeps the input only."""
 
     def forward(self, x):
-        return ops.gelu(x, self.approximate)
+        return gelu(x, self.approximate)
 
 
 def _copy_parameters(target, source):

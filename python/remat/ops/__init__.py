@@ -1,7 +1,5 @@
-"""One module per op family: reference, custom-op registration, public function."""
+"""One module per op family: the reference, the custom-op registration, the public function.
 
-from .fused import layer_norm_linear, mlp
-from .gelu import gelu
-from .layer_norm import layer_norm
-
-__all__ = ["gelu", "layer_norm", "layer_norm_linear", "mlp"]
+The public functions are re-exported by the top-level package (remat.layer_norm, remat.gelu,
+...); the module names here stay free for the modules themselves (remat.ops.layer_norm).
+"""

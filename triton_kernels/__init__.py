@@ -1,0 +1,1 @@
+"""Triton kernels of remat, one module per op family (installed as ``remat.triton_kernels``)."""

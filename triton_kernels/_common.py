@@ -1,0 +1,37 @@
+"""Small helpers shared by the Triton op families: block sizing and grid sizing."""
+
+import functools
+
+import torch
+
+# Stand-in for the SM count when kernels run on CPU tensors under the Triton
+# interpreter (TRITON_INTERPRET=1): a few programs, so persistent loops and the
+# (G, N) partial-sum buffers are exercised with G > 1 without making tests slow.
+CPU_NUM_SMS = 4
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; CPU_NUM_SMS for any other device.
+
+    Grid sizes derived from this depend only on the device, never on timing, so
+    results that depend on the grid (partial-sum reductions) are reproducible.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _cuda_sm_count(index)
+    return CPU_NUM_SMS

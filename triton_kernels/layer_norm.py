@@ -1,0 +1,645 @@
+"""LayerNorm forward and backward in Triton; the backward recomputes xhat (and, on request, y).
+
+The forward keeps only what is cheap to store: x itself (the caller's), and per row the fp32
+mean and rstd (8 bytes a row). The backward rebuilds xhat = (x - mean) * rstd from those in the
+same pass that computes dx, and can also rebuild y = xhat * w + b for a consumer that needs it
+(e.g. the weight gradient of a following Linear), bitwise equal to what the forward wrote.
+
+Layout of this file, top to bottom:
+  1. configuration heuristics: (N, dtype) -> block sizes and warps, no autotuning
+  2. forward kernels: rows held in registers (N <= max_fused_n_fwd(x.dtype)), or looped over column chunks
+  3. backward kernels: one fused pass per row (N <= MAX_FUSED_N_BWD), or two kernels over chunks
+  4. launchers: layer_norm_fwd, layer_norm_bwd
+  5. aot_cases(): every launch configuration above, for the ahead-of-time compile test
+
+Tensor contract (shared with the CUDA extension):
+  x (M, N) with unit column stride and any row stride; weight and bias (N,) or None, in any float
+  dtype; y, dx (M, N) contiguous in x.dtype; mean, rstd (M,) fp32; dw, db in the parameter's dtype.
+  All arithmetic is fp32.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import cdiv, next_power_of_2, num_sms
+
+# ---------------------------------------------------------------------------------------------
+# 1. Configuration
+# ---------------------------------------------------------------------------------------------
+# Rows wider than these do not fit in registers without spilling (checked by
+# tests/test_triton_aot.py on sm_80 and sm_90) and take the looped paths. The forward holds one
+# fp32 copy of the row and the weight: 32 KiB of input a row, i.e. 16384 bf16/fp16 or 8192 fp32
+# elements. The backward holds x, dy, the weight and two fp32 gradient accumulators.
+MAX_FUSED_BYTES_FWD = 32768
+MAX_FUSED_N_BWD = 8192
+# Elements one program handles at once for narrow rows: BLOCK_M = tile // BLOCK_N rows per
+# program, so a 1024-wide row still gives each program several rows and enough bytes in flight.
+# Forward: about 32 bytes of input a thread (16 bf16 or 8 fp32 elements), up to 32 warps; the
+# widest rows (16384 bf16, 8192 fp32) then use 32 warps at <= 64 registers, without spilling.
+# Backward: more live tensors per element, so half the tile, 4 elements a thread and 16 warps
+# (8 elements a thread at 8 warps spilled on sm_90: ptxas capped the kernel at 64 registers), up
+# to 16 elements a thread for 8192-wide rows (at 32 warps those spill).
+FWD_TILE, FWD_BYTES_PER_THREAD, FWD_MAX_WARPS = 4096, 32, 32
+BWD_TILE, BWD_ELEMENTS_PER_THREAD, BWD_MAX_WARPS = 2048, 4, 16
+# Narrowest block: rows of 1..15 elements share the 16-wide configuration (wasted lanes are
+# cheap there, and it keeps the number of compiled variants small).
+MIN_BLOCK_N = 16
+# Column chunk of the looped paths for rows wider than the fused limits.
+CHUNK_N = 4096
+CHUNK_WARPS = 8
+# Resident warps per SM the backward's persistent grid aims for: the fused backward's programs
+# use 16 warps at up to ~64 registers a thread (more for 8192-wide rows), so about two fit an
+# SM; a bigger grid would only add rows to the (G, N) partial buffers.
+BWD_WARPS_PER_SM = 32
+
+
+def max_fused_n_fwd(dtype: torch.dtype) -> int:
+    """Widest row the forward holds in registers for input dtype `dtype`."""
+    return MAX_FUSED_BYTES_FWD // _element_size(dtype)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _fused_config(n: int, tile: int, elements_per_thread: int, max_warps: int):
+    """(BLOCK_M, BLOCK_N, num_warps) for rows that fit in registers: the whole row in BLOCK_N,
+    BLOCK_M rows to fill the tile, about elements_per_thread elements a thread."""
+    block_n = max(MIN_BLOCK_N, next_power_of_2(n))
+    block_m = max(1, tile // block_n)
+    warps = max(4, min(max_warps, block_m * block_n // (32 * elements_per_thread)))
+    return block_m, block_n, warps
+
+
+def _fwd_config(n: int, dtype: torch.dtype):
+    elements_per_thread = FWD_BYTES_PER_THREAD // _element_size(dtype)
+    return _fused_config(n, FWD_TILE, elements_per_thread, FWD_MAX_WARPS)
+
+
+def _bwd_config(n: int):
+    return _fused_config(n, BWD_TILE, BWD_ELEMENTS_PER_THREAD, BWD_MAX_WARPS)
+
+
+def _fused_block_ns(limit: int):
+    """Every BLOCK_N the fused path can choose up to `limit`, for aot_cases()."""
+    out, b = [], MIN_BLOCK_N
+    while b <= limit:
+        out.append(b)
+        b *= 2
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Forward
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _affine(xhat, w, b, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # y = xhat * w + b. Shared by the forward and by the backward's RECOMPUTE_OUTPUT so both
+    # compile the same fp32 expression (same rounding, same fma contraction): bitwise equal y.
+    y = xhat
+    if HAS_WEIGHT:
+        y = y * w
+    if HAS_BIAS:
+        y = y + b
+    return y
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    X,  # (M, N) input, row stride stride_x_row, column stride 1
+    Y,  # (M, N) output, row stride stride_y_row
+    W,  # (N,) weight; any valid pointer when HAS_WEIGHT is False
+    B,  # (N,) bias; any valid pointer when HAS_BIAS is False
+    Mean,  # (M,) fp32 output
+    Rstd,  # (M,) fp32 output
+    stride_x_row,
+    stride_y_row,
+    M,
+    N,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_N: tl.constexpr,  # >= N: the whole row is in registers
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    # int64 row offsets: M * stride may exceed 2**31.
+    rows64 = rows.to(tl.int64)
+
+    x = tl.load(X + rows64[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    # Corrected two-pass statistics: mean first, then squared deviations from it. E[x^2] - E[x]^2
+    # would lose all precision for rows with a large mean and a small spread. The deviations'
+    # own mean is the rounding error of the first mean: it is added back to the mean and
+    # removed from the variance (var = mean(xc^2) - mean(xc)^2, with mean(xc) tiny).
+    rough_mean = tl.sum(x, axis=1) / N
+    xc = tl.where(mask, x - rough_mean[:, None], 0.0)
+    correction = tl.sum(xc, axis=1) / N
+    var = tl.maximum(tl.sum(xc * xc, axis=1) / N - correction * correction, 0.0)
+    rstd = tl.math.rsqrt(var + eps)
+    mean = rough_mean + correction
+    # Normalise with the stored mean, exactly as the backward recomputes xhat.
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    tl.store(Mean + rows, mean, mask=row_mask)
+    tl.store(Rstd + rows, rstd, mask=row_mask)
+
+    w = 1.0
+    b = 0.0
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    y = _affine(xc * rstd[:, None], w, b, HAS_WEIGHT, HAS_BIAS)
+    tl.store(Y + rows64[:, None] * stride_y_row + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _layer_norm_fwd_looped_kernel(
+    X,  # (M, N) input, row stride stride_x_row, column stride 1
+    Y,  # (M, N) output, row stride stride_y_row
+    W,  # (N,) weight, or any valid pointer when HAS_WEIGHT is False
+    B,  # (N,) bias, or any valid pointer when HAS_BIAS is False
+    Mean,  # (M,) fp32 output
+    Rstd,  # (M,) fp32 output
+    stride_x_row,
+    stride_y_row,
+    N,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # column chunk; any N
+):
+    # One row per program, too wide for registers: three sweeps over column chunks (sum, squared
+    # deviations, output). The same two-pass statistics as the fused kernel; the repeated reads of
+    # one row mostly hit L2.
+    row = tl.program_id(0).to(tl.int64)
+    X += row * stride_x_row
+    Y += row * stride_y_row
+
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        acc += tl.load(X + cols, mask=cols < N, other=0.0).to(tl.float32)
+    mean = tl.sum(acc, axis=0) / N
+
+    # Deviations from the first mean; their own mean corrects it, as in the fused kernel.
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_sq = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = cols < N
+        x = tl.load(X + cols, mask=mask, other=0.0).to(tl.float32)
+        xc = tl.where(mask, x - mean, 0.0)
+        acc += xc
+        acc_sq += xc * xc
+    correction = tl.sum(acc, axis=0) / N
+    var = tl.maximum(tl.sum(acc_sq, axis=0) / N - correction * correction, 0.0)
+    rstd = tl.math.rsqrt(var + eps)
+    mean += correction
+    tl.store(Mean + row, mean)
+    tl.store(Rstd + row, rstd)
+
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = cols < N
+        x = tl.load(X + cols, mask=mask, other=0.0).to(tl.float32)
+        w = 1.0
+        b = 0.0
+        if HAS_WEIGHT:
+            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+        y = _affine((x - mean) * rstd, w, b, HAS_WEIGHT, HAS_BIAS)
+        tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Backward
+# ---------------------------------------------------------------------------------------------
+# Gradient derivation, per row of N elements (w = 1 and b = 0 when absent):
+#
+#   xhat_j = (x_j - mean) * rstd,    rstd = (var + eps)^(-1/2),    y_j = xhat_j * w_j + b_j
+#
+#   db_j = sum_rows dy_j                 dw_j = sum_rows dy_j * xhat_j
+#
+#   With g_j = dy_j * w_j (the gradient reaching xhat), and using
+#     d mean / d x_i = 1/N,   d rstd / d x_i = -rstd^3 * (x_i - mean) / N = -rstd^2 * xhat_i / N,
+#   d xhat_j / d x_i = rstd * (delta_ij - 1/N) - xhat_j * rstd * xhat_i / N, so
+#
+#   dx_i = sum_j g_j * d xhat_j / d x_i
+#        = rstd * (g_i - c2 - xhat_i * c1),   c1 = mean_j(g_j * xhat_j),   c2 = mean_j(g_j).
+#
+# So a row needs x, dy, mean, rstd and two row reductions: one pass when the row fits in
+# registers. dw and db sum over rows: each program accumulates the rows it owns in fp32 and
+# writes one row of a (G, N) partial buffer; a second step sums the G rows (deterministic, no
+# atomics).
+@triton.jit
+def _layer_norm_bwd_kernel(
+    X,  # (M, N) forward input, row stride stride_x_row
+    DY,  # (M, N) gradient of y, row stride stride_dy_row
+    W,  # (N,) weight, or any valid pointer when HAS_WEIGHT is False
+    B,  # (N,) bias, read only when RECOMPUTE_OUTPUT and HAS_BIAS
+    Mean,  # (M,) fp32, from the forward
+    Rstd,  # (M,) fp32, from the forward
+    DX,  # (M, N) output, row stride stride_dx_row
+    Y,  # (M, N) output y, written when RECOMPUTE_OUTPUT, row stride stride_y_row
+    DW_partial,  # (G, N) fp32 output: row g = sum of dy * xhat over program g's rows
+    DB_partial,  # (G, N) fp32 output: row g = sum of dy over program g's rows
+    stride_x_row,
+    stride_dy_row,
+    stride_dx_row,
+    stride_y_row,
+    M,
+    N,
+    rows_per_program,  # a multiple of BLOCK_M
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RECOMPUTE_OUTPUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per step
+    BLOCK_N: tl.constexpr,  # >= N
+):
+    # Persistent: program g owns rows [g * rows_per_program, (g + 1) * rows_per_program).
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    w = 1.0
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    # 2-D accumulators, reduced over rows once at the end rather than once per step.
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    for first in range(row_start, row_end, BLOCK_M):
+        rows = first + tl.arange(0, BLOCK_M)
+        row_mask = rows < row_end
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)
+
+        x = tl.load(X + rows64[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows64[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(Mean + rows, mask=row_mask, other=0.0)
+        rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
+
+        # Recompute xhat; zero it in the padding so it adds nothing to the row sums.
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        g = dy
+        if HAS_WEIGHT:
+            g = dy * w
+        c1 = tl.sum(g * xhat, axis=1) / N
+        c2 = tl.sum(g, axis=1) / N
+        dx = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        tl.store(DX + rows64[:, None] * stride_dx_row + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+
+        if HAS_WEIGHT:
+            dw_acc += dy * xhat
+        if HAS_BIAS:
+            db_acc += dy
+        if RECOMPUTE_OUTPUT:
+            # The bias is re-read each step (it stays in cache) instead of held in registers
+            # across the loop: wide rows run out of registers otherwise.
+            b = 0.0
+            if HAS_BIAS:
+                b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            y = _affine(xhat, w, b, HAS_WEIGHT, HAS_BIAS)
+            tl.store(Y + rows64[:, None] * stride_y_row + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+    partial_offsets = pid.to(tl.int64) * N + cols
+    if HAS_WEIGHT:
+        tl.store(DW_partial + partial_offsets, tl.sum(dw_acc, axis=0), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB_partial + partial_offsets, tl.sum(db_acc, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _layer_norm_bwd_row_sums_kernel(
+    X,  # (M, N) forward input, row stride stride_x_row
+    DY,  # (M, N) gradient of y, row stride stride_dy_row
+    W,  # (N,) weight, or any valid pointer when HAS_WEIGHT is False
+    Mean,  # (M,) fp32
+    Rstd,  # (M,) fp32
+    C1,  # (M,) fp32 output: mean over the row of g * xhat
+    C2,  # (M,) fp32 output: mean over the row of g
+    stride_x_row,
+    stride_dy_row,
+    N,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # column chunk; any N
+):
+    # Wide rows, step 1 of 2: the two row reductions of dx, one row per program, looping over
+    # column chunks.
+    row = tl.program_id(0).to(tl.int64)
+    X += row * stride_x_row
+    DY += row * stride_dy_row
+    mean = tl.load(Mean + row)
+    rstd = tl.load(Rstd + row)
+    c1_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    c2_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = cols < N
+        x = tl.load(X + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + cols, mask=mask, other=0.0).to(tl.float32)
+        xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+        g = dy
+        if HAS_WEIGHT:
+            g = dy * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        c1_acc += g * xhat
+        c2_acc += g
+    tl.store(C1 + row, tl.sum(c1_acc, axis=0) / N)
+    tl.store(C2 + row, tl.sum(c2_acc, axis=0) / N)
+
+
+@triton.jit
+def _layer_norm_bwd_chunked_kernel(
+    X,  # (M, N) forward input, row stride stride_x_row
+    DY,  # (M, N) gradient of y, row stride stride_dy_row
+    W,  # (N,) weight, or any valid pointer when HAS_WEIGHT is False
+    B,  # (N,) bias, read only when RECOMPUTE_OUTPUT and HAS_BIAS
+    Mean,  # (M,) fp32
+    Rstd,  # (M,) fp32
+    C1,  # (M,) fp32, from _layer_norm_bwd_row_sums_kernel
+    C2,  # (M,) fp32, from _layer_norm_bwd_row_sums_kernel
+    DX,  # (M, N) output, row stride stride_dx_row
+    Y,  # (M, N) output y, written when RECOMPUTE_OUTPUT, row stride stride_y_row
+    DW_partial,  # (G, N) fp32 output
+    DB_partial,  # (G, N) fp32 output
+    stride_x_row,
+    stride_dy_row,
+    stride_dx_row,
+    stride_y_row,
+    M,
+    N,
+    rows_per_program,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RECOMPUTE_OUTPUT: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # column chunk
+):
+    # Wide rows, step 2 of 2: grid (G, cdiv(N, BLOCK_N)). Program (g, j) owns the rows of group g
+    # and the columns of chunk j: dx (and y) there, and the partial sums of chunk j for group g.
+    # Same arithmetic as _layer_norm_bwd_kernel, one row at a time.
+    pid = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    w = 1.0
+    b = 0.0
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if RECOMPUTE_OUTPUT and HAS_BIAS:
+        b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+
+    # int64 loop bounds: the loop variable is then int64 and row * stride cannot overflow.
+    row_start = pid.to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    for row in range(row_start, row_end):
+        x = tl.load(X + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * stride_dy_row + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(Mean + row)
+        rstd = tl.load(Rstd + row)
+        c1 = tl.load(C1 + row)
+        c2 = tl.load(C2 + row)
+
+        xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+        g = dy
+        if HAS_WEIGHT:
+            g = dy * w
+        dx = (g - (xhat * c1 + c2)) * rstd
+        tl.store(DX + row * stride_dx_row + cols, dx.to(DX.dtype.element_ty), mask=mask)
+
+        if HAS_WEIGHT:
+            dw_acc += dy * xhat
+        if HAS_BIAS:
+            db_acc += dy
+        if RECOMPUTE_OUTPUT:
+            y = _affine(xhat, w, b, HAS_WEIGHT, HAS_BIAS)
+            tl.store(Y + row * stride_y_row + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+    partial_offsets = pid.to(tl.int64) * N + cols
+    if HAS_WEIGHT:
+        tl.store(DW_partial + partial_offsets, dw_acc, mask=mask)
+    if HAS_BIAS:
+        tl.store(DB_partial + partial_offsets, db_acc, mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Launchers
+# ---------------------------------------------------------------------------------------------
+def _unit_column_stride(t):
+    # The kernels index columns with stride 1; anything else gets a copy, never a wrong answer.
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def layer_norm_fwd(x, weight, bias, eps):
+    """LayerNorm over the last dim of a 2-D x.
+
+    x (M, N), unit column stride, any row stride; weight, bias (N,) or None, any float dtype.
+    Returns y (M, N) contiguous in x.dtype, and mean, rstd (M,) fp32.
+    """
+    x = _unit_column_stride(x)
+    M, N = x.shape
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    mean = torch.empty((M,), dtype=torch.float32, device=x.device)
+    rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
+    if M == 0 or N == 0:
+        return y, mean, rstd
+    # An absent weight or bias is compiled out (HAS_WEIGHT/HAS_BIAS); pass x as a placeholder.
+    w = weight.contiguous() if weight is not None else x
+    b = bias.contiguous() if bias is not None else x
+    common = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
+    if N <= max_fused_n_fwd(x.dtype):
+        block_m, block_n, warps = _fwd_config(N, x.dtype)
+        _layer_norm_fwd_kernel[(cdiv(M, block_m),)](
+            x, y, w, b, mean, rstd, x.stride(0), y.stride(0), M, N, eps,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **common,
+        )
+    else:
+        _layer_norm_fwd_looped_kernel[(M,)](
+            x, y, w, b, mean, rstd, x.stride(0), y.stride(0), N, eps,
+            BLOCK_N=CHUNK_N, num_warps=CHUNK_WARPS, **common,
+        )
+    return y, mean, rstd
+
+
+def _persistent_groups(M, block_m, programs):
+    """(G, rows_per_program): at most `programs` groups of a multiple of block_m rows each."""
+    rows_per_program = cdiv(cdiv(M, programs), block_m) * block_m
+    return cdiv(M, rows_per_program), rows_per_program
+
+
+def layer_norm_bwd(dy, x, weight, bias, mean, rstd, recompute_output):
+    """Gradients of LayerNorm, recomputing xhat from x, mean and rstd.
+
+    Returns (dx, dw, db, y): dx (M, N) contiguous in x.dtype; dw, db (N,) in weight's and bias's
+    dtype (empty tensors of x.dtype when the parameter is None; zeros when M == 0); y the forward
+    output recomputed bitwise equal when recompute_output, else an empty tensor.
+    """
+    x = _unit_column_stride(x)
+    dy = _unit_column_stride(dy)
+    M, N = x.shape
+    device = x.device
+    dx = torch.empty((M, N), dtype=x.dtype, device=device)
+    y = torch.empty((M, N) if recompute_output else (0,), dtype=x.dtype, device=device)
+    has_w, has_b = weight is not None, bias is not None
+    if M == 0 or N == 0:
+        dw = torch.zeros((N,), dtype=weight.dtype, device=device) if has_w else torch.empty(0, dtype=x.dtype, device=device)
+        db = torch.zeros((N,), dtype=bias.dtype, device=device) if has_b else torch.empty(0, dtype=x.dtype, device=device)
+        return dx, dw, db, y
+
+    mean = mean.contiguous()
+    rstd = rstd.contiguous()
+    w = weight.contiguous() if has_w else x
+    b = bias.contiguous() if has_b else x
+    y_arg = y if recompute_output else dx  # placeholder pointer; never written when not recomputing
+    common = dict(HAS_WEIGHT=has_w, HAS_BIAS=has_b, RECOMPUTE_OUTPUT=bool(recompute_output))
+    sms = num_sms(device)
+
+    if N <= MAX_FUSED_N_BWD:
+        block_m, block_n, warps = _bwd_config(N)
+        groups, rows_per_program = _persistent_groups(M, block_m, sms * max(1, BWD_WARPS_PER_SM // warps))
+        dw_partial = torch.empty((groups, N) if has_w else (0,), dtype=torch.float32, device=device)
+        db_partial = torch.empty((groups, N) if has_b else (0,), dtype=torch.float32, device=device)
+        _layer_norm_bwd_kernel[(groups,)](
+            x, dy, w, b, mean, rstd, dx, y_arg,
+            dw_partial if has_w else dx, db_partial if has_b else dx,
+            x.stride(0), dy.stride(0), dx.stride(0), y_arg.stride(0) if recompute_output else N,
+            M, N, rows_per_program,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **common,
+        )
+    else:
+        c1 = torch.empty((M,), dtype=torch.float32, device=device)
+        c2 = torch.empty((M,), dtype=torch.float32, device=device)
+        _layer_norm_bwd_row_sums_kernel[(M,)](
+            x, dy, w, mean, rstd, c1, c2, x.stride(0), dy.stride(0), N,
+            HAS_WEIGHT=has_w, BLOCK_N=CHUNK_N, num_warps=CHUNK_WARPS,
+        )
+        col_blocks = cdiv(N, CHUNK_N)
+        programs = max(1, sms * max(1, BWD_WARPS_PER_SM // CHUNK_WARPS) // col_blocks)
+        groups, rows_per_program = _persistent_groups(M, 1, programs)
+        dw_partial = torch.empty((groups, N) if has_w else (0,), dtype=torch.float32, device=device)
+        db_partial = torch.empty((groups, N) if has_b else (0,), dtype=torch.float32, device=device)
+        _layer_norm_bwd_chunked_kernel[(groups, col_blocks)](
+            x, dy, w, b, mean, rstd, c1, c2, dx, y_arg,
+            dw_partial if has_w else dx, db_partial if has_b else dx,
+            x.stride(0), dy.stride(0), dx.stride(0), y_arg.stride(0) if recompute_output else N,
+            M, N, rows_per_program,
+            BLOCK_N=CHUNK_N, num_warps=CHUNK_WARPS, **common,
+        )
+
+    # Second step: reduce the G partial rows. torch.sum is deterministic for a fixed G, and G
+    # depends only on (M, N, device).
+    dw = dw_partial.sum(0).to(weight.dtype) if has_w else torch.empty(0, dtype=x.dtype, device=device)
+    db = db_partial.sum(0).to(bias.dtype) if has_b else torch.empty(0, dtype=x.dtype, device=device)
+    return dx, dw, db, y
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Ahead-of-time compile cases
+# ---------------------------------------------------------------------------------------------
+_TORCH_TYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _dtype_variants():
+    """(x dtype, parameter dtype) pairs: bf16 stands for fp16 too (same code shape)."""
+    return [("bf16", "bf16"), ("bf16", "fp32"), ("fp32", "fp32")]
+
+
+def _flag_variants(x, p, with_recompute):
+    """(HAS_WEIGHT, HAS_BIAS, RECOMPUTE_OUTPUT, W/B pointer dtype) combinations worth compiling.
+
+    With the weight and bias present the kernels do the most work (most registers), so that case
+    is compiled for every parameter dtype; with both absent the W/B pointers are dead, so once per
+    x dtype. Mixed cases (only one present) compile to a subset of the all-present code.
+    """
+    out = []
+    recompute = (True, False) if with_recompute else (False,)
+    for r in recompute:
+        out.append((True, True, r, p))
+        if p == x:
+            out.append((False, False, r, x))
+    return out
+
+
+def aot_cases():
+    """Every (kernel, signature, constexprs, num_warps) the launchers above can launch on a GPU.
+
+    Each case: {"name", "kernel", "signature", "constexprs", "num_warps", "divisible_by_16"}.
+    "divisible_by_16" names the arguments Triton would mark 16-divisible for typical tensors
+    (pointers from the caching allocator, row strides that are multiples of 16), the common fast
+    path; the AOT helper may ignore it.
+    """
+    cases = []
+    for x, p in _dtype_variants():
+        for has_w, has_b, _, wt in _flag_variants(x, p, with_recompute=False):
+            tag = f"x{x}_w{wt if has_w else 'none'}_b{wt if has_b else 'none'}"
+            flags = dict(HAS_WEIGHT=has_w, HAS_BIAS=has_b)
+            fwd_sig = {"X": f"*{x}", "Y": f"*{x}", "W": f"*{wt}", "B": f"*{wt}", "Mean": "*fp32", "Rstd": "*fp32",
+                       "stride_x_row": "i32", "stride_y_row": "i32"}
+            for block_n in _fused_block_ns(max_fused_n_fwd(_TORCH_TYPE[x])):
+                block_m, _, warps = _fwd_config(block_n, _TORCH_TYPE[x])
+                cases.append(dict(
+                    name=f"fwd_{tag}_BM{block_m}_BN{block_n}",
+                    kernel=_layer_norm_fwd_kernel,
+                    signature={**fwd_sig, "M": "i32", "N": "i32", "eps": "fp32", "HAS_WEIGHT": "constexpr",
+                               "HAS_BIAS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"},
+                    constexprs=dict(flags, BLOCK_M=block_m, BLOCK_N=block_n),
+                    num_warps=warps,
+                    divisible_by_16=["X", "Y", "W", "B", "Mean", "Rstd", "stride_x_row", "stride_y_row"],
+                ))
+            cases.append(dict(
+                name=f"fwd_looped_{tag}_BN{CHUNK_N}",
+                kernel=_layer_norm_fwd_looped_kernel,
+                signature={**fwd_sig, "N": "i32", "eps": "fp32", "HAS_WEIGHT": "constexpr", "HAS_BIAS": "constexpr",
+                           "BLOCK_N": "constexpr"},
+                constexprs=dict(flags, BLOCK_N=CHUNK_N),
+                num_warps=CHUNK_WARPS,
+                divisible_by_16=["X", "Y", "W", "B", "Mean", "Rstd", "stride_x_row", "stride_y_row"],
+            ))
+
+        for has_w, has_b, rec, wt in _flag_variants(x, p, with_recompute=True):
+            tag = f"x{x}_w{wt if has_w else 'none'}_b{wt if has_b else 'none'}_rec{int(rec)}"
+            flags = dict(HAS_WEIGHT=has_w, HAS_BIAS=has_b, RECOMPUTE_OUTPUT=rec)
+            ptrs = {"X": f"*{x}", "DY": f"*{x}", "W": f"*{wt}", "B": f"*{wt}", "Mean": "*fp32", "Rstd": "*fp32"}
+            outs = {"DX": f"*{x}", "Y": f"*{x}", "DW_partial": "*fp32", "DB_partial": "*fp32",
+                    "stride_x_row": "i32", "stride_dy_row": "i32", "stride_dx_row": "i32", "stride_y_row": "i32",
+                    "M": "i32", "N": "i32", "rows_per_program": "i32"}
+            consts = {"HAS_WEIGHT": "constexpr", "HAS_BIAS": "constexpr", "RECOMPUTE_OUTPUT": "constexpr"}
+            div16 = ["X", "DY", "W", "B", "Mean", "Rstd", "DX", "Y", "DW_partial", "DB_partial",
+                     "stride_x_row", "stride_dy_row", "stride_dx_row", "stride_y_row"]
+            for block_n in _fused_block_ns(MAX_FUSED_N_BWD):
+                block_m, _, warps = _bwd_config(block_n)
+                cases.append(dict(
+                    name=f"bwd_{tag}_BM{block_m}_BN{block_n}",
+                    kernel=_layer_norm_bwd_kernel,
+                    signature={**ptrs, **outs, **consts, "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"},
+                    constexprs=dict(flags, BLOCK_M=block_m, BLOCK_N=block_n),
+                    num_warps=warps,
+                    divisible_by_16=div16,
+                ))
+            cases.append(dict(
+                name=f"bwd_chunked_{tag}_BN{CHUNK_N}",
+                kernel=_layer_norm_bwd_chunked_kernel,
+                signature={**ptrs, "C1": "*fp32", "C2": "*fp32", **outs, **consts, "BLOCK_N": "constexpr"},
+                constexprs=dict(flags, BLOCK_N=CHUNK_N),
+                num_warps=CHUNK_WARPS,
+                divisible_by_16=div16 + ["C1", "C2"],
+            ))
+            if not rec and has_b == has_w:
+                cases.append(dict(
+                    name=f"bwd_row_sums_x{x}_w{wt if has_w else 'none'}_BN{CHUNK_N}",
+                    kernel=_layer_norm_bwd_row_sums_kernel,
+                    signature={"X": f"*{x}", "DY": f"*{x}", "W": f"*{wt}", "Mean": "*fp32", "Rstd": "*fp32",
+                               "C1": "*fp32", "C2": "*fp32", "stride_x_row": "i32", "stride_dy_row": "i32",
+                               "N": "i32", "HAS_WEIGHT": "constexpr", "BLOCK_N": "constexpr"},
+                    constexprs=dict(HAS_WEIGHT=has_w, BLOCK_N=CHUNK_N),
+                    num_warps=CHUNK_WARPS,
+                    divisible_by_16=["X", "DY", "W", "Mean", "Rstd", "C1", "C2", "stride_x_row", "stride_dy_row"],
+                ))
+    return cases
