@@ -86,8 +86,8 @@ def cuda_extension():
         sources=sources,
         include_dirs=[os.path.join(HERE, "csrc")] + pip_cuda_include_dirs(),
         extra_compile_args={
-            "cxx": ["-O3", "-std=c++17"],
-            "nvcc": ["-O3", "-std=c++17", "-lineinfo"],
+            "cxx": ["-O3"],
+            "nvcc": ["-O3", "-lineinfo"],
         },
     )
     say(f"building the CUDA extension for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']} "

@@ -5,6 +5,7 @@ decoration time), so this runs first, before the tests import remat.
 """
 
 import os
+import tempfile
 import zlib
 
 import torch
@@ -12,6 +13,9 @@ import torch
 HAS_GPU = torch.cuda.is_available()
 if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# A fresh torch.compile cache per run: Inductor's on-disk cache is keyed on the graph, not on
+# the Python source of our fake kernels, so a cache from an older checkout could hide a change.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="remat-inductor-"))
 
 import pytest  # noqa: E402
 

@@ -2,6 +2,7 @@
 
 from . import nn, ops
 from ._backend import backends, get_backend, set_backend, use_backend
+from .ops.attention import attention
 from .ops.fused import layer_norm_linear, mlp
 from .ops.gelu import gelu
 from .ops.layer_norm import layer_norm
@@ -9,6 +10,6 @@ from .ops.layer_norm import layer_norm
 __version__ = "0.1.0"
 
 __all__ = [
-    "backends", "gelu", "get_backend", "layer_norm", "layer_norm_linear", "mlp", "nn", "ops",
+    "attention", "backends", "gelu", "get_backend", "layer_norm", "layer_norm_linear", "mlp", "nn", "ops",
     "set_backend", "use_backend",
 ]

@@ -7,6 +7,7 @@ one from existing modules, copying the weights.
 
 import torch
 
+from .ops.attention import multihead_self_attention
 from .ops.fused import layer_norm_linear, mlp
 from .ops.gelu import gelu
 from .ops.layer_norm import layer_norm
@@ -172,4 +173,91 @@ class LayerNormMLP(MLP):
         _copy_parameters(new.norm, norm)
         _copy_parameters(new.fc1, fc1)
         _copy_parameters(new.fc2, fc2)
+        return new
+
+
+class MultiheadSelfAttention(torch.nn.Module):
+    """Self-attention on remat.attention: in-projection, attention, out-projection.
+
+    Parameters and state_dict keys are those of torch.nn.MultiheadAttention (in_proj_weight,
+    in_proj_bias, out_proj.weight, out_proj.bias); with num_kv_heads < num_heads (GQA/MQA) the
+    in-projection has (num_heads + 2 * num_kv_heads) * head_dim rows: q's, then k's, then v's.
+    Autograd keeps q, k, v, the attention output and an fp32 log-sum-exp per row, never the
+    seq x seq probabilities. Input (batch, seq, embed_dim), or (seq, batch, embed_dim) when
+    batch_first=False.
+
+    forward(x) returns the output tensor. Modules built by from_torch keep MultiheadAttention's
+    call convention instead, forward(query, key=None, value=None, need_weights=False,
+    attn_mask=None) -> (output, None), so they can replace it in place; key and value must be
+    None or query itself (self-attention), need_weights must be False and attn_mask None.
+    """
+
+    def __init__(self, embed_dim, num_heads, bias=True, causal=False, num_kv_heads=None, dropout=0.0,
+                 batch_first=True, device=None, dtype=None):
+        super().__init__()
+        if dropout != 0.0:
+            raise ValueError(f"dropout must be 0.0: remat attention has no dropout, got {dropout!r}")
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads < 1 or embed_dim % num_heads != 0:
+            raise ValueError(f"num_heads must be >= 1 and divide embed_dim {embed_dim}, got {num_heads}")
+        if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_kv_heads must be >= 1 and divide num_heads {num_heads}, got {num_kv_heads}")
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be True or False, got {causal!r}")
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.causal, self.batch_first = causal, batch_first
+        self.mha_call_convention = False
+        factory = {"device": device, "dtype": dtype}
+        rows = (num_heads + 2 * num_kv_heads) * self.head_dim
+        self.in_proj_weight = torch.nn.Parameter(torch.empty(rows, embed_dim, **factory))
+        self.in_proj_bias = torch.nn.Parameter(torch.empty(rows, **factory)) if bias else None
+        self.out_proj = torch.nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self._reset_parameters()
+
+    def _reset_parameters(self):
+        # As torch.nn.MultiheadAttention: xavier-uniform in-projection, zero biases.
+        torch.nn.init.xavier_uniform_(self.in_proj_weight)
+        if self.in_proj_bias is not None:
+            torch.nn.init.zeros_(self.in_proj_bias)
+            torch.nn.init.zeros_(self.out_proj.bias)
+
+    def forward(self, x, key=None, value=None, need_weights=False, attn_mask=None):
+        if (key is not None and key is not x) or (value is not None and value is not x):
+            raise ValueError("MultiheadSelfAttention is self-attention: key and value must be None or the query")
+        if need_weights:
+            raise ValueError("need_weights must be False: remat attention never forms the attention weights")
+        if attn_mask is not None:
+            raise ValueError("attn_mask must be None: use causal=True for a causal mask")
+        if not self.batch_first:
+            x = x.transpose(0, 1)
+        out = multihead_self_attention(
+            x, self.in_proj_weight, self.in_proj_bias, self.out_proj.weight, self.out_proj.bias,
+            self.num_heads, self.num_kv_heads, self.causal,
+        )
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        return (out, None) if self.mha_call_convention else out
+
+    @classmethod
+    def from_torch(cls, mha, causal=False):
+        """A copy of `mha` (torch.nn.MultiheadAttention) on remat's kernels, with the same input
+        layout (mha.batch_first) and MultiheadAttention's call convention (returns (output, None))."""
+        if not isinstance(mha, torch.nn.MultiheadAttention):
+            raise TypeError(f"mha must be a torch.nn.MultiheadAttention, got {type(mha).__name__}")
+        if not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.add_zero_attn:
+            raise ValueError("mha must use one packed in-projection, without add_bias_kv or add_zero_attn")
+        if mha.dropout != 0.0:
+            raise ValueError(f"mha.dropout must be 0.0: remat attention has no dropout, got {mha.dropout}")
+        weight = mha.in_proj_weight
+        new = cls(mha.embed_dim, mha.num_heads, bias=mha.in_proj_bias is not None, causal=causal,
+                  batch_first=mha.batch_first, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            new.in_proj_weight.copy_(weight)
+            if mha.in_proj_bias is not None:
+                new.in_proj_bias.copy_(mha.in_proj_bias)
+            new.out_proj.weight.copy_(mha.out_proj.weight)
+            if mha.out_proj.bias is not None:
+                new.out_proj.bias.copy_(mha.out_proj.bias)
+        new.mha_call_convention = True
         return new

@@ -1,0 +1,810 @@
+// LayerNorm forward and backward (with optional recomputation of the output) over the last dim
+// of a 2-D tensor. All math in fp32; no atomics, so every result is bitwise deterministic.
+//
+// Kernels, top to bottom:
+//   layer_norm_fwd_kernel           row cached in registers (N <= kMaxRegisterWidthFwd)
+//   layer_norm_fwd_looped_kernel    any N: re-reads the row from global memory
+//   layer_norm_bwd_kernel           row cached in registers (N <= kMaxRegisterWidthBwd)
+//   layer_norm_bwd_looped_kernel    any N
+//   column_sum_kernel               (G, N) fp32 partials -> (N,) dw or db
+// Register kernels run one warp per row (kRowsPerWarpBlock rows per block) for narrow rows and
+// one block per row otherwise; the host picks the elements per thread (EPT) and block size.
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "common.cuh"
+#include "layer_norm.h"
+
+namespace remat {
+namespace {
+
+constexpr int kMaxThreads = 512;          // block size cap of every LayerNorm kernel
+constexpr int kRowsPerWarpBlock = 4;      // rows (warps) per block in one-warp-per-row mode
+constexpr int kLoopedThreads = 512;       // block size of the looped kernels
+constexpr int kColumnSumCols = 32;        // column_sum_kernel block: 32 columns x 8 partial rows
+constexpr int kColumnSumRows = 8;
+
+// ---------------------------------------------------------------------------------------------
+// Shared per-element math. Forward and the recomputing backward both call these, so the
+// recomputed y is bitwise what the forward wrote (explicit _rn intrinsics: no contraction
+// choices left to the compiler).
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ float normalize(float x, float mean, float rstd) {
+  return __fmul_rn(__fsub_rn(x, mean), rstd);
+}
+
+// Corrected two-pass statistics. DEV = (sum of d, sum of d^2) with d = x - rough_mean over the
+// row. E[x^2] - E[x]^2 would lose every digit for rows whose mean is far above their spread;
+// deviations from a first mean do not, and their own mean is that first mean's rounding error,
+// added back to the mean and removed from the variance (clamped at 0: rounding may leave a tiny negative).
+__device__ __forceinline__ float corrected_mean(float rough_mean, float2 dev, float inv_n) {
+  return rough_mean + dev.x * inv_n;
+}
+
+__device__ __forceinline__ float corrected_var(float2 dev, float inv_n) {
+  const float correction = dev.x * inv_n;
+  return fmaxf(dev.y * inv_n - correction * correction, 0.f);
+}
+
+// y = xhat * w + b; a missing weight is w = 1, a missing bias b = 0 (exact).
+__device__ __forceinline__ float affine(float xhat, float w, float b) { return __fmaf_rn(xhat, w, b); }
+
+// Loads VEC fp32 parameters at P + col0, or VALUE when P is null (weight/bias absent).
+template <int VEC>
+__device__ __forceinline__ void load_param(const float* __restrict__ P, int col0, float value, float* out) {
+  if (P != nullptr) {
+    load_pack<float, VEC>(P + col0, out);
+  } else {
+    fill<VEC>(out, value);
+  }
+}
+
+// Row sum over the threads that own a row: one warp, or the whole (1-D) block.
+template <bool kWarpPerRow, typename V>
+__device__ __forceinline__ V row_sum(V v, V* buf) {
+  if constexpr (kWarpPerRow) {
+    return warp_sum(v);
+  } else {
+    return block_sum(v, buf);
+  }
+}
+
+// Column of the first element of chunk I for thread T of a row group of THREADS threads.
+// Chunks are interleaved so each pass of a group over the row is one coalesced access.
+template <int VEC>
+__device__ __forceinline__ int chunk_col(int i, int t, int threads) { return (i * threads + t) * VEC; }
+
+// Number of chunks I with chunk_col(I, T, THREADS) < N (N a multiple of VEC). Tests against it
+// are cheap to recompute, which keeps ptxas from holding (and spilling) one predicate per chunk.
+template <int VEC>
+__device__ __forceinline__ int valid_chunks(int N, int t, int threads) {
+  const int n = N / VEC;
+  return n > t ? (n - t + threads - 1) / threads : 0;
+}
+
+// Loads a row into registers, ITERS chunks of VEC (fp32), zeros past the NVALID valid chunks.
+template <typename T, int VEC, int ITERS>
+__device__ __forceinline__ void load_row(const T* __restrict__ row, int nvalid, int t, int threads, float* v) {
+#pragma unroll
+  for (int i = 0; i < ITERS; ++i) {
+    const int col0 = chunk_col<VEC>(i, t, threads);
+    if (i < nvalid) {
+      load_pack<T, VEC>(row + col0, v + i * VEC);
+    } else {
+      fill<VEC>(v + i * VEC, 0.f);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward, row in registers. Each row group (a warp, or the block) owns one row:
+//   mean, var: corrected two-pass statistics over the cached values; rstd = 1/sqrt(var+eps)
+//   y = (x - mean) * rstd * w + b
+// Launch: warp mode block (32, kRowsPerWarpBlock), grid ceil(M / kRowsPerWarpBlock);
+//         block mode block (threads, 1) with threads * EPT >= N, grid M.
+// ---------------------------------------------------------------------------------------------
+template <typename T, int VEC, int EPT, bool kWarpPerRow>
+__global__ void __launch_bounds__(kMaxThreads, 1) layer_norm_fwd_kernel(
+    const T* __restrict__ X,      // (M, N), row stride x_stride, unit column stride
+    const float* __restrict__ W,  // (N,) or null
+    const float* __restrict__ B,  // (N,) or null
+    T* __restrict__ Y,            // (M, N) contiguous
+    float* __restrict__ Mean,     // (M,)
+    float* __restrict__ Rstd,     // (M,)
+    int64_t M, int N, float inv_n, int64_t x_stride, float eps) {
+  static_assert(EPT % VEC == 0, "EPT must be a multiple of VEC");
+  constexpr int ITERS = EPT / VEC;
+  __shared__ float buf[kMaxThreads / kWarpSize];
+  __shared__ float2 dev_buf[kMaxThreads / kWarpSize];
+
+  const int t = threadIdx.x;
+  const int threads = kWarpPerRow ? kWarpSize : static_cast<int>(blockDim.x);
+  const int64_t row = kWarpPerRow ? static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y
+                                  : static_cast<int64_t>(blockIdx.x);
+  if (row >= M) return;  // whole warp in warp mode (no block syncs there); never in block mode
+
+  const int nvalid = valid_chunks<VEC>(N, t, threads);
+  float v[EPT];
+  load_row<T, VEC, ITERS>(X + row * x_stride, nvalid, t, threads, v);
+
+  float sum = 0.f;
+#pragma unroll
+  for (int e = 0; e < EPT; ++e) sum += v[e];
+  const float rough_mean = row_sum<kWarpPerRow>(sum, buf) * inv_n;
+
+  float2 dev = make_float2(0.f, 0.f);  // sums of deviations from rough_mean and of their squares
+#pragma unroll
+  for (int i = 0; i < ITERS; ++i) {
+    if (i < nvalid) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float d = v[i * VEC + j] - rough_mean;
+        dev.x += d;
+        dev.y += d * d;
+      }
+    }
+  }
+  dev = row_sum<kWarpPerRow>(dev, dev_buf);
+  const float mean = corrected_mean(rough_mean, dev, inv_n);
+  const float rstd = __frsqrt_rn(corrected_var(dev, inv_n) + eps);
+  if (t == 0) {
+    Mean[row] = mean;
+    Rstd[row] = rstd;
+  }
+
+  T* y_row = Y + row * static_cast<int64_t>(N);
+#pragma unroll
+  for (int i = 0; i < ITERS; ++i) {
+    const int col0 = chunk_col<VEC>(i, t, threads);
+    if (i < nvalid) {
+      float w[VEC], b[VEC], out[VEC];
+      load_param<VEC>(W, col0, 1.f, w);
+      load_param<VEC>(B, col0, 0.f, b);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) out[j] = affine(normalize(v[i * VEC + j], mean, rstd), w[j], b[j]);
+      store_pack<T, VEC>(y_row + col0, out);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward, any N: one block (kLoopedThreads) per row, three passes over the row in global
+// memory (sum, deviations and their squares, output). Grid M.
+// ---------------------------------------------------------------------------------------------
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kLoopedThreads, 1) layer_norm_fwd_looped_kernel(
+    const T* __restrict__ X,      // (M, N), row stride x_stride
+    const float* __restrict__ W,  // (N,) or null
+    const float* __restrict__ B,  // (N,) or null
+    T* __restrict__ Y,            // (M, N) contiguous
+    float* __restrict__ Mean,     // (M,)
+    float* __restrict__ Rstd,     // (M,)
+    int N, float inv_n, int64_t x_stride, float eps) {
+  __shared__ float buf[kLoopedThreads / kWarpSize];
+  __shared__ float2 dev_buf[kLoopedThreads / kWarpSize];
+  const int64_t row = blockIdx.x;
+  const T* x_row = X + row * x_stride;
+  const int first = threadIdx.x * VEC;
+  const int step = blockDim.x * VEC;
+
+  float sum = 0.f;
+  for (int col0 = first; col0 < N; col0 += step) {
+    float v[VEC];
+    load_pack<T, VEC>(x_row + col0, v);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) sum += v[j];
+  }
+  const float rough_mean = block_sum(sum, buf) * inv_n;
+
+  float2 dev = make_float2(0.f, 0.f);  // sums of deviations from rough_mean and of their squares
+  for (int col0 = first; col0 < N; col0 += step) {
+    float v[VEC];
+    load_pack<T, VEC>(x_row + col0, v);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float d = v[j] - rough_mean;
+      dev.x += d;
+      dev.y += d * d;
+    }
+  }
+  dev = block_sum(dev, dev_buf);
+  const float mean = corrected_mean(rough_mean, dev, inv_n);
+  const float rstd = __frsqrt_rn(corrected_var(dev, inv_n) + eps);
+  if (threadIdx.x == 0) {
+    Mean[row] = mean;
+    Rstd[row] = rstd;
+  }
+
+  T* y_row = Y + row * static_cast<int64_t>(N);
+  for (int col0 = first; col0 < N; col0 += step) {
+    float v[VEC], w[VEC], b[VEC];
+    load_pack<T, VEC>(x_row + col0, v);
+    load_param<VEC>(W, col0, 1.f, w);
+    load_param<VEC>(B, col0, 0.f, b);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) v[j] = affine(normalize(v[j], mean, rstd), w[j], b[j]);
+    store_pack<T, VEC>(y_row + col0, v);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward. Per row, with xhat_i = (x_i - mean) * rstd and y_i = xhat_i * w_i + b_i:
+//
+//   dL/dxhat_i = dy_i * w_i =: wdy_i
+//   dxhat_i/dx_k = rstd * (delta_ik - 1/N - xhat_i * xhat_k / N)
+//     (d mean/dx_k = 1/N; d rstd/dx_k = -rstd^3 (x_k - mean) / N = -rstd^2 xhat_k / N)
+//   dx_k = sum_i wdy_i dxhat_i/dx_k
+//        = rstd * (wdy_k - mean_i(wdy_i) - xhat_k * mean_i(wdy_i * xhat_i))
+//   dw_i = sum_rows dy_i * xhat_i,   db_i = sum_rows dy_i
+//
+// mean and rstd are the fp32 values the forward stored, so xhat (and with RECOMPUTE_OUTPUT, y)
+// are recomputed bitwise as the forward computed them. dw/db: block g accumulates fp32 partial
+// sums over the rows it owns (grid-stride, fixed grid G) and writes row g of the (G, N) buffers
+// DWp/DBp; column_sum_kernel reduces them in a fixed order.
+//
+// Register kernel launch: warp mode block (32, kRowsPerWarpBlock), block mode (threads, 1) with
+// threads * EPT >= N; grid G <= rows / rows_per_block, so every block owns at least one row group.
+// ---------------------------------------------------------------------------------------------
+template <typename T, int VEC, int EPT, bool kWarpPerRow, bool RECOMPUTE_OUTPUT>
+__global__ void __launch_bounds__(kMaxThreads, 1) layer_norm_bwd_kernel(
+    const T* __restrict__ DY,        // (M, N), row stride dy_stride
+    const T* __restrict__ X,         // (M, N), row stride x_stride
+    const float* __restrict__ W,     // (N,) or null
+    const float* __restrict__ B,     // (N,) or null (read only when RECOMPUTE_OUTPUT)
+    const float* __restrict__ Mean,  // (M,)
+    const float* __restrict__ Rstd,  // (M,)
+    T* __restrict__ DX,              // (M, N) contiguous
+    T* __restrict__ Y,               // (M, N) contiguous, written when RECOMPUTE_OUTPUT
+    float* __restrict__ DWp,         // (G, N) partial dw, or null (no weight)
+    float* __restrict__ DBp,         // (G, N) partial db, or null (no bias)
+    int64_t M, int N, float inv_n, int64_t dy_stride, int64_t x_stride) {
+  static_assert(EPT % VEC == 0, "EPT must be a multiple of VEC");
+  constexpr int ITERS = EPT / VEC;
+  constexpr int kRows = kWarpPerRow ? kRowsPerWarpBlock : 1;
+  __shared__ float2 buf[kMaxThreads / kWarpSize];
+
+  const int t = threadIdx.x;
+  const int threads = kWarpPerRow ? kWarpSize : static_cast<int>(blockDim.x);
+  const int nvalid = valid_chunks<VEC>(N, t, threads);
+
+  float dw_acc[EPT], db_acc[EPT];
+#pragma unroll
+  for (int e = 0; e < EPT; ++e) dw_acc[e] = db_acc[e] = 0.f;
+
+  // Grid-stride over row groups; in block mode `row` is uniform over the block, so the
+  // __syncthreads inside row_sum is reached by all threads or none.
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kRows + (kWarpPerRow ? threadIdx.y : 0); row < M;
+       row += static_cast<int64_t>(gridDim.x) * kRows) {
+    float xv[EPT], gv[EPT];  // x then xhat; dy then wdy
+    load_row<T, VEC, ITERS>(X + row * x_stride, nvalid, t, threads, xv);
+    load_row<T, VEC, ITERS>(DY + row * dy_stride, nvalid, t, threads, gv);
+    const float mean = Mean[row];
+    const float rstd = Rstd[row];
+
+    float2 sums = make_float2(0.f, 0.f);  // (sum wdy * xhat, sum wdy)
+#pragma unroll
+    for (int i = 0; i < ITERS; ++i) {
+      const int col0 = chunk_col<VEC>(i, t, threads);
+      const bool valid = i < nvalid;
+      float w[VEC];
+      if (valid) {
+        load_param<VEC>(W, col0, 1.f, w);
+      } else {
+        fill<VEC>(w, 0.f);
+      }
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const int e = i * VEC + j;
+        const float xhat = valid ? normalize(xv[e], mean, rstd) : 0.f;
+        const float dy = gv[e];  // 0 past N
+        dw_acc[e] += dy * xhat;
+        db_acc[e] += dy;
+        const float wdy = dy * w[j];
+        sums.x += wdy * xhat;
+        sums.y += wdy;
+        xv[e] = xhat;
+        gv[e] = wdy;
+      }
+    }
+    sums = row_sum<kWarpPerRow>(sums, buf);
+    if constexpr (!kWarpPerRow) __syncthreads();  // buf is rewritten by the next row
+    const float c1 = sums.x * inv_n;  // mean(wdy * xhat)
+    const float c2 = sums.y * inv_n;  // mean(wdy)
+
+    T* dx_row = DX + row * static_cast<int64_t>(N);
+#pragma unroll
+    for (int i = 0; i < ITERS; ++i) {
+      const int col0 = chunk_col<VEC>(i, t, threads);
+      if (i < nvalid) {
+        float out[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const int e = i * VEC + j;
+          out[j] = rstd * (gv[e] - (xv[e] * c1 + c2));
+        }
+        store_pack<T, VEC>(dx_row + col0, out);
+        if constexpr (RECOMPUTE_OUTPUT) {
+          float w[VEC], b[VEC];
+          load_param<VEC>(W, col0, 1.f, w);
+          load_param<VEC>(B, col0, 0.f, b);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) out[j] = affine(xv[i * VEC + j], w[j], b[j]);
+          store_pack<T, VEC>(Y + row * static_cast<int64_t>(N) + col0, out);
+        }
+      }
+    }
+  }
+
+  // Write this block's partial dw/db row.
+  const int64_t part = static_cast<int64_t>(blockIdx.x) * N;
+  if constexpr (kWarpPerRow) {
+    // Sum the kRows warps' accumulators in shared memory, in warp order.
+    __shared__ float red[2][kRows][kWarpSize * EPT];
+#pragma unroll
+    for (int i = 0; i < ITERS; ++i) {
+      const int col0 = chunk_col<VEC>(i, t, kWarpSize);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        red[0][threadIdx.y][col0 + j] = dw_acc[i * VEC + j];
+        red[1][threadIdx.y][col0 + j] = db_acc[i * VEC + j];
+      }
+    }
+    __syncthreads();
+    const int width = min(N, kWarpSize * EPT);
+    for (int c = threadIdx.y * kWarpSize + t; c < width; c += kRows * kWarpSize) {
+      float dw = red[0][0][c], db = red[1][0][c];
+#pragma unroll
+      for (int r = 1; r < kRows; ++r) {
+        dw += red[0][r][c];
+        db += red[1][r][c];
+      }
+      if (DWp != nullptr) DWp[part + c] = dw;
+      if (DBp != nullptr) DBp[part + c] = db;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < ITERS; ++i) {
+      const int col0 = chunk_col<VEC>(i, t, threads);
+      if (i < nvalid) {
+        if (DWp != nullptr) store_pack<float, VEC>(DWp + part + col0, dw_acc + i * VEC);
+        if (DBp != nullptr) store_pack<float, VEC>(DBp + part + col0, db_acc + i * VEC);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward, any N: one block (kLoopedThreads) per row, grid-stride over rows with grid G <= M.
+// Pass 1 reads x, dy: row sums, and adds dy * xhat, dy into this block's partial rows in global
+// memory (each column always belongs to the same thread: no races, fixed order; DWp/DBp must
+// be zero-initialised). Pass 2 re-reads x, dy and writes dx (and y).
+// ---------------------------------------------------------------------------------------------
+template <typename T, int VEC, bool RECOMPUTE_OUTPUT>
+__global__ void __launch_bounds__(kLoopedThreads, 1) layer_norm_bwd_looped_kernel(
+    const T* __restrict__ DY,        // (M, N), row stride dy_stride
+    const T* __restrict__ X,         // (M, N), row stride x_stride
+    const float* __restrict__ W,     // (N,) or null
+    const float* __restrict__ B,     // (N,) or null (read only when RECOMPUTE_OUTPUT)
+    const float* __restrict__ Mean,  // (M,)
+    const float* __restrict__ Rstd,  // (M,)
+    T* __restrict__ DX,              // (M, N) contiguous
+    T* __restrict__ Y,               // (M, N) contiguous, written when RECOMPUTE_OUTPUT
+    float* __restrict__ DWp,         // (G, N) zero-initialised partial dw, or null
+    float* __restrict__ DBp,         // (G, N) zero-initialised partial db, or null
+    int64_t M, int N, float inv_n, int64_t dy_stride, int64_t x_stride) {
+  __shared__ float2 buf[kLoopedThreads / kWarpSize];
+  const int first = threadIdx.x * VEC;
+  const int step = blockDim.x * VEC;
+  const int64_t part = static_cast<int64_t>(blockIdx.x) * N;
+
+  for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {
+    const T* x_row = X + row * x_stride;
+    const T* dy_row = DY + row * dy_stride;
+    const float mean = Mean[row];
+    const float rstd = Rstd[row];
+
+    float2 sums = make_float2(0.f, 0.f);
+    for (int col0 = first; col0 < N; col0 += step) {
+      float x[VEC], dy[VEC], w[VEC], dw[VEC], db[VEC];
+      load_pack<T, VEC>(x_row + col0, x);
+      load_pack<T, VEC>(dy_row + col0, dy);
+      load_param<VEC>(W, col0, 1.f, w);
+      if (DWp != nullptr) load_pack<float, VEC>(DWp + part + col0, dw);
+      if (DBp != nullptr) load_pack<float, VEC>(DBp + part + col0, db);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float xhat = normalize(x[j], mean, rstd);
+        const float wdy = dy[j] * w[j];
+        sums.x += wdy * xhat;
+        sums.y += wdy;
+        dw[j] += dy[j] * xhat;
+        db[j] += dy[j];
+      }
+      if (DWp != nullptr) store_pack<float, VEC>(DWp + part + col0, dw);
+      if (DBp != nullptr) store_pack<float, VEC>(DBp + part + col0, db);
+    }
+    sums = block_sum(sums, buf);
+    __syncthreads();  // buf is rewritten by the next row
+    const float c1 = sums.x * inv_n;
+    const float c2 = sums.y * inv_n;
+
+    T* dx_row = DX + row * static_cast<int64_t>(N);
+    for (int col0 = first; col0 < N; col0 += step) {
+      float x[VEC], dy[VEC], w[VEC], out[VEC];
+      load_pack<T, VEC>(x_row + col0, x);
+      load_pack<T, VEC>(dy_row + col0, dy);
+      load_param<VEC>(W, col0, 1.f, w);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        x[j] = normalize(x[j], mean, rstd);  // xhat
+        out[j] = rstd * (dy[j] * w[j] - (x[j] * c1 + c2));
+      }
+      store_pack<T, VEC>(dx_row + col0, out);
+      if constexpr (RECOMPUTE_OUTPUT) {
+        float b[VEC];
+        load_param<VEC>(B, col0, 0.f, b);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) out[j] = affine(x[j], w[j], b[j]);
+        store_pack<T, VEC>(Y + row * static_cast<int64_t>(N) + col0, out);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// OUT[c] = sum_g P[g, c] in a fixed order (per thread over g = ty, ty + 8, ..., then over ty).
+// Block (kColumnSumCols, kColumnSumRows), grid ceil(N / kColumnSumCols).
+// ---------------------------------------------------------------------------------------------
+template <typename Out>
+__global__ void __launch_bounds__(kColumnSumCols * kColumnSumRows) column_sum_kernel(
+    const float* __restrict__ P,  // (G, N)
+    Out* __restrict__ OUT,        // (N,)
+    int G, int N) {
+  __shared__ float buf[kColumnSumRows][kColumnSumCols];
+  const int col = blockIdx.x * kColumnSumCols + threadIdx.x;
+  float s = 0.f;
+  if (col < N) {
+    for (int g = threadIdx.y; g < G; g += kColumnSumRows) s += P[static_cast<int64_t>(g) * N + col];
+  }
+  buf[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < N) {
+    float total = buf[0][threadIdx.x];
+#pragma unroll
+    for (int r = 1; r < kColumnSumRows; ++r) total += buf[r][threadIdx.x];
+    OUT[col] = from_float<Out>(total);
+  }
+}
+
+// =============================================================================================
+// Host side
+// =============================================================================================
+
+// Register-path configuration: one warp per row, or a block of `threads` per row, with EPT
+// elements per thread. ept == 0 selects the looped kernels.
+struct RowConfig {
+  bool warp_per_row;
+  int ept;
+  int threads;  // per row (32 in warp mode)
+};
+
+constexpr int64_t kMaxRegisterWidthFwd = 16384;  // block of <= 512 threads x 32 elements
+constexpr int64_t kMaxRegisterWidthBwd = 8192;   // block of <= 512 threads x 16 elements (x4 arrays)
+constexpr int64_t kMaxRegisterWidthScalar = 4096;  // scalar (unvectorised) rows: block x 8 elements
+
+int round_up(int64_t value, int multiple) { return static_cast<int>((value + multiple - 1) / multiple * multiple); }
+
+// Width thresholds (elements): <= 256 warp/8, <= 512 warp/16, <= 4096 block/8, <= 8192
+// block/16, (forward only) <= 16384 block/32, else looped. Unvectorised rows (misaligned, or N
+// not a multiple of the vector width) wider than 4096 take the looped kernels: their
+// per-element predicates and addresses would spill at larger EPT.
+RowConfig pick_config(int64_t N, bool forward, bool vectorized) {
+  auto block = [N](int ept) { return RowConfig{false, ept, std::max(64, round_up((N + ept - 1) / ept, kWarpSize))}; };
+  if (N <= 256) return {true, 8, kWarpSize};
+  if (N <= 512) return {true, 16, kWarpSize};
+  if (N <= kMaxRegisterWidthScalar) return block(8);
+  if (vectorized && N <= kMaxRegisterWidthBwd) return block(16);
+  if (vectorized && forward && N <= kMaxRegisterWidthFwd) return block(32);
+  return {false, 0, kLoopedThreads};
+}
+
+int sm_count(int device) {
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return std::max(sms, 1);
+}
+
+// Fixed backward grid: as many blocks as fit on the device at once (grid-stride needs all of
+// them resident, or the last wave would run alone), and no more than there are row groups.
+template <typename Kernel>
+int backward_grid(Kernel kernel, int threads_per_block, int64_t row_groups, int device) {
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads_per_block, 0));
+  const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * sm_count(device);
+  return static_cast<int>(std::min(row_groups, resident));
+}
+
+bool is_float_type(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+// Vector loads need the base aligned to 16 bytes and every row start to stay aligned.
+bool vectorizable(const at::Tensor& t, int64_t row_stride, int64_t M, int64_t N, int vec) {
+  return is_aligned(t.data_ptr(), kMaxVecBytes) && N % vec == 0 && (M <= 1 || row_stride % vec == 0);
+}
+
+void check_input(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), "layer_norm: ", name, " must be a CUDA tensor, got device ", t.device());
+  TORCH_CHECK(t.dim() == 2, "layer_norm: ", name, " must be 2-D (M, N), got shape ", t.sizes());
+  TORCH_CHECK(is_float_type(t.scalar_type()), "layer_norm: ", name,
+              " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  TORCH_CHECK(t.stride(1) == 1 || t.size(1) <= 1, "layer_norm: ", name,
+              " must have a unit stride in its last dim, got strides ", t.strides());
+  TORCH_CHECK(t.stride(0) >= 0, "layer_norm: ", name, " has a negative row stride");
+  TORCH_CHECK(t.size(1) >= 1, "layer_norm: ", name, " must have N >= 1 columns, got shape ", t.sizes());
+  TORCH_CHECK(t.size(1) <= std::numeric_limits<int>::max() / 2, "layer_norm: ", name, " is too wide: N = ",
+              t.size(1));
+  TORCH_CHECK(t.size(0) <= std::numeric_limits<int>::max(), "layer_norm: ", name, " has too many rows: M = ",
+              t.size(0));
+}
+
+void check_param(const std::optional<at::Tensor>& p, const char* name, const at::Tensor& x) {
+  if (!p.has_value() || !p->defined()) return;
+  TORCH_CHECK(p->device() == x.device(), "layer_norm: ", name, " is on ", p->device(), " but x is on ",
+              x.device());
+  TORCH_CHECK(p->dim() == 1 && p->size(0) == x.size(1), "layer_norm: ", name, " must have shape (",
+              x.size(1), ",), got ", p->sizes());
+  TORCH_CHECK(p->is_contiguous(), "layer_norm: ", name, " must be contiguous");
+  TORCH_CHECK(is_float_type(p->scalar_type()), "layer_norm: ", name,
+              " must be float32, float16 or bfloat16, got ", p->scalar_type());
+}
+
+void check_stat(const at::Tensor& s, const char* name, const at::Tensor& x) {
+  TORCH_CHECK(s.device() == x.device(), "layer_norm: ", name, " is on ", s.device(), " but x is on ",
+              x.device());
+  TORCH_CHECK(s.scalar_type() == at::kFloat, "layer_norm: ", name, " must be float32, got ", s.scalar_type());
+  TORCH_CHECK(s.dim() == 1 && s.size(0) == x.size(0), "layer_norm: ", name, " must have shape (", x.size(0),
+              ",), got ", s.sizes());
+  TORCH_CHECK(s.is_contiguous(), "layer_norm: ", name, " must be contiguous");
+}
+
+bool present(const std::optional<at::Tensor>& p) { return p.has_value() && p->defined(); }
+
+// weight/bias as a 16-byte-aligned contiguous fp32 (N,) tensor, or undefined.
+at::Tensor param_as_float(const std::optional<at::Tensor>& p) {
+  if (!present(p)) return at::Tensor();
+  at::Tensor f = p->to(at::kFloat).contiguous();
+  if (!is_aligned(f.data_ptr(), kMaxVecBytes)) f = f.clone(at::MemoryFormat::Contiguous);
+  return f;
+}
+
+float* float_ptr_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+
+// ----------------------------------------- forward -----------------------------------------
+
+struct FwdArgs {
+  const void* x;
+  const float* w;
+  const float* b;
+  void* y;
+  float* mean;
+  float* rstd;
+  int64_t M;
+  int N;
+  float inv_n;  // 1 / N, computed once on the host (no IEEE division in the kernels)
+  int64_t x_stride;
+  float eps;
+};
+
+template <typename T, int VEC>
+void launch_fwd(const FwdArgs& a, const RowConfig& cfg, cudaStream_t stream) {
+  const T* x = static_cast<const T*>(a.x);
+  T* y = static_cast<T*>(a.y);
+  auto run = [&](auto kernel, dim3 grid, dim3 block) {
+    kernel<<<grid, block, 0, stream>>>(x, a.w, a.b, y, a.mean, a.rstd, a.M, a.N, a.inv_n, a.x_stride, a.eps);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  const dim3 warp_block(kWarpSize, kRowsPerWarpBlock);
+  const dim3 warp_grid(static_cast<unsigned>((a.M + kRowsPerWarpBlock - 1) / kRowsPerWarpBlock));
+  const dim3 row_grid(static_cast<unsigned>(a.M));
+  const dim3 row_block(cfg.threads);
+  if (cfg.ept == 0) {
+    layer_norm_fwd_looped_kernel<T, VEC><<<row_grid, row_block, 0, stream>>>(x, a.w, a.b, y, a.mean, a.rstd, a.N,
+                                                                          a.inv_n, a.x_stride, a.eps);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  } else if (cfg.warp_per_row) {
+    if (cfg.ept == 8) run(layer_norm_fwd_kernel<T, VEC, 8, true>, warp_grid, warp_block);
+    else run(layer_norm_fwd_kernel<T, VEC, 16, true>, warp_grid, warp_block);
+  } else if (cfg.ept == 8) {
+    run(layer_norm_fwd_kernel<T, VEC, 8, false>, row_grid, row_block);
+  } else if constexpr (VEC > 1) {  // pick_config: EPT 16/32 only for vectorised rows
+    if (cfg.ept == 16) run(layer_norm_fwd_kernel<T, VEC, 16, false>, row_grid, row_block);
+    else run(layer_norm_fwd_kernel<T, VEC, 32, false>, row_grid, row_block);
+  } else {
+    TORCH_CHECK(false, "layer_norm: internal error, no forward kernel for EPT ", cfg.ept);
+  }
+}
+
+// ----------------------------------------- backward ----------------------------------------
+
+struct BwdArgs {
+  const void* dy;
+  const void* x;
+  const float* w;
+  const float* b;
+  const float* mean;
+  const float* rstd;
+  void* dx;
+  void* y;
+  int64_t M;
+  int N;
+  float inv_n;
+  int64_t dy_stride;
+  int64_t x_stride;
+};
+
+struct Partials {
+  at::Tensor dw;  // (G, N) fp32 or undefined
+  at::Tensor db;
+  int G;
+};
+
+// Launches the backward kernel for CFG; returns the partial dw/db buffers it filled.
+template <typename T, int VEC, bool RECOMPUTE_OUTPUT>
+Partials launch_bwd(const BwdArgs& a, const RowConfig& cfg, bool need_dw, bool need_db,
+                    const at::TensorOptions& float_opts, int device, cudaStream_t stream) {
+  const T* dy = static_cast<const T*>(a.dy);
+  const T* x = static_cast<const T*>(a.x);
+  T* dx = static_cast<T*>(a.dx);
+  T* y = static_cast<T*>(a.y);
+  Partials parts{};
+  auto run = [&](auto kernel, dim3 block, int rows_per_block, bool zero_init) {
+    const int64_t row_groups = (a.M + rows_per_block - 1) / rows_per_block;
+    parts.G = backward_grid(kernel, static_cast<int>(block.x * block.y), row_groups, device);
+    auto make = [&](bool need) {
+      if (!need) return at::Tensor();
+      return zero_init ? at::zeros({parts.G, a.N}, float_opts) : at::empty({parts.G, a.N}, float_opts);
+    };
+    parts.dw = make(need_dw);
+    parts.db = make(need_db);
+    kernel<<<dim3(parts.G), block, 0, stream>>>(dy, x, a.w, a.b, a.mean, a.rstd, dx, y,
+                                                float_ptr_or_null(parts.dw), float_ptr_or_null(parts.db), a.M,
+                                                a.N, a.inv_n, a.dy_stride, a.x_stride);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  const dim3 warp_block(kWarpSize, kRowsPerWarpBlock);
+  const dim3 row_block(cfg.threads);
+  if (cfg.ept == 0) {
+    run(layer_norm_bwd_looped_kernel<T, VEC, RECOMPUTE_OUTPUT>, row_block, 1, true);
+  } else if (cfg.warp_per_row) {
+    if (cfg.ept == 8) run(layer_norm_bwd_kernel<T, VEC, 8, true, RECOMPUTE_OUTPUT>, warp_block, kRowsPerWarpBlock, false);
+    else run(layer_norm_bwd_kernel<T, VEC, 16, true, RECOMPUTE_OUTPUT>, warp_block, kRowsPerWarpBlock, false);
+  } else if (cfg.ept == 8) {
+    run(layer_norm_bwd_kernel<T, VEC, 8, false, RECOMPUTE_OUTPUT>, row_block, 1, false);
+  } else if constexpr (VEC > 1) {  // pick_config: EPT 16 only for vectorised rows
+    run(layer_norm_bwd_kernel<T, VEC, 16, false, RECOMPUTE_OUTPUT>, row_block, 1, false);
+  } else {
+    TORCH_CHECK(false, "layer_norm: internal error, no backward kernel for EPT ", cfg.ept);
+  }
+  return parts;
+}
+
+// OUT (N,) in its own dtype = column sums of the (G, N) fp32 partials.
+void column_sum(const at::Tensor& partial, at::Tensor& out, cudaStream_t stream) {
+  const int G = static_cast<int>(partial.size(0));
+  const int N = static_cast<int>(partial.size(1));
+  const dim3 block(kColumnSumCols, kColumnSumRows);
+  const dim3 grid(static_cast<unsigned>((N + kColumnSumCols - 1) / kColumnSumCols));
+  REMAT_DISPATCH_FLOAT_TYPES(out.scalar_type(), "remat_layer_norm_column_sum", [&] {
+    column_sum_kernel<scalar_t><<<grid, block, 0, stream>>>(partial.data_ptr<float>(), out.data_ptr<scalar_t>(), G, N);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace
+
+// =============================================================================================
+// Entry points
+// =============================================================================================
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
+    const at::Tensor& x, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    double eps) {
+  check_input(x, "x");
+  check_param(weight, "weight", x);
+  check_param(bias, "bias", x);
+  const int64_t M = x.size(0);
+  const int64_t N = x.size(1);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor y = at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor mean = at::empty({M}, x.options().dtype(at::kFloat));
+  at::Tensor rstd = at::empty({M}, x.options().dtype(at::kFloat));
+  if (M == 0) return {y, mean, rstd};
+
+  const at::Tensor w = param_as_float(weight);
+  const at::Tensor b = param_as_float(bias);
+  const FwdArgs args{x.data_ptr(), float_ptr_or_null(w), float_ptr_or_null(b), y.data_ptr(),
+                     mean.data_ptr<float>(), rstd.data_ptr<float>(), M, static_cast<int>(N),
+                     1.f / static_cast<float>(N), x.stride(0), static_cast<float>(eps)};
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  REMAT_DISPATCH_FLOAT_TYPES(x.scalar_type(), "remat_layer_norm_fwd", [&] {
+    constexpr int kVec = max_vec<scalar_t>();
+    if (vectorizable(x, x.stride(0), M, N, kVec)) {
+      launch_fwd<scalar_t, kVec>(args, pick_config(N, /*forward=*/true, /*vectorized=*/true), stream);
+    } else {
+      launch_fwd<scalar_t, 1>(args, pick_config(N, /*forward=*/true, /*vectorized=*/false), stream);
+    }
+  });
+  return {y, mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
+    const at::Tensor& dy, const at::Tensor& x, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd,
+    bool recompute_output) {
+  check_input(x, "x");
+  check_input(dy, "dy");
+  TORCH_CHECK(dy.device() == x.device(), "layer_norm: dy is on ", dy.device(), " but x is on ", x.device());
+  TORCH_CHECK(dy.sizes() == x.sizes(), "layer_norm: dy must have x's shape ", x.sizes(), ", got ", dy.sizes());
+  TORCH_CHECK(dy.scalar_type() == x.scalar_type(), "layer_norm: dy must have x's dtype ", x.scalar_type(),
+              ", got ", dy.scalar_type());
+  check_param(weight, "weight", x);
+  check_param(bias, "bias", x);
+  check_stat(mean, "mean", x);
+  check_stat(rstd, "rstd", x);
+
+  const int64_t M = x.size(0);
+  const int64_t N = x.size(1);
+  const bool has_w = present(weight);
+  const bool has_b = present(bias);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto empty0 = [&] { return at::empty({0}, x.options()); };
+  at::Tensor dx = at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor y = recompute_output ? at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous))
+                                  : empty0();
+  at::Tensor dw = has_w ? at::empty({N}, weight->options()) : empty0();
+  at::Tensor db = has_b ? at::empty({N}, bias->options()) : empty0();
+  if (M == 0) {
+    if (has_w) dw.zero_();
+    if (has_b) db.zero_();
+    return {dx, dw, db, y};
+  }
+
+  const at::Tensor w = param_as_float(weight);
+  const at::Tensor b = param_as_float(bias);
+  const BwdArgs args{dy.data_ptr(), x.data_ptr(), float_ptr_or_null(w), float_ptr_or_null(b),
+                     mean.data_ptr<float>(), rstd.data_ptr<float>(), dx.data_ptr(),
+                     recompute_output ? y.data_ptr() : nullptr, M, static_cast<int>(N),
+                     1.f / static_cast<float>(N), dy.stride(0), x.stride(0)};
+  const int device = x.device().index();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  const at::TensorOptions float_opts = x.options().dtype(at::kFloat);
+  Partials parts;
+  REMAT_DISPATCH_FLOAT_TYPES(x.scalar_type(), "remat_layer_norm_bwd", [&] {
+    constexpr int kVec = max_vec<scalar_t>();
+    const bool vec = vectorizable(x, x.stride(0), M, N, kVec) && vectorizable(dy, dy.stride(0), M, N, kVec);
+    const RowConfig cfg = pick_config(N, /*forward=*/false, vec);
+    if (vec && recompute_output) {
+      parts = launch_bwd<scalar_t, kVec, true>(args, cfg, has_w, has_b, float_opts, device, stream);
+    } else if (vec) {
+      parts = launch_bwd<scalar_t, kVec, false>(args, cfg, has_w, has_b, float_opts, device, stream);
+    } else if (recompute_output) {
+      parts = launch_bwd<scalar_t, 1, true>(args, cfg, has_w, has_b, float_opts, device, stream);
+    } else {
+      parts = launch_bwd<scalar_t, 1, false>(args, cfg, has_w, has_b, float_opts, device, stream);
+    }
+  });
+  if (has_w) column_sum(parts.dw, dw, stream);
+  if (has_b) column_sum(parts.db, db, stream);
+  return {dx, dw, db, y};
+}
+
+}  // namespace remat

@@ -1,0 +1,321 @@
+"""Attention: reference, custom ops (kernel, fake, autograd), public function.
+
+softmax(scale * q k^T) v over (batch, heads, seq, head_dim) tensors, like
+torch.nn.functional.scaled_dot_product_attention, FlashAttention-style: autograd keeps q, k, v,
+the output o and one fp32 log-sum-exp per query row; the backward recomputes the probabilities
+block by block and never materialises a seqlen_q x seqlen_k matrix.
+
+Conventions (shared by the reference, the Triton kernels and the fallback):
+- causal masks are aligned to the bottom-right corner when seqlen_q != seqlen_k
+  (FlashAttention >= 2.1): query i sees key j iff j <= i + seqlen_k - seqlen_q. A query row
+  that sees no key (seqlen_q > seqlen_k) gets output 0, lse -inf and zero gradients.
+- GQA/MQA: k and v may have fewer heads h_kv than q (h_kv dividing h); query head i uses
+  key/value head i // (h // h_kv).
+- lse is the natural log, fp32 (float64 for float64 input to the reference), and is not
+  differentiable (its gradient is taken as zero).
+
+Backends: CUDA tensors run the Triton kernels for backend "triton" and also for "cuda" (there is
+no CUDA-extension attention; "cuda" runs the Triton kernel). CPU tensors run the Triton kernel
+under TRITON_INTERPRET=1, else the reference. Head dims outside HEAD_DIMS run the reference on
+CPU; on CUDA, those and GPUs Triton cannot target (compute capability < 8.0) fall back to
+torch.nn.functional.scaled_dot_product_attention with a one-time warning.
+"""
+
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import _backend
+from .._validate import check_float_tensor, check_same_device
+
+HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the Triton kernels' head dims (see triton_kernels/attention.py)
+
+# ---------------------------------------------------------------------------------------------
+# Reference: plain PyTorch with an explicit softmax, in fp32 (float64 when given float64).
+# ---------------------------------------------------------------------------------------------
+
+
+def _math_dtype(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _visible_mask(seqlen_q, seqlen_k, device):
+    """(seqlen_q, seqlen_k) bool, True where query i may see key j (causal, bottom-right aligned)."""
+    return torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device).tril(seqlen_k - seqlen_q)
+
+
+def _expand_kv(t, heads):
+    """k or v with its heads repeated to `heads` (GQA: each key/value head serves a group)."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _probabilities(q, k, causal, softmax_scale):
+    """(p, lse) in the math dtype: p (B, H, Sq, Sk) with zero rows where nothing is visible."""
+    dtype = _math_dtype(q)
+    s = (q.to(dtype) @ _expand_kv(k, q.shape[1]).to(dtype).transpose(-1, -2)) * softmax_scale
+    if causal:
+        s = s.masked_fill(~_visible_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    # A fully masked row has lse = -inf; subtracting 0 there keeps exp(-inf) = 0 instead of NaN.
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+    return p, lse
+
+
+def attention_ref(q, k, v, causal=False, softmax_scale=None):
+    """(o, lse) by an explicit softmax; differentiable, materialises (B, H, Sq, Sk).
+
+    o in q's dtype, lse in fp32 (float64 for float64 input). Used by the tests (in float64) and
+    as the CPU fallback without the interpreter.
+    """
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    p, lse = _probabilities(q, k, causal, softmax_scale)
+    o = p @ _expand_kv(v, q.shape[1]).to(p.dtype)
+    return o.to(q.dtype), lse
+
+
+def new_output(q):
+    """An empty o for q (B, H, Sq, D), laid out in memory as (B, Sq, H, D), as every backend returns it.
+
+    That is the layout the output projection wants: o.transpose(1, 2).reshape(B, Sq, H * D) is
+    then a view, so the projection keeps the same storage that attention keeps, not a copy.
+    """
+    batch, heads, seqlen_q, head_dim = q.shape
+    return q.new_empty((batch, seqlen_q, heads, head_dim)).transpose(1, 2)
+
+
+def _attention_fwd_ref(q, k, v, causal, softmax_scale):
+    o, lse = attention_ref(q, k, v, causal, softmax_scale)
+    return new_output(q).copy_(o), lse.to(torch.float32).contiguous()
+
+
+def _group_sum(t, kv_heads):
+    """(B, H, S, D) -> (B, H_kv, S, D): the sum over the query heads of each group."""
+    b, h, s, d = t.shape
+    return t.view(b, kv_heads, h // kv_heads, s, d).sum(dim=2)
+
+
+def _attention_bwd_ref(do, q, k, v, o, lse, causal, softmax_scale):
+    """(dq, dk, dv) by the same derivation as the kernels (see triton_kernels/attention.py)."""
+    dtype = _math_dtype(q)
+    heads, kv_heads = q.shape[1], k.shape[1]
+    p, _ = _probabilities(q, k, causal, softmax_scale)
+    do_f = do.to(dtype)
+    v_f = _expand_kv(v, heads).to(dtype)
+    dv = p.transpose(-1, -2) @ do_f
+    dp = do_f @ v_f.transpose(-1, -2)
+    delta = (do_f * o.to(dtype)).sum(dim=-1, keepdim=True)
+    ds = p * (dp - delta)
+    dq = (ds @ _expand_kv(k, heads).to(dtype)) * softmax_scale
+    dk = (ds.transpose(-1, -2) @ q.to(dtype)) * softmax_scale
+    return dq.to(q.dtype), _group_sum(dk, kv_heads).to(k.dtype), _group_sum(dv, kv_heads).to(v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom ops. Each dispatches at run time to the backend chosen in remat._backend.
+# ---------------------------------------------------------------------------------------------
+
+
+def _implementation(device, head_dim):
+    backend = _backend.choose("attention", device)
+    # "cuda" also runs the Triton kernel: there is no CUDA-extension attention.
+    if backend in ("triton", "cuda") and head_dim in HEAD_DIMS:
+        from ..triton_kernels import attention as triton_attention
+
+        return triton_attention.attention_fwd, triton_attention.attention_bwd
+    return _attention_fwd_ref, _attention_bwd_ref
+
+
+@torch.library.custom_op("remat::attention_fwd", mutates_args=())
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:
+    """(o, lse): o (B, H, Sq, D) in q's dtype, laid out as (B, Sq, H, D); lse (B, H, Sq) fp32 natural log."""
+    forward, _ = _implementation(q.device, q.shape[-1])
+    return forward(q, k, v, causal, softmax_scale)
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, causal, softmax_scale):
+    batch, heads, seqlen_q, _ = q.shape
+    return new_output(q), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("remat::attention_bwd", mutates_args=())
+def attention_bwd(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, softmax_scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of attention_fwd, recomputing the probabilities from q, k and lse."""
+    _, backward = _implementation(q.device, q.shape[-1])
+    return backward(do, q, k, v, o, lse, causal, softmax_scale)
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(do, q, k, v, o, lse, causal, softmax_scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, softmax_scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.causal, ctx.softmax_scale = causal, softmax_scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, do, _dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    dq, dk, dv = attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale)
+    return dq, dk, dv, None, None
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+# ---------------------------------------------------------------------------------------------
+# Fallback to PyTorch's scaled_dot_product_attention (CUDA tensors the kernels do not cover)
+# ---------------------------------------------------------------------------------------------
+_warned = set()
+
+
+def _warn_fallback_once(reason):
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(
+            f"remat.attention: {reason}; falling back to torch.nn.functional.scaled_dot_product_attention "
+            "(correct, but not remat's memory layout)",
+            stacklevel=3,
+        )
+
+
+@torch.compiler.assume_constant_result
+def _triton_can_target(device_index: int) -> bool:
+    """Triton's tl.dot kernels need compute capability >= 8.0 (Ampere)."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
+
+
+def _fallback_reason(q):
+    if q.device.type != "cuda":
+        return None  # CPU: the interpreter or the reference handles everything
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"head dim {q.shape[-1]} is not one of the kernel's {HEAD_DIMS}"
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if not _triton_can_target(index):
+        return "the GPU's compute capability is below 8.0, which the Triton kernels need"
+    return None
+
+
+def _sdpa_fallback(q, k, v, causal, softmax_scale, return_lse):
+    heads, seqlen_q, seqlen_k = q.shape[1], q.shape[2], k.shape[2]
+    k_full, v_full = _expand_kv(k, heads), _expand_kv(v, heads)
+    if not causal:
+        o = F.scaled_dot_product_attention(q, k_full, v_full, scale=softmax_scale)
+    elif seqlen_q == seqlen_k:
+        o = F.scaled_dot_product_attention(q, k_full, v_full, is_causal=True, scale=softmax_scale)
+    else:
+        # SDPA's is_causal is top-left aligned; give it the bottom-right mask explicitly. Rows
+        # that see no key would be NaN there: they attend everything instead (a finite result)
+        # and are zeroed after, so they give output 0 and zero gradients, as the kernels do.
+        visible = _visible_mask(seqlen_q, seqlen_k, q.device)
+        seen = visible.any(dim=1)
+        mask = visible | ~seen[:, None]
+        o = F.scaled_dot_product_attention(q, k_full, v_full, attn_mask=mask, scale=softmax_scale)
+        o = o * seen[:, None].to(o.dtype)
+    if not return_lse:
+        return o
+    with torch.no_grad():
+        _, lse = _probabilities(q, k, causal, softmax_scale)  # materialises s x s: fallback only
+    return o, lse.to(torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public function
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_qkv(q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_float_tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+        check_same_device(name, t, "q", q)
+    batch, heads, _, head_dim = q.shape
+    if head_dim < 1:
+        raise ValueError(f"q must have head_dim >= 1, got shape {tuple(q.shape)}")
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(
+            f"k must have shape ({batch}, kv_heads, seqlen_k, {head_dim}) to match q {tuple(q.shape)}, "
+            f"got {tuple(k.shape)}"
+        )
+    if v.shape != k.shape:
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    kv_heads = k.shape[1]
+    if kv_heads < 1 or heads % kv_heads != 0:
+        raise ValueError(f"k and v must have a number of heads dividing q's {heads}, got {kv_heads}")
+
+
+def _unit_last_stride(t):
+    return t if t.stride(-1) == 1 or t.numel() == 0 else t.contiguous()
+
+
+def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False):
+    """softmax(softmax_scale * q k^T) v, like F.scaled_dot_product_attention, FlashAttention-style.
+
+    q: (batch, heads, seqlen_q, head_dim); k, v: (batch, kv_heads, seqlen_k, head_dim) with
+    kv_heads dividing heads (GQA/MQA). float32, float16 or bfloat16, all the same; any strides
+    (a last dim of stride != 1 is copied). causal: bottom-right aligned when seqlen_q !=
+    seqlen_k. softmax_scale: default 1/sqrt(head_dim). Returns o (batch, heads, seqlen_q,
+    head_dim), and with return_lse=True also the fp32 natural-log log-sum-exp per query row
+    (batch, heads, seqlen_q), -inf for rows that see no key (not differentiable).
+
+    Autograd saves q, k, v, o and the lse (4 bytes per query row and head).
+    """
+    _check_qkv(q, k, v)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not math.isfinite(
+        softmax_scale
+    ):
+        raise ValueError(f"softmax_scale must be a finite float or None, got {softmax_scale!r}")
+    softmax_scale = float(softmax_scale)
+
+    reason = _fallback_reason(q)
+    if reason is not None:
+        _warn_fallback_once(reason)
+        return _sdpa_fallback(q, k, v, causal, softmax_scale, return_lse)
+
+    o, lse = attention_fwd(_unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v), causal, softmax_scale)
+    return (o, lse) if return_lse else o
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-head self-attention block (what remat.nn.MultiheadSelfAttention calls)
+# ---------------------------------------------------------------------------------------------
+
+
+def multihead_self_attention(x, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias, num_heads,
+                             num_kv_heads, causal=False):
+    """out_proj(attention(split_heads(in_proj(x)))) for x (batch, seq, embed_dim).
+
+    in_proj_weight: ((num_heads + 2 * num_kv_heads) * head_dim, embed_dim), the rows of q, then
+    k, then v (torch.nn.MultiheadAttention's packing when num_kv_heads == num_heads).
+    """
+    batch, seq, _ = x.shape
+    head_dim = out_proj_weight.shape[1] // num_heads
+    qkv = F.linear(x, in_proj_weight, in_proj_bias)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    # (batch, seq, heads * head_dim) -> (batch, heads, seq, head_dim): a strided view, no copy.
+    q = q.unflatten(-1, (num_heads, head_dim)).transpose(1, 2)
+    k = k.unflatten(-1, (num_kv_heads, head_dim)).transpose(1, 2)
+    v = v.unflatten(-1, (num_kv_heads, head_dim)).transpose(1, 2)
+    o = attention(q, k, v, causal=causal)
+    return F.linear(o.transpose(1, 2).reshape(batch, seq, num_heads * head_dim), out_proj_weight, out_proj_bias)

@@ -1,0 +1,426 @@
+"""Attention: kernels against a float64 reference and PyTorch's SDPA, the op contract, memory,
+the module, bad input, and the ahead-of-time GPU compile."""
+
+import importlib
+import math
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import remat
+from remat.ops import attention as attn_ops
+from numerics import REL_TOL, rel_error, saved_bytes
+
+HAS_GPU = torch.cuda.is_available()
+# bf16 tl.dot is wrong under the Triton interpreter (triton issue 11584): bf16 on GPU only.
+DTYPES = [torch.float16, torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not HAS_GPU, reason="bf16 tl.dot is broken under the Triton interpreter (triton#11584)"))]
+
+# Floors of the "at most 2x PyTorch's own error" criterion. fp32: both errors are ~1e-7 (rounding
+# noise of the summation order), where a factor of 2 is not meaningful.
+ERROR_FLOOR = {torch.float32: 1e-6, torch.float16: 0.0, torch.bfloat16: 0.0}
+
+# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal, softmax_scale). Interpreter
+# blocks are 16 x 16: lengths 17, 33, 65 leave ragged tails, 1 is a single row.
+CASES = [
+    pytest.param((1, 2, 2, 17, 17, 32, False, None), id="plain-17"),
+    pytest.param((2, 2, 2, 33, 33, 64, True, None), id="causal-33"),
+    pytest.param((1, 2, 2, 17, 40, 64, True, None), id="causal-q17-k40"),
+    pytest.param((1, 2, 2, 40, 17, 32, True, None), id="causal-q40-k17-masked-rows"),
+    pytest.param((1, 2, 2, 33, 65, 64, False, 0.3), id="noncausal-q33-k65-scale0.3"),
+    pytest.param((1, 4, 1, 17, 17, 64, True, None), id="mqa"),
+    pytest.param((1, 4, 2, 33, 20, 32, False, None), id="gqa"),
+    pytest.param((1, 4, 2, 24, 33, 64, True, 0.6), id="gqa-causal-scale0.6"),
+    pytest.param((2, 1, 1, 1, 1, 64, False, None), id="seq1"),
+    pytest.param((1, 1, 1, 1, 17, 32, True, None), id="q1-causal"),
+    pytest.param((1, 1, 1, 65, 65, 80, False, None), id="d80"),
+    pytest.param((1, 1, 1, 33, 33, 96, True, None), id="d96"),
+    pytest.param((1, 1, 1, 33, 17, 128, False, None), id="d128"),
+    pytest.param((1, 1, 1, 17, 17, 256, True, None), id="d256"),
+    pytest.param((1, 1, 1, 127, 129, 64, True, None), id="causal-q127-k129"),
+]
+
+
+def make_qkv(shape, dtype, device):
+    batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim = shape
+    q = torch.randn(batch, heads, seqlen_q, head_dim, device=device).to(dtype).requires_grad_()
+    k = torch.randn(batch, kv_heads, seqlen_k, head_dim, device=device).to(dtype).requires_grad_()
+    v = torch.randn(batch, kv_heads, seqlen_k, head_dim, device=device).to(dtype).requires_grad_()
+    return q, k, v
+
+
+def float64_reference(q, k, v, do, causal, scale):
+    """o, lse, dq, dk, dv of the explicit-softmax reference in float64."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    o, lse = attn_ops.attention_ref(*leaves, causal, scale)
+    o.backward(do.double())
+    return (o, lse, *[t.grad for t in leaves])
+
+
+def _bottom_right_mask(q, k):
+    return torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
+
+
+def torch_same_dtype(q, k, v, do, causal, scale):
+    """o, dq, dk, dv as PyTorch computes them in q's dtype, by two implementations; "PyTorch's
+    own error" is the larger of their two errors:
+
+    - F.scaled_dot_product_attention (the math backend on CPU, the default one on a GPU). On CPU
+      the math backend upcasts fp16 to fp32 inside, so it is not a same-dtype computation there.
+    - an explicit softmax whose matmuls run in q's dtype: the reference FlashAttention's own tests
+      measure PyTorch's error with (attention_ref(upcast=False)). Its P and dS round to the input
+      dtype before their matmuls, as every flash kernel's do.
+    Causal masks are bottom-right aligned in both.
+    """
+    results = []
+    for explicit in (False, True):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        heads = q.shape[1]
+        k_full = leaves[1].repeat_interleave(heads // k.shape[1], dim=1)
+        v_full = leaves[2].repeat_interleave(heads // k.shape[1], dim=1)
+        mask = _bottom_right_mask(q, k) if causal else None
+        if explicit:
+            s = (leaves[0] * (scale if scale is not None else q.shape[-1] ** -0.5)) @ k_full.transpose(-1, -2)
+            if mask is not None:
+                s = s.masked_fill(~mask, float("-inf"))
+            o = torch.softmax(s, dim=-1) @ v_full
+        elif q.device.type == "cpu":
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+                o = F.scaled_dot_product_attention(leaves[0], k_full, v_full, attn_mask=mask, scale=scale)
+        else:
+            o = F.scaled_dot_product_attention(leaves[0], k_full, v_full, attn_mask=mask, scale=scale)
+        o.backward(do)
+        results.append((o, *[t.grad for t in leaves]))
+    return results
+
+
+def run_remat(q, k, v, do, causal, scale):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    o, lse = remat.ops.attention.attention(*leaves, causal=causal, softmax_scale=scale, return_lse=True)
+    o.backward(do)
+    return (o, lse, *[t.grad for t in leaves])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES)
+def test_matches_float64_and_sdpa(target, case, dtype):
+    device, _ = target
+    *shape, causal, scale = case
+    q, k, v = make_qkv(shape, dtype, device)
+    do = torch.randn(q.shape, device=device).to(dtype)
+    ours = run_remat(q, k, v, do, causal, scale)
+    ref = float64_reference(q, k, v, do, causal, scale)
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    # With one key, P = 1 and dS = P (dP - delta) is exactly 0, so dq = dk = 0 exactly; a kernel
+    # gets dP - delta = dO.V - dO.O to fp32 rounding (different summation orders), i.e. ~1e-7.
+    exactly_zero = {"dq", "dk"} if seqlen_k == 1 else set()
+    names = ("o", "lse", "dq", "dk", "dv")
+    for name, got, want in zip(names, ours, ref):
+        assert got.shape == want.shape, name
+        if name in exactly_zero:
+            assert want.abs().max() == 0 and got.abs().max() < 1e-4, name
+            continue
+        if name == "lse":
+            assert got.dtype == torch.float32
+            masked = torch.isinf(want)
+            assert torch.equal(torch.isinf(got), masked) and (got[masked] < 0).all()
+            assert rel_error(got[~masked], want[~masked]) < 1e-6
+            continue
+        assert got.dtype == dtype, name
+        assert torch.isfinite(got).all(), name
+        assert rel_error(got, want) <= REL_TOL[dtype], f"{name}: {rel_error(got, want):.3g}"
+
+    if causal and seqlen_q > seqlen_k:
+        return  # rows that see no key: SDPA's answer there is NaN or 0 depending on the version
+    sdpa, explicit = torch_same_dtype(q, k, v, do, causal, scale)
+    for name, got, by_sdpa, by_explicit, want in zip(
+        ("o", "dq", "dk", "dv"), (ours[0], *ours[2:]), sdpa, explicit, (ref[0], *ref[2:])
+    ):
+        if name in exactly_zero:
+            continue
+        ours_err = rel_error(got, want)
+        torch_err = max(rel_error(by_sdpa, want), rel_error(by_explicit, want))
+        assert ours_err <= 2 * torch_err + ERROR_FLOOR[dtype], f"{name}: {ours_err:.3g} vs torch {torch_err:.3g}"
+
+
+def test_rows_without_visible_keys_are_zero(target):
+    """Causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k rows see no key."""
+    device, _ = target
+    q, k, v = make_qkv((1, 2, 2, 37, 5, 32), torch.float16, device)
+    o, lse = remat.ops.attention.attention(q, k, v, causal=True, return_lse=True)
+    hidden = 37 - 5
+    assert torch.equal(o[:, :, :hidden], torch.zeros_like(o[:, :, :hidden]))
+    assert torch.isneginf(lse[:, :, :hidden]).all() and torch.isfinite(lse[:, :, hidden:]).all()
+    o.backward(torch.randn_like(o))
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert torch.equal(q.grad[:, :, :hidden], torch.zeros_like(q.grad[:, :, :hidden]))
+
+
+def test_non_contiguous_inputs(target):
+    """q from a (b, s, h, d) tensor, k a slice of a wider tensor, v with a last-dim stride != 1."""
+    device, _ = target
+    q = torch.randn(2, 19, 2, 32, device=device, dtype=torch.float16).transpose(1, 2).detach().requires_grad_()
+    k = torch.randn(2, 2, 25, 48, device=device, dtype=torch.float16)[..., 8:40].detach().requires_grad_()
+    v = torch.randn(2, 2, 32, 25, device=device, dtype=torch.float16).transpose(-1, -2).detach().requires_grad_()
+    assert q.stride(-1) == 1 and not q.is_contiguous() and v.stride(-1) != 1
+    do = torch.randn(2, 19, 2, 32, device=device, dtype=torch.float16).transpose(1, 2)  # non-contiguous too
+    ours = run_remat(q, k, v, do, True, None)
+    ref = float64_reference(q, k, v, do, True, None)
+    for name, got, want in zip(("o", "lse", "dq", "dk", "dv"), ours, ref):
+        assert rel_error(got, want) <= REL_TOL[torch.float16], name
+
+
+def test_empty_inputs(target):
+    device, _ = target
+    for shape in [(0, 2, 2, 5, 7, 32), (1, 2, 2, 0, 7, 32), (1, 2, 2, 5, 0, 32)]:
+        q, k, v = make_qkv(shape, torch.float32, device)
+        o = remat.ops.attention.attention(q, k, v)
+        assert o.shape == q.shape
+        o.sum().backward()
+        assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+def test_backward_is_deterministic(target):
+    device, _ = target
+    q, k, v = make_qkv((1, 4, 2, 45, 37, 64), torch.float16, device)
+    do = torch.randn(q.shape, device=device).to(torch.float16)
+    first = torch.autograd.grad(remat.ops.attention.attention(q, k, v, causal=True), (q, k, v), do)
+    second = torch.autograd.grad(remat.ops.attention.attention(q, k, v, causal=True), (q, k, v), do)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_backends_agree_with_reference_path(target):
+    """The kernel and the PyTorch reference (the CPU fallback) give the same numbers."""
+    device, backend = target
+    q, k, v = make_qkv((1, 2, 1, 21, 30, 32), torch.float32, device)
+    do = torch.randn(q.shape, device=device)
+    kernel = torch.autograd.grad(remat.ops.attention.attention(q, k, v, causal=True), (q, k, v), do)
+    with remat.use_backend("reference"):
+        reference = torch.autograd.grad(remat.ops.attention.attention(q, k, v, causal=True), (q, k, v), do)
+    for ours, ref in zip(kernel, reference):
+        assert rel_error(ours, ref) < REL_TOL[torch.float32]
+
+
+def test_unsupported_head_dim(target):
+    """Head dim 48 is outside the kernels: the reference on CPU, SDPA (with a warning) on CUDA."""
+    device, _ = target
+    q, k, v = make_qkv((1, 2, 1, 9, 13, 48), torch.float32, device)
+    do = torch.randn(q.shape, device=device)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        ours = run_remat(q, k, v, do, True, None)
+    ref = float64_reference(q, k, v, do, True, None)
+    for name, got, want in zip(("o", "lse", "dq", "dk", "dv"), ours, ref):
+        if name == "lse":
+            got, want = got[~torch.isinf(want)], want[~torch.isinf(want)]
+        assert rel_error(got, want) <= REL_TOL[torch.float32], name
+
+
+@pytest.mark.parametrize("causal, seqlens", [(False, (7, 11)), (True, (9, 9)), (True, (13, 6)), (True, (4, 10))])
+def test_sdpa_fallback_matches_reference(causal, seqlens):
+    """The SDPA fallback (CUDA only in production) computes the same function, GQA and
+    bottom-right causal included; checked here on CPU."""
+    q, k, v = make_qkv((2, 4, 2, *seqlens, 48), torch.float32, "cpu")
+    do = torch.randn(q.shape)
+    o, lse = attn_ops._sdpa_fallback(q, k, v, causal, 0.2, True)
+    o.backward(do)
+    ref = float64_reference(q, k, v, do, causal, 0.2)
+    for name, got, want in zip(("o", "dq", "dk", "dv"), (o, q.grad, k.grad, v.grad), (ref[0], *ref[2:])):
+        assert torch.isfinite(got).all() and rel_error(got, want) <= REL_TOL[torch.float32], name
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref[1]))
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="the fallback warning is for CUDA tensors")
+def test_cuda_fallback_warns_once():
+    q, k, v = make_qkv((1, 2, 2, 16, 16, 48), torch.float16, "cuda")
+    attn_ops._warned.clear()
+    with pytest.warns(UserWarning, match="head dim 48"):
+        remat.ops.attention.attention(q, k, v)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        remat.ops.attention.attention(q, k, v)
+
+
+# --- the op contract --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_opcheck(target, causal):
+    device, _ = target
+    q, k, v = (t.detach() for t in make_qkv((1, 2, 1, 9, 12, 32), torch.float32, device))
+    torch.library.opcheck(attn_ops.attention_fwd, (q, k, v, causal, 0.25))
+    o, lse = attn_ops.attention_fwd(q, k, v, causal, 0.25)
+    do = torch.randn_like(o)
+    torch.library.opcheck(attn_ops.attention_bwd, (do, q, k, v, o, lse, causal, 0.25))
+
+
+class _TinyAttention(torch.nn.Module):
+    def __init__(self, embed, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(embed, 3 * embed)
+        self.out = torch.nn.Linear(embed, embed)
+
+    def forward(self, x):
+        b, s, e = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, e // self.heads).permute(2, 0, 3, 1, 4)
+        o = remat.ops.attention.attention(q, k, v, causal=True)
+        return self.out(o.transpose(1, 2).reshape(b, s, e))
+
+
+def test_torch_compile_fullgraph(target):
+    device, _ = target
+    torch._dynamo.reset()
+    model = _TinyAttention(64, 2).to(device)
+    x = torch.randn(2, 11, 64, device=device)
+    out = torch.compile(model, fullgraph=True)(x)
+    out.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    expected = model(x)
+    expected.sum().backward()
+    assert rel_error(out, expected) < 1e-5
+    for got, want in zip(grads, (p.grad for p in model.parameters())):
+        assert rel_error(got, want) < 1e-5
+
+
+# --- memory ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_heads", [4, 1], ids=["mha", "mqa"])
+def test_saves_qkv_output_and_fp32_lse_only(target, kv_heads):
+    device, _ = target
+    batch, heads, seqlen_q, seqlen_k, head_dim = 2, 4, 40, 24, 32
+    q, k, v = make_qkv((batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim), torch.float16, device)
+    measured = saved_bytes(lambda: remat.ops.attention.attention(q, k, v, causal=True))
+    q_o_bytes = 2 * batch * heads * seqlen_q * head_dim * 2
+    kv_bytes = 2 * batch * kv_heads * seqlen_k * head_dim * 2
+    lse_bytes = batch * heads * seqlen_q * 4
+    assert measured == q_o_bytes + kv_bytes + lse_bytes  # nothing of size seqlen_q x seqlen_k
+
+
+# --- the module --------------------------------------------------------------------------------
+
+
+def _module_class():
+    cls = getattr(remat.nn, "MultiheadSelfAttention", None)
+    if cls is None:
+        pytest.skip("remat.nn.MultiheadSelfAttention is not added to remat/nn.py yet")
+    return cls
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("causal", [False, True])
+def test_module_from_torch_matches_mha(target, batch_first, causal):
+    device, _ = target
+    cls = _module_class()
+    stock = torch.nn.MultiheadAttention(64, 2, batch_first=batch_first).to(device)
+    with torch.no_grad():
+        stock.in_proj_bias.normal_()
+        stock.out_proj.bias.normal_()
+    ours = cls.from_torch(stock, causal=causal)
+    x = torch.randn(3, 10, 64, device=device)  # (batch 3, seq 10), or (seq 3, batch 10)
+    seq = 10 if batch_first else 3
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(seq, device=device) if causal else None
+    want, _ = stock(x, x, x, need_weights=False, attn_mask=mask)
+    got, weights = ours(x, x, x, need_weights=False)
+    assert weights is None
+    assert rel_error(got, want) < 1e-5
+    assert ours.state_dict().keys() == stock.state_dict().keys()
+
+
+def test_module_gqa_and_errors(target):
+    device, _ = target
+    cls = _module_class()
+    module = cls(64, 4, num_kv_heads=2, causal=True).to(device)
+    assert module.in_proj_weight.shape == ((4 + 2 * 2) * 16, 64)
+    x = torch.randn(2, 9, 64, device=device, requires_grad=True)
+    out = module(x)
+    assert out.shape == x.shape
+    out.sum().backward()
+    assert all(p.grad is not None for p in module.parameters())
+    with pytest.raises(ValueError, match="dropout"):
+        cls(64, 4, dropout=0.1)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        cls(64, 4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="dropout"):
+        cls.from_torch(torch.nn.MultiheadAttention(64, 4, dropout=0.1))
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+
+def _qkv():
+    return torch.randn(1, 4, 8, 32), torch.randn(1, 2, 8, 32), torch.randn(1, 2, 8, 32)
+
+
+@pytest.mark.parametrize(
+    "call, error, words",
+    [
+        (lambda q, k, v: remat.ops.attention.attention(q.double(), k, v), TypeError, "q must have dtype"),
+        (lambda q, k, v: remat.ops.attention.attention(q, k.half(), v), TypeError, "k must have q's dtype"),
+        (lambda q, k, v: remat.ops.attention.attention(q, k, v.long()), TypeError, "v must have dtype"),
+        (lambda q, k, v: remat.ops.attention.attention(q.tolist(), k, v), TypeError, "q must be a torch.Tensor"),
+        (lambda q, k, v: remat.ops.attention.attention(q[0], k, v), ValueError, "q must be 4-D"),
+        (lambda q, k, v: remat.ops.attention.attention(q, k[..., :16], v), ValueError, "k must have shape"),
+        (lambda q, k, v: remat.ops.attention.attention(q, k, v[:, :, :5]), ValueError, "v must have k's shape"),
+        (lambda q, k, v: remat.ops.attention.attention(q[:, :3], k, v), ValueError, "number of heads dividing"),
+        (lambda q, k, v: remat.ops.attention.attention(q, k, v, causal=1), TypeError, "causal must be"),
+        (lambda q, k, v: remat.ops.attention.attention(q, k, v, softmax_scale="x"), ValueError, "softmax_scale"),
+        (lambda q, k, v: remat.ops.attention.attention(q, k, v, softmax_scale=math.inf), ValueError, "softmax_scale"),
+        (lambda q, k, v: remat.ops.attention.attention(q, k, v, return_lse=None), TypeError, "return_lse"),
+        (lambda q, k, v: remat.ops.attention.attention(q, k.to("meta"), v), ValueError, "k is on meta"),
+    ],
+)
+def test_bad_input_names_the_argument(call, error, words):
+    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
+        call(*_qkv())
+
+
+# --- ahead-of-time GPU compile -------------------------------------------------------------------
+
+try:  # tests/ on sys.path (pytest's default rootdir-relative import)
+    from triton_aot import compile_module_cases, format_results, spilling
+except ImportError:  # tests/ imported as a package
+    from tests.triton_aot import compile_module_cases, format_results, spilling
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _kernel_module():
+    try:
+        importlib.import_module("remat.triton_kernels.attention")
+        return "remat.triton_kernels.attention"
+    except ImportError:
+        return "triton_kernels.attention"
+
+
+# The full list (3 dtypes x 6 head dims x causal/non-causal x 3 kernels, plus the preprocess, per
+# arch: 252 compiles, ~3.5 min on two cores) is too slow for CI: CI compiles a representative
+# subset, every kernel of each padded head-dim class (64, 96 -> 128, 256), causal, in bf16 (fp16
+# shares its tables), plus fp32 at d 64. REMAT_AOT_FULL=1 compiles every case. Known open item:
+# some fp32 (ieee, FMA-lowered tl.dot) configs at d >= 80 report 8-16 bytes of stack on sm_80/90.
+_AOT_SUBSET = [dict(dtypes=(torch.bfloat16,), head_dims=(64, 96, 256), causals=(True,)),
+               dict(dtypes=(torch.float32,), head_dims=(64,), causals=(True,))]
+
+
+def aot_cases():
+    """The cases the AOT test compiles; the compile workers import this module for them."""
+    kernels = importlib.import_module(_kernel_module())
+    if os.environ.get("REMAT_AOT_FULL", "0") == "1":
+        return kernels.aot_cases()
+    return [case for subset in _AOT_SUBSET for case in kernels.aot_cases(**subset)]
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_attention_compiles_without_spills(arch):
+    module = os.path.splitext(os.path.basename(__file__))[0]
+    results = compile_module_cases(module, archs=(arch,), extra_paths=[REPO, os.path.dirname(os.path.abspath(__file__))])
+    assert results, "aot_cases() returned no cases"
+    bad = spilling(results)
+    assert not bad, f"{len(bad)} of {len(results)} attention kernels fail to compile or spill on sm_{arch}:\n" + format_results(bad)

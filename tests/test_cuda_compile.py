@@ -1,0 +1,166 @@
+"""The CUDA sources compile for the GPUs we ship (sm_80, sm_90) without register spills.
+
+Runs nvcc on each csrc/*.cu standalone with the flags torch's extension build uses, parses the
+`-Xptxas -v` report and fails on any kernel that spills. Needs nvcc, not a GPU; skips without it.
+Both architectures are compiled in one nvcc call (the host front end runs once).
+"""
+
+import functools
+import glob
+import inspect
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CSRC = os.path.join(ROOT, "csrc")
+CUDA_SOURCES = sorted(glob.glob(os.path.join(CSRC, "*.cu")))
+ARCHS = ("80", "90")
+COMPILE_TIMEOUT_S = 900
+
+
+@functools.lru_cache(maxsize=None)
+def find_nvcc():
+    """nvcc from CUDA_HOME, torch's CUDA_HOME, or PATH; None when absent."""
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    try:
+        from torch.utils import cpp_extension
+
+        homes.append(cpp_extension.CUDA_HOME)
+    except Exception:  # torch without CUDA support: PATH is all we have
+        pass
+    for home in homes:
+        if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+            return os.path.join(home, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def cuda_home(nvcc):
+    return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+
+
+def torch_cxx_std():
+    """The C++ standard torch's extension builder passes (c++20 on recent torch, else c++17)."""
+    from torch.utils import cpp_extension
+
+    return "c++20" if "-std=c++20" in inspect.getsource(cpp_extension) else "c++17"
+
+
+def include_dirs(nvcc):
+    from torch.utils import cpp_extension
+
+    try:
+        dirs = cpp_extension.include_paths(device_type="cuda")
+    except TypeError:  # torch < 2.6 spelled it include_paths(cuda=True)
+        dirs = cpp_extension.include_paths(cuda=True)
+    dirs = [d for d in dirs if d != "/usr/local/include"]  # torch adds its guess of CUDA_HOME
+    dirs += [sysconfig.get_paths()["include"], os.path.join(cuda_home(nvcc), "include"), CSRC]
+    try:  # pip CUDA packages hold headers (cuBLAS, cuSPARSE) that a minimal toolkit lacks
+        import nvidia
+
+        for root in nvidia.__path__:
+            dirs += sorted(glob.glob(os.path.join(root, "*", "include")))
+    except ImportError:
+        pass
+    return list(dict.fromkeys(d for d in dirs if os.path.isdir(d)))
+
+
+def nvcc_command(nvcc, source, output):
+    from torch.utils import cpp_extension
+
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS]
+    return (
+        [nvcc, "-c", source, "-o", output, f"-std={torch_cxx_std()}", "-O3", "-Xptxas", "-v"]
+        + gencode
+        + list(cpp_extension.COMMON_NVCC_FLAGS)  # -D__CUDA_NO_HALF_OPERATORS__ ..., as the real build
+        + ["-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H", "--compiler-options", "-fPIC"]
+        + [f"-I{d}" for d in include_dirs(nvcc)]
+    )
+
+
+def demangle(names):
+    cxxfilt = shutil.which("c++filt")
+    if not cxxfilt or not names:
+        return {n: n for n in names}
+    out = subprocess.run([cxxfilt], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
+    return dict(zip(names, out)) if len(out) == len(names) else {n: n for n in names}
+
+
+def parse_ptxas(log):
+    """[(arch, function, registers or None, spill_stores, spill_loads)] from a -Xptxas -v log."""
+    functions = []
+    arch = None
+    current = None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)' for '(sm_\d+)'", line)
+        if m:
+            arch = m.group(2)
+            continue
+        m = re.search(r"Function properties for (\S+)", line)
+        if m:
+            current = [arch, m.group(1), None, None, None]
+            functions.append(current)
+            continue
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and current is not None:
+            current[3], current[4] = int(m.group(1)), int(m.group(2))
+            continue
+        m = re.search(r"Used (\d+) registers", line)
+        if m and current is not None:
+            current[2] = int(m.group(1))
+    return [tuple(f) for f in functions]
+
+
+requires_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found (set CUDA_HOME or add it to PATH)")
+
+
+@requires_nvcc
+@pytest.mark.parametrize("source", CUDA_SOURCES, ids=os.path.basename)
+def test_compiles_without_spills(source, tmp_path):
+    pytest.importorskip("torch")
+    nvcc = find_nvcc()
+    command = nvcc_command(nvcc, source, str(tmp_path / "out.o"))
+    result = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, f"nvcc failed on {os.path.basename(source)}:\n{' '.join(command)}\n{log[-6000:]}"
+
+    functions = parse_ptxas(log)
+    assert functions, f"no ptxas report parsed for {os.path.basename(source)}:\n{log[-3000:]}"
+    assert {f[0] for f in functions} >= {f"sm_{a}" for a in ARCHS}, "ptxas did not report every architecture"
+    spilling = [f for f in functions if (f[3] or 0) + (f[4] or 0) > 0]
+    names = demangle(sorted({f[1] for f in spilling}))
+    report = "\n".join(
+        f"  {arch} {names[name]}: {regs} registers, {stores} bytes spill stores, {loads} bytes spill loads"
+        for arch, name, regs, stores, loads in spilling
+    )
+    assert not spilling, f"register spills in {os.path.basename(source)}:\n{report}"
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no host C++ compiler")
+def test_ops_cpp_compiles():
+    """csrc/ops.cpp (schemas, bindings, module init) passes the host compiler."""
+    torch = pytest.importorskip("torch")
+    from torch.utils import cpp_extension
+
+    try:
+        dirs = cpp_extension.include_paths()
+    except TypeError:
+        dirs = cpp_extension.include_paths(cuda=False)
+    dirs = list(dirs) + [sysconfig.get_paths()["include"], CSRC]
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+    command = (
+        [shutil.which("c++"), "-fsyntax-only", f"-std={torch_cxx_std()}", "-DTORCH_EXTENSION_NAME=_C",
+         "-DTORCH_API_INCLUDE_EXTENSION_H", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", os.path.join(CSRC, "ops.cpp")]
+        + [f"-I{d}" for d in dirs]
+    )
+    result = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+    assert result.returncode == 0, f"ops.cpp failed to compile:\n{result.stderr[-6000:]}"
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
