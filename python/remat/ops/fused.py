@@ -21,10 +21,6 @@ from .gelu import check_approximate, gelu_bwd, gelu_fwd
 from .layer_norm import layer_norm_bwd, layer_norm_fwd
 
 
-def _grad_if(needed, compute):
-    return compute() if needed else None
-
-
 class _LayerNormLinear(torch.autograd.Function):
     """out = Linear(LayerNorm(x)) on rows x (M, K)."""
 
@@ -47,8 +43,8 @@ class _LayerNormLinear(torch.autograd.Function):
         )
         if not ctx.recompute:
             normed = kept[0]
-        d_weight = _grad_if(need_w, lambda: d_out.t().matmul(normed))
-        d_bias = _grad_if(need_b and ctx.has_bias, lambda: d_out.sum(0))
+        d_weight = d_out.t().matmul(normed) if need_w else None
+        d_bias = d_out.sum(0) if need_b and ctx.has_bias else None
         return (
             dx if need_x else None,
             d_norm_weight if need_nw and norm_weight is not None else None,
@@ -82,37 +78,39 @@ class _MLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         x, norm_weight, norm_bias, mean, rstd, w1, b1, w2, h, *kept = ctx.saved_tensors
-        need = dict(zip(("x", "nw", "nb", "w1", "b1", "w2", "b2"), (ctx.needs_input_grad[i] for i in (0, 1, 2, 5, 6, 7, 8))))
+        need_x, need_nw, need_nb, _, _, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:9]
+        need_fc1_input_grad = need_x or (ctx.has_norm and (need_nw or need_nb))
         recompute = ctx.recompute
         d_activation = d_out.matmul(w2)
-        dh, d_b1, activation = gelu_bwd(d_activation, h, b1, ctx.approximate, recompute and need["w2"])
-        del d_activation
+        dh, d_b1, activation = gelu_bwd(d_activation, h, b1, ctx.approximate, recompute and need_w2)
         if not recompute:
             fc1_input, activation = kept
-        d_w2 = _grad_if(need["w2"], lambda: d_out.t().matmul(activation))
-        d_b2 = _grad_if(need["b2"] and ctx.has_b2, lambda: d_out.sum(0))
-        del activation  # the rebuilt gelu(h) lives only for dW2
-        d_fc1_input = _grad_if(need["x"] or need["nw"] or need["nb"], lambda: dh.matmul(w1))
+        d_w2 = d_out.t().matmul(activation) if need_w2 else None
+        d_b2 = d_out.sum(0) if need_b2 and ctx.has_b2 else None
+        activation = d_activation = None  # the rebuilt gelu(h) lives only for dW2
+        d_fc1_input = dh.matmul(w1) if need_fc1_input_grad else None
         dx = d_norm_weight = d_norm_bias = None
         if ctx.has_norm:
-            if d_fc1_input is None:
+            if d_fc1_input is None:  # only dW1 is wanted, but LayerNorm(x) must still be rebuilt
                 d_fc1_input = torch.zeros_like(x)
             dx, d_norm_weight, d_norm_bias, normed = layer_norm_bwd(
-                d_fc1_input, x, norm_weight, norm_bias, mean, rstd, recompute and need["w1"]
+                d_fc1_input, x, norm_weight, norm_bias, mean, rstd, recompute and need_w1
             )
-            fc1_input = normed if recompute else fc1_input
+            if recompute:
+                fc1_input = normed
         else:
             dx, fc1_input = d_fc1_input, x
-        d_w1 = _grad_if(need["w1"], lambda: dh.t().matmul(fc1_input))
+        d_w1 = dh.t().matmul(fc1_input) if need_w1 else None
         return (
-            dx if need["x"] else None,
-            d_norm_weight if need["nw"] and norm_weight is not None else None,
-            d_norm_bias if need["nb"] and norm_bias is not None else None,
+            dx if need_x else None,
+            d_norm_weight if need_nw and norm_weight is not None else None,
+            d_norm_bias if need_nb and norm_bias is not None else None,
             None, None,
             d_w1,
-            d_b1 if need["b1"] and b1 is not None else None,
+            d_b1 if need_b1 and b1 is not None else None,
             d_w2, d_b2, None, None,
         )
+
 
 
 # ---------------------------------------------------------------------------------------------
