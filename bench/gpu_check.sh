@@ -27,10 +27,20 @@ step "tests on the GPU"
 timeout 240 "$PYTHON" -m pytest -q -x --junitxml="$OUT_DIR/pytest.xml" > "$OUT_DIR/pytest.log" 2>&1 || status=1
 tail -n 5 "$OUT_DIR/pytest.log"
 
-step "benchmarks"
-timeout 240 "$PYTHON" -m remat bench all --dtype bf16 fp16 fp32 --no-progress --out "$OUT_DIR/bench" \
+step "kernel benchmarks"
+timeout 150 "$PYTHON" -m remat bench layernorm gelu mlp --dtype bf16 fp16 --no-progress --out "$OUT_DIR/bench" \
     > "$OUT_DIR/bench.log" 2>&1 || status=1
 
+step "block benchmark (2 layers: per-layer figures do not depend on the depth)"
+timeout 150 "$PYTHON" -m remat bench block --quick --no-progress --out "$OUT_DIR/block" \
+    > "$OUT_DIR/block.log" 2>&1 || status=1
+
+step "memory policies"
+timeout 60 "$PYTHON" -m remat memory --model gpt2-medium --batch 8 --seq 1024 --budget 20 --out "$OUT_DIR/memory" \
+    > "$OUT_DIR/memory.log" 2>&1 || status=1
+
 step "summary"
-cat "$OUT_DIR/bench/bench.md" 2>/dev/null | grep -E "^\| (layernorm|gelu|mlp)" | grep -E "bfloat16" | head -n 60
+grep -E "bfloat16" "$OUT_DIR/bench/bench.md" 2>/dev/null | head -n 60
+grep -E "^\| gpt_block" "$OUT_DIR/block/bench.md" 2>/dev/null
+tail -n 12 "$OUT_DIR/memory.log" 2>/dev/null
 exit $status

@@ -1,4 +1,5 @@
-"""The `remat` command: `remat bench ...` (kernel microbenchmarks) and `remat info`."""
+"""The `remat` command: `remat bench` (kernel microbenchmarks), `remat memory` (a model's memory/time
+trade-off under each policy) and `remat info` (the available backends)."""
 
 import argparse
 import sys
@@ -12,6 +13,15 @@ def _bench(args):
     sizes = [int(s) for s in args.shapes.split(",")] if args.shapes else None
     bench.run(ops, dtypes, quick=args.quick, out_dir=args.out, device=args.device,
               progress=not args.no_progress, sizes=sizes)
+
+
+def _memory(args):
+    import torch
+
+    from . import memory
+
+    memory.run(args.model, batch=args.batch, seq=args.seq, budget_gb=args.budget, out_dir=args.out,
+               device=args.device, dtype={"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype])
 
 
 def _info(_args):
@@ -38,6 +48,15 @@ def parser():
     bench.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(run=_bench)
+    memory = commands.add_parser("memory", help="activation memory and step time of a model under each policy")
+    memory.add_argument("--model", default="gpt2-small", choices=list(__import__("remat.memory", fromlist=["MODELS"]).MODELS))
+    memory.add_argument("--batch", type=int, default=8)
+    memory.add_argument("--seq", type=int, default=1024)
+    memory.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    memory.add_argument("--budget", type=float, help="device memory budget in GB: name the cheapest policy that fits")
+    memory.add_argument("--out", default="bench/out/memory", help="folder for the CSV and the PNG frontier")
+    memory.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    memory.set_defaults(run=_memory)
     info = commands.add_parser("info", help="which backends are available and why")
     info.set_defaults(run=_info)
     return top

@@ -35,6 +35,7 @@ class Case:
     work: float  # bytes moved or FLOPs per call, by the op's explicit model
     make_inputs: Callable
     implementations: list
+    sbh_per_layer: Optional[int] = None  # layers·s·b·h, to report saved bytes per layer in sbh units
 
 
 @dataclasses.dataclass
@@ -48,6 +49,13 @@ class Result:
     peak_mb: Optional[float] = None
     retained_mb: Optional[float] = None
     error: str = ""
+
+    @property
+    def saved_sbh_per_layer(self):
+        """What the forward keeps for the backward, per layer, in bytes per s·b·h."""
+        if self.retained_mb is None or not self.case.sbh_per_layer:
+            return None
+        return self.retained_mb * 2**20 / self.case.sbh_per_layer
 
     @property
     def rate(self):

@@ -15,7 +15,7 @@ import remat
 from .cases import best_peer_ratio
 
 COLUMNS = ["op", "mode", "dtype", "shape", "implementation", "p20_ms", "p50_ms", "p80_ms",
-           "unit", "rate", "ratio_to_best_peer", "peak_mb", "retained_mb", "error"]
+           "unit", "rate", "ratio_to_best_peer", "peak_mb", "retained_mb", "saved_sbh_per_layer", "error"]
 
 
 def environment(device):
@@ -77,7 +77,8 @@ def rows(results_by_case):
                 "p20_ms": r.p20_ms, "p50_ms": r.p50_ms, "p80_ms": r.p80_ms,
                 "unit": c.unit, "rate": math.nan if r.error else r.rate,
                 "ratio_to_best_peer": ratios[r.implementation],
-                "peak_mb": r.peak_mb, "retained_mb": r.retained_mb, "error": r.error, "size": c.size,
+                "peak_mb": r.peak_mb, "retained_mb": r.retained_mb,
+                "saved_sbh_per_layer": r.saved_sbh_per_layer, "error": r.error, "size": c.size,
             })
     return table
 
@@ -91,14 +92,15 @@ def _fmt(value, digits=3):
 
 
 TABLE_HEADER = ["op", "mode", "dtype", "shape", "implementation", "p50 ms", "rate", "vs best peer",
-                "peak MB", "fwd keeps MB"]
+                "peak MB", "fwd saves MB", "sbh/layer"]
 
 
 def _table_cells(r):
     rate = f"{_fmt(r['rate'], 4)} {r['unit']}" if not r["error"] else f"error: {r['error'][:60]}"
     ratio = r["ratio_to_best_peer"]
     return [r["op"], r["mode"], r["dtype"], r["shape"], r["implementation"], _fmt(r["p50_ms"]), rate,
-            "-" if math.isnan(ratio) else f"{ratio:.2f}x", _fmt(r["peak_mb"], 4), _fmt(r["retained_mb"], 4)]
+            "-" if math.isnan(ratio) else f"{ratio:.2f}x", _fmt(r["peak_mb"], 4), _fmt(r["retained_mb"], 4),
+            _fmt(r["saved_sbh_per_layer"], 3)]
 
 
 def text_table(table, env):

@@ -73,7 +73,7 @@ class Timer:
         return torch.cuda.max_memory_allocated(self.device) - before
 
     def retained_memory_bytes(self, forward, reset=None):
-        """Device memory a forward pass leaves allocated (its output and what autograd saved)."""
+        """Device memory a forward pass leaves allocated besides its output: what autograd saved."""
         if self.device.type != "cuda":
             return None
         if reset:
@@ -82,7 +82,7 @@ class Timer:
         before = torch.cuda.memory_allocated(self.device)
         output = forward()
         torch.cuda.synchronize(self.device)
-        retained = torch.cuda.memory_allocated(self.device) - before
+        retained = torch.cuda.memory_allocated(self.device) - before - output.untyped_storage().nbytes()
         del output
         return retained
 

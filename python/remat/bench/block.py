@@ -1,0 +1,138 @@
+"""The headline: a stack of pre-LN GPT blocks, forward + backward, under each memory policy.
+
+Policies: stock eager, torch.compile (per block, whole stack, and with Inductor's activation
+memory budget at 0.5 and 0.3), selective checkpointing (save matmuls and attention), full
+checkpointing per block, offloading saved activations to host memory, and remat: eager, under
+torch.compile, and with full checkpointing of half of the blocks.
+
+FLOP model per layer (T = b·s tokens, width h, FFN 4h): matmuls 24·T·h² forward, causal
+attention 2·b·s²·h forward; forward + backward is three times the forward. Memory: what the
+forward leaves allocated for the backward, per layer, in units of s·b·h bytes (eager keeps
+about 32 in bf16).
+"""
+
+import functools
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..gpt import GPTConfig, remat_stack, torch_stack
+from .cases import Case, Implementation
+
+GPU_SHAPE = {"batch": 8, "seq": 2048, "hidden": 2048, "heads": 16, "layers": 8}
+QUICK_LAYERS = 2
+CPU_SHAPE = {"batch": 2, "seq": 64, "hidden": 128, "heads": 4, "layers": 2}
+
+
+class _Checkpointed(torch.nn.Module):
+    """Runs `block` under torch.utils.checkpoint (non-reentrant), optionally selective."""
+
+    def __init__(self, block, policy=None):
+        super().__init__()
+        self.block, self.policy = block, policy
+
+    def forward(self, x):
+        if self.policy is None:
+            return checkpoint(self.block, x, use_reentrant=False)
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        context = functools.partial(create_selective_checkpoint_contexts, self.policy)
+        return checkpoint(self.block, x, use_reentrant=False, context_fn=context)
+
+
+def _save_matmuls_and_attention(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    saved = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten._scaled_dot_product_flash_attention.default,
+             torch.ops.aten._scaled_dot_product_efficient_attention.default,
+             torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _compiled_with_budget(stack, budget):
+    """torch.compile of the stack, compiled (on first call) under an activation memory budget."""
+    compiled = torch.compile(stack)
+
+    def run(x):
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return compiled(x)
+
+    return run
+
+
+def _offloaded(stack):
+    def run(x):
+        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+            return stack(x)
+
+    return run
+
+
+def policies(device):
+    """(name, ours, make(stock_stack) -> callable) for every policy."""
+    half = lambda stack: len(stack) // 2  # noqa: E731
+    table = [
+        ("eager", False, lambda s: s),
+        ("compile (each block)", False, lambda s: torch.nn.Sequential(*(torch.compile(b) for b in s))),
+        ("compile", False, torch.compile),
+        ("compile, budget 0.5", False, lambda s: _compiled_with_budget(s, 0.5)),
+        ("compile, budget 0.3", False, lambda s: _compiled_with_budget(s, 0.3)),
+        ("selective checkpoint", False,
+         lambda s: torch.nn.Sequential(*(_Checkpointed(b, _save_matmuls_and_attention) for b in s))),
+        ("full checkpoint", False, lambda s: torch.nn.Sequential(*(_Checkpointed(b) for b in s))),
+        ("offload to host", False, _offloaded),
+        ("remat", True, remat_stack),
+        ("remat + compile", True, lambda s: torch.compile(remat_stack(s))),
+        ("remat + checkpoint half", True,
+         lambda s: torch.nn.Sequential(*(_Checkpointed(b) if i < half(s) else b for i, b in enumerate(remat_stack(s))))),
+    ]
+    if device.type != "cuda":  # functional run: skip the slow compiles of the budget variants
+        table = [row for row in table if "budget" not in row[0]]
+    return table
+
+
+def _make_inputs(shape, dtype, device):
+    def make():
+        config = GPTConfig(hidden=shape["hidden"], heads=shape["heads"], layers=shape["layers"])
+        stack = torch_stack(config, device=device, dtype=dtype)
+        x = torch.randn(shape["batch"], shape["seq"], shape["hidden"], device=device, dtype=dtype, requires_grad=True)
+        return stack, x, torch.randn_like(x)
+
+    return make
+
+
+def _step(make):
+    def build(inputs):
+        stack, x, dy = inputs
+        run = make(stack)
+        params = [p for module in (run, stack) if isinstance(module, torch.nn.Module) for p in module.parameters()]
+
+        def reset():
+            x.grad = None
+            for p in params:
+                p.grad = None
+
+        return (lambda: run(x).backward(dy)), reset, (lambda: run(x))
+
+    return build
+
+
+def cases(device, dtypes, quick, sizes=None):
+    shape = dict(GPU_SHAPE if device.type == "cuda" else CPU_SHAPE)
+    if quick and device.type == "cuda":
+        shape["layers"] = QUICK_LAYERS
+    if sizes:
+        shape["seq"] = sizes[0]
+    b, s, h, layers = shape["batch"], shape["seq"], shape["hidden"], shape["layers"]
+    flops = 3 * layers * (24 * b * s * h * h + 2 * b * s * s * h)
+    for dtype in dtypes:
+        yield Case(
+            op="gpt_block", mode="fwd+bwd", dtype=dtype,
+            shape=f"L={layers} b={b} s={s} h={h} heads={shape['heads']}", size=s,
+            unit="TFLOP/s", work=flops, make_inputs=_make_inputs(shape, dtype, device),
+            implementations=[Implementation(name, ours, _step(make)) for name, ours, make in policies(device)],
+            sbh_per_layer=layers * s * b * h,
+        )
+

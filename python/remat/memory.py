@@ -1,0 +1,214 @@
+"""`remat memory`: the activation-memory / step-time trade-off of a model under each policy.
+
+For each policy it reports the bytes autograd keeps for the backward per layer (counted exactly,
+on any device, with saved-tensor hooks), and on a GPU the peak memory and the step time; it draws
+the memory/time frontier, and with a budget names the cheapest policy that fits.
+
+Policies: eager; remat (fused recompute); torch selective checkpointing (keep matmul and
+attention outputs); full checkpointing per block; offloading saved activations to host memory;
+remat with full checkpointing of k of the L blocks.
+"""
+
+import dataclasses
+import math
+import os
+
+import torch
+
+from .bench.block import _Checkpointed, _save_matmuls_and_attention
+from .bench.timing import Timer, quantiles
+from .gpt import GPTConfig, remat_stack, torch_stack
+
+MODELS = {
+    "gpt2-small": GPTConfig(hidden=768, heads=12, layers=12),
+    "gpt2-medium": GPTConfig(hidden=1024, heads=16, layers=24),
+    "gpt2-large": GPTConfig(hidden=1280, heads=20, layers=36),
+    "tiny": GPTConfig(hidden=64, heads=2, layers=4),
+}
+
+
+@dataclasses.dataclass
+class PolicyResult:
+    policy: str
+    saved_bytes: float  # kept on the device for the backward, all layers (nan: not measurable here)
+    host_bytes: float  # kept in host memory (offloading)
+    per_layer_sbh: float
+    step_ms: float = math.nan
+    peak_gb: float = math.nan
+
+
+def _checkpoint_first(stack, count):
+    return torch.nn.Sequential(*(_Checkpointed(b) if i < count else b for i, b in enumerate(stack)))
+
+
+def policies(layers):
+    """(name, make(stock stack) -> (module, offload)) for every policy."""
+    table = [
+        ("eager", lambda s: (s, False)),
+        ("remat", lambda s: (remat_stack(s), False)),
+        ("selective checkpoint", lambda s: (torch.nn.Sequential(*(_Checkpointed(b, _save_matmuls_and_attention) for b in s)), False)),
+        ("full checkpoint", lambda s: (torch.nn.Sequential(*(_Checkpointed(b) for b in s)), False)),
+        ("offload to host", lambda s: (s, True)),
+    ]
+    for k in sorted({layers // 4, layers // 2, (3 * layers) // 4} - {0, layers}):
+        table.append((f"remat + checkpoint {k}/{layers}", lambda s, k=k: (_checkpoint_first(remat_stack(s), k), False)))
+    return table
+
+
+def count_saved_bytes(module, x, offload):
+    """(device bytes, host bytes) that one forward keeps for the backward, by unique storage.
+
+    Saved-tensor hooks see what autograd saves; a non-reentrant checkpoint instead holds its
+    block's input, which is counted as well. Parameters are not activations and are left out.
+    """
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    held = []
+    hooks = [m.register_forward_pre_hook(lambda m, args: held.append(args[0]))
+             for m in module.modules() if isinstance(m, _Checkpointed)]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = module(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for tensor in held:
+        seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    seen.pop(out.untyped_storage().data_ptr(), None)
+    seen.pop(x.untyped_storage().data_ptr(), None)  # the input belongs to the caller
+    total = sum(seen.values())
+    return (0, total) if offload else (total, 0)
+
+
+def _allocated_by_forward(module, x, offload, device):
+    """(device bytes, host bytes) one forward leaves allocated besides its output, from the allocator."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    host = []
+    if offload:
+        def pack(tensor):
+            host.append(tensor.numel() * tensor.element_size())
+            return tensor.to("cpu", non_blocking=False)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t.to(device)):
+            out = module(x)
+    else:
+        out = module(x)
+    torch.cuda.synchronize(device)
+    kept = torch.cuda.memory_allocated(device) - before - out.untyped_storage().nbytes()
+    del out
+    return kept, sum(host)
+
+
+def _timed_step(module, x, dy, offload, timer):
+    def step():
+        if offload:
+            with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                out = module(x)
+        else:
+            out = module(x)
+        out.backward(dy)
+
+    def reset():
+        x.grad = None
+        for p in module.parameters():
+            p.grad = None
+
+    times = timer.times_ms(step, reset)
+    peak = timer.peak_memory_bytes(step, reset)
+    return quantiles(times)[1], peak / 2**30
+
+
+def run(model="gpt2-small", batch=8, seq=1024, budget_gb=None, out_dir="bench/out/memory", device=None, dtype=torch.bfloat16):
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    config = MODELS[model]
+    on_gpu = device.type == "cuda"
+    stack = torch_stack(config, device=device, dtype=dtype)
+    x = torch.randn(batch, seq, config.hidden, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn_like(x)
+    sbh = seq * batch * config.hidden
+    timer = Timer(device, warmup=2, reps=5) if on_gpu else None
+    results = []
+    for name, make in policies(config.layers):
+        module, offload = make(stack)
+        if on_gpu:
+            device_bytes, host_bytes = _allocated_by_forward(module, x, offload, device)
+        elif "selective" in name:
+            # Selective checkpointing keeps its outputs in its own cache, out of reach of
+            # saved-tensor hooks: without a GPU's allocator to read, it is not counted.
+            device_bytes = host_bytes = math.nan
+        else:
+            device_bytes, host_bytes = count_saved_bytes(module, x, offload)
+        result = PolicyResult(name, device_bytes, host_bytes, (host_bytes if offload else device_bytes) / config.layers / sbh)
+        if on_gpu:
+            result.step_ms, result.peak_gb = _timed_step(module, x, dy, offload, timer)
+        results.append(result)
+    _print(results, model, config, batch, seq, dtype, device, budget_gb)
+    os.makedirs(out_dir, exist_ok=True)
+    _write_csv(results, os.path.join(out_dir, f"memory_{model}.csv"))
+    _plot(results, os.path.join(out_dir, f"memory_{model}.png"), model, on_gpu)
+    return results
+
+
+def cheapest_fitting(results, budget_gb):
+    """The fastest policy whose device memory fits the budget (peak on a GPU, else saved bytes)."""
+    def need(r):
+        return r.peak_gb if not math.isnan(r.peak_gb) else r.saved_bytes / 2**30
+
+    fitting = [r for r in results if need(r) <= budget_gb]
+    if not fitting:
+        return None
+    # Without timings, prefer the policy that recomputes least: eager < remat < checkpointing.
+    order = {r.policy: i for i, r in enumerate(results)}
+    return min(fitting, key=lambda r: (r.step_ms if not math.isnan(r.step_ms) else order[r.policy]))
+
+
+def _print(results, model, config, batch, seq, dtype, device, budget_gb):
+    print(f"{model}: {config.layers} layers, hidden {config.hidden}, batch {batch}, seq {seq}, "
+          f"{str(dtype).replace('torch.', '')} on {device}")
+    if device.type != "cuda":
+        print("saved bytes are exact; step time and peak memory need a GPU")
+    print("saved: what the forward keeps for the backward; sbh/layer: per layer, in bytes per s·b·h")
+    print(f"{'policy':28s} {'saved GB':>9s} {'host GB':>8s} {'sbh/layer':>9s} {'step ms':>8s} {'peak GB':>8s}")
+    for r in results:
+        print(f"{r.policy:28s} {r.saved_bytes / 2**30:9.3f} {r.host_bytes / 2**30:8.3f} {r.per_layer_sbh:9.2f} "
+              f"{r.step_ms:8.1f} {r.peak_gb:8.2f}")
+    if budget_gb is not None:
+        best = cheapest_fitting(results, budget_gb)
+        print(f"budget {budget_gb} GB: " + (f"use '{best.policy}'" if best else "no policy fits"))
+
+
+def _write_csv(results, path):
+    with open(path, "w") as handle:
+        handle.write("policy,saved_bytes,host_bytes,sbh_per_layer,step_ms,peak_gb\n")
+        for r in results:
+            handle.write(f"{r.policy},{r.saved_bytes},{r.host_bytes},{r.per_layer_sbh:.3f},{r.step_ms:.3f},{r.peak_gb:.3f}\n")
+
+
+def _plot(results, path, model, on_gpu):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for i, r in enumerate(results):
+        x = r.step_ms if on_gpu else i
+        axes.scatter(x, r.saved_bytes / 2**30, label=r.policy)
+    axes.set_xlabel("step time, ms" if on_gpu else "policy (no GPU: no step time)")
+    axes.set_ylabel("activation memory kept on the device, GB")
+    axes.set_title(f"{model}: memory against step time", fontsize=9)
+    axes.legend(fontsize=7)
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
