@@ -48,3 +48,15 @@ def rows_with_unit_stride(x, width):
     if rows.stride(-1) != 1 and rows.numel() > 0:
         rows = rows.contiguous()
     return rows
+
+
+def autocast_dtype(device_type):
+    """The autocast dtype when autocast is on for `device_type`, else None."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def cast_for_autocast(dtype, *tensors):
+    """The floating tensors cast to dtype (None stays None); autograd flows back through the casts."""
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _backend
-from .._validate import check_float_tensor, check_same_device
+from .._validate import autocast_dtype, cast_for_autocast, check_float_tensor, check_same_device
 
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the Triton kernels' head dims (see triton_kernels/attention.py)
 
@@ -276,6 +276,10 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False):
     Autograd saves q, k, v, o and the lse (4 bytes per query row and head).
     """
     _check_qkv(q, k, v)
+    dtype = autocast_dtype(q.device.type)
+    if dtype is not None:  # as scaled_dot_product_attention: computed in the autocast dtype
+        with torch.autocast(q.device.type, enabled=False):
+            return attention(*cast_for_autocast(dtype, q, k, v), causal, softmax_scale, return_lse)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
     if not isinstance(return_lse, bool):

@@ -16,7 +16,8 @@ does, so tests and benchmarks can compare the two modes.
 import torch
 import torch.nn.functional as F
 
-from .._validate import check_float_tensor, check_optional_param, check_same_device, rows_with_unit_stride
+from .._validate import (autocast_dtype, cast_for_autocast, check_float_tensor, check_optional_param,
+                         check_same_device, rows_with_unit_stride)
 from .gelu import check_approximate, gelu_bwd, gelu_fwd
 from .layer_norm import layer_norm_bwd, layer_norm_fwd
 
@@ -142,8 +143,22 @@ def _rows(x):
     return rows_with_unit_stride(x, x.shape[-1])
 
 
+def _under_autocast(fn, x, *tensors, **kwargs):
+    """Under autocast, run `fn` on inputs cast to the autocast dtype with autocast off inside.
+
+    The Linears would autocast anyway; casting up front keeps every tensor of the fused layer in
+    one dtype, so the outputs have the dtypes PyTorch's own layers give under autocast.
+    """
+    dtype = autocast_dtype(x.device.type)
+    with torch.autocast(x.device.type, enabled=False):
+        return fn(*cast_for_autocast(dtype, x, *tensors), **kwargs)
+
+
 def layer_norm_linear(x, norm_weight, norm_bias, weight, bias=None, eps=1e-5, recompute=True):
     """Linear(LayerNorm(x)): autograd keeps x and fp32 mean/rstd, and rebuilds LayerNorm(x) for dW."""
+    check_float_tensor("x", x)
+    if autocast_dtype(x.device.type) is not None:
+        return _under_autocast(layer_norm_linear, x, norm_weight, norm_bias, weight, bias, eps=eps, recompute=recompute)
     rows = _rows(x)
     _check_norm_params(norm_weight, norm_bias, x.shape[-1], x)
     _check_linear("weight", weight, "bias", bias, x.shape[-1], x)
@@ -158,6 +173,10 @@ def mlp(x, w1, b1, w2, b2=None, approximate="none", recompute=True,
     Autograd keeps x, the fc1 output h (and fp32 mean/rstd with the LayerNorm), and rebuilds
     gelu(h) (and LayerNorm(x)) in the backward.
     """
+    check_float_tensor("x", x)
+    if autocast_dtype(x.device.type) is not None:
+        return _under_autocast(mlp, x, w1, b1, w2, b2, approximate=approximate, recompute=recompute,
+                               norm_weight=norm_weight, norm_bias=norm_bias, eps=eps, layer_norm=layer_norm)
     rows = _rows(x)
     check_approximate(approximate)
     if layer_norm:

@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._validate import check_float_tensor, check_optional_param, rows_with_unit_stride
+from .._validate import (autocast_dtype, cast_for_autocast, check_float_tensor, check_optional_param,
+                         rows_with_unit_stride)
 
 # ---------------------------------------------------------------------------------------------
 # Reference: plain PyTorch, in fp32 (or float64 when given float64, as the tests do).
@@ -192,6 +193,11 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     x and the fp32 mean/rstd per row (8 bytes a row), never the output.
     """
     check_float_tensor("x", x)
+    if x.device.type == "cuda" and autocast_dtype("cuda") is not None:
+        # As torch's own: under CUDA autocast, layer_norm runs and returns float32.
+        with torch.autocast("cuda", enabled=False):
+            return layer_norm(*cast_for_autocast(torch.float32, x), normalized_shape,
+                              *cast_for_autocast(torch.float32, weight, bias), eps)
     normalized_shape, width = _normalized_width(x, normalized_shape)
     check_optional_param("weight", weight, normalized_shape, "x", x)
     check_optional_param("bias", bias, normalized_shape, "x", x)

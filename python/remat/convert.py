@@ -1,0 +1,530 @@
+"""Model surgery: swap stock layers for remat's, keeping weights and state_dict keys.
+
+    model = remat.convert(model)                     # a converted copy; inplace=True converts model itself
+    model, report = remat.convert(model, report=True)
+    print(report)                                    # one row per candidate: swapped, or skipped and why
+    model = remat.revert(model)                      # stock modules again, same parameters
+
+What is swapped (each only where it is provably the same computation, from module structure):
+
+    nn.LayerNorm                      -> remat.nn.LayerNorm (shares the parameters)           "layernorm"
+    nn.GELU                           -> remat.nn.GELU                                         "gelu"
+    nn.MultiheadAttention             -> RematMultiheadAttention: self-attention on            "attention"
+                                         remat.attention, the stock computation otherwise
+    in an nn.Sequential, consecutive
+      (LayerNorm, Linear)             -> remat.nn.LayerNormLinear                              "layernorm"
+      (Linear, GELU, Linear)          -> remat.nn.MLP                                          "mlp"
+      (LayerNorm, Linear, GELU, Linear) -> remat.nn.LayerNormMLP                               "mlp" + "layernorm"
+    Hugging Face models (remat.hf)    -> their MLP blocks fused, LayerNorms swapped            "mlp", "layernorm", "gelu"
+
+The fusions are where the memory goes (design.md §1): a lone LayerNorm or GELU that recomputes
+saves nothing, because the Linear after it keeps its output anyway.
+
+Parameters are shared, never copied: the converted modules hold the very nn.Parameter objects
+(and, for fusions, the very nn.LayerNorm/nn.Linear submodules) of the original, so an optimizer
+built before conversion still works with inplace=True, and revert() gives the same parameters
+back.
+
+state_dict: unchanged keys, in the same order, and the original checkpoint loads (strict). A
+fused run inside an nn.Sequential becomes the fused module at the run's first index and
+nn.Identity at the others (len() and indices stay), and the Sequential becomes a
+RematSequential whose state_dict()/load_state_dict() translate between the fused module's
+names (`0.norm.weight`, `0.linear.weight`) and the original ones (`0.weight`, `1.weight`).
+named_parameters() shows the fused names.
+
+Never swapped: subclasses of the stock classes (they may override forward), modules with
+forward/backward hooks or parametrizations, nn.Sequential subclasses, LayerNorms over more than
+the last dimension or without affine parameters (for fusion), Linear pairs whose widths do not
+chain back (MLP needs fc2: ffn -> hidden), mixed bias/no-bias pairs, modules on different
+devices or dtypes. The report says which rule stopped each one.
+"""
+
+import collections
+import copy
+
+import torch
+from torch import nn
+
+from . import nn as remat_nn
+from .ops.attention import multihead_self_attention
+
+LAYERS = frozenset({"layernorm", "gelu", "attention", "mlp"})
+
+__all__ = ["convert", "revert", "ConversionReport", "ReportRow", "RematMultiheadAttention", "RematSequential"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The report
+# ---------------------------------------------------------------------------------------------
+
+ReportRow = collections.namedtuple("ReportRow", "path type action reason")
+
+
+class ConversionReport(list):
+    """A list of ReportRow(path, type, action, reason); str() is a table."""
+
+    def add(self, path, module, action, reason=""):
+        self.append(ReportRow(path or "(root)", type(module).__name__, action, reason))
+
+    @property
+    def swapped(self):
+        return [row for row in self if row.action != "skipped"]
+
+    @property
+    def skipped(self):
+        return [row for row in self if row.action == "skipped"]
+
+    def __str__(self):
+        header = ReportRow("module", "type", "action", "reason")
+        rows = [header, *self]
+        widths = [max(len(str(row[i])) for row in rows) for i in range(3)]
+        lines = []
+        for n, row in enumerate(rows):
+            cells = [str(row[i]).ljust(widths[i]) for i in range(3)] + [row.reason]
+            lines.append("  ".join(cells).rstrip())
+            if n == 0:
+                lines.append("  ".join("-" * w for w in widths) + "  ------")
+        lines.append(f"{len(self.swapped)} swapped, {len(self.skipped)} skipped")
+        return "\n".join(lines)
+
+    def __repr__(self):
+        return f"ConversionReport({len(self)} rows: {len(self.swapped)} swapped, {len(self.skipped)} skipped)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks shared by the rules (also used by remat.hf)
+# ---------------------------------------------------------------------------------------------
+
+
+def hook_reason(module):
+    """Why `module` must be left alone because of hooks or parametrizations, or None."""
+    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    if any(getattr(module, name, None) for name in hooks):
+        return "has forward/backward hooks"
+    if getattr(module, "parametrizations", None) is not None:
+        return "has parametrizations"
+    return None
+
+
+def uniform_reason(*modules):
+    """None when all parameters of `modules` share one device and dtype, else why not."""
+    params = [p for m in modules for p in m.parameters(recurse=False)]
+    if len({(p.device, p.dtype) for p in params}) > 1:
+        return "parameters on different devices or dtypes"
+    return None
+
+
+def gelu_approximate(module):
+    """"none" or "tanh" for the GELU modules remat computes exactly, else None."""
+    if type(module) in (nn.GELU, remat_nn.GELU):
+        return module.approximate if module.approximate in ("none", "tanh") else None
+    from . import hf
+
+    return hf.activation_approximate(module)
+
+
+def layer_norm_fusable(norm, width=None, need_bias=False):
+    """None when `norm` (an exact nn.LayerNorm) can be fused into a following Linear, else why not."""
+    if type(norm) not in (nn.LayerNorm, remat_nn.LayerNorm):
+        return f"{type(norm).__name__} is not exactly nn.LayerNorm"
+    if len(norm.normalized_shape) != 1:
+        return "LayerNorm over more than the last dimension"
+    if not norm.elementwise_affine:
+        return "LayerNorm without affine parameters (elementwise_affine=False) is not supported by the fused layers"
+    if need_bias and norm.bias is None:
+        return "LayerNorm without bias is not supported by LayerNormMLP"
+    if width is not None and norm.normalized_shape[0] != width:
+        return f"LayerNorm width {norm.normalized_shape[0]} != the Linear's in_features {width}"
+    return hook_reason(norm)
+
+
+def mlp_fusable(fc1, act, fc2):
+    """None when fc1 -> act -> fc2 (exact nn.Linear, GELU, nn.Linear) is remat.nn.MLP, else why not."""
+    for name, m in (("fc1", fc1), ("fc2", fc2)):
+        if type(m) is not nn.Linear:
+            return f"{name} is {type(m).__name__}, not exactly nn.Linear"
+    if gelu_approximate(act) is None:
+        return f"activation {type(act).__name__} is not a GELU remat computes (exact or tanh)"
+    if fc2.in_features != fc1.out_features or fc2.out_features != fc1.in_features:
+        return (f"widths do not chain: {fc1.in_features}->{fc1.out_features} then "
+                f"{fc2.in_features}->{fc2.out_features} (MLP needs hidden->ffn->hidden)")
+    if (fc1.bias is None) != (fc2.bias is None):
+        return "one Linear has a bias and the other none"
+    for m in (fc1, act, fc2):
+        if hook_reason(m):
+            return f"{type(m).__name__} {hook_reason(m)}"
+    return uniform_reason(fc1, fc2)
+
+
+def on_meta(*modules):
+    return any(p.is_meta for m in modules for p in m.parameters())
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused modules that share the original submodules
+# ---------------------------------------------------------------------------------------------
+
+
+def _meta_module(cls, *args, **kwargs):
+    """cls(*args) with its own parameters on the meta device: they are replaced right after."""
+    return cls(*args, **kwargs, device="meta")
+
+
+def fused_layer_norm_linear(norm, linear, recompute):
+    new = _meta_module(remat_nn.LayerNormLinear, linear.in_features, linear.out_features, recompute=recompute)
+    new.norm, new.linear = norm, linear
+    return new
+
+
+def fused_mlp(norm, fc1, act, fc2, recompute):
+    activation = "gelu_tanh" if gelu_approximate(act) == "tanh" else "gelu"
+    if norm is None:
+        new = _meta_module(remat_nn.MLP, fc1.in_features, fc1.out_features, activation, recompute=recompute)
+    else:
+        new = _meta_module(remat_nn.LayerNormMLP, fc1.in_features, fc1.out_features, activation,
+                           recompute=recompute)
+        new.norm = norm
+    new.fc1, new.fc2 = fc1, fc2
+    return new
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention: nn.MultiheadAttention with remat's self-attention path
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_causal_mask(mask, seq):
+    """True when `mask` is exactly the (seq, seq) causal mask (bool: True = masked; float: -inf above)."""
+    if mask.shape != (seq, seq):
+        return False
+    upper = torch.ones(seq, seq, dtype=torch.bool, device=mask.device).triu(1)
+    if mask.dtype == torch.bool:
+        return bool(torch.equal(mask, upper))
+    return bool(((mask == float("-inf")) == upper).all() and (mask.masked_fill(upper, 0) == 0).all())
+
+
+class RematMultiheadAttention(nn.MultiheadAttention):
+    """nn.MultiheadAttention whose self-attention runs on remat.attention.
+
+    Same constructor, parameters, state_dict keys and call convention. remat's path runs when
+    the call is self-attention (query is key is value, a 3-D batch), need_weights=False, no
+    key_padding_mask, attn_mask None (or exactly the causal mask with is_causal=True), no
+    dropout in effect, a packed in-projection without bias_k/add_zero_attn, no autocast, and
+    the input in the parameters' dtype. Every other call runs the stock
+    nn.MultiheadAttention.forward, so conversion never breaks a model that worked. The
+    remat path returns (output, None): no attention weights, as need_weights=False does.
+    Autograd then keeps q, k, v, the output and fp32 log-sum-exps, never seq x seq.
+    """
+
+    def remat_path(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal):
+        """None when the remat path applies to this call, else the reason it does not."""
+        if key is not query or value is not query:
+            return "not self-attention"
+        if need_weights:
+            return "need_weights=True"
+        if key_padding_mask is not None:
+            return "key_padding_mask"
+        if query.dim() != 3:
+            return "unbatched input"
+        if not self._qkv_same_embed_dim or self.bias_k is not None or self.add_zero_attn:
+            return "unpacked in-projection, bias_k or add_zero_attn"
+        if self.dropout > 0 and self.training:
+            return "attention dropout"
+        if torch.is_autocast_enabled(query.device.type):
+            return "autocast"
+        if query.dtype != self.in_proj_weight.dtype:
+            return "input dtype differs from the parameters'"
+        if attn_mask is not None:
+            seq = query.shape[1] if self.batch_first else query.shape[0]
+            if not (is_causal and _is_causal_mask(attn_mask, seq)):
+                return "attn_mask other than the causal mask"
+        elif is_causal:
+            return "is_causal without attn_mask"
+        return None
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):
+        if self.remat_path(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal) is not None:
+            return super().forward(query, key, value, key_padding_mask=key_padding_mask,
+                                   need_weights=need_weights, attn_mask=attn_mask,
+                                   average_attn_weights=average_attn_weights, is_causal=is_causal)
+        x = query if self.batch_first else query.transpose(0, 1)
+        out = multihead_self_attention(
+            x, self.in_proj_weight, self.in_proj_bias, self.out_proj.weight, self.out_proj.bias,
+            self.num_heads, self.num_heads, attn_mask is not None,
+        )
+        return (out if self.batch_first else out.transpose(0, 1)), None
+
+
+def _with_class(module, cls):
+    """A shallow copy of `module` as class `cls` (a stock class or its state-free remat subclass):
+    the same parameter, buffer and submodule objects."""
+    new = copy.copy(module)
+    new.__class__ = cls
+    return new
+
+
+# ---------------------------------------------------------------------------------------------
+# nn.Sequential with fused runs, keeping the original state_dict keys
+# ---------------------------------------------------------------------------------------------
+
+
+class RematSequential(nn.Sequential):
+    """An nn.Sequential in which runs of children were fused by remat.convert.
+
+    The fused module sits at the run's first index and nn.Identity at the others, so the
+    default forward is unchanged. `remat_runs` maps the fused child's name to
+    {submodule name: original child name}, e.g. {"0": {"norm": "0", "linear": "1"}};
+    state_dict() and load_state_dict() translate through it, so keys are the original ones.
+    """
+
+    remat_runs = {}
+
+    def _to_original(self, prefix):
+        """{fused key prefix: original key prefix}, e.g. {"seq.0.linear.": "seq.1."}."""
+        return {f"{prefix}{first}.{sub}.": f"{prefix}{orig}."
+                for first, subs in self.remat_runs.items() for sub, orig in subs.items()}
+
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        local = collections.OrderedDict()
+        local._metadata = collections.OrderedDict()
+        super().state_dict(*args, destination=local, prefix=prefix, keep_vars=keep_vars)
+        renames = self._to_original(prefix)
+
+        def original_key(key):
+            for fused, orig in renames.items():
+                if key.startswith(fused):
+                    return orig + key[len(fused):]
+            return key
+
+        def position(key):  # the original child index, for the original order
+            head = key[len(prefix):].split(".", 1)[0]
+            return int(head) if head.isdigit() else -1
+
+        items = sorted(((original_key(k), v) for k, v in local.items()), key=lambda kv: position(kv[0]))
+        if destination is None:
+            destination = collections.OrderedDict()
+            destination._metadata = collections.OrderedDict()
+        destination.update(items)
+        metadata = getattr(destination, "_metadata", None)
+        if metadata is not None:
+            fused_children = {f"{prefix}{first}" for first in self.remat_runs}
+            for key, value in local._metadata.items():
+                mapped = original_key(key + ".")[:-1]
+                if key in fused_children:
+                    continue  # the fused module itself: no counterpart in the original
+                metadata[mapped] = value
+        return destination
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # Original keys -> fused keys, before the children read theirs from this same dict.
+        for first, subs in self.remat_runs.items():
+            fused = self._modules[first]
+            for sub, orig in subs.items():
+                names = set(fused.get_submodule(sub).state_dict(keep_vars=True))
+                for name in names:
+                    old = f"{prefix}{orig}.{name}"
+                    if old in state_dict:
+                        state_dict[f"{prefix}{first}.{sub}.{name}"] = state_dict.pop(old)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+
+def _sequential_runs(seq, layers, recompute, path, report):
+    """Fuse runs among the children of the nn.Sequential `seq`; {child name: handled}."""
+    names = list(seq._modules)
+    children = [seq._modules[n] for n in names]
+    runs, handled = {}, set()
+    i = 0
+    while i < len(children):
+        fused = None
+        m = children[i]
+        window = children[i:i + 4]
+        if "mlp" in layers and "layernorm" in layers and len(window) == 4 and type(m) is nn.LayerNorm \
+                and type(window[1]) is nn.Linear and type(window[3]) is nn.Linear:
+            norm, fc1, act, fc2 = window
+            reason = mlp_fusable(fc1, act, fc2) or layer_norm_fusable(norm, fc1.in_features, need_bias=True) \
+                or uniform_reason(norm, fc1, fc2)
+            if reason is None:
+                fused = (fused_mlp(norm, fc1, act, fc2, recompute), {"norm": 0, "fc1": 1, "fc2": 3}, 4)
+            else:
+                report.add(_join(path, names[i]), m, "skipped", f"LayerNormMLP: {reason}")
+        if fused is None and "mlp" in layers and len(window) >= 3 and type(m) is nn.Linear \
+                and type(window[2]) is nn.Linear and gelu_approximate(window[1]) is not None:
+            fc1, act, fc2 = window[:3]
+            reason = mlp_fusable(fc1, act, fc2)
+            if reason is None:
+                fused = (fused_mlp(None, fc1, act, fc2, recompute), {"fc1": 0, "fc2": 2}, 3)
+            else:
+                report.add(_join(path, names[i]), m, "skipped", f"MLP: {reason}")
+        if fused is None and "layernorm" in layers and len(window) >= 2 and type(m) is nn.LayerNorm \
+                and type(window[1]) is nn.Linear:
+            norm, linear = window[:2]
+            reason = layer_norm_fusable(norm, linear.in_features) or hook_reason(linear) \
+                or uniform_reason(norm, linear)
+            if reason is None:
+                fused = (fused_layer_norm_linear(norm, linear, recompute), {"norm": 0, "linear": 1}, 2)
+            else:
+                report.add(_join(path, names[i]), m, "skipped", f"LayerNormLinear: {reason}")
+        if fused is None:
+            i += 1
+            continue
+        module, subs, length = fused
+        members = names[i:i + length]
+        seq._modules[members[0]] = module
+        for name in members[1:]:
+            seq._modules[name] = nn.Identity()
+        runs[members[0]] = {sub: names[i + offset] for sub, offset in subs.items()}
+        handled.update(members)
+        if isinstance(module, remat_nn.MLP):  # the activation module, for revert()
+            module.__dict__["remat_activation"] = children[i + length - 2]
+        types = ", ".join(type(c).__name__ for c in children[i:i + length])
+        report.add(_join(path, members[0]), children[i], f"swapped to {type(module).__name__}",
+                   f"fused ({types}) at [{members[0]}:{int(members[-1]) + 1}]; Identity at the rest")
+        i += length
+    if runs:
+        seq.__class__ = RematSequential
+        seq.remat_runs = runs
+    return handled
+
+
+def _join(path, name):
+    return f"{path}.{name}" if path else name
+
+
+# ---------------------------------------------------------------------------------------------
+# The walk
+# ---------------------------------------------------------------------------------------------
+
+FUSED_TYPES = (remat_nn.LayerNormLinear, remat_nn.MLP)  # LayerNormMLP is an MLP
+
+
+def _leaf_swap(module, layers, path, report):
+    """The replacement for a single module, or None (with a report row when it was a candidate)."""
+    kind = type(module)
+    if kind is nn.LayerNorm and "layernorm" in layers:
+        reason = hook_reason(module)
+        if reason is None:
+            report.add(path, module, "swapped to remat.nn.LayerNorm")
+            return remat_nn.LayerNorm.from_torch(module)
+        report.add(path, module, "skipped", reason)
+    elif kind is nn.GELU and "gelu" in layers:
+        reason = hook_reason(module) or (None if gelu_approximate(module) else "unknown approximate")
+        if reason is None:
+            report.add(path, module, "swapped to remat.nn.GELU")
+            return remat_nn.GELU(module.approximate)
+        report.add(path, module, "skipped", reason)
+    elif kind is nn.MultiheadAttention and "attention" in layers:
+        reason = hook_reason(module)
+        if reason is None:
+            note = "self-attention calls with need_weights=False and no masks run remat.attention; others run torch"
+            if not module._qkv_same_embed_dim or module.bias_k is not None or module.add_zero_attn:
+                note = "kdim/vdim, bias_k or add_zero_attn: every call runs torch"
+            report.add(path, module, "swapped to RematMultiheadAttention", note)
+            return _with_class(module, RematMultiheadAttention)
+        report.add(path, module, "skipped", reason)
+    elif isinstance(module, (nn.LayerNorm, nn.GELU, nn.MultiheadAttention)) and not isinstance(
+            module, (remat_nn.LayerNorm, remat_nn.GELU, RematMultiheadAttention)):
+        report.add(path, module, "skipped", f"subclass of a stock layer (its forward may differ)")
+    return None
+
+
+def _convert_children(parent, layers, recompute, path, report, hf_rules):
+    handled = set()
+    if hf_rules is not None:
+        handled |= hf_rules.convert_children(parent, layers, recompute, path, report)
+    if type(parent) is nn.Sequential and ("mlp" in layers or "layernorm" in layers):
+        if hook_reason(parent) is None:
+            handled |= _sequential_runs(parent, layers, recompute, path, report)
+        else:
+            report.add(path, parent, "skipped", f"Sequential {hook_reason(parent)}: no fusion inside")
+    elif isinstance(parent, nn.Sequential) and not isinstance(parent, RematSequential):
+        report.add(path, parent, "skipped", "nn.Sequential subclass: no fusion inside (forward may differ)")
+    for name, child in list(parent._modules.items()):
+        if child is None or name in handled:
+            continue
+        child_path = _join(path, name)
+        if isinstance(child, FUSED_TYPES) or getattr(child, "remat_fused", False):
+            continue  # already converted
+        new = _leaf_swap(child, layers, child_path, report)
+        if new is not None:
+            parent._modules[name] = new
+        else:
+            _convert_children(child, layers, recompute, child_path, report, hf_rules)
+
+
+def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False):
+    """Swap `model`'s layers for remat's where that is provably the same computation.
+
+    inplace: convert `model` itself (its parameters stay the same objects) instead of a deep
+    copy. layers: which rules to apply, a subset of {"layernorm", "gelu", "attention", "mlp"}
+    ("layernorm" also fuses LayerNorm -> Linear; LayerNorm -> MLP needs "mlp" and "layernorm").
+    recompute: the fused layers' switch (False keeps what eager keeps, to compare).
+    report: also return a ConversionReport (print it for a table).
+
+    Returns the converted model, or (model, report). state_dict keys are unchanged and the
+    original checkpoint loads into the result. Hugging Face models (transformers
+    PreTrainedModel) also get the family rules of remat.hf.
+    """
+    layers = frozenset(layers)
+    unknown = layers - LAYERS
+    if unknown:
+        raise ValueError(f"layers must be a subset of {sorted(LAYERS)}, got unknown {sorted(unknown)}")
+    if not isinstance(recompute, bool):
+        raise TypeError(f"recompute must be True or False, got {recompute!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not inplace:
+        model = copy.deepcopy(model)
+    rows = ConversionReport()
+    from . import hf
+
+    hf_rules = hf if hf.is_hf_model(model) else None
+    root = _leaf_swap(model, layers, "", rows)
+    if root is not None:
+        model = root
+    else:
+        _convert_children(model, layers, recompute, "", rows, hf_rules)
+    return (model, rows) if report else model
+
+
+# ---------------------------------------------------------------------------------------------
+# Revert
+# ---------------------------------------------------------------------------------------------
+
+
+def _revert_sequential(seq):
+    names = list(seq._modules)
+    for first, subs in seq.remat_runs.items():
+        fused = seq._modules[first]
+        for sub, orig in subs.items():
+            seq._modules[orig] = _revert_module(fused.get_submodule(sub))
+        if isinstance(fused, remat_nn.MLP):  # the GELU between fc1 and fc2
+            act_index = names[names.index(subs["fc1"]) + 1]
+            seq._modules[act_index] = fused.__dict__["remat_activation"]
+    seq.__class__ = nn.Sequential
+    del seq.remat_runs
+
+
+def _revert_module(module):
+    if type(module) is remat_nn.LayerNorm:
+        return _with_class(module, nn.LayerNorm)
+    if type(module) is remat_nn.GELU:
+        return nn.GELU(module.approximate)
+    if type(module) is RematMultiheadAttention:
+        return _with_class(module, nn.MultiheadAttention)
+    revert_fn = getattr(module, "remat_revert", None)
+    if revert_fn is not None:
+        module = revert_fn()
+    if isinstance(module, RematSequential):
+        _revert_sequential(module)
+    for name, child in list(module._modules.items()):
+        if child is not None:
+            module._modules[name] = _revert_module(child)
+    return module
+
+
+def revert(model):
+    """Undo remat.convert in place: stock modules again, holding the same parameters. Returns the model."""
+    return _revert_module(model)
