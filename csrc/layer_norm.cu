@@ -6,7 +6,7 @@
 //   layer_norm_fwd_looped_kernel    any N: re-reads the row from global memory
 //   layer_norm_bwd_kernel           row cached in registers (N <= kMaxRegisterWidthBwd)
 //   layer_norm_bwd_looped_kernel    any N
-//   column_sum_kernel               (G, N) fp32 partials -> (N,) dw or db
+//   sum_partial_rows_kernel         (common.cuh) (G, N) fp32 partials -> (N,) dw or db
 // Register kernels run one warp per row (kRowsPerWarpBlock rows per block) for narrow rows and
 // one block per row otherwise; the host picks the elements per thread (EPT) and block size.
 
@@ -29,8 +29,6 @@ namespace {
 constexpr int kMaxThreads = 512;          // block size cap of every LayerNorm kernel
 constexpr int kRowsPerWarpBlock = 4;      // rows (warps) per block in one-warp-per-row mode
 constexpr int kLoopedThreads = 512;       // block size of the looped kernels
-constexpr int kColumnSumCols = 32;        // column_sum_kernel block: 32 columns x 8 partial rows
-constexpr int kColumnSumRows = 8;
 
 // ---------------------------------------------------------------------------------------------
 // Shared per-element math. Forward and the recomputing backward both call these, so the
@@ -248,7 +246,7 @@ __global__ void __launch_bounds__(kLoopedThreads, 1) layer_norm_fwd_looped_kerne
 // mean and rstd are the fp32 values the forward stored, so xhat (and with RECOMPUTE_OUTPUT, y)
 // are recomputed bitwise as the forward computed them. dw/db: block g accumulates fp32 partial
 // sums over the rows it owns (grid-stride, fixed grid G) and writes row g of the (G, N) buffers
-// DWp/DBp; column_sum_kernel reduces them in a fixed order.
+// DWp/DBp; sum_partial_rows_kernel reduces them in a fixed order.
 //
 // Register kernel launch: warp mode block (32, kRowsPerWarpBlock), block mode (threads, 1) with
 // threads * EPT >= N; grid G <= rows / rows_per_block, so every block owns at least one row group.
@@ -456,31 +454,6 @@ __global__ void __launch_bounds__(kLoopedThreads, 1) layer_norm_bwd_looped_kerne
         store_pack<T, VEC>(Y + row * static_cast<int64_t>(N) + col0, out);
       }
     }
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// OUT[c] = sum_g P[g, c] in a fixed order (per thread over g = ty, ty + 8, ..., then over ty).
-// Block (kColumnSumCols, kColumnSumRows), grid ceil(N / kColumnSumCols).
-// ---------------------------------------------------------------------------------------------
-template <typename Out>
-__global__ void __launch_bounds__(kColumnSumCols * kColumnSumRows) column_sum_kernel(
-    const float* __restrict__ P,  // (G, N)
-    Out* __restrict__ OUT,        // (N,)
-    int G, int N) {
-  __shared__ float buf[kColumnSumRows][kColumnSumCols];
-  const int col = blockIdx.x * kColumnSumCols + threadIdx.x;
-  float s = 0.f;
-  if (col < N) {
-    for (int g = threadIdx.y; g < G; g += kColumnSumRows) s += P[static_cast<int64_t>(g) * N + col];
-  }
-  buf[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < N) {
-    float total = buf[0][threadIdx.x];
-#pragma unroll
-    for (int r = 1; r < kColumnSumRows; ++r) total += buf[r][threadIdx.x];
-    OUT[col] = from_float<Out>(total);
   }
 }
 
@@ -697,17 +670,6 @@ Partials launch_bwd(const BwdArgs& a, const RowConfig& cfg, bool need_dw, bool n
   return parts;
 }
 
-// OUT (N,) in its own dtype = column sums of the (G, N) fp32 partials.
-void column_sum(const at::Tensor& partial, at::Tensor& out, cudaStream_t stream) {
-  const int G = static_cast<int>(partial.size(0));
-  const int N = static_cast<int>(partial.size(1));
-  const dim3 block(kColumnSumCols, kColumnSumRows);
-  const dim3 grid(static_cast<unsigned>((N + kColumnSumCols - 1) / kColumnSumCols));
-  REMAT_DISPATCH_FLOAT_TYPES(out.scalar_type(), "remat_layer_norm_column_sum", [&] {
-    column_sum_kernel<scalar_t><<<grid, block, 0, stream>>>(partial.data_ptr<float>(), out.data_ptr<scalar_t>(), G, N);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-}
 
 }  // namespace
 
@@ -802,8 +764,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
       parts = launch_bwd<scalar_t, 1, false>(args, cfg, has_w, has_b, float_opts, device, stream);
     }
   });
-  if (has_w) column_sum(parts.dw, dw, stream);
-  if (has_b) column_sum(parts.db, db, stream);
+  if (has_w) sum_partial_rows(parts.dw, dw, stream);
+  if (has_b) sum_partial_rows(parts.db, db, stream);
   return {dx, dw, db, y};
 }
 

@@ -46,3 +46,17 @@ def saved_bytes(fn, exclude=()):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
     return sum(storages.values())
+
+
+def assert_compiled_matches_eager(model, x, tol=1e-5):
+    """torch.compile(fullgraph=True) of model runs without a graph break and gives eager's output and gradients."""
+    torch._dynamo.reset()
+    out = torch.compile(model, fullgraph=True)(x)
+    out.sum().backward()
+    compiled_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    expected = model(x)
+    expected.sum().backward()
+    assert rel_error(out, expected) < tol
+    for (name, p), got in zip(model.named_parameters(), compiled_grads):
+        assert rel_error(got, p.grad) < tol, name

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import remat
 from remat.ops import attention as attn_ops
-from numerics import REL_TOL, rel_error, saved_bytes
+from numerics import REL_TOL, assert_compiled_matches_eager, rel_error, saved_bytes
 
 HAS_GPU = torch.cuda.is_available()
 # bf16 tl.dot is wrong under the Triton interpreter (triton issue 11584): bf16 on GPU only.
@@ -275,18 +275,9 @@ class _TinyAttention(torch.nn.Module):
 
 def test_torch_compile_fullgraph(target):
     device, _ = target
-    torch._dynamo.reset()
     model = _TinyAttention(64, 2).to(device)
     x = torch.randn(2, 11, 64, device=device)
-    out = torch.compile(model, fullgraph=True)(x)
-    out.sum().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    expected = model(x)
-    expected.sum().backward()
-    assert rel_error(out, expected) < 1e-5
-    for got, want in zip(grads, (p.grad for p in model.parameters())):
-        assert rel_error(got, want) < 1e-5
+    assert_compiled_matches_eager(model, x)
 
 
 # --- memory ------------------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from remat.gpt import GPTConfig, RematGPTBlock, TorchGPTBlock, remat_stack, torch_stack
-from numerics import assert_close_to_ref, saved_bytes
+from remat.gpt import GPTConfig, remat_stack, torch_stack
+from numerics import assert_close_to_ref, assert_compiled_matches_eager, saved_bytes
 
 
 def test_same_outputs_and_gradients(target):
@@ -56,3 +56,9 @@ def test_activation_bytes_per_layer(target, recompute):
     # device and on which SDPA backend runs (the CPU one keeps no separate log-sum-exp).
     stock_measured = saved_bytes(lambda: stock(x), exclude=list(stock.parameters()))
     assert 32 * sbh <= stock_measured <= 32 * sbh + statistics
+
+
+def test_remat_stack_compiles_fullgraph(target):
+    device, _ = target
+    stack = remat_stack(torch_stack(GPTConfig(hidden=32, heads=2, layers=1), device=device))
+    assert_compiled_matches_eager(stack, torch.randn(2, 9, 32, device=device), tol=1e-4)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import remat
 from remat.ops import layer_norm as ln_ops
-from numerics import REL_TOL, assert_close_to_ref, rel_error, saved_bytes
+from numerics import REL_TOL, assert_close_to_ref, assert_compiled_matches_eager, rel_error, saved_bytes
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (rows, width): one row, width 1, primes, not powers of two, wider than one block, very wide.
@@ -189,19 +189,9 @@ def test_opcheck(target, affine):
 
 def test_torch_compile_fullgraph(target):
     device, _ = target
-    torch._dynamo.reset()
     model = torch.nn.Sequential(torch.nn.Linear(24, 40), remat.nn.LayerNorm(40), torch.nn.Linear(40, 8)).to(device)
     x = torch.randn(6, 24, device=device)
-    compiled = torch.compile(model, fullgraph=True)
-    out = compiled(x)
-    out.sum().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    expected = model(x)
-    expected.sum().backward()
-    assert rel_error(out, expected) < 1e-5
-    for got, want in zip(grads, (p.grad for p in model.parameters())):
-        assert rel_error(got, want) < 1e-5
+    assert_compiled_matches_eager(model, x)
 
 
 # --- memory ------------------------------------------------------------------------------------

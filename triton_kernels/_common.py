@@ -35,3 +35,11 @@ def num_sms(device: torch.device) -> int:
         index = device.index if device.index is not None else torch.cuda.current_device()
         return _cuda_sm_count(index)
     return CPU_NUM_SMS
+
+
+def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its last dim has stride 1, else a contiguous copy.
+
+    The kernels index the last dim with stride 1: anything else gets a copy, never a wrong answer.
+    """
+    return t if t.stride(-1) == 1 or t.numel() == 0 else t.contiguous()

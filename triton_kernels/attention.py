@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, next_power_of_2
+from ._common import cdiv, next_power_of_2, unit_last_stride
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # ln(2): log(x) = log2(x) * LN2
@@ -410,10 +410,6 @@ def _attn_bwd_dq_kernel(
 # ---------------------------------------------------------------------------------------------
 # 4. Launchers
 # ---------------------------------------------------------------------------------------------
-def _unit_last_stride(t):
-    return t if t.stride(-1) == 1 or t.numel() == 0 else t.contiguous()
-
-
 def _common_constexprs(q, k, causal):
     head_dim = q.shape[-1]
     return dict(
@@ -427,7 +423,7 @@ def _common_constexprs(q, k, causal):
 
 def attention_fwd(q, k, v, causal, softmax_scale):
     """(o, lse): o (B, H, Sq, D) in q's dtype laid out as (B, Sq, H, D), lse (B, H, Sq) fp32 natural log."""
-    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
+    q, k, v = (unit_last_stride(t) for t in (q, k, v))
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     # o is laid out as (B, Sq, H, D), the contract of remat.ops.attention.attention_fwd.
@@ -450,7 +446,7 @@ def attention_fwd(q, k, v, causal, softmax_scale):
 
 def attention_bwd(do, q, k, v, o, lse, causal, softmax_scale):
     """(dq, dk, dv), contiguous, in the shapes and dtypes of q, k, v."""
-    do, q, k, v, o = (_unit_last_stride(t) for t in (do, q, k, v, o))
+    do, q, k, v, o = (unit_last_stride(t) for t in (do, q, k, v, o))
     lse = lse.contiguous()
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, num_sms
+from ._common import cdiv, num_sms, unit_last_stride
 
 # ---------------------------------------------------------------------------------------------
 # 1. Configuration
@@ -296,11 +296,6 @@ def _gelu_bwd_kernel(
 # ---------------------------------------------------------------------------------------------
 # 5. Launchers
 # ---------------------------------------------------------------------------------------------
-def _unit_column_stride(t):
-    # The kernels index columns with stride 1; anything else gets a copy, never a wrong answer.
-    return t if t.stride(1) == 1 else t.contiguous()
-
-
 def _dense(t):
     """True when the rows of a 2-D tensor with unit column stride are back to back."""
     return t.stride(0) == t.shape[1] or t.shape[0] == 1
@@ -313,7 +308,7 @@ def gelu_fwd(x, bias, approximate):
     approximate "none" (erf) or "tanh". Returns y (M, N) contiguous in x.dtype.
     """
     tanh = _check_approximate(approximate)
-    x = _unit_column_stride(x)
+    x = unit_last_stride(x)
     M, N = x.shape
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
@@ -341,8 +336,8 @@ def gelu_bwd(dy, x, bias, approximate, recompute_output):
     output, when recompute_output, else an empty tensor of shape (0,).
     """
     tanh = _check_approximate(approximate)
-    x = _unit_column_stride(x)
-    dy = _unit_column_stride(dy)
+    x = unit_last_stride(x)
+    dy = unit_last_stride(dy)
     M, N = x.shape
     device = x.device
     dx = torch.empty((M, N), dtype=x.dtype, device=device)

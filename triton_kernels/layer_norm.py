@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, next_power_of_2, num_sms
+from ._common import cdiv, next_power_of_2, num_sms, unit_last_stride
 
 # ---------------------------------------------------------------------------------------------
 # 1. Configuration
@@ -432,18 +432,13 @@ def _layer_norm_bwd_chunked_kernel(
 # ---------------------------------------------------------------------------------------------
 # 4. Launchers
 # ---------------------------------------------------------------------------------------------
-def _unit_column_stride(t):
-    # The kernels index columns with stride 1; anything else gets a copy, never a wrong answer.
-    return t if t.stride(1) == 1 else t.contiguous()
-
-
 def layer_norm_fwd(x, weight, bias, eps):
     """LayerNorm over the last dim of a 2-D x.
 
     x (M, N), unit column stride, any row stride; weight, bias (N,) or None, any float dtype.
     Returns y (M, N) contiguous in x.dtype, and mean, rstd (M,) fp32.
     """
-    x = _unit_column_stride(x)
+    x = unit_last_stride(x)
     M, N = x.shape
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     mean = torch.empty((M,), dtype=torch.float32, device=x.device)
@@ -481,8 +476,8 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd, recompute_output):
     dtype (empty tensors of x.dtype when the parameter is None; zeros when M == 0); y the forward
     output recomputed bitwise equal when recompute_output, else an empty tensor.
     """
-    x = _unit_column_stride(x)
-    dy = _unit_column_stride(dy)
+    x = unit_last_stride(x)
+    dy = unit_last_stride(dy)
     M, N = x.shape
     device = x.device
     dx = torch.empty((M, N), dtype=x.dtype, device=device)

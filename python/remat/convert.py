@@ -15,7 +15,7 @@ What is swapped (each only where it is provably the same computation, from modul
       (LayerNorm, Linear)             -> remat.nn.LayerNormLinear                              "layernorm"
       (Linear, GELU, Linear)          -> remat.nn.MLP                                          "mlp"
       (LayerNorm, Linear, GELU, Linear) -> remat.nn.LayerNormMLP                               "mlp" + "layernorm"
-    Hugging Face models (remat.hf)    -> their MLP blocks fused, LayerNorms swapped            "mlp", "layernorm", "gelu"
+    Hugging Face models (remat.hf)    -> their MLP blocks fused, LayerNorms swapped            "mlp", "layernorm"
 
 The fusions are where the memory goes (design.md §1): a lone LayerNorm or GELU that recomputes
 saves nothing, because the Linear after it keeps its output anyway.
@@ -50,7 +50,7 @@ from .ops.attention import multihead_self_attention
 
 LAYERS = frozenset({"layernorm", "gelu", "attention", "mlp"})
 
-__all__ = ["convert", "revert", "ConversionReport", "ReportRow", "RematMultiheadAttention", "RematSequential"]
+__all__ = ["ConversionReport", "RematMultiheadAttention", "RematSequential", "ReportRow", "convert", "revert"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,7 +278,7 @@ class RematSequential(nn.Sequential):
     state_dict() and load_state_dict() translate through it, so keys are the original ones.
     """
 
-    remat_runs = {}
+    remat_runs: dict  # set by remat.convert on the instance
 
     def _to_original(self, prefix):
         """{fused key prefix: original key prefix}, e.g. {"seq.0.linear.": "seq.1."}."""
@@ -297,9 +297,10 @@ class RematSequential(nn.Sequential):
                     return orig + key[len(fused):]
             return key
 
-        def position(key):  # the original child index, for the original order
-            head = key[len(prefix):].split(".", 1)[0]
-            return int(head) if head.isdigit() else -1
+        order = {name: i for i, name in enumerate(self._modules)}
+
+        def position(key):  # the original child's position, for the original order
+            return order.get(key[len(prefix):].split(".", 1)[0], -1)
 
         items = sorted(((original_key(k), v) for k, v in local.items()), key=lambda kv: position(kv[0]))
         if destination is None:
@@ -381,7 +382,7 @@ def _sequential_runs(seq, layers, recompute, path, report):
             module.__dict__["remat_activation"] = children[i + length - 2]
         types = ", ".join(type(c).__name__ for c in children[i:i + length])
         report.add(_join(path, members[0]), children[i], f"swapped to {type(module).__name__}",
-                   f"fused ({types}) at [{members[0]}:{int(members[-1]) + 1}]; Identity at the rest")
+                   f"fused ({types}) from {members[0]} to {members[-1]}; Identity at the rest")
         i += length
     if runs:
         seq.__class__ = RematSequential
@@ -426,7 +427,7 @@ def _leaf_swap(module, layers, path, report):
         report.add(path, module, "skipped", reason)
     elif isinstance(module, (nn.LayerNorm, nn.GELU, nn.MultiheadAttention)) and not isinstance(
             module, (remat_nn.LayerNorm, remat_nn.GELU, RematMultiheadAttention)):
-        report.add(path, module, "skipped", f"subclass of a stock layer (its forward may differ)")
+        report.add(path, module, "skipped", "subclass of a stock layer (its forward may differ)")
     return None
 
 
@@ -481,11 +482,13 @@ def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False):
     from . import hf
 
     hf_rules = hf if hf.is_hf_model(model) else None
+    order = {path or "(root)": i for i, (path, _) in enumerate(model.named_modules())}
     root = _leaf_swap(model, layers, "", rows)
     if root is not None:
         model = root
     else:
         _convert_children(model, layers, recompute, "", rows, hf_rules)
+    rows.sort(key=lambda row: order.get(row.path, len(order)))  # rows in the model's module order
     return (model, rows) if report else model
 
 

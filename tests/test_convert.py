@@ -1,0 +1,277 @@
+"""remat.convert / remat.revert on plain PyTorch models: same loss and gradients, less saved
+activation memory, the same state_dict keys, and what is (not) swapped and why."""
+
+import copy
+import importlib
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from numerics import rel_error, saved_bytes
+
+# remat.convert is also the name of the function remat/__init__.py exports: import the module by path.
+conv = importlib.import_module("remat.convert")
+
+GRAD_TOL = 1e-4  # fp32, converted vs stock
+
+
+class Block(nn.Module):
+    """A pre-LN transformer block with a classifier head, from stock layers."""
+
+    def __init__(self, hidden=32, heads=2, ffn=64, classes=10):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(hidden)
+        self.attn = nn.MultiheadAttention(hidden, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden))
+        self.head = nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, classes))
+
+    def forward(self, x):
+        y = self.ln1(x)
+        x = x + self.attn(y, y, y, need_weights=False)[0]
+        x = x + self.mlp(x)
+        return self.head(x)
+
+
+def randomize(model):
+    """Parameters away from their init (LayerNorm ones/zeros would hide bugs)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def loss_and_grads(model, x, target):
+    """(loss, {state_dict key: grad}): the keys are the same in stock and converted models."""
+    model.zero_grad(set_to_none=True)
+    loss = nn.functional.cross_entropy(model(x).flatten(0, -2), target.flatten())
+    loss.backward()
+    params = model.state_dict(keep_vars=True)
+    return loss.detach(), {k: p.grad for k, p in params.items() if isinstance(p, nn.Parameter)}
+
+
+def assert_same_training_step(stock, converted, x, target):
+    loss, grads = loss_and_grads(stock, x, target)
+    loss_c, grads_c = loss_and_grads(converted, x, target)
+    assert rel_error(loss_c, loss) < GRAD_TOL
+    assert grads.keys() == grads_c.keys() and grads
+    for key in grads:
+        assert grads_c[key] is not None, key
+        assert rel_error(grads_c[key], grads[key]) < GRAD_TOL, f"{key}: {rel_error(grads_c[key], grads[key]):.3g}"
+
+
+def test_block_same_loss_and_gradients(target):
+    device, _ = target
+    stock = randomize(Block()).to(device)
+    converted, report = conv.convert(stock, report=True)
+    actions = {row.path: row.action for row in report}
+    assert actions == {
+        "ln1": "swapped to remat.nn.LayerNorm",
+        "attn": "swapped to RematMultiheadAttention",
+        "mlp.0": "swapped to LayerNormMLP",
+        "head.0": "swapped to LayerNormLinear",
+    }
+    assert isinstance(converted.mlp[0], remat.nn.LayerNormMLP) and isinstance(converted.mlp[1], nn.Identity)
+    assert isinstance(converted.head[0], remat.nn.LayerNormLinear)
+    x = torch.randn(2, 11, 32, device=device)
+    target_ = torch.randint(0, 10, (2, 11), device=device)
+    with mock.patch.object(conv, "multihead_self_attention", wraps=conv.multihead_self_attention) as spy:
+        assert_same_training_step(stock, converted, x, target_)
+    assert spy.call_count == 1  # the attention really ran on remat.attention
+
+
+def test_transformer_encoder_layer(target):
+    """nn.TransformerEncoderLayer (norm_first, GELU module): LayerNorms, attention and GELU swapped."""
+    device, _ = target
+    layer = nn.TransformerEncoderLayer(32, 2, dim_feedforward=64, dropout=0.0, activation=nn.GELU(),
+                                       batch_first=True, norm_first=True)
+    stock = randomize(nn.Sequential(layer, nn.Linear(32, 10))).to(device)
+    converted, report = conv.convert(stock, report=True)
+    swapped = {row.path for row in report.swapped}
+    assert swapped == {"0.self_attn", "0.norm1", "0.norm2", "0.activation"}
+    x = torch.randn(2, 9, 32, device=device)
+    assert_same_training_step(stock, converted, x, torch.randint(0, 10, (2, 9), device=device))
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "keep"])
+def test_saved_activation_bytes(target, recompute):
+    """fp32, T tokens, width h, FFN f: LayerNorm->MLP no longer keeps LN(x) (T·h·4) and the GELU
+    output (T·f·4); LayerNorm->Linear no longer keeps LN(x) (T·h·4). recompute=False keeps them."""
+    device, _ = target
+    hidden, ffn, batch, seq = 32, 64, 2, 8
+    tokens = batch * seq
+    stock = Block(hidden, 2, ffn).to(device)
+    converted = conv.convert(stock, recompute=recompute)
+    x = torch.randn(batch, seq, hidden, device=device, requires_grad=True)
+    measure = lambda m, fn: saved_bytes(lambda: fn(x), exclude=list(m.parameters()))  # noqa: E731
+    for name, expected_drop in (("mlp", tokens * (hidden + ffn) * 4), ("head", tokens * hidden * 4)):
+        before = measure(stock, getattr(stock, name))
+        after = measure(converted, getattr(converted, name))
+        assert before - after == (expected_drop if recompute else 0), name
+    # Attention keeps the in-projection input, qkv (one storage), the output and fp32 lse: never seq x seq.
+    attn = lambda m: (lambda t: m.attn(t, t, t, need_weights=False)[0])  # noqa: E731
+    expected = tokens * hidden * 4 * 5 + batch * 2 * seq * 4
+    assert measure(converted, attn(converted)) == expected
+    assert measure(stock, attn(stock)) >= expected
+
+
+def test_state_dict_keys_and_checkpoint_load():
+    stock = randomize(Block())
+    converted = conv.convert(stock)
+    assert list(converted.state_dict()) == list(stock.state_dict())  # same keys, same order
+    checkpoint = copy.deepcopy(randomize(copy.deepcopy(stock)).state_dict())
+    result = converted.load_state_dict(checkpoint, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    for key, value in converted.state_dict().items():
+        assert torch.equal(value, checkpoint[key]), key
+    # And back: the converted model's checkpoint loads into a stock model.
+    fresh = Block()
+    fresh.load_state_dict(converted.state_dict(), strict=True)
+    x = torch.randn(2, 5, 32)
+    torch.testing.assert_close(converted(x), fresh(x), rtol=1e-5, atol=1e-5)
+
+
+def test_inplace_shares_parameters_and_revert():
+    stock = randomize(Block())
+    reference = copy.deepcopy(stock)
+    ids = {id(p) for p in stock.parameters()}
+    converted = conv.convert(stock, inplace=True)
+    assert converted is stock and {id(p) for p in converted.parameters()} == ids
+    reverted = conv.revert(converted)
+    assert {id(p) for p in reverted.parameters()} == ids
+    assert type(reverted.attn) is nn.MultiheadAttention and type(reverted.ln1) is nn.LayerNorm
+    assert type(reverted.mlp) is nn.Sequential
+    assert [type(m) for m in reverted.mlp] == [nn.LayerNorm, nn.Linear, nn.GELU, nn.Linear]
+    assert list(reverted.state_dict()) == list(reference.state_dict())
+    assert not any(isinstance(m, (remat.nn.LayerNorm, remat.nn.MLP, remat.nn.LayerNormLinear))
+                   for m in reverted.modules())
+    x = torch.randn(2, 5, 32)
+    torch.testing.assert_close(reverted(x), reference(x), rtol=0, atol=0)
+
+
+def test_not_inplace_leaves_the_original_alone():
+    stock = Block()
+    conv.convert(stock)
+    assert type(stock.ln1) is nn.LayerNorm and type(stock.mlp) is nn.Sequential
+    assert type(stock.mlp[0]) is nn.LayerNorm
+
+
+def _reason(report, path):
+    rows = [row for row in report if row.path == path]
+    assert rows, f"no report row for {path}: {report}"
+    return rows[0].action, rows[0].reason
+
+
+def test_never_swaps_what_it_cannot_prove():
+    hooked = nn.LayerNorm(16)
+    hooked.register_forward_hook(lambda *args: None)
+
+    class MyLayerNorm(nn.LayerNorm):
+        pass
+
+    class MySequential(nn.Sequential):
+        pass
+
+    model = nn.ModuleDict({
+        "no_affine": nn.Sequential(nn.LayerNorm(16, elementwise_affine=False), nn.Linear(16, 8)),
+        "widths": nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8)),
+        "relu": nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)),
+        "gelu_then_other": nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.0), nn.Linear(32, 16)),
+        "hooked": nn.Sequential(hooked, nn.Linear(16, 8)),
+        "subclass": MyLayerNorm(16),
+        "my_sequential": MySequential(nn.LayerNorm(16), nn.Linear(16, 8)),
+    })
+    converted, report = conv.convert(model, report=True)
+    action, reason = _reason(report, "no_affine.0")
+    assert action == "skipped" and "elementwise_affine=False" in reason
+    action, reason = _reason(report, "widths.0")
+    assert action == "skipped" and "widths do not chain" in reason
+    assert _reason(report, "hooked.0") == ("skipped", "LayerNormLinear: has forward/backward hooks")
+    assert _reason(report, "subclass")[0] == "skipped"
+    assert _reason(report, "my_sequential")[0] == "skipped"
+    assert _reason(report, "gelu_then_other.1") == ("swapped to remat.nn.GELU", "")
+    assert type(converted["relu"]) is nn.Sequential  # nothing to do there
+    assert type(converted["no_affine"][1]) is nn.Linear and type(converted["widths"][1]) is remat.nn.GELU
+    assert type(converted["hooked"][0]) is nn.LayerNorm  # the hooked module itself is kept too
+    assert "swapped" in str(report) and "skipped" in str(report)  # a readable table
+    x = torch.randn(3, 16)
+    for name in ("no_affine", "widths", "relu", "gelu_then_other", "hooked", "my_sequential"):
+        torch.testing.assert_close(converted[name](x), model[name](x), rtol=1e-5, atol=1e-6)
+
+
+def test_layers_and_recompute_options():
+    model = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    only_gelu = conv.convert(model, layers={"gelu"})
+    assert [type(m) for m in only_gelu] == [nn.LayerNorm, nn.Linear, remat.nn.GELU, nn.Linear]
+    mlp_only = conv.convert(model, layers={"mlp"})
+    assert [type(m) for m in mlp_only] == [nn.LayerNorm, remat.nn.MLP, nn.Identity, nn.Identity]
+    kept = conv.convert(model, recompute=False)
+    assert type(kept[0]) is remat.nn.LayerNormMLP and kept[0].recompute is False
+    with pytest.raises(ValueError, match="unknown"):
+        conv.convert(model, layers={"rmsnorm"})
+    with pytest.raises(TypeError, match="recompute"):
+        conv.convert(model, recompute="yes")
+
+
+def test_attention_falls_back_to_torch_where_remat_does_not_apply():
+    """Cross-attention, need_weights, padding masks, dropout: the stock computation, same results."""
+    stock = randomize(nn.MultiheadAttention(32, 2, batch_first=True))
+    ours = conv.convert(stock)
+    x, memory = torch.randn(2, 6, 32), torch.randn(2, 4, 32)
+    padding = torch.zeros(2, 6, dtype=torch.bool)
+    padding[0, -2:] = True
+    causal = nn.Transformer.generate_square_subsequent_mask(6)
+    calls = [
+        dict(query=x, key=memory, value=memory),
+        dict(query=x, key=x, value=x, need_weights=True),
+        dict(query=x, key=x, value=x, need_weights=False, key_padding_mask=padding),
+        dict(query=x, key=x, value=x, need_weights=False, attn_mask=causal, is_causal=True),
+        dict(query=x, key=x, value=x, need_weights=False, attn_mask=causal),  # causal, without the hint
+    ]
+    with mock.patch.object(conv, "multihead_self_attention", wraps=conv.multihead_self_attention) as spy:
+        for kwargs in calls:
+            want, got = stock(**kwargs), ours(**kwargs)
+            torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+            if want[1] is not None:
+                torch.testing.assert_close(got[1], want[1])
+    assert spy.call_count == 1  # only the verified causal self-attention call ran on remat
+    dropped = conv.convert(nn.MultiheadAttention(32, 2, dropout=0.5, batch_first=True))
+    assert dropped.remat_path(x, x, x, None, False, None, False) == "attention dropout"
+    assert dropped.eval().remat_path(x, x, x, None, False, None, False) is None
+
+
+def test_sequence_first_attention(target):
+    device, _ = target
+    stock = randomize(nn.MultiheadAttention(32, 2)).to(device)  # batch_first=False
+    ours = conv.convert(stock)
+    x = torch.randn(7, 2, 32, device=device, requires_grad=True)
+    want = stock(x, x, x, need_weights=False)[0]
+    got = ours(x, x, x, need_weights=False)[0]
+    assert rel_error(got, want) < GRAD_TOL
+
+
+def test_convert_twice_is_a_no_op():
+    model = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 8))
+    once = conv.convert(model)
+    twice, report = conv.convert(once, report=True)
+    assert not report.swapped and list(twice.state_dict()) == list(model.state_dict())
+
+
+def test_named_sequential_keeps_key_order():
+    """nn.Sequential(OrderedDict) with names: the keys and their order survive, and revert restores."""
+    import collections
+
+    stock = randomize(nn.Sequential(collections.OrderedDict(
+        ln=nn.LayerNorm(16), up=nn.Linear(16, 48), act=nn.GELU("tanh"), down=nn.Linear(48, 16), out=nn.Linear(16, 4),
+    )))
+    converted = conv.convert(stock)
+    assert type(converted.ln) is remat.nn.LayerNormMLP and converted.ln.activation == "gelu_tanh"
+    assert list(converted.state_dict()) == list(stock.state_dict())
+    converted.load_state_dict(stock.state_dict())
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(converted(x), stock(x), rtol=1e-5, atol=1e-5)
+    reverted = conv.revert(converted)
+    assert [type(m) for m in reverted] == [nn.LayerNorm, nn.Linear, nn.GELU, nn.Linear, nn.Linear]
+    assert reverted.act.approximate == "tanh"
