@@ -41,7 +41,7 @@ else
 fi
 
 step "kernel benchmarks"
-timeout 150 "$PYTHON" -m remat bench layernorm gelu mlp --dtype bf16 fp16 --no-progress --out "$OUT_DIR/bench" \
+timeout 200 "$PYTHON" -m remat bench layernorm gelu mlp attention --dtype bf16 --no-progress --out "$OUT_DIR/bench" \
     > "$OUT_DIR/bench.log" 2>&1 || status=1
 
 step "block benchmark (2 layers: per-layer figures do not depend on the depth)"

@@ -2,11 +2,11 @@
 
 import torch
 
-from . import block, gelu, layer_norm, mlp, report
+from . import attention, block, gelu, layer_norm, mlp, report
 from .cases import Progress, Timer, measure_case
 
 # op name -> module with cases(device, dtypes, quick)
-SUITES = {"layernorm": layer_norm, "gelu": gelu, "mlp": mlp, "block": block}
+SUITES = {"layernorm": layer_norm, "gelu": gelu, "mlp": mlp, "attention": attention, "block": block}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
