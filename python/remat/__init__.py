@@ -2,6 +2,7 @@
 
 from . import nn, ops
 from ._backend import backends, get_backend, set_backend, use_backend
+from .convert import convert, revert
 from .ops.attention import attention
 from .ops.fused import layer_norm_linear, mlp
 from .ops.gelu import gelu
@@ -10,6 +11,6 @@ from .ops.layer_norm import layer_norm
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "backends", "gelu", "get_backend", "layer_norm", "layer_norm_linear", "mlp", "nn", "ops",
-    "set_backend", "use_backend",
+    "attention", "backends", "convert", "gelu", "get_backend", "layer_norm", "layer_norm_linear", "mlp",
+    "nn", "ops", "revert", "set_backend", "use_backend",
 ]
