@@ -50,7 +50,9 @@ def parser():
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(run=_bench)
     memory = commands.add_parser("memory", help="activation memory and step time of a model under each policy")
-    memory.add_argument("--model", default="gpt2-small", choices=list(__import__("remat.memory", fromlist=["MODELS"]).MODELS))
+    memory.add_argument("--model", default="gpt2-small",
+                        help="gpt2-small, gpt2-medium, gpt2-large (remat.gpt stacks), bert-base, vit-base, "
+                             "hf-gpt2-small, hf-gpt2-medium (Hugging Face, needs transformers), or a config.json path")
     memory.add_argument("--batch", type=int, default=8)
     memory.add_argument("--seq", type=int, default=1024)
     memory.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])

@@ -4,11 +4,15 @@ For each policy it reports the bytes autograd keeps for the backward per layer (
 on any device, with saved-tensor hooks), and on a GPU the peak memory and the step time; it draws
 the memory/time frontier, and with a budget names the cheapest policy that fits.
 
-Policies: eager; remat (fused recompute); torch selective checkpointing (keep matmul and
-attention outputs); full checkpointing per block; offloading saved activations to host memory;
-remat with full checkpointing of k of the L blocks.
+Models: stacks of remat.gpt blocks sized like GPT-2 (gpt2-small, -medium, -large), with every
+policy: eager; remat (fused recompute); torch selective checkpointing (keep matmul and attention
+outputs); full checkpointing per block; offloading saved activations to host memory; remat with
+full checkpointing of k of the L blocks. And Hugging Face models built from a config
+(bert-base, vit-base, hf-gpt2-small, hf-gpt2-medium, or the path of a config.json), with eager,
+remat.convert, Hugging Face's gradient checkpointing with and without remat, and offloading.
 """
 
+import copy
 import dataclasses
 import math
 import os
@@ -126,31 +130,103 @@ def _timed_step(module, x, dy, offload, timer):
     return quantiles(times)[1], peak / 2**30
 
 
-def run(model="gpt2-small", batch=8, seq=1024, budget_gb=None, out_dir="bench/out/memory", device=None, dtype=torch.bfloat16):
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    config = MODELS[model]
-    on_gpu = device.type == "cuda"
+# Hugging Face models, built from a config with random weights (no download): model_type and
+# the config fields that differ from transformers' defaults.
+HF_MODELS = {
+    "bert-base": ("bert", {}),
+    "vit-base": ("vit", {"image_size": 384}),
+    "hf-gpt2-small": ("gpt2", {}),
+    "hf-gpt2-medium": ("gpt2", {"n_embd": 1024, "n_layer": 24, "n_head": 16}),
+}
+
+
+class _LastHidden(torch.nn.Module):
+    """A Hugging Face model as a tensor-to-tensor module: input ids (or pixels) to the last hidden state."""
+
+    def __init__(self, model, input_name):
+        super().__init__()
+        self.model, self.input_name = model, input_name
+
+    def forward(self, x):
+        return self.model(**{self.input_name: x}).last_hidden_state
+
+
+def _hf_config(name):
+    import json
+
+    import transformers
+
+    if name in HF_MODELS:
+        model_type, fields = HF_MODELS[name]
+        return transformers.AutoConfig.for_model(model_type, **fields)
+    with open(name) as handle:  # a config.json of the user's
+        fields = json.load(handle)
+    return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def _hf_setup(name, batch, seq, device, dtype):
+    """(policies, input, layers, width) for a Hugging Face model built from its config."""
+    import transformers
+
+    from .convert import convert
+
+    config = _hf_config(name)
+    model = transformers.AutoModel.from_config(config).to(device, dtype).train()
+    if config.model_type == "vit":
+        x = torch.randn(batch, config.num_channels, config.image_size, config.image_size, device=device, dtype=dtype)
+        input_name, seq = "pixel_values", (config.image_size // config.patch_size) ** 2 + 1
+    else:
+        x = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+        input_name = "input_ids"
+
+    def checkpointed(m):
+        m = copy.deepcopy(m)
+        m.gradient_checkpointing_enable()
+        return m
+
+    table = [
+        ("eager", lambda: (_LastHidden(model, input_name), False)),
+        ("remat", lambda: (_LastHidden(convert(model), input_name), False)),
+        ("full checkpoint (HF)", lambda: (_LastHidden(checkpointed(model), input_name), False)),
+        ("remat + checkpoint (HF)", lambda: (_LastHidden(checkpointed(convert(model)), input_name), False)),
+        ("offload to host", lambda: (_LastHidden(model, input_name), True)),
+    ]
+    layers = config.num_hidden_layers
+    return table, x, layers, config.hidden_size, seq
+
+
+def _gpt_setup(name, batch, seq, device, dtype):
+    config = MODELS[name]
     stack = torch_stack(config, device=device, dtype=dtype)
     x = torch.randn(batch, seq, config.hidden, device=device, dtype=dtype, requires_grad=True)
-    dy = torch.randn_like(x)
-    sbh = seq * batch * config.hidden
+    table = [(policy, lambda make=make: make(stack)) for policy, make in policies(config.layers)]
+    return table, x, config.layers, config.hidden, seq
+
+
+def run(model="gpt2-small", batch=8, seq=1024, budget_gb=None, out_dir="bench/out/memory", device=None, dtype=torch.bfloat16):
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = device.type == "cuda"
+    setup = _gpt_setup if model in MODELS else _hf_setup
+    table, x, layers, hidden, seq = setup(model, batch, seq, device, dtype)
+    sbh = seq * batch * hidden
     timer = Timer(device, warmup=2, reps=5) if on_gpu else None
     results = []
-    for name, make in policies(config.layers):
-        module, offload = make(stack)
+    for name, make in table:
+        module, offload = make()
         if on_gpu:
             device_bytes, host_bytes = _allocated_by_forward(module, x, offload, device)
-        elif "selective" in name:
-            # Selective checkpointing keeps its outputs in its own cache, out of reach of
-            # saved-tensor hooks: without a GPU's allocator to read, it is not counted.
+        elif "selective" in name or "(HF)" in name:
+            # Selective checkpointing, and Hugging Face's own checkpointing, keep what they keep
+            # out of reach of saved-tensor hooks: without a GPU's allocator to read, not counted.
             device_bytes = host_bytes = math.nan
         else:
             device_bytes, host_bytes = count_saved_bytes(module, x, offload)
-        result = PolicyResult(name, device_bytes, host_bytes, (host_bytes if offload else device_bytes) / config.layers / sbh)
+        result = PolicyResult(name, device_bytes, host_bytes, (host_bytes if offload else device_bytes) / layers / sbh)
         if on_gpu:
+            dy = torch.randn_like(module(x))
             result.step_ms, result.peak_gb = _timed_step(module, x, dy, offload, timer)
         results.append(result)
-    _print(results, model, config, batch, seq, dtype, device, budget_gb)
+    _print(results, model, layers, hidden, batch, seq, dtype, device, budget_gb)
     os.makedirs(out_dir, exist_ok=True)
     _write_csv(results, os.path.join(out_dir, f"memory_{model}.csv"))
     _plot(results, os.path.join(out_dir, f"memory_{model}.png"), model, on_gpu)
@@ -170,8 +246,8 @@ def cheapest_fitting(results, budget_gb):
     return min(fitting, key=lambda r: (r.step_ms if not math.isnan(r.step_ms) else order[r.policy]))
 
 
-def _print(results, model, config, batch, seq, dtype, device, budget_gb):
-    print(f"{model}: {config.layers} layers, hidden {config.hidden}, batch {batch}, seq {seq}, "
+def _print(results, model, layers, hidden, batch, seq, dtype, device, budget_gb):
+    print(f"{model}: {layers} layers, hidden {hidden}, batch {batch}, seq {seq}, "
           f"{str(dtype).replace('torch.', '')} on {device}")
     if device.type != "cuda":
         print("saved bytes are exact; step time and peak memory need a GPU")
