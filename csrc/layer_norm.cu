@@ -639,9 +639,12 @@ Partials launch_bwd(const BwdArgs& a, const RowConfig& cfg, bool need_dw, bool n
   T* dx = static_cast<T*>(a.dx);
   T* y = static_cast<T*>(a.y);
   Partials parts{};
-  auto run = [&](auto kernel, dim3 block, int rows_per_block, bool zero_init) {
+  // G is sized with the RECOMPUTE_OUTPUT variant of each kernel (the one with more registers, so
+  // the fewest resident blocks) whichever variant runs: the order of the dw/db sums, and so their
+  // bits, must not depend on whether y is rebuilt. The other variant fits at least as many blocks.
+  auto run = [&](auto kernel, auto sizing_kernel, dim3 block, int rows_per_block, bool zero_init) {
     const int64_t row_groups = (a.M + rows_per_block - 1) / rows_per_block;
-    parts.G = backward_grid(kernel, static_cast<int>(block.x * block.y), row_groups, device);
+    parts.G = backward_grid(sizing_kernel, static_cast<int>(block.x * block.y), row_groups, device);
     auto make = [&](bool need) {
       if (!need) return at::Tensor();
       return zero_init ? at::zeros({parts.G, a.N}, float_opts) : at::empty({parts.G, a.N}, float_opts);
@@ -656,14 +659,14 @@ Partials launch_bwd(const BwdArgs& a, const RowConfig& cfg, bool need_dw, bool n
   const dim3 warp_block(kWarpSize, kRowsPerWarpBlock);
   const dim3 row_block(cfg.threads);
   if (cfg.ept == 0) {
-    run(layer_norm_bwd_looped_kernel<T, VEC, RECOMPUTE_OUTPUT>, row_block, 1, true);
+    run(layer_norm_bwd_looped_kernel<T, VEC, RECOMPUTE_OUTPUT>, layer_norm_bwd_looped_kernel<T, VEC, true>, row_block, 1, true);
   } else if (cfg.warp_per_row) {
-    if (cfg.ept == 8) run(layer_norm_bwd_kernel<T, VEC, 8, true, RECOMPUTE_OUTPUT>, warp_block, kRowsPerWarpBlock, false);
-    else run(layer_norm_bwd_kernel<T, VEC, 16, true, RECOMPUTE_OUTPUT>, warp_block, kRowsPerWarpBlock, false);
+    if (cfg.ept == 8) run(layer_norm_bwd_kernel<T, VEC, 8, true, RECOMPUTE_OUTPUT>, layer_norm_bwd_kernel<T, VEC, 8, true, true>, warp_block, kRowsPerWarpBlock, false);
+    else run(layer_norm_bwd_kernel<T, VEC, 16, true, RECOMPUTE_OUTPUT>, layer_norm_bwd_kernel<T, VEC, 16, true, true>, warp_block, kRowsPerWarpBlock, false);
   } else if (cfg.ept == 8) {
-    run(layer_norm_bwd_kernel<T, VEC, 8, false, RECOMPUTE_OUTPUT>, row_block, 1, false);
+    run(layer_norm_bwd_kernel<T, VEC, 8, false, RECOMPUTE_OUTPUT>, layer_norm_bwd_kernel<T, VEC, 8, false, true>, row_block, 1, false);
   } else if constexpr (VEC > 1) {  // pick_config: EPT 16 only for vectorised rows
-    run(layer_norm_bwd_kernel<T, VEC, 16, false, RECOMPUTE_OUTPUT>, row_block, 1, false);
+    run(layer_norm_bwd_kernel<T, VEC, 16, false, RECOMPUTE_OUTPUT>, layer_norm_bwd_kernel<T, VEC, 16, false, true>, row_block, 1, false);
   } else {
     TORCH_CHECK(false, "layer_norm: internal error, no backward kernel for EPT ", cfg.ept);
   }

@@ -395,7 +395,8 @@ def _kernel_module():
 # arch: 252 compiles, ~3.5 min on two cores) is too slow for CI: CI compiles a representative
 # subset, every kernel of each padded head-dim class (64, 96 -> 128, 256), causal, in bf16 (fp16
 # shares its tables), plus fp32 at d 64. REMAT_AOT_FULL=1 compiles every case. Known open item:
-# some fp32 (ieee, FMA-lowered tl.dot) configs at d >= 80 report 8-16 bytes of stack on sm_80/90.
+# two fp32 (ieee, FMA-lowered tl.dot) configs at d 256 use 8-16 bytes of stack (fwd on sm_90,
+# dK/dV on sm_80); every other case compiles without any.
 _AOT_SUBSET = [dict(dtypes=(torch.bfloat16,), head_dims=(64, 96, 256), causals=(True,)),
                dict(dtypes=(torch.float32,), head_dims=(64,), causals=(True,))]
 
@@ -415,3 +416,14 @@ def test_attention_compiles_without_spills(arch):
     assert results, "aot_cases() returned no cases"
     bad = spilling(results)
     assert not bad, f"{len(bad)} of {len(results)} attention kernels fail to compile or spill on sm_{arch}:\n" + format_results(bad)
+
+
+def test_long_sequences_that_would_overflow_int32_rows_fall_back():
+    """Row offsets within a head are int32 in the kernels: such shapes must take the SDPA path."""
+    check = attn_ops._row_offsets_overflow
+    ordinary = torch.empty(2, 16, 4096, 128, device="meta")
+    assert not check(ordinary, ordinary, ordinary)
+    long_context = torch.empty(1, 64, 262144, 128, device="meta")  # o's row stride 64·128: 2^31 at 262144 rows
+    assert check(long_context, long_context, long_context)
+    packed = torch.empty(1, 300000, 3 * 16 * 256, device="meta").view(1, 300000, 3, 16, 256)[:, :, 0].transpose(1, 2)
+    assert check(packed, packed, packed)  # a view of packed qkv: row stride 3·16·256

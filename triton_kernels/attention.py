@@ -64,16 +64,18 @@ _HALF_CONFIGS = {
     "dq": {32: (128, 32, 4, 3), 64: (128, 32, 4, 3), 128: (64, 32, 4, 2), 256: (64, 32, 8, 2)},
 }
 # fp32 tiles take twice the registers and shared memory of half ones: smaller blocks.
+# At padded head dim 128 (head dims 80, 96, 128) larger or pipelined fp32 tiles used 8-40 bytes
+# of stack on sm_80 or sm_90; these 16 x 16 single-stage tiles use none.
 _FP32_CONFIGS = {
-    "fwd": {32: (32, 32, 4, 2), 64: (32, 32, 4, 2), 128: (16, 32, 8, 2), 256: (16, 32, 8, 1)},
-    "dkdv": {32: (16, 32, 4, 2), 64: (16, 32, 4, 2), 128: (16, 32, 8, 2), 256: (16, 16, 8, 1)},
-    "dq": {32: (32, 16, 4, 2), 64: (32, 16, 4, 2), 128: (32, 16, 8, 2), 256: (16, 16, 8, 1)},
+    "fwd": {32: (32, 32, 4, 2), 64: (32, 32, 4, 2), 128: (16, 16, 4, 1), 256: (16, 32, 8, 1)},
+    "dkdv": {32: (16, 32, 4, 2), 64: (16, 32, 4, 2), 128: (16, 16, 8, 1), 256: (16, 16, 8, 1)},
+    "dq": {32: (32, 16, 4, 2), 64: (32, 16, 4, 2), 128: (16, 16, 8, 1), 256: (16, 16, 8, 1)},
 }
 # Under the Triton interpreter (CPU tensors) one small configuration: fast, and sequence lengths
 # of a few dozen already span several blocks, so the loops and tail masks are exercised.
 _INTERPRETER_CONFIG = (16, 16, 4, 1)
 # Backward preprocess (delta = rowsum(dO * O)): rows per program, and warps.
-_PRE_BLOCK_M, _PRE_WARPS = 64, 4
+_PRE_BLOCK_M, _PRE_WARPS = 64, 8  # 8 warps: o and dO tiles of 64 x 256 fp32 fit without spilling
 _PRE_BLOCK_M_INTERPRETER = 16
 
 

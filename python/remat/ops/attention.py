@@ -166,8 +166,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, _dlse):
     q, k, v, o, lse = ctx.saved_tensors
-    if do.stride(-1) != 1:
-        do = do.contiguous()
+    if do.stride(-1) != 1 or (do.shape[2] + _MAX_BLOCK) * do.stride(2) >= _INT32_LIMIT:
+        do = do.contiguous()  # unit last stride, and row offsets within int32 like o's
     dq, dk, dv = attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale)
     return dq, dk, dv, None, None
 
@@ -196,11 +196,32 @@ def _triton_can_target(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
-def _fallback_reason(q):
+# The kernels index rows within one (batch, head) slice in int32, and put heads and batches on
+# grid axes limited to 65535: larger problems run PyTorch's SDPA instead of a wrong answer.
+_INT32_LIMIT = 2**31
+_GRID_LIMIT = 65535
+_MAX_BLOCK = 128
+
+
+def _row_offsets_overflow(q, k, v):
+    """True when a row offset (seq + a block of padding) x row stride would pass int32.
+
+    o (and dO in the backward) are laid out (B, S, H, D): their row stride is H·D.
+    """
+    o_stride = q.shape[1] * q.shape[3]
+    spans = [(q.shape[2], max(q.stride(2), o_stride)), (k.shape[2], k.stride(2)), (v.shape[2], v.stride(2))]
+    return any((seq + _MAX_BLOCK) * stride >= _INT32_LIMIT for seq, stride in spans)
+
+
+def _fallback_reason(q, k, v):
     if q.device.type != "cuda":
         return None  # CPU: the interpreter or the reference handles everything
     if q.shape[-1] not in HEAD_DIMS:
         return f"head dim {q.shape[-1]} is not one of the kernel's {HEAD_DIMS}"
+    if q.shape[0] > _GRID_LIMIT or q.shape[1] > _GRID_LIMIT:
+        return f"batch or heads above {_GRID_LIMIT}, the kernels' grid limit"
+    if _row_offsets_overflow(q, k, v):
+        return "a row offset within one head would pass 2^31 elements (the kernels index rows in int32)"
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     if not _triton_can_target(index):
         return "the GPU's compute capability is below 8.0, which the Triton kernels need"
@@ -292,7 +313,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False):
         raise ValueError(f"softmax_scale must be a finite float or None, got {softmax_scale!r}")
     softmax_scale = float(softmax_scale)
 
-    reason = _fallback_reason(q)
+    reason = _fallback_reason(q, k, v)
     if reason is not None:
         _warn_fallback_once(reason)
         return _sdpa_fallback(q, k, v, causal, softmax_scale, return_lse)
