@@ -51,15 +51,23 @@ def _save_matmuls_and_attention(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _budget_backend(budget, graph, example_inputs):
+    """Inductor with the activation memory budget in force while the graph is partitioned."""
+    from torch._inductor.compile_fx import compile_fx
+
+    with torch._functorch.config.patch(activation_memory_budget=budget):
+        return compile_fx(graph, example_inputs)
+
+
 def _compiled_with_budget(stack, budget):
-    """torch.compile of the stack, compiled (on first call) under an activation memory budget."""
-    compiled = torch.compile(stack)
+    """torch.compile of the stack under an activation memory budget.
 
-    def run(x):
-        with torch._functorch.config.patch(activation_memory_budget=budget):
-            return compiled(x)
-
-    return run
+    The budget goes through a backend of its own, not a config patch around the call: Dynamo
+    caches compiled code on the stack's forward and does not guard on functorch's config, so a
+    patch around a second torch.compile(stack) would silently reuse the plain compile's graph.
+    A distinct backend is part of the cache key (tests/test_bench_block.py).
+    """
+    return torch.compile(stack, backend=functools.partial(_budget_backend, budget))
 
 
 def _offloaded(stack):
