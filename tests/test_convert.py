@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import remat
-from numerics import rel_error, saved_bytes
+from numerics import assert_compiled_matches_eager, rel_error, saved_bytes
 
 # remat.convert is also the name of the function remat/__init__.py exports: import the module by path.
 conv = importlib.import_module("remat.convert")
@@ -275,3 +275,322 @@ def test_named_sequential_keeps_key_order():
     reverted = conv.revert(converted)
     assert [type(m) for m in reverted] == [nn.LayerNorm, nn.Linear, nn.GELU, nn.Linear, nn.Linear]
     assert reverted.act.approximate == "tanh"
+
+
+# --- torch.fx: fusions inside a module's own forward -----------------------------------------
+
+
+class AttrBlock(nn.Module):
+    """A pre-LN transformer block holding its layers as attributes (no nn.Sequential), with a head."""
+
+    def __init__(self, hidden=32, heads=2, ffn=64, classes=10):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(hidden)
+        self.attn = nn.MultiheadAttention(hidden, heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, ffn)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(ffn, hidden)
+        self.ln_f = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        y = self.ln1(x)
+        x = x + self.attn(y, y, y, need_weights=False)[0]
+        x = x + self.fc2(self.act(self.fc1(self.ln2(x))))
+        return self.head(self.ln_f(x))
+
+
+FX_FUSIONS = {"ln2": "fused to LayerNormMLP (torch.fx)", "ln_f": "fused to LayerNormLinear (torch.fx)"}
+
+
+def test_fx_block_same_loss_and_gradients(target):
+    device, _ = target
+    stock = randomize(AttrBlock()).to(device)
+    converted, report = conv.convert(stock, report=True)
+    actions = {row.path: row.action for row in report}
+    assert actions == {"ln1": "swapped to remat.nn.LayerNorm", "attn": "swapped to RematMultiheadAttention",
+                       **FX_FUSIONS}
+    assert type(converted) is AttrBlock and type(converted.fc1) is nn.Linear  # class and submodules kept
+    assert [f[:2] for f in converted.remat_fx.fusions] == [
+        ("LayerNormMLP", ("ln2", "fc1", "act", "fc2")), ("LayerNormLinear", ("ln_f", "head"))]
+    x = torch.randn(2, 11, 32, device=device)
+    target_ = torch.randint(0, 10, (2, 11), device=device)
+    with mock.patch.object(conv, "mlp", wraps=conv.mlp) as mlp_spy, \
+            mock.patch.object(conv, "layer_norm_linear", wraps=conv.layer_norm_linear) as linear_spy:
+        assert_same_training_step(stock, converted, x, target_)
+    assert mlp_spy.call_count == 1 and linear_spy.call_count == 1  # the fused functions really ran
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "keep"])
+def test_fx_saved_activation_bytes(target, recompute):
+    """fp32, T tokens, width h, FFN f: ln2 -> fc1 -> GELU -> fc2 no longer keeps LN2(x) (T·h·4) nor the
+    GELU output (T·f·4); ln_f -> head no longer keeps LN_f(x) (T·h·4). Everything else is as stock
+    (attention left stock here), and recompute=False keeps them all."""
+    device, _ = target
+    hidden, ffn, batch, seq = 32, 64, 2, 8
+    tokens = batch * seq
+    stock = AttrBlock(hidden, 2, ffn).to(device)
+    converted = conv.convert(stock, layers={"layernorm", "mlp"}, recompute=recompute)
+    x = torch.randn(batch, seq, hidden, device=device, requires_grad=True)
+    before = saved_bytes(lambda: stock(x), exclude=list(stock.parameters()))
+    after = saved_bytes(lambda: converted(x), exclude=list(converted.parameters()))
+    expected_drop = tokens * (hidden + ffn) * 4 + tokens * hidden * 4
+    assert before - after == (expected_drop if recompute else 0)
+
+
+def test_fx_state_dict_checkpoint_and_revert():
+    stock = randomize(AttrBlock())
+    reference = copy.deepcopy(stock)
+    ids = [id(p) for p in stock.parameters()]
+    converted = conv.convert(stock, inplace=True)
+    assert "remat_fx" in vars(converted)
+    assert [id(p) for p in converted.parameters()] == ids  # the very parameters, in their order
+    assert list(converted.state_dict()) == list(reference.state_dict())
+    checkpoint = copy.deepcopy(randomize(copy.deepcopy(reference)).state_dict())
+    result = converted.load_state_dict(checkpoint, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    fresh = AttrBlock()
+    fresh.load_state_dict(converted.state_dict(), strict=True)
+    x = torch.randn(2, 5, 32)
+    torch.testing.assert_close(converted(x), fresh(x), rtol=1e-5, atol=1e-5)
+    reverted = conv.revert(converted)
+    assert reverted is stock and "remat_fx" not in vars(reverted) and "forward" not in vars(reverted)
+    assert [id(p) for p in reverted.parameters()] == ids
+    assert type(reverted.ln1) is nn.LayerNorm and type(reverted.attn) is nn.MultiheadAttention
+    reference.load_state_dict(checkpoint)
+    torch.testing.assert_close(reverted(x), reference(x), rtol=0, atol=0)  # the stock forward again
+
+
+def test_fx_convert_twice_and_deepcopy():
+    once = conv.convert(AttrBlock())
+    twice, report = conv.convert(once, report=True)
+    assert not report.swapped and [f[:2] for f in twice.remat_fx.fusions] == [f[:2] for f in once.remat_fx.fusions]
+    x = torch.randn(2, 5, 32)
+    with mock.patch.object(conv, "mlp", wraps=conv.mlp) as spy:
+        torch.testing.assert_close(twice(x), once(x), rtol=0, atol=0)
+    assert spy.call_count == 2  # the copy's forward is bound to the copy and still fused
+
+
+class Twice(nn.Module):
+    """The LayerNorm output also goes to the residual: fusing would lose it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln, self.fc = nn.LayerNorm(16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.ln(x)
+        return self.fc(y) + y
+
+
+class DataDependent(nn.Module):
+    """Control flow on a tensor's value: symbolic tracing cannot follow it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln, self.fc = nn.LayerNorm(16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.fc(self.ln(x))
+        return self.fc(x)
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, ffn=32, out=16, dropout=None, hooked=False):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(16, ffn), nn.GELU(), nn.Linear(ffn, out)
+        self.drop = dropout
+        if hooked:
+            self.fc2.register_forward_hook(lambda module, args, out: None)
+
+    def forward(self, x):
+        h = self.act(self.fc1(x))
+        if self.drop is not None:
+            h = self.drop(h)
+        return self.fc2(h)
+
+
+class NoGrad(nn.Module):
+    """torch.no_grad() runs while tracing but leaves nothing in the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln, self.fc = nn.LayerNorm(16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        with torch.no_grad():
+            y = self.ln(x)
+        return self.fc(y)
+
+
+class Counting(nn.Module):
+    """A forward that sets an attribute: a graph would not."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln, self.fc = nn.LayerNorm(16), nn.Linear(16, 16)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc(self.ln(x))
+
+
+def test_fx_never_fuses_what_it_cannot_prove():
+    model = nn.ModuleDict({
+        "twice": Twice(),
+        "data_dependent": DataDependent(),
+        "hooked": MLPBlock(hooked=True),
+        "dropout": MLPBlock(dropout=nn.Dropout(0.0)),
+        "widths": MLPBlock(out=8),
+        "no_grad": NoGrad(),
+        "counting": Counting(),
+    })
+    converted, report = conv.convert(model, report=True)
+    action, reason = _reason(report, "twice.ln")
+    assert action == "skipped" and "ln's output has 2 users (fc, add)" in reason, reason
+    action, reason = _reason(report, "data_dependent")
+    assert action == "skipped" and reason.startswith("does not trace: ") and "control flow" in reason, reason
+    assert _reason(report, "hooked.fc1") == ("skipped", "MLP: Linear has forward/backward hooks")
+    action, reason = _reason(report, "dropout.fc1")
+    assert action == "skipped" and "goes to drop, not straight into an nn.Linear" in reason, reason
+    action, reason = _reason(report, "widths.fc1")
+    assert action == "skipped" and "MLP: widths do not chain: 16->32 then 32->8" in reason, reason
+    action, reason = _reason(report, "no_grad")
+    assert action == "skipped" and "switches grad or autocast mode (torch.no_grad" in reason, reason
+    assert _reason(report, "counting") == ("skipped",
+                                           "not rewritten: forward sets calls, which a torch.fx graph does not do")
+    assert converted["counting"].calls == 0  # as before the traces ran its forward
+    assert not any(row.action.startswith("fused") for row in report)
+    assert not any("remat_fx" in vars(m) for m in converted.modules())
+    x = torch.randn(3, 16)
+    for name in model:
+        torch.testing.assert_close(converted[name](x), model[name](x), rtol=1e-5, atol=1e-6)
+
+
+class Optional(nn.Module):
+    """An argument with a default and a branch on self.training: the trace sees one case of each."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln, self.fc = nn.LayerNorm(16), nn.Linear(16, 16)
+        self.scale = 1.0
+
+    def forward(self, x, shift=None):
+        if shift is not None:
+            x = x + shift
+        if self.training:
+            return self.fc(self.ln(x)) * self.scale
+        y = self.ln(x)
+        return self.fc(y) + y
+
+
+def test_fx_runs_the_original_forward_for_calls_it_did_not_trace():
+    stock = randomize(Optional())
+    converted, report = conv.convert(stock, report=True)
+    assert _reason(report, "ln") == ("fused to LayerNormLinear (torch.fx)",
+                                     "ln -> fc in Optional.forward (in train mode)")
+    action, reason = [(row.action, row.reason) for row in report if row.path == "ln"][1]
+    assert action == "skipped" and reason.endswith("(in eval mode)") and "2 users" in reason, reason
+    assert converted.remat_fx.fusions == (("LayerNormLinear", ("ln", "fc"), True),)
+    x, shift = torch.randn(3, 16), torch.randn(16)
+    calls = [((x,), {}), ((x,), {"shift": None}), ((x, shift), {}), ((x,), {"shift": shift})]
+    with mock.patch.object(conv, "layer_norm_linear", wraps=conv.layer_norm_linear) as spy:
+        for args, kwargs in calls:
+            torch.testing.assert_close(converted(*args, **kwargs), stock(*args, **kwargs), rtol=1e-5, atol=1e-6)
+        assert spy.call_count == 2  # shift=None only: a tensor shift runs the original forward
+        converted.scale = stock.scale = 2.0  # a scalar the trace read as a constant
+        torch.testing.assert_close(converted(x), stock(x), rtol=1e-5, atol=1e-6)
+        converted.eval(), stock.eval()  # eval uses the LayerNorm output twice: its own graph, unfused
+        torch.testing.assert_close(converted(x), stock(x), rtol=1e-5, atol=1e-6)
+        converted.scale = stock.scale = 1.0
+        torch.testing.assert_close(converted(x), stock(x), rtol=1e-5, atol=1e-6)
+        converted.train()
+        converted.fc.register_forward_hook(lambda module, args, out: None)  # the fused graph would skip it
+        torch.testing.assert_close(converted(x), stock.train()(x), rtol=1e-5, atol=1e-6)
+    assert spy.call_count == 2
+
+
+def test_fx_layers_and_recompute_options():
+    only_mlp = conv.convert(AttrBlock(), layers={"mlp"})
+    assert [f[:2] for f in only_mlp.remat_fx.fusions] == [("MLP", ("fc1", "act", "fc2"))]
+    assert type(only_mlp.ln2) is nn.LayerNorm
+    only_norm = conv.convert(AttrBlock(), layers={"layernorm"})
+    assert [f[:2] for f in only_norm.remat_fx.fusions] == [("LayerNormLinear", ("ln2", "fc1")),
+                                                           ("LayerNormLinear", ("ln_f", "head"))]
+    assert type(only_norm.act) is nn.GELU  # "gelu" not asked for
+    assert "remat_fx" not in vars(conv.convert(AttrBlock(), layers={"gelu", "attention"}))
+    kept = conv.convert(AttrBlock(), recompute=False)
+    with mock.patch.object(conv, "mlp", wraps=conv.mlp) as spy:
+        kept(torch.randn(2, 3, 32))
+    assert spy.call_args.args[6] is False  # recompute reaches the fused function
+
+
+def test_fx_functional_gelu():
+    class Functional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 48), nn.Linear(48, 16)
+
+        def forward(self, x):
+            return self.fc2(nn.functional.gelu(self.fc1(x), approximate="tanh"))
+
+    stock = randomize(Functional())
+    converted, report = conv.convert(stock, report=True)
+    assert _reason(report, "fc1") == ("fused to MLP (torch.fx)", "fc1 -> F.gelu -> fc2 in Functional.forward")
+    x = torch.randn(3, 16, requires_grad=True)
+    torch.testing.assert_close(converted(x), stock(x), rtol=1e-5, atol=1e-6)
+
+
+def test_fx_block_compiles_fullgraph():
+    """The rewritten forward (an instance attribute with its argument checks) traces in one graph."""
+    model = conv.convert(randomize(AttrBlock()), layers={"layernorm", "mlp"})
+    x = torch.randn(2, 5, 32)
+    torch._dynamo.reset()
+    out = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-6)
+
+
+# --- RematMultiheadAttention under torch.compile ----------------------------------------------
+
+
+class SelfAttention(nn.Module):
+    """nn.MultiheadAttention on its input, with the causal mask and is_causal=True when causal."""
+
+    def __init__(self, causal, hidden=32, heads=2):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(hidden, heads, batch_first=True)
+        self.causal = causal
+
+    def forward(self, x):
+        if not self.causal:
+            return self.attn(x, x, x, need_weights=False)[0]
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
+        return self.attn(x, x, x, need_weights=False, attn_mask=mask, is_causal=True)[0]
+
+
+def _compiled_ops(model, x):
+    """The op names in the graph torch.compile(fullgraph=True) captures for model(x)."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, fullgraph=True, backend=record)(x)
+    return {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["no-mask", "causal-mask"])
+def test_attention_compiles_fullgraph(target, causal):
+    """Eager checks a causal mask's values; under compile only its shape (the is_causal hint is
+    trusted, as nn.MultiheadAttention does), so the remat path has no graph break either way."""
+    device, _ = target
+    model = conv.convert(randomize(SelfAttention(causal))).to(device)
+    assert type(model.attn) is conv.RematMultiheadAttention
+    x = torch.randn(2, 7, 32, device=device)
+    assert any("remat.attention_fwd" in op for op in _compiled_ops(model, x))
+    assert_compiled_matches_eager(model, x, tol=1e-4)

@@ -5,7 +5,7 @@
     print(report)                                    # one row per candidate: swapped, or skipped and why
     model = remat.revert(model)                      # stock modules again, same parameters
 
-What is swapped (each only where it is provably the same computation, from module structure):
+What is swapped (each only where it is provably the same computation):
 
     nn.LayerNorm                      -> remat.nn.LayerNorm (shares the parameters)           "layernorm"
     nn.GELU                           -> remat.nn.GELU                                         "gelu"
@@ -15,6 +15,9 @@ What is swapped (each only where it is provably the same computation, from modul
       (LayerNorm, Linear)             -> remat.nn.LayerNormLinear                              "layernorm"
       (Linear, GELU, Linear)          -> remat.nn.MLP                                          "mlp"
       (LayerNorm, Linear, GELU, Linear) -> remat.nn.LayerNormMLP                               "mlp" + "layernorm"
+    in any other module's forward     -> the same three fusions, found by a torch.fx trace     as above
+      (ln -> fc, fc1 -> GELU -> fc2,     of that forward: its rewritten forward calls remat's
+       ln -> fc1 -> GELU -> fc2)         fused functions on the same submodules
     Hugging Face models (remat.hf)    -> their MLP blocks fused, LayerNorms swapped            "mlp", "layernorm"
 
 The fusions are where the memory goes (design.md §1): a lone LayerNorm or GELU that recomputes
@@ -32,6 +35,21 @@ RematSequential whose state_dict()/load_state_dict() translate between the fused
 names (`0.norm.weight`, `0.linear.weight`) and the original ones (`0.weight`, `1.weight`).
 named_parameters() shows the fused names.
 
+The torch.fx path (modules other than torch's, transformers' and remat's own, holding a
+LayerNorm and a Linear or two Linears): the module's forward is traced with every submodule
+call kept as one node, once per training mode. A run is fused where its graph shows each
+layer's output going to the next layer and nowhere else (a dropout or anything else in
+between stops it), the layers are the exact stock classes without hooks, and widths, devices
+and dtypes chain. The module keeps its class, submodules, parameters and state_dict; an
+instance attribute `forward` runs the rewritten graph for calls like the traced one (arguments
+that have defaults left at them, the module's scalar attributes unchanged, the fused
+submodules in place without hooks) and the class's forward for any other call. A forward
+that does not trace (data-dependent control flow, *args), sets its own attributes or switches
+grad or autocast mode is reported and left alone. What a trace cannot see stays the user's
+promise: Python state other than the module's own scalar attributes and training flag
+(globals, config objects) is read once, at conversion. A rewritten module does not pickle
+whole (torch.save(model)): save its state_dict, or revert() first.
+
 Never swapped: subclasses of the stock classes (they may override forward), modules with
 forward/backward hooks or parametrizations, nn.Sequential subclasses, LayerNorms over more than
 the last dimension or without affine parameters (for fusion), Linear pairs whose widths do not
@@ -40,13 +58,19 @@ devices or dtypes. The report says which rule stopped each one.
 """
 
 import collections
+import contextlib
 import copy
+import inspect
+import types
 
 import torch
+import torch.fx
+import torch.nn.functional as F
 from torch import nn
 
 from . import nn as remat_nn
 from .ops.attention import multihead_self_attention
+from .ops.fused import layer_norm_linear, mlp
 
 LAYERS = frozenset({"layernorm", "gelu", "attention", "mlp"})
 
@@ -194,9 +218,17 @@ def fused_mlp(norm, fc1, act, fc2, recompute):
 
 
 def _is_causal_mask(mask, seq):
-    """True when `mask` is exactly the (seq, seq) causal mask (bool: True = masked; float: -inf above)."""
+    """True when `mask` is exactly the (seq, seq) causal mask (bool: True = masked; float: -inf above).
+
+    Under torch.compile only the shape is checked: the values would have to come back to the
+    host, a graph break. The caller's is_causal=True hint is then trusted, as
+    nn.MultiheadAttention itself trusts it for need_weights=False without key_padding_mask
+    (it drops the mask and runs causal attention).
+    """
     if mask.shape != (seq, seq):
         return False
+    if torch.compiler.is_compiling():
+        return True
     upper = torch.ones(seq, seq, dtype=torch.bool, device=mask.device).triu(1)
     if mask.dtype == torch.bool:
         return bool(torch.equal(mask, upper))
@@ -208,9 +240,10 @@ class RematMultiheadAttention(nn.MultiheadAttention):
 
     Same constructor, parameters, state_dict keys and call convention. remat's path runs when
     the call is self-attention (query is key is value, a 3-D batch), need_weights=False, no
-    key_padding_mask, attn_mask None (or exactly the causal mask with is_causal=True), no
-    dropout in effect, a packed in-projection without bias_k/add_zero_attn, no autocast, and
-    the input in the parameters' dtype. Every other call runs the stock
+    key_padding_mask, attn_mask None (or exactly the causal mask with is_causal=True; under
+    torch.compile any (seq, seq) mask with is_causal=True, see _is_causal_mask), no dropout in
+    effect, a packed in-projection without bias_k/add_zero_attn, no autocast, and the input in
+    the parameters' dtype. Every other call runs the stock
     nn.MultiheadAttention.forward, so conversion never breaks a model that worked. The
     remat path returns (output, None): no attention weights, as need_weights=False does.
     Autograd then keeps q, k, v, the output and fp32 log-sum-exps, never seq x seq.
@@ -395,6 +428,433 @@ def _join(path, name):
 
 
 # ---------------------------------------------------------------------------------------------
+# torch.fx: the same fusions inside any module's own forward
+# ---------------------------------------------------------------------------------------------
+#
+# A module such as
+#
+#     def forward(self, x):
+#         x = x + self.attn(self.ln1(x))
+#         return x + self.fc2(self.act(self.fc1(self.ln2(x))))
+#
+# holds its layers as attributes, so module structure alone does not say which feeds which.
+# torch.fx records the forward as a graph of calls; where a LayerNorm's (or an fc1 -> GELU's)
+# output goes to the next Linear and nowhere else, the run becomes one call of remat's fused
+# function on the same submodules. The module keeps its class, submodules, parameters and
+# state_dict; only its forward becomes the rewritten graph, and only for calls like the traced
+# one (FxRewrite.arguments): any other call runs the original forward.
+
+
+class _OwnForwardTracer(torch.fx.Tracer):
+    """Records the module's own forward: every submodule call stays one call_module node, never
+    inlined, so submodules keep their hooks and mode-dependent code and are converted on their own."""
+
+    def is_leaf_module(self, module, qualified_name):
+        return True
+
+
+# kind: "LayerNormLinear", "MLP" or "LayerNormMLP"; nodes: the run's graph nodes; targets: their
+# modules' names (None for F.gelu); approximate: the GELU's, for the MLPs.
+Fusion = collections.namedtuple("Fusion", "kind nodes targets approximate")
+
+_PLAIN = (bool, int, float, str, type(None))
+_MISSING = object()
+
+
+def _is_plain(value):
+    return isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value))
+
+
+def _plain_state(module):
+    """The module's own public scalar attributes: the trace read any of them as constants."""
+    return {k: v for k, v in vars(module).items() if not k.startswith("_") and k != "training" and _is_plain(v)}
+
+
+def _unchanged(current, value):
+    return _is_plain(current) and type(current) is type(value) and current == value
+
+
+def _same_value(value, default):
+    return value is default or (type(value) is type(default) and isinstance(default, _PLAIN) and value == default)
+
+
+class FxRewrite:
+    """What the fx path did to one module, and when its rewritten forward applies.
+
+    programs: {training flag: forward generated from that mode's rewritten graph}. The trace
+    fixed each argument with a default to that default, read the module's scalar attributes as
+    constants and no longer calls the fused submodules, so a call runs the program only while
+    all of that holds: defaulted arguments at their defaults, the same scalar attributes, the
+    fused submodules still in place and without hooks. Any other call runs the class's own
+    forward: the same computation without the fusion. fusions: ((kind, module names, training
+    flag or None for both modes), ...).
+    """
+
+    def __init__(self, module, programs, required, defaults, positional, fused, fusions):
+        self.programs = programs
+        self.required, self.defaults = tuple(required), dict(defaults)  # argument names, {name: default}
+        self.names = (*required, *defaults)
+        self.positional = positional  # how many arguments may be passed by position
+        self.state = _plain_state(module)
+        self.fused = fused  # ((qualified name, module), ...): the submodules the programs no longer call
+        self.fusions = fusions
+
+    def arguments(self, module, args, kwargs):
+        """The required arguments, in order, when this call may run the program; else None."""
+        if len(args) > self.positional:
+            return None  # the original forward raises the TypeError
+        values = dict(zip(self.names, args))
+        for name, value in kwargs.items():
+            if name in values or name not in self.names:
+                return None
+            values[name] = value
+        if any(name not in values for name in self.required):
+            return None
+        for name, default in self.defaults.items():
+            if name in values and not _same_value(values[name], default):
+                return None
+        if not all(_unchanged(getattr(module, name, _MISSING), value) for name, value in self.state.items()):
+            return None
+        for name, fused in self.fused:
+            if module.get_submodule(name) is not fused or hook_reason(fused):
+                return None
+        return [values[name] for name in self.required]
+
+
+def _fx_forward(self, *args, **kwargs):
+    """The forward of a module rewritten by the fx path (bound to the instance)."""
+    rewrite = self.__dict__["remat_fx"]
+    required = rewrite.arguments(self, args, kwargs)
+    if required is None:
+        return type(self).forward(self, *args, **kwargs)
+    return rewrite.programs[self.training](self, *required)
+
+
+def fx_layer_norm_linear(x, norm, linear, recompute):
+    """linear(norm(x)) on remat.ops.fused, reading the modules' parameters at call time."""
+    return layer_norm_linear(x, norm.weight, norm.bias, linear.weight, linear.bias, norm.eps, recompute)
+
+
+def fx_mlp(x, norm, fc1, fc2, approximate, recompute):
+    """fc2(gelu(fc1(norm(x)))) on remat.ops.fused; norm None for fc2(gelu(fc1(x)))."""
+    if norm is None:
+        return mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, approximate, recompute)
+    return mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, approximate, recompute,
+               norm_weight=norm.weight, norm_bias=norm.bias, eps=norm.eps, layer_norm=True)
+
+
+def _fx_owned(module):
+    """Modules the fx path may rewrite: not torch's own (leaves, containers, and composites whose
+    fast-path checks do not trace), not transformers' (remat.hf's rules), not remat's."""
+    origin = type(module).__module__
+    return not origin.startswith(("torch.", "transformers.", "remat.")) \
+        and not isinstance(module, FUSED_TYPES) and not getattr(module, "remat_fused", False)
+
+
+def fx_candidate(module):
+    """True when `module`'s forward may hold a run to fuse: its layers (direct, or in a
+    ModuleList/ModuleDict) include a LayerNorm and a Linear, or two Linears."""
+    if "remat_fx" in vars(module) or not _fx_owned(module):
+        return False
+    linears = norms = 0
+    stack = list(module._modules.values())
+    while stack:
+        child = stack.pop()
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            stack.extend(child._modules.values())
+        linears += isinstance(child, nn.Linear)
+        norms += isinstance(child, nn.LayerNorm)
+    return linears >= 2 or (linears >= 1 and norms >= 1)
+
+
+def _forward_arguments(module):
+    """(required names, {name: default}, how many may be positional) of module.forward, or why it is not traced."""
+    required, defaults, positional = [], {}, 0
+    for name, param in inspect.signature(module.forward).parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            return f"not traced: forward takes {'*' if param.kind is param.VAR_POSITIONAL else '**'}{name}"
+        if param.kind is param.POSITIONAL_ONLY:
+            return f"not traced: forward's argument {name} is positional-only"
+        positional += param.kind is param.POSITIONAL_OR_KEYWORD
+        if param.default is not param.empty:
+            defaults[name] = param.default
+        elif param.kind is param.KEYWORD_ONLY:
+            return f"not traced: forward's argument {name} is keyword-only without a default"
+        else:
+            required.append(name)
+    return required, defaults, positional
+
+
+def _trace(module, defaults, training):
+    """The graph of module.forward in the given mode, each defaulted argument fixed to its default."""
+    was = module.training
+    module.training = training  # the module's own flag only: its submodules are called, not traced
+    try:
+        return _OwnForwardTracer().trace(module, concrete_args=dict(defaults))
+    finally:
+        module.training = was
+
+
+# --- finding the runs in a graph ---
+
+
+def _called(root, node, kind):
+    """The submodule `node` calls on one positional argument when it is a `kind`, else None."""
+    if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
+        return None
+    module = root.get_submodule(node.target)
+    return module if isinstance(module, kind) else None
+
+
+def _gelu_node(root, node):
+    """"none" or "tanh" when `node` applies a GELU remat computes to its one input, else None."""
+    if node.op == "call_module" and len(node.args) == 1 and not node.kwargs:
+        return gelu_approximate(root.get_submodule(node.target))
+    if node.op == "call_function" and node.target is F.gelu and len(node.args) == 1 \
+            and set(node.kwargs) <= {"approximate"}:
+        approximate = node.kwargs.get("approximate", "none")
+        return approximate if approximate in ("none", "tanh") else None
+    return None
+
+
+def _target(node):
+    return node.target if node.op == "call_module" else None
+
+
+def _describe(nodes):
+    return ", ".join(str(n.target) if n.op == "call_module" else n.name for n in nodes)
+
+
+def _only_user(node, what):
+    """(the single node that uses `node`'s value, None) or (None, why there is not one)."""
+    users = list(node.users)
+    if len(users) != 1:
+        return None, (f"{what}'s output has {len(users)} users ({_describe(users)}); "
+                      "fused only when the next layer is its only user")
+    return users[0], None
+
+
+def _mlp_tail(root, fc1_node):
+    """((GELU node, fc2 node, approximate), None) when fc1's output goes through a GELU into a
+    Linear and nowhere else; (None, why not) when it goes to a GELU otherwise; (None, None)
+    when no GELU uses it (not an MLP run)."""
+    if not any(_gelu_node(root, user) is not None for user in fc1_node.users):
+        return None, None
+    act, reason = _only_user(fc1_node, fc1_node.target)
+    if act is None:
+        return None, reason
+    fc2_node, reason = _only_user(act, "the GELU")
+    if fc2_node is None:
+        return None, reason
+    if _called(root, fc2_node, nn.Linear) is None:
+        return None, (f"the GELU output goes to {_describe([fc2_node])}, not straight into an nn.Linear "
+                      "(fused only with nothing in between)")
+    return (act, fc2_node, _gelu_node(root, act)), None
+
+
+def _act_module(root, act_node, approximate):
+    """The GELU module the checks look at (for F.gelu, which has no hooks, an nn.GELU stand-in)."""
+    if act_node.op == "call_module":
+        return root.get_submodule(act_node.target)
+    return nn.GELU(approximate)
+
+
+def _runs(root, graph, layers):
+    """([Fusion], [(module name, module, why skipped)]) for the runs in `graph`, in node order."""
+    fusions, skips, taken = [], [], set()
+    for node in graph.nodes:
+        if node in taken:
+            continue
+        fusion = None
+        norm = _called(root, node, nn.LayerNorm)
+        if norm is not None and "layernorm" in layers:
+            fusion = _norm_run(root, node, norm, layers, skips)
+        linear = _called(root, node, nn.Linear)
+        if fusion is None and linear is not None and "mlp" in layers:
+            fusion = _mlp_run(root, node, linear, skips)
+        if fusion is not None:
+            fusions.append(fusion)
+            taken.update(fusion.nodes)
+    return fusions, skips
+
+
+def _mlp_run(root, node, fc1, skips):
+    """The MLP Fusion starting at the Linear `node`, or None (with a skip row where a GELU uses its output)."""
+    tail, reason = _mlp_tail(root, node)
+    if tail is not None:
+        act, fc2_node, approximate = tail
+        reason = mlp_fusable(fc1, _act_module(root, act, approximate), root.get_submodule(fc2_node.target))
+        if reason is None:
+            return Fusion("MLP", (node, act, fc2_node), (node.target, _target(act), fc2_node.target), approximate)
+    if reason:
+        skips.append((node.target, fc1, f"MLP: {reason}"))
+    return None
+
+
+def _norm_run(root, node, norm, layers, skips):
+    """The Fusion starting at the LayerNorm `node` (LayerNormMLP before LayerNormLinear), or None
+    (with a skip row where a Linear uses its output)."""
+    if not any(_called(root, user, nn.Linear) is not None for user in node.users):
+        return None  # the LayerNorm feeds no Linear: nothing to fuse it with
+    fc1_node, reason = _only_user(node, node.target)
+    if fc1_node is None:
+        skips.append((node.target, norm, f"LayerNormLinear: {reason}"))
+        return None
+    fc1 = root.get_submodule(fc1_node.target)
+    tail = _mlp_tail(root, fc1_node)[0] if "mlp" in layers else None
+    if tail is not None:
+        act, fc2_node, approximate = tail
+        fc2 = root.get_submodule(fc2_node.target)
+        reason = mlp_fusable(fc1, _act_module(root, act, approximate), fc2) \
+            or layer_norm_fusable(norm, fc1.in_features, need_bias=True) or uniform_reason(norm, fc1, fc2)
+        if reason is None:
+            return Fusion("LayerNormMLP", (node, fc1_node, act, fc2_node),
+                          (node.target, fc1_node.target, _target(act), fc2_node.target), approximate)
+        skips.append((node.target, norm, f"LayerNormMLP: {reason}"))
+    reason = (None if type(fc1) is nn.Linear else f"{fc1_node.target} is {type(fc1).__name__}, not exactly nn.Linear") \
+        or layer_norm_fusable(norm, fc1.in_features) or hook_reason(fc1) or uniform_reason(norm, fc1)
+    if reason is None:
+        return Fusion("LayerNormLinear", (node, fc1_node), (node.target, fc1_node.target), None)
+    skips.append((node.target, norm, f"LayerNormLinear: {reason}"))
+    return None
+
+
+# --- rewriting ---
+
+
+def _fuse(graph, fusion, recompute):
+    """Replace the run's nodes by one call of remat's fused function on the same submodules."""
+    x, last = fusion.nodes[0].args[0], fusion.nodes[-1]
+    with graph.inserting_before(last):  # after every input of the run
+        if fusion.kind == "LayerNormLinear":
+            norm, linear = (graph.get_attr(t) for t in fusion.targets)
+            fused = graph.call_function(fx_layer_norm_linear, (x, norm, linear, recompute))
+        else:
+            norm = graph.get_attr(fusion.targets[0]) if fusion.kind == "LayerNormMLP" else None
+            fc1, fc2 = graph.get_attr(fusion.targets[-3]), graph.get_attr(fusion.targets[-1])
+            fused = graph.call_function(fx_mlp, (x, norm, fc1, fc2, fusion.approximate, recompute))
+    last.replace_all_uses_with(fused)
+    for node in reversed(fusion.nodes):
+        graph.erase_node(node)
+
+
+def _program(module, graph):
+    """The function torch.fx generates from `graph`: forward(self, ...), reading self's submodules."""
+    graph.lint()
+    return type(torch.fx.GraphModule(module, graph)).forward
+
+
+def _run_names(fusion):
+    return " -> ".join(t if t is not None else "F.gelu" for t in fusion.targets)
+
+
+@contextlib.contextmanager
+def _watching_mode_switches(seen):
+    """Append to `seen` each grad, autocast or inference mode switch made inside: torch.no_grad(),
+    torch.autocast() and the like run while tracing but leave nothing in the graph."""
+    switches = ((torch._C, "_set_grad_enabled", "torch.no_grad, enable_grad or set_grad_enabled"),
+                (torch, "set_autocast_enabled", "torch.autocast"),
+                (torch._C, "_InferenceMode", "torch.inference_mode"))
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in switches]
+
+    def watched(label, original):
+        def call(*args, **kwargs):
+            seen.append(label)
+            return original(*args, **kwargs)
+        return call
+
+    for (owner, name, original), (_, _, label) in zip(originals, switches):
+        setattr(owner, name, watched(label, original))
+    try:
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
+def _restore_plain_state(module, state):
+    """Put back the scalar attributes a traced forward changed (tracing runs it); returns their names."""
+    after = _plain_state(module)
+    changed = sorted(k for k in {*after, *state} if not _unchanged(after.get(k, _MISSING), state.get(k, _MISSING)))
+    for name in changed:
+        if name in state:
+            setattr(module, name, state[name])
+        else:
+            delattr(module, name)
+    return changed
+
+
+def _traces(module, defaults):
+    """{training flag: graph} (one graph for both when the forward does not depend on
+    self.training), or why the graphs would not be the forward."""
+    state, switches = _plain_state(module), []
+    try:
+        with _watching_mode_switches(switches):
+            train, evaluate = (_trace(module, defaults, training) for training in (True, False))
+    finally:
+        changed = _restore_plain_state(module, state)
+    if changed:
+        return f"not rewritten: forward sets {', '.join(changed)}, which a torch.fx graph does not do"
+    if switches:
+        return (f"not rewritten: forward switches grad or autocast mode ({switches[0]}), "
+                "which a torch.fx graph does not record")
+    if train.python_code("self").src == evaluate.python_code("self").src:
+        return {True: train}
+    return {True: train, False: evaluate}
+
+
+def fx_convert(module, layers, recompute, path, report):
+    """Rewrite `module`'s forward with the fusions its fx traces prove; returns the ids of the fused submodules."""
+    signature = _forward_arguments(module)
+    if isinstance(signature, str):
+        report.add(path, module, "skipped", signature)
+        return set()
+    required, defaults, positional = signature
+    try:
+        graphs = _traces(module, defaults)
+    except Exception as error:  # noqa: BLE001 - whatever stops the trace, the module stays as it is
+        lines = str(error).strip().splitlines() or [type(error).__name__]
+        report.add(path, module, "skipped", f"does not trace: {lines[0][:200]}")
+        return set()
+    if isinstance(graphs, str):
+        report.add(path, module, "skipped", graphs)
+        return set()
+    consumed, fusions = {}, []
+    for training, graph in graphs.items():
+        # Each mode's graph is rewritten by what its own trace proves.
+        mode = "" if len(graphs) == 1 else f" (in {'train' if training else 'eval'} mode)"
+        runs, skips = _runs(module, graph, layers)
+        for target, sub, reason in skips:
+            report.add(_join(path, target), sub, "skipped", reason + mode)
+        for fusion in runs:
+            _fuse(graph, fusion, recompute)
+            first = module.get_submodule(fusion.targets[0])
+            report.add(_join(path, fusion.targets[0]), first, f"fused to {fusion.kind} (torch.fx)",
+                       f"{_run_names(fusion)} in {type(module).__name__}.forward{mode}")
+            consumed.update((t, module.get_submodule(t)) for t in fusion.targets if t is not None)
+            fusions.append((fusion.kind, fusion.targets, training if mode else None))
+    if not fusions:
+        return set()
+    programs = {training: _program(module, graph) for training, graph in graphs.items()}
+    programs.setdefault(False, programs[True])
+    module.__dict__["remat_fx"] = FxRewrite(module, programs, required, defaults, positional,
+                                            tuple(consumed.items()), tuple(fusions))
+    module.__dict__["forward"] = types.MethodType(_fx_forward, module)
+    return {id(m) for m in consumed.values()}
+
+
+def fx_consumed(module):
+    """The ids of the submodules a previous fx rewrite of `module` fused (empty when there was none)."""
+    rewrite = vars(module).get("remat_fx")
+    return {id(m) for _, m in rewrite.fused} if rewrite is not None else set()
+
+
+def _fx_revert(module):
+    """The original forward again: the rewrite only added an instance attribute over the class's forward."""
+    del module.__dict__["forward"], module.__dict__["remat_fx"]
+
+
+# ---------------------------------------------------------------------------------------------
 # The walk
 # ---------------------------------------------------------------------------------------------
 
@@ -431,19 +891,25 @@ def _leaf_swap(module, layers, path, report):
     return None
 
 
-def _convert_children(parent, layers, recompute, path, report, hf_rules):
+def _convert_children(parent, layers, recompute, path, report, hf_rules, consumed):
+    """Convert below `parent`. consumed: ids of modules that fx rewrites call no more (left alone)."""
     handled = set()
     if hf_rules is not None:
         handled |= hf_rules.convert_children(parent, layers, recompute, path, report)
+    if fx_candidate(parent) and ("mlp" in layers or "layernorm" in layers):
+        consumed |= fx_convert(parent, layers, recompute, path, report)
+    consumed |= fx_consumed(parent)
     if type(parent) is nn.Sequential and ("mlp" in layers or "layernorm" in layers):
-        if hook_reason(parent) is None:
-            handled |= _sequential_runs(parent, layers, recompute, path, report)
-        else:
+        if hook_reason(parent) is not None:
             report.add(path, parent, "skipped", f"Sequential {hook_reason(parent)}: no fusion inside")
+        elif any(id(child) in consumed for child in parent):
+            report.add(path, parent, "skipped", "a forward rewritten by torch.fx calls its layers: no fusion inside")
+        else:
+            handled |= _sequential_runs(parent, layers, recompute, path, report)
     elif isinstance(parent, nn.Sequential) and not isinstance(parent, RematSequential):
         report.add(path, parent, "skipped", "nn.Sequential subclass: no fusion inside (forward may differ)")
     for name, child in list(parent._modules.items()):
-        if child is None or name in handled:
+        if child is None or name in handled or id(child) in consumed:
             continue
         child_path = _join(path, name)
         if isinstance(child, FUSED_TYPES) or getattr(child, "remat_fused", False):
@@ -452,7 +918,7 @@ def _convert_children(parent, layers, recompute, path, report, hf_rules):
         if new is not None:
             parent._modules[name] = new
         else:
-            _convert_children(child, layers, recompute, child_path, report, hf_rules)
+            _convert_children(child, layers, recompute, child_path, report, hf_rules, consumed)
 
 
 def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False):
@@ -487,7 +953,7 @@ def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False):
     if root is not None:
         model = root
     else:
-        _convert_children(model, layers, recompute, "", rows, hf_rules)
+        _convert_children(model, layers, recompute, "", rows, hf_rules, set())
     rows.sort(key=lambda row: order.get(row.path, len(order)))  # rows in the model's module order
     return (model, rows) if report else model
 
@@ -517,6 +983,8 @@ def _revert_module(module):
         return nn.GELU(module.approximate)
     if type(module) is RematMultiheadAttention:
         return _with_class(module, nn.MultiheadAttention)
+    if "remat_fx" in vars(module):
+        _fx_revert(module)
     revert_fn = getattr(module, "remat_revert", None)
     if revert_fn is not None:
         module = revert_fn()
