@@ -17,10 +17,25 @@ WORLD = 2
 HIDDEN, FFN, BATCH, SEQ = 32, 64, 4, 8
 
 
-def _model():
+class _PreLNBlock(torch.nn.Module):
+    """Layers held as attributes, not in a Sequential: remat.convert fuses them through torch.fx."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.fc1, self.act, self.fc2 = torch.nn.Linear(HIDDEN, FFN), torch.nn.GELU(), torch.nn.Linear(FFN, HIDDEN)
+        self.head = torch.nn.Linear(HIDDEN, 10)
+
+    def forward(self, x):
+        return self.head(x + self.fc2(self.act(self.fc1(self.norm(x)))))
+
+
+def _model(kind="sequential"):
     from torch import nn
 
     torch.manual_seed(0)
+    if kind == "fx":
+        return _PreLNBlock()
     return nn.Sequential(
         nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, FFN), nn.GELU(), nn.Linear(FFN, HIDDEN),  # -> LayerNormMLP
         nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, 10),  # -> LayerNormLinear
@@ -61,6 +76,9 @@ def _worker(rank, port, out_dir):
         ddp = torch.nn.parallel.DistributedDataParallel(convert(_model()))
         _loss(ddp, x[shard], y[shard]).backward()
         results = {"ddp": _grads(ddp.module)}
+        fx_ddp = torch.nn.parallel.DistributedDataParallel(convert(_model("fx")))
+        _loss(fx_ddp, x[shard], y[shard]).backward()
+        results["ddp_fx"] = _grads(fx_ddp.module)
         try:
             from torch.distributed.fsdp import fully_shard
 
@@ -94,13 +112,18 @@ def distributed_results(tmp_path_factory):
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(WORLD)]
 
 
-@pytest.fixture(scope="module")
-def single_process_grads():
+def _single_process_grads(kind):
     from remat.convert import convert
 
-    model = convert(_model())
+    model, report = convert(_model(kind), report=True)
+    assert report.swapped, "nothing was fused: the distributed test would not test remat"
     _loss(model, *_data()).backward()
     return _grads(model)
+
+
+@pytest.fixture(scope="module")
+def single_process_grads():
+    return _single_process_grads("sequential")
 
 
 def _assert_close(got, want):
@@ -112,6 +135,12 @@ def _assert_close(got, want):
 def test_ddp_matches_single_process(distributed_results, single_process_grads):
     for results in distributed_results:
         _assert_close(results["ddp"], single_process_grads)
+
+
+def test_ddp_of_a_model_fused_through_fx(distributed_results):
+    want = _single_process_grads("fx")
+    for results in distributed_results:
+        _assert_close(results["ddp_fx"], want)
 
 
 def test_fsdp2_matches_single_process(distributed_results, single_process_grads):
