@@ -93,11 +93,12 @@ template <bool TANH>
 __device__ __forceinline__ float gelu_derivative(float h, float g, float t) {
   if constexpr (TANH) {
     // sech^2(u) = 1 - t^2, exactly 0 once tanhf saturates (|u| > ~9). There the slope term is 0,
-    // also where du/dh overflows (|h| > ~1.8e19: 0 * inf would be NaN), hence the select.
+    // also where du/dh overflows (|h| > ~1.8e19: 0 * inf would be NaN), hence the select; its
+    // other side adds 0 * h so that h = +-inf still gives NaN, as PyTorch's gelu backward does.
     const float sech2 = __fmaf_rn(-t, t, 1.f);
     const float du_dh = __fmul_rn(kSqrt2OverPi, __fmaf_rn(kTanhCubic3, __fmul_rn(h, h), 1.f));
     const float slope = __fmul_rn(__fmul_rn(__fmul_rn(0.5f, h), sech2), du_dh);
-    return sech2 > 0.f ? __fadd_rn(g, slope) : g;
+    return sech2 > 0.f ? __fadd_rn(g, slope) : __fmaf_rn(0.f, h, g);
   } else {
     // phi(h) = exp(-h^2 / 2) / sqrt(2 pi) underflows to 0 for |h| > ~14 (h^2 = inf included),
     // where h * phi(h) = 0 and gelu'(h) = Phi(h).

@@ -126,3 +126,175 @@ def test_more_than_2_31_elements(backend):
         del y
         g = remat.gelu(x)
         assert rel_error(g[-4:], F.gelu(x[-4:].float())) < REL_TOL[torch.bfloat16]
+
+
+# --- extreme values: fp16 overflow boundaries and extreme attention logits, as PyTorch ----------
+
+FP16_MAX = torch.finfo(torch.float16).max  # 65504
+
+
+def assert_like_pytorch(name, ours, theirs, exact, compare_error=True):
+    """ours behaves as PyTorch's same-dtype result `theirs`, against the float64 result `exact`.
+
+    - finite wherever PyTorch's result and the exact one (rounded to the dtype) are finite;
+    - where both are inf or NaN (an overflow of the dtype, a NaN in the math), the same inf
+      (same sign) or NaN;
+    - on the elements where both are finite, error at most twice PyTorch's (as FlashAttention's
+      tests), or within the dtype's bound.
+    Where only PyTorch overflows, ours may stay finite. compare_error=False checks the first
+    two only, for results whose error is rounding noise in both implementations.
+    """
+    dtype = ours.dtype
+    exact_rounded = exact.to(dtype)
+    both_finite = torch.isfinite(theirs) & torch.isfinite(exact_rounded)
+    assert torch.isfinite(ours[both_finite]).all(), f"{name}: non-finite where PyTorch is finite"
+    both_not = ~torch.isfinite(theirs) & ~torch.isfinite(exact_rounded)
+    assert torch.equal(torch.isnan(ours[both_not]), torch.isnan(theirs[both_not])), f"{name}: NaN differs"
+    assert torch.equal(ours[both_not].nan_to_num(0.0), theirs[both_not].nan_to_num(0.0)), f"{name}: inf differs"
+    if not compare_error:
+        return
+    ours_error = rel_error(ours[both_finite], exact[both_finite])
+    theirs_error = rel_error(theirs[both_finite], exact[both_finite])
+    assert ours_error <= max(REL_TOL[dtype], 2 * theirs_error), (
+        f"{name}: error {ours_error:.3g}, PyTorch's {theirs_error:.3g}")
+
+
+def run_three_ways(ours_fn, theirs_fn, tensors, grad_out):
+    """Outputs and gradients of ours, of PyTorch at the same dtype, and of PyTorch in float64."""
+    results = []
+    for fn, cast in ((ours_fn, None), (theirs_fn, None), (theirs_fn, torch.float64)):
+        leaves = [(t.to(cast) if cast else t.clone()).requires_grad_() for t in tensors]
+        out = fn(*leaves)
+        out.backward(grad_out.to(out.dtype))
+        results.append([out.detach()] + [leaf.grad for leaf in leaves])
+    return results
+
+
+def _layer_norm_inputs(kind, device):
+    rows, width = 4, 40
+    if kind == "spread-to-fp16-max":  # x^2 and the variance overflow fp16 many times over
+        x = (torch.rand(rows, width, device=device) * 2 - 1) * FP16_MAX
+    elif kind == "mean-near-fp16-max":  # mean ~65000, spread of a few ulps (32): cancellation
+        x = FP16_MAX - 32.0 * torch.randint(0, 64, (rows, width), device=device)
+    elif kind == "one-element-at-fp16-max":  # one outlier a row dominates mean and variance
+        x = torch.randn(rows, width, device=device)
+        x[:, 7] = FP16_MAX
+    else:  # "fp32-squares-near-fp32-max": sum of squares ~4e37, under fp32's 3.4e38
+        return torch.randn(rows, width, device=device) * 1e18
+    return x.to(torch.float16)
+
+
+@pytest.mark.parametrize("kind", ["spread-to-fp16-max", "mean-near-fp16-max", "one-element-at-fp16-max",
+                                  "fp32-squares-near-fp32-max"])
+def test_layer_norm_at_overflow_boundaries_as_pytorch(target, kind):
+    """fp32 statistics: no overflow where PyTorch's (also fp32) statistics have none."""
+    device, _ = target
+    x = _layer_norm_inputs(kind, device)
+    width = x.shape[-1]
+    w, b = torch.randn(width, device=device), torch.randn(width, device=device)
+    params = [w.to(x.dtype), b.to(x.dtype)]
+
+    def ln(fn):
+        return lambda x, w, b: fn(x, (width,), w, b)
+
+    ours, theirs, exact = run_three_ways(ln(remat.layer_norm), ln(F.layer_norm), [x, *params],
+                                         torch.randn(x.shape, device=device))
+    for name, o, t, e in zip(("y", "dx", "dw", "db"), ours, theirs, exact):
+        assert_like_pytorch(name, o, t, e)
+
+
+def _gelu_near_fp16_max(device):
+    """fp16 values at and near ±65504, and where gelu itself is tiny or exactly 0/-0."""
+    edges = [FP16_MAX, -FP16_MAX, 65000.0, -65000.0, 3e4, -3e4, 1e4, -1e4, 20.0, -20.0, 5.0, -5.0, 0.0]
+    return torch.tensor(edges, device=device).repeat(3, 1).to(torch.float16)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_at_fp16_max_as_pytorch(target, approximate):
+    device, _ = target
+    x = _gelu_near_fp16_max(device)
+    ours, theirs, exact = run_three_ways(lambda x: remat.gelu(x, approximate),
+                                         lambda x: F.gelu(x, approximate=approximate), [x],
+                                         torch.randn(x.shape, device=device))
+    for name, o, t, e in zip(("y", "dx"), ours, theirs, exact):
+        assert_like_pytorch(name, o, t, e)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_bias_overflowing_fp16_gives_inf_as_pytorch(target, approximate):
+    """x + bias past 65504 is inf in fp16 for PyTorch (x + b rounds first); our fused bias adds in
+    fp32, and the result gelu(x + b) ~ x + b must still round to inf, not wrap or saturate."""
+    device, _ = target
+    x = _gelu_near_fp16_max(device)
+    bias = torch.full((x.shape[1],), 3e4, device=device).to(torch.float16)
+    ours, theirs, exact = run_three_ways(lambda x, b: remat.gelu(x, approximate, b),
+                                         lambda x, b: F.gelu(x + b, approximate=approximate), [x, bias],
+                                         torch.randn(x.shape, device=device))
+    assert torch.isinf(ours[0]).any(), "the case must reach fp16 overflow"
+    assert_like_pytorch("y", ours[0], theirs[0], exact[0])
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_at_infinity_propagates_as_pytorch(target, approximate):
+    device, _ = target
+    x = torch.tensor([[float("inf"), float("-inf"), 1.0]], device=device)
+    ours, theirs, exact = run_three_ways(lambda x: remat.gelu(x, approximate),
+                                         lambda x: F.gelu(x, approximate=approximate), [x],
+                                         torch.ones(x.shape, device=device))
+    for name, o, t, e in zip(("y", "dx"), ours, theirs, exact):
+        assert_like_pytorch(name, o, t, e)
+
+
+def _pytorch_flash_attention(q, k, v, causal, softmax_scale):
+    """PyTorch's own FlashAttention-style kernels: like ours, they keep an fp32 log-sum-exp and
+    recompute the probabilities from it. Its fp32 rounding (~|lse| * 6e-8) bounds the relative
+    precision of every recomputed probability, so at logits of 1e3-1e4 their backward, and ours,
+    carry ~1e-4 relative error where PyTorch's explicit-softmax math path does not: compared with
+    the math path, a FlashAttention-style backward would fail for a reason of the algorithm, not
+    of the implementation."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
+
+
+# (q/k magnitude, softmax_scale): the largest |logit| each gives with head dim 32, seq 24.
+EXTREME_LOGITS = {
+    "scale-1e3": (1.0, 1e3),  # |logits| ~2e4, near fp16's max
+    "scale-1e5": (1.0, 1e5),  # |logits| ~2e6, beyond fp16's max: must not matter in fp32 math
+    "qk-x100": (100.0, None),  # |q|, |k| ~100 (fp16 q.k partial sums past 65504), |logits| ~3e4
+    "qk-x10-causal": (10.0, None),  # |logits| ~3e2: one-hot rows under a causal mask
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("case", list(EXTREME_LOGITS))
+def test_attention_extreme_logits_as_pytorch(target, case, dtype):
+    device, _ = target
+    magnitude, softmax_scale = EXTREME_LOGITS[case]
+    causal = case.endswith("causal")
+    q, k, v = (torch.randn(1, 2, 24, 32, device=device) for _ in range(3))
+    q, k, v = (q * magnitude).to(dtype), (k * magnitude).to(dtype), v.to(dtype)
+
+    def ours_fn(q, k, v):
+        return remat.attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+    def theirs_fn(q, k, v):
+        if q.dtype == torch.float64:  # the float64 reference: the explicit softmax
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
+        return _pytorch_flash_attention(q, k, v, causal, softmax_scale)
+
+    ours, theirs, exact = run_three_ways(ours_fn, theirs_fn, [q, k, v], torch.randn(q.shape, device=device))
+    # dq and dk of near one-hot rows are sums of terms that cancel: dS = P (dP - delta) with
+    # delta = rowsum(dO * O) ~ dP, where both FlashAttention-style backwards round O to the dtype
+    # first. Their error relative to the vanishing exact value is rounding noise times
+    # softmax_scale (>> 1 at scale 1e3, for PyTorch's as for ours): a ratio of two noises is no
+    # measure, so dq and dk are held to PyTorch's finiteness only; o and dv to its accuracy.
+    for name, o, t, e in zip(("o", "dq", "dk", "dv"), ours, theirs, exact):
+        assert_like_pytorch(name, o, t, e, compare_error=name in ("o", "dv"))
+    _, lse = remat.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    scale = softmax_scale or q.shape[-1] ** -0.5
+    logits = (q.double() @ k.double().transpose(-1, -2)) * scale
+    if causal:
+        logits = logits.masked_fill(torch.ones_like(logits, dtype=torch.bool).triu(1), float("-inf"))
+    assert rel_error(lse, torch.logsumexp(logits, dim=-1)) <= REL_TOL[torch.float32]

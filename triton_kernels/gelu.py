@@ -130,9 +130,10 @@ def _gelu_derivative(h, g, aux, APPROXIMATE_TANH: tl.constexpr):
     """gelu'(h) from _gelu_gate's (g, aux); see the derivation above _gelu_bwd_kernel."""
     if APPROXIMATE_TANH:
         # s + h * 2 s (1 - s) * du/dh,  du/dh = sqrt(2/pi) (1 + 3 * 0.044715 h^2). Where s (1 - s)
-        # underflows to 0 the second term is 0, also for |h| > ~1e19 where h^2 overflows (0 * inf).
+        # underflows to 0 the second term is 0, also for |h| > ~1e19 where h^2 overflows (0 * inf);
+        # 0 * h rather than 0 keeps h = +-inf giving NaN, as PyTorch's gelu backward does.
         slope = 2.0 * h * aux * (SQRT_2_OVER_PI * (1.0 + TANH_CUBIC_X3 * h * h))
-        d = g + tl.where(aux > 0.0, slope, 0.0)
+        d = g + tl.where(aux > 0.0, slope, 0.0 * h)
     else:
         # Phi(h) + h phi(h),  phi(h) = exp(-h^2 / 2) / sqrt(2 pi); exp underflows to 0 for
         # |h| > ~14, where h * phi is 0, not NaN.

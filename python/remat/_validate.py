@@ -33,12 +33,42 @@ def check_shape(name, value, shape):
 
 
 def check_optional_param(name, value, shape, like_name, like):
-    """An optional weight or bias: None, or a float tensor of `shape` on `like`'s device."""
+    """An optional weight or bias: None, or a tensor of `shape` on `like`'s device, in its dtype or float32.
+
+    The kernels compute in fp32, so a float32 parameter with a half-precision input is exact (as
+    torch.nn.functional.layer_norm allows). Any other mix (a bfloat16 weight with a float16
+    input, a float16 weight with a float32 input) is refused as PyTorch refuses it, rather than
+    silently rounded to one of the two.
+    """
     if value is None:
         return
     check_float_tensor(name, value)
+    allowed = tuple(dict.fromkeys((like.dtype, torch.float32)))
+    if value.dtype not in allowed:
+        raise TypeError(
+            f"{name} must have dtype {_dtype_names(allowed)} ({like_name} is {_dtype_names((like.dtype,))}), "
+            f"got {value.dtype}"
+        )
     check_shape(name, value, shape)
     check_same_device(name, value, like_name, like)
+
+
+def check_eps(eps):
+    """eps must be a finite non-negative number: a negative one makes rsqrt(var + eps) NaN."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+
+
+def check_self_attention_input(x, in_proj_weight, layout="(batch, seq, embed_dim)"):
+    """x of a self-attention block: a 3-D float tensor of width embed_dim, on the weights' device and,
+    outside autocast, in their dtype (inside, the projections cast it as torch's own layers do)."""
+    check_float_tensor("x", x)
+    embed_dim = in_proj_weight.shape[1]
+    if x.dim() != 3 or x.shape[-1] != embed_dim:
+        raise ValueError(f"x must have shape {layout} with embed_dim {embed_dim}, got {tuple(x.shape)}")
+    check_same_device("x", x, "in_proj_weight", in_proj_weight)
+    if autocast_dtype(x.device.type) is None and x.dtype != in_proj_weight.dtype:
+        raise TypeError(f"x has dtype {x.dtype} but in_proj_weight has {in_proj_weight.dtype}; they must match")
 
 
 def rows_with_unit_stride(x, width):
@@ -52,6 +82,10 @@ def rows_with_unit_stride(x, width):
 
 def autocast_dtype(device_type):
     """The autocast dtype when autocast is on for `device_type`, else None."""
+    # Devices without autocast (meta, for shape-only runs) have none to apply; asking torch
+    # whether it is enabled there raises instead.
+    if not torch.amp.is_autocast_available(device_type):
+        return None
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None

@@ -7,6 +7,7 @@ one from existing modules, copying the weights.
 
 import torch
 
+from ._validate import check_self_attention_input
 from .ops.attention import multihead_self_attention
 from .ops.fused import layer_norm_linear, mlp
 from .ops.gelu import gelu
@@ -229,6 +230,8 @@ class MultiheadSelfAttention(torch.nn.Module):
             raise ValueError("need_weights must be False: remat attention never forms the attention weights")
         if attn_mask is not None:
             raise ValueError("attn_mask must be None: use causal=True for a causal mask")
+        layout = "(batch, seq, embed_dim)" if self.batch_first else "(seq, batch, embed_dim)"
+        check_self_attention_input(x, self.in_proj_weight, layout)
         if not self.batch_first:
             x = x.transpose(0, 1)
         out = multihead_self_attention(

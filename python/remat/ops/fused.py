@@ -16,7 +16,7 @@ does, so tests and benchmarks can compare the two modes.
 import torch
 import torch.nn.functional as F
 
-from .._validate import (autocast_dtype, cast_for_autocast, check_float_tensor, check_optional_param,
+from .._validate import (autocast_dtype, cast_for_autocast, check_eps, check_float_tensor, check_optional_param,
                          check_same_device, rows_with_unit_stride)
 from .gelu import check_approximate, gelu_bwd, gelu_fwd
 from .layer_norm import layer_norm_bwd, layer_norm_fwd
@@ -129,11 +129,21 @@ def _check_linear(weight_name, weight, bias_name, bias, in_features, x):
         raise TypeError(f"{weight_name} has dtype {weight.dtype} but x has {x.dtype}; they must match")
     check_same_device(weight_name, weight, "x", x)
     check_optional_param(bias_name, bias, (weight.shape[0],), "x", x)
+    if bias is not None and bias.dtype != weight.dtype:
+        # As torch.nn.functional.linear, which would fail later with a message naming neither.
+        raise TypeError(f"{bias_name} has dtype {bias.dtype} but {weight_name} has {weight.dtype}; they must match")
 
 
-def _check_norm_params(norm_weight, norm_bias, width, x):
+def _check_norm_params(norm_weight, norm_bias, width, x, eps):
     check_optional_param("norm_weight", norm_weight, (width,), "x", x)
     check_optional_param("norm_bias", norm_bias, (width,), "x", x)
+    check_eps(eps)
+
+
+def _contiguous(*params):
+    """Parameters as the kernels take them: the CUDA extension refuses a strided weight or bias,
+    and autograd carries the gradient back through the copy to the caller's view."""
+    return tuple(p.contiguous() if p is not None else None for p in params)
 
 
 def _rows(x):
@@ -160,8 +170,9 @@ def layer_norm_linear(x, norm_weight, norm_bias, weight, bias=None, eps=1e-5, re
     if autocast_dtype(x.device.type) is not None:
         return _under_autocast(layer_norm_linear, x, norm_weight, norm_bias, weight, bias, eps=eps, recompute=recompute)
     rows = _rows(x)
-    _check_norm_params(norm_weight, norm_bias, x.shape[-1], x)
+    _check_norm_params(norm_weight, norm_bias, x.shape[-1], x, eps)
     _check_linear("weight", weight, "bias", bias, x.shape[-1], x)
+    norm_weight, norm_bias = _contiguous(norm_weight, norm_bias)
     out = _LayerNormLinear.apply(rows, norm_weight, norm_bias, weight, bias, float(eps), bool(recompute))
     return out.view(*x.shape[:-1], weight.shape[0])
 
@@ -180,11 +191,12 @@ def mlp(x, w1, b1, w2, b2=None, approximate="none", recompute=True,
     rows = _rows(x)
     check_approximate(approximate)
     if layer_norm:
-        _check_norm_params(norm_weight, norm_bias, x.shape[-1], x)
+        _check_norm_params(norm_weight, norm_bias, x.shape[-1], x, eps)
     elif norm_weight is not None or norm_bias is not None:
         raise ValueError("norm_weight and norm_bias need layer_norm=True")
     _check_linear("w1", w1, "b1", b1, x.shape[-1], x)
     _check_linear("w2", w2, "b2", b2, w1.shape[0], x)
+    norm_weight, norm_bias, b1 = _contiguous(norm_weight, norm_bias, b1)
     out = _MLP.apply(rows, norm_weight, norm_bias, float(eps), bool(layer_norm),
                      w1, b1, w2, b2, approximate, bool(recompute))
     return out.view(*x.shape[:-1], w2.shape[0])

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .. import _backend
-from .._validate import (autocast_dtype, cast_for_autocast, check_float_tensor, check_optional_param,
+from .._validate import (autocast_dtype, cast_for_autocast, check_eps, check_float_tensor, check_optional_param,
                          rows_with_unit_stride)
 
 # ---------------------------------------------------------------------------------------------
@@ -189,7 +189,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     """LayerNorm over the trailing `normalized_shape` dims of x, like torch.nn.functional.layer_norm.
 
     x: float32, float16 or bfloat16, any leading shape. weight/bias: optional, of
-    `normalized_shape`, float32 or x's dtype. Statistics are computed in fp32; autograd saves
+    `normalized_shape`, float32 or x's dtype, on x's device. Statistics are computed in fp32; autograd saves
     x and the fp32 mean/rstd per row (8 bytes a row), never the output.
     """
     check_float_tensor("x", x)
@@ -201,8 +201,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     normalized_shape, width = _normalized_width(x, normalized_shape)
     check_optional_param("weight", weight, normalized_shape, "x", x)
     check_optional_param("bias", bias, normalized_shape, "x", x)
-    if not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    check_eps(eps)
     rows = rows_with_unit_stride(x, width)
     flat_weight = weight.reshape(width).contiguous() if weight is not None else None
     flat_bias = bias.reshape(width).contiguous() if bias is not None else None
