@@ -16,6 +16,9 @@ if not HAS_GPU:
 # A fresh torch.compile cache per run: Inductor's on-disk cache is keyed on the graph, not on
 # the Python source of our fake kernels, so a cache from an older checkout could hide a change.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="remat-inductor-"))
+# Fixed attention block sizes: on a GPU, tuning every shape class the tests meet would add
+# minutes; tests/test_autotune.py turns tuning on where it tests it.
+os.environ.setdefault("REMAT_AUTOTUNE", "0")
 
 import pytest  # noqa: E402
 

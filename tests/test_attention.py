@@ -4,6 +4,7 @@ the module, bad input, and the ahead-of-time GPU compile."""
 import importlib
 import math
 import os
+import re
 import warnings
 
 import pytest
@@ -18,6 +19,16 @@ HAS_GPU = torch.cuda.is_available()
 # bf16 tl.dot is wrong under the Triton interpreter (triton issue 11584): bf16 on GPU only.
 DTYPES = [torch.float16, torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     not HAS_GPU, reason="bf16 tl.dot is broken under the Triton interpreter (triton#11584)"))]
+
+
+
+@pytest.fixture(autouse=True)
+def fixed_block_sizes(monkeypatch):
+    """The fixed table on a GPU: tuning every (head dim, causal, dtype) class met here would add
+    minutes of timing. Every candidate's numerics and the tuning path are tested in
+    tests/test_autotune.py."""
+    monkeypatch.setenv("REMAT_AUTOTUNE", "0")
+
 
 # Floors of the "at most 2x PyTorch's own error" criterion. fp32: both errors are ~1e-7 (rounding
 # noise of the summation order), where a factor of 2 is not meaningful.
@@ -391,39 +402,100 @@ def _kernel_module():
         return "triton_kernels.attention"
 
 
-# The full list (3 dtypes x 6 head dims x causal/non-causal x 3 kernels, plus the preprocess, per
-# arch: 252 compiles, ~3.5 min on two cores) is too slow for CI: CI compiles a representative
-# subset, every kernel of each padded head-dim class (64, 96 -> 128, 256), causal, in bf16 (fp16
-# shares its tables), plus fp32 at d 64. REMAT_AOT_FULL=1 compiles every case. Known open item:
-# two fp32 (ieee, FMA-lowered tl.dot) configs at d 256 use 8-16 bytes of stack (fwd on sm_90,
-# dK/dV on sm_80); every other case compiles without any.
+# The full list (3 dtypes x 6 head dims x causal/non-causal x every autotuning candidate of the
+# 3 kernels, plus the preprocess: 358 cases per arch, 716 compiles, ~20 min on two cores) is
+# too slow for CI: CI compiles a representative subset, every candidate of every kernel for each
+# padded head-dim class with a half dtype (64; 96 -> 128; 256), causal, in bf16 (fp16 shares its
+# tables), plus fp32 at d 64 and d 256 (the fp32 tiles with the least register headroom).
+# REMAT_AOT_FULL=1 compiles every case.
 _AOT_SUBSET = [dict(dtypes=(torch.bfloat16,), head_dims=(64, 96, 256), causals=(True,)),
-               dict(dtypes=(torch.float32,), head_dims=(64,), causals=(True,))]
+               dict(dtypes=(torch.float32,), head_dims=(64, 256), causals=(True,))]
 
 
 def aot_cases():
-    """The cases the AOT test compiles; the compile workers import this module for them."""
+    """The cases the AOT test compiles; the compile workers import this module for them.
+
+    REMAT_AOT_ONLY=<regex> keeps the cases whose name matches (e.g. "fp32_d256" with
+    REMAT_AOT_FULL=1 checks every fp32 head-dim-256 configuration and nothing else).
+    """
     kernels = importlib.import_module(_kernel_module())
     if os.environ.get("REMAT_AOT_FULL", "0") == "1":
-        return kernels.aot_cases()
-    return [case for subset in _AOT_SUBSET for case in kernels.aot_cases(**subset)]
+        cases = kernels.aot_cases()
+    else:
+        cases = [case for subset in _AOT_SUBSET for case in kernels.aot_cases(**subset)]
+    only = os.environ.get("REMAT_AOT_ONLY")
+    return [case for case in cases if re.search(only, case["name"])] if only else cases
 
 
 @pytest.mark.parametrize("arch", [80, 90])
 def test_attention_compiles_without_spills(arch):
     module = os.path.splitext(os.path.basename(__file__))[0]
-    results = compile_module_cases(module, archs=(arch,), extra_paths=[REPO, os.path.dirname(os.path.abspath(__file__))])
+    expected = [case["name"] for case in aot_cases()]
+    # A compile takes 1-5 s on one core: the full list needs more than the default limit.
+    paths = [REPO, os.path.dirname(os.path.abspath(__file__))]
+    results = compile_module_cases(module, archs=(arch,), extra_paths=paths, timeout=max(900, 10 * len(expected)))
     assert results, "aot_cases() returned no cases"
+    assert sorted(r["name"] for r in results) == sorted(expected)
     bad = spilling(results)
     assert not bad, f"{len(bad)} of {len(results)} attention kernels fail to compile or spill on sm_{arch}:\n" + format_results(bad)
 
 
-def test_long_sequences_that_would_overflow_int32_rows_fall_back():
-    """Row offsets within a head are int32 in the kernels: such shapes must take the SDPA path."""
-    check = attn_ops._row_offsets_overflow
-    ordinary = torch.empty(2, 16, 4096, 128, device="meta")
-    assert not check(ordinary, ordinary, ordinary)
-    long_context = torch.empty(1, 64, 262144, 128, device="meta")  # o's row stride 64·128: 2^31 at 262144 rows
-    assert check(long_context, long_context, long_context)
-    packed = torch.empty(1, 300000, 3 * 16 * 256, device="meta").view(1, 300000, 3, 16, 256)[:, :, 0].transpose(1, 2)
-    assert check(packed, packed, packed)  # a view of packed qkv: row stride 3·16·256
+# --- sizes past int32 and past a grid axis ----------------------------------------------------
+
+
+def test_row_offsets_past_2_31_elements(target):
+    """q, k, v and dO rows 2^27 + 64 elements apart: row 16 starts past element 2^31, where an
+    int32 row offset (row * row stride) would wrap to a negative address. The four tensors are
+    interleaved views of one 4 GiB storage that is allocated but never touched except for the
+    17 rows written here, so the test needs a few MB of real memory (and 4 GiB of GPU memory on
+    a GPU)."""
+    device, _ = target
+    seqlen, head_dim, row_stride = 17, 32, 2**27 + 64
+    assert (seqlen - 1) * row_stride >= 2**31
+    storage = torch.empty((seqlen - 1) * row_stride + 4 * head_dim, dtype=torch.float16, device=device)
+    q, k, v, do = (storage.as_strided((1, 1, seqlen, head_dim), (0, 0, row_stride, 1), i * head_dim)
+                   for i in range(4))
+    for t in (q, k, v, do):
+        t.copy_(torch.randn(t.shape))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback on a GPU either: the kernels must run
+        ours = run_remat(q, k, v, do, True, None)
+    ref = float64_reference(q, k, v, do, True, None)
+    for name, got, want in zip(("o", "lse", "dq", "dk", "dv"), ours, ref):
+        assert rel_error(got, want) <= REL_TOL[torch.float16], name
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="70000 heads take minutes under the interpreter")
+def test_more_heads_than_a_grid_axis_holds():
+    """70000 query heads (7000 key/value heads): more than the 65535 programs grid axes 1 and 2
+    hold. The kernels' 1-D grid runs them, without falling back."""
+    q, k, v = make_qkv((1, 70000, 7000, 20, 24, 32), torch.float16, "cuda")
+    do = torch.randn(q.shape, device="cuda").to(torch.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = run_remat(q, k, v, do, True, None)
+    ref = float64_reference(q, k, v, do, True, None)
+    for name, got, want in zip(("o", "lse", "dq", "dk", "dv"), ours, ref):
+        if name == "lse":
+            got, want = got[~torch.isinf(want)], want[~torch.isinf(want)]
+        assert rel_error(got, want) <= REL_TOL[torch.float16], name
+
+
+def test_only_head_dim_and_gpu_generation_fall_back(monkeypatch):
+    """Size is no reason to fall back any more: a long packed-qkv view whose int32 row offsets
+    would overflow, and more heads than a grid axis holds, both keep the kernels. Checked on
+    fake CUDA tensors (shapes and strides without memory) on an Ampere-or-newer GPU stand-in."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(attn_ops, "_triton_can_target", lambda index: True)
+    with FakeTensorMode():
+        packed = torch.empty(1, 300000, 3 * 16 * 256, device="cuda").view(1, 300000, 3, 16, 256)[:, :, 0]
+        packed = packed.transpose(1, 2)  # row stride 3 * 16 * 256: row 2^31 / 12288 overflows int32
+        many_heads = torch.empty(1, 70000, 64, 64, device="cuda")
+        odd_head_dim = torch.empty(1, 2, 8, 48, device="cuda")
+    assert (packed.shape[2] - 1) * packed.stride(2) >= 2**31
+    for q in (packed, many_heads):
+        assert attn_ops._fallback_reason(q, q, q) is None
+    assert "head dim 48" in attn_ops._fallback_reason(odd_head_dim, odd_head_dim, odd_head_dim)
+    monkeypatch.setattr(attn_ops, "_triton_can_target", lambda index: False)
+    assert "compute capability" in attn_ops._fallback_reason(many_heads, many_heads, many_heads)

@@ -259,20 +259,14 @@ ATTENTION_ERRORS = [
          ValueError, "num_kv_heads", r"num_kv_heads must be >= 1 and divide num_heads 4, got 3"),
 ]
 
-# The function behind nn.MultiheadSelfAttention lives in ops/attention.py and checks nothing of
-# its own yet: a bad x fails inside F.linear or tuple unpacking, with a message naming nothing.
-MHA_FUNCTION_FIX = ("multihead_self_attention does not validate x: it should first call "
-                    "_validate.check_self_attention_input(x, in_proj_weight)")
+# The function behind nn.MultiheadSelfAttention checks x itself too (convert's attention calls it).
 MHA_FUNCTION_ERRORS = [
     case("multihead_self_attention", "x-2d", lambda: mha_function(rand(8, 64)),
-         ValueError, "x", r"x must have shape \(batch, seq, embed_dim\)",
-         marks=pytest.mark.xfail(strict=True, reason=MHA_FUNCTION_FIX)),
+         ValueError, "x", r"x must have shape \(batch, seq, embed_dim\)"),
     case("multihead_self_attention", "x-width", lambda: mha_function(rand(1, 8, 32)),
-         ValueError, "x", r"x must have shape .* with embed_dim 64",
-         marks=pytest.mark.xfail(strict=True, reason=MHA_FUNCTION_FIX)),
+         ValueError, "x", r"x must have shape .* with embed_dim 64"),
     case("multihead_self_attention", "x-int", lambda: mha_function(rand(1, 8, 64).long()),
-         TypeError, "x", r"x must have dtype",
-         marks=pytest.mark.xfail(strict=True, reason=MHA_FUNCTION_FIX)),
+         TypeError, "x", r"x must have dtype"),
 ]
 
 

@@ -19,6 +19,13 @@ no CUDA-extension attention; "cuda" runs the Triton kernel). CPU tensors run the
 under TRITON_INTERPRET=1, else the reference. Head dims outside HEAD_DIMS run the reference on
 CPU; on CUDA, those and GPUs Triton cannot target (compute capability < 8.0) fall back to
 torch.nn.functional.scaled_dot_product_attention with a one-time warning.
+
+Block sizes on a GPU are autotuned: the first call per (head dim, causal, dtype, GPU, length
+class) times a few candidate configurations and keeps the fastest, remembered in
+attention-autotune.json in $REMAT_CACHE_DIR (default $XDG_CACHE_HOME/remat or ~/.cache/remat).
+REMAT_AUTOTUNE=0 uses the fixed table instead (no timing, the same blocks on every GPU of a
+kind, so results are bitwise reproducible across machines). Under the interpreter one small
+fixed configuration runs.
 """
 
 import math
@@ -29,7 +36,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _backend
-from .._validate import autocast_dtype, cast_for_autocast, check_float_tensor, check_same_device
+from .._validate import (autocast_dtype, cast_for_autocast, check_float_tensor, check_same_device,
+                         check_self_attention_input)
 
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the Triton kernels' head dims (see triton_kernels/attention.py)
 
@@ -166,8 +174,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, _dlse):
     q, k, v, o, lse = ctx.saved_tensors
-    if do.stride(-1) != 1 or (do.shape[2] + _MAX_BLOCK) * do.stride(2) >= _INT32_LIMIT:
-        do = do.contiguous()  # unit last stride, and row offsets within int32 like o's
+    if do.stride(-1) != 1:
+        do = do.contiguous()  # the kernels read rows with unit stride
     dq, dk, dv = attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale)
     return dq, dk, dv, None, None
 
@@ -196,32 +204,16 @@ def _triton_can_target(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
-# The kernels index rows within one (batch, head) slice in int32, and put heads and batches on
-# grid axes limited to 65535: larger problems run PyTorch's SDPA instead of a wrong answer.
-_INT32_LIMIT = 2**31
-_GRID_LIMIT = 65535
-_MAX_BLOCK = 128
-
-
-def _row_offsets_overflow(q, k, v):
-    """True when a row offset (seq + a block of padding) x row stride would pass int32.
-
-    o (and dO in the backward) are laid out (B, S, H, D): their row stride is H·D.
-    """
-    o_stride = q.shape[1] * q.shape[3]
-    spans = [(q.shape[2], max(q.stride(2), o_stride)), (k.shape[2], k.stride(2)), (v.shape[2], v.stride(2))]
-    return any((seq + _MAX_BLOCK) * stride >= _INT32_LIMIT for seq, stride in spans)
-
-
 def _fallback_reason(q, k, v):
+    """Why CUDA tensors q, k, v cannot run the kernels (None when they can).
+
+    Size is never a reason: the kernels index in int64 and use a 1-D grid (2^31 - 1 programs),
+    so any batch, head count, length or stride that fits in GPU memory runs them.
+    """
     if q.device.type != "cuda":
         return None  # CPU: the interpreter or the reference handles everything
     if q.shape[-1] not in HEAD_DIMS:
         return f"head dim {q.shape[-1]} is not one of the kernel's {HEAD_DIMS}"
-    if q.shape[0] > _GRID_LIMIT or q.shape[1] > _GRID_LIMIT:
-        return f"batch or heads above {_GRID_LIMIT}, the kernels' grid limit"
-    if _row_offsets_overflow(q, k, v):
-        return "a row offset within one head would pass 2^31 elements (the kernels index rows in int32)"
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     if not _triton_can_target(index):
         return "the GPU's compute capability is below 8.0, which the Triton kernels need"
@@ -334,6 +326,7 @@ def multihead_self_attention(x, in_proj_weight, in_proj_bias, out_proj_weight, o
     in_proj_weight: ((num_heads + 2 * num_kv_heads) * head_dim, embed_dim), the rows of q, then
     k, then v (torch.nn.MultiheadAttention's packing when num_kv_heads == num_heads).
     """
+    check_self_attention_input(x, in_proj_weight)
     batch, seq, _ = x.shape
     head_dim = out_proj_weight.shape[1] // num_heads
     qkv = F.linear(x, in_proj_weight, in_proj_bias)
