@@ -12,6 +12,8 @@ cd "$(dirname "$0")/.."
 OUT_DIR=${1:-bench/out/gpu_check}
 mkdir -p "$OUT_DIR"
 PYTHON=${PYTHON:-python3}
+# Attention block sizes tuned by the benchmarks land in the output folder with the results.
+export REMAT_CACHE_DIR=${REMAT_CACHE_DIR:-$OUT_DIR/autotune}
 status=0
 step() { echo "== $1 ($(date +%T))"; }
 

@@ -11,6 +11,7 @@ import subprocess
 import torch
 
 import remat
+from remat import _autotune
 
 from .cases import best_peer_ratio
 
@@ -30,6 +31,8 @@ def environment(device):
         "remat": remat.__version__,
         "commit": _git_commit(),
         "backend_auto": remat.get_backend(),
+        # Tuned attention blocks are chosen in the warm-up calls; the cache file says which won.
+        "autotune": "on" if _autotune.enabled() else "off (fixed block table)",
     }
     if device.type != "cuda":
         info["note"] = "functional run on CPU: these are not performance figures"
