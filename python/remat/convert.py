@@ -18,7 +18,10 @@ What is swapped (each only where it is provably the same computation):
     in any other module's forward     -> the same three fusions, found by a torch.fx trace     as above
       (ln -> fc, fc1 -> GELU -> fc2,     of that forward: its rewritten forward calls remat's
        ln -> fc1 -> GELU -> fc2)         fused functions on the same submodules
-    Hugging Face models (remat.hf)    -> their MLP blocks fused, LayerNorms swapped            "mlp", "layernorm"
+    Hugging Face models (remat.hf)    -> attention classes on remat.attention (the stock       "attention", "mlp",
+                                         forward for padding masks, KV caches, output_attentions), "layernorm"
+                                         MLP blocks fused, pre-LN LayerNorms fused into the
+                                         projection after them
 
 The fusions are where the memory goes (design.md §1): a lone LayerNorm or GELU that recomputes
 saves nothing, because the Linear after it keeps its output anyway.
