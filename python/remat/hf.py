@@ -90,7 +90,7 @@ import sys
 import torch
 from torch import nn
 
-from .convert import _with_class, hook_reason, layer_norm_fusable, uniform_reason
+from .convert import _join, _with_class, hook_reason, layer_norm_fusable, uniform_reason
 from .convert import gelu_approximate as _generic_gelu_approximate
 from .ops.attention import HEAD_DIMS, attention
 from .ops.fused import layer_norm_linear, mlp
@@ -203,7 +203,7 @@ def _probe(before, after, width, param, modules):
     try:
         with torch.no_grad(), _eval_mode(*modules):
             want, got = before(x), after(x)
-    except Exception as error:  # a forward this rule does not know how to call: leave it alone
+    except Exception as error:  # noqa: BLE001 - a forward this rule does not know how to call: leave it alone
         return f"probe failed ({type(error).__name__}: {error})"
     error = ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-12)).item()
     tolerance = 1e-4 if param.dtype in (torch.float32, torch.float64) else 3e-2
@@ -350,7 +350,7 @@ HARMLESS_KWARGS = frozenset({"position_ids", "use_cache", "cache_position", "out
 REMAT_IMPLEMENTATIONS = ("sdpa", "eager")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _signature(stock_class):
     return inspect.signature(stock_class.forward)
 
@@ -621,10 +621,6 @@ class _RematGPTNeoXAttention(_RematAttention):
 # ---------------------------------------------------------------------------------------------
 # The rules, called by remat.convert for each module of a PreTrainedModel
 # ---------------------------------------------------------------------------------------------
-
-
-def _join(path, name):
-    return f"{path}.{name}" if path else name
 
 
 def _mlp_candidate(module, recompute, norm=None):
