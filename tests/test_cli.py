@@ -39,3 +39,13 @@ def test_memory_counts_every_policy(tmp_path, capsys):
     assert cheapest_fitting(results, 1.0).policy == "eager"
     assert "budget 1.0 GB: use 'eager'" in capsys.readouterr().out
     assert (tmp_path / "memory_tiny.csv").exists()
+
+
+def test_bench_without_op_names_means_all():
+    """`remat bench --quick` (the README's main job) parses: no op named is every op."""
+    from remat.cli import parser
+
+    assert parser().parse_args(["bench", "--quick"]).ops == []
+    assert parser().parse_args(["bench", "gelu", "all"]).ops == ["gelu", "all"]
+    with pytest.raises(SystemExit):
+        parser().parse_args(["bench", "softmax"])

@@ -8,7 +8,7 @@ import sys
 def _bench(args):
     from . import bench
 
-    ops = list(bench.SUITES) if "all" in args.ops else args.ops
+    ops = list(bench.SUITES) if not args.ops or "all" in args.ops else args.ops
     dtypes = [bench.DTYPES[d] for d in args.dtype]
     sizes = [int(s) for s in args.shapes.split(",")] if args.shapes else None
     bench.run(ops, dtypes, quick=args.quick, out_dir=args.out, device=args.device,
@@ -32,13 +32,23 @@ def _info(_args):
     print(f"{'selected':12s} {remat.get_backend()}")
 
 
+def _suite_name(name):
+    from .bench import SUITES
+
+    if name not in (*SUITES, "all"):
+        raise argparse.ArgumentTypeError(f"invalid choice: {name!r} (choose from {', '.join(SUITES)}, all)")
+    return name
+
+
 def parser():
     from .bench import DTYPES, SUITES
 
     top = argparse.ArgumentParser(prog="remat", description=__doc__)
     commands = top.add_subparsers(dest="command", required=True)
     bench = commands.add_parser("bench", help="kernel microbenchmarks against the peers")
-    bench.add_argument("ops", nargs="*", default=["all"], choices=[*SUITES, "all"], metavar="OP",
+    # No `choices` here: argparse (3.11.7, 3.12.1) checks a list default of a nargs="*"
+    # positional against them as a whole and rejects a bare `remat bench --quick`.
+    bench.add_argument("ops", nargs="*", type=_suite_name, metavar="OP",
                        help=f"one or more of {', '.join(SUITES)}, or all (default)")
     bench.add_argument("--dtype", nargs="+", default=["bf16"], choices=list(DTYPES))
     bench.add_argument("--shapes", help="comma-separated sizes instead of the standard ones: "

@@ -1,8 +1,13 @@
 """`remat memory`: the activation-memory / step-time trade-off of a model under each policy.
 
 For each policy it reports the bytes autograd keeps for the backward per layer (counted exactly,
-on any device, with saved-tensor hooks), and on a GPU the peak memory and the step time; it draws
-the memory/time frontier, and with a budget names the cheapest policy that fits.
+on any device, with saved-tensor hooks), and on a GPU the step time and the peak memory of one
+training step: absolute, so weights, input, gradients and activations, but not optimizer state.
+It draws the memory/time frontier, and with a budget names the cheapest policy whose peak fits.
+
+Each policy's row is printed, and the CSV rewritten, as soon as it is measured: a policy that
+fails (out of memory, no pinned host memory for offloading) becomes a row with an error, and an
+interrupt (Ctrl-C, `timeout -s INT`) stops the run but still reports what was measured.
 
 Models: stacks of remat.gpt blocks sized like GPT-2 (gpt2-small, -medium, -large), with every
 policy: eager; remat (fused recompute); torch selective checkpointing (keep matmul and attention
@@ -12,12 +17,16 @@ full checkpointing of k of the L blocks. And Hugging Face models built from a co
 remat.convert, Hugging Face's gradient checkpointing with and without remat, and offloading.
 """
 
+import contextlib
 import copy
+import csv
 import dataclasses
+import gc
 import math
 import os
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .bench.block import _Checkpointed, _save_matmuls_and_attention
 from .bench.timing import Timer, quantiles
@@ -38,7 +47,8 @@ class PolicyResult:
     host_bytes: float  # kept in host memory (offloading)
     per_layer_sbh: float
     step_ms: float = math.nan
-    peak_gb: float = math.nan
+    peak_gb: float = math.nan  # absolute peak of one training step (weights, input, gradients, activations)
+    error: str = ""  # why the policy could not be measured; its numbers are then nan
 
 
 def _checkpoint_first(stack, count):
@@ -59,19 +69,46 @@ def policies(layers):
     return table
 
 
+class _SavedStorages:
+    """The storages a forward saves for the backward, each counted once, parameters left out.
+
+    A tensor saved by two ops costs its storage once, and a weight saved by a matmul's backward
+    is not an activation. When offloading, a saved device tensor is freed once copied to the host
+    and a later one may get its address: a weak reference tells them apart, so both are counted.
+    """
+
+    def __init__(self, module):
+        self._parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self._saved = {}  # address -> (weak reference to the storage, bytes)
+        self._freed_bytes = 0  # saved, then freed on the device: their host copies still count
+
+    def add(self, tensor):
+        storage = tensor.untyped_storage()
+        address = storage.data_ptr()
+        if address in self._parameters:
+            return
+        previous = self._saved.get(address)
+        if previous is not None and previous[0].expired():
+            self._freed_bytes += previous[1]
+        self._saved[address] = (StorageWeakRef(storage), storage.nbytes())
+
+    def total_bytes(self, *excluded):
+        """All the bytes saved, but the storages of `excluded` (the caller's input, the output)."""
+        skip = {tensor.untyped_storage().data_ptr() for tensor in excluded}
+        return self._freed_bytes + sum(size for address, (ref, size) in self._saved.items()
+                                       if address not in skip or ref.expired())
+
+
 def count_saved_bytes(module, x, offload):
     """(device bytes, host bytes) that one forward keeps for the backward, by unique storage.
 
     Saved-tensor hooks see what autograd saves; a non-reentrant checkpoint instead holds its
     block's input, which is counted as well. Parameters are not activations and are left out.
     """
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    seen = {}
+    saved = _SavedStorages(module)
 
     def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
+        saved.add(tensor)
         return tensor
 
     held = []
@@ -84,34 +121,59 @@ def count_saved_bytes(module, x, offload):
         for hook in hooks:
             hook.remove()
     for tensor in held:
-        seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-    seen.pop(out.untyped_storage().data_ptr(), None)
-    seen.pop(x.untyped_storage().data_ptr(), None)  # the input belongs to the caller
-    total = sum(seen.values())
+        saved.add(tensor)
+    total = saved.total_bytes(out, x)  # the input belongs to the caller
     return (0, total) if offload else (total, 0)
 
 
 def _allocated_by_forward(module, x, offload, device):
-    """(device bytes, host bytes) one forward leaves allocated besides its output, from the allocator."""
+    """(device bytes, host bytes) one forward keeps for the backward on a GPU.
+
+    Device bytes: what the forward leaves allocated besides its output, from the allocator.
+    Host bytes (offloading): the saved storages copied to the host, counted as count_saved_bytes does.
+    """
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
-    host = []
-    if offload:
-        def pack(tensor):
-            host.append(tensor.numel() * tensor.element_size())
-            return tensor.to("cpu", non_blocking=False)
+    offloaded = _SavedStorages(module)
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t.to(device)):
-            out = module(x)
-    else:
+    def to_host(tensor):
+        offloaded.add(tensor)
+        return tensor.to("cpu")
+
+    hooks = (torch.autograd.graph.saved_tensors_hooks(to_host, lambda t: t.to(device)) if offload
+             else contextlib.nullcontext())
+    with hooks:
         out = module(x)
     torch.cuda.synchronize(device)
     kept = torch.cuda.memory_allocated(device) - before - out.untyped_storage().nbytes()
+    host = offloaded.total_bytes(out, x) if offload else 0
     del out
-    return kept, sum(host)
+    return kept, host
+
+
+def _storage_bytes(tensors):
+    """Bytes of the tensors' storages, each counted once (tied weights share one)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _step_peak_bytes(step, reset, module, x, dy):
+    """Absolute peak device memory of one training step: the weights, input and output gradient
+    it starts with, plus what it allocates (activations, gradients); not optimizer state.
+
+    max_memory_allocated counts all that is allocated, so what is no part of this step is taken
+    out: the timer's cache-flush buffer, the weights of builds kept for the other policies.
+    """
+    reset()
+    torch.cuda.synchronize(x.device)
+    unrelated = torch.cuda.memory_allocated(x.device) - _storage_bytes([*module.parameters(), x, dy])
+    torch.cuda.reset_peak_memory_stats(x.device)
+    step()
+    torch.cuda.synchronize(x.device)
+    return torch.cuda.max_memory_allocated(x.device) - unrelated
 
 
 def _timed_step(module, x, dy, offload, timer):
+    """(median ms, peak GB) of a training step, forward and backward."""
     def step():
         if offload:
             with torch.autograd.graph.save_on_cpu(pin_memory=True):
@@ -125,8 +187,11 @@ def _timed_step(module, x, dy, offload, timer):
         for p in module.parameters():
             p.grad = None
 
-    times = timer.times_ms(step, reset)
-    peak = timer.peak_memory_bytes(step, reset)
+    try:
+        times = timer.times_ms(step, reset)
+        peak = _step_peak_bytes(step, reset, module, x, dy)
+    finally:
+        reset()  # no gradients left behind to crowd the next policy, even if this one failed
     return quantiles(times)[1], peak / 2**30
 
 
@@ -210,27 +275,68 @@ def run(model="gpt2-small", batch=8, seq=1024, budget_gb=None, out_dir="bench/ou
     table, x, layers, hidden, seq = setup(model, batch, seq, device, dtype)
     sbh = seq * batch * hidden
     timer = Timer(device, warmup=2, reps=5) if on_gpu else None
-    results = []
-    for name, make in table:
-        module, offload = make()
-        if on_gpu:
-            device_bytes, host_bytes = _allocated_by_forward(module, x, offload, device)
-        elif "selective" in name or "(HF)" in name:
-            # Selective checkpointing, and Hugging Face's own checkpointing, keep what they keep
-            # out of reach of saved-tensor hooks: without a GPU's allocator to read, not counted.
-            device_bytes = host_bytes = math.nan
-        else:
-            device_bytes, host_bytes = count_saved_bytes(module, x, offload)
-        result = PolicyResult(name, device_bytes, host_bytes, (host_bytes if offload else device_bytes) / layers / sbh)
-        if on_gpu:
-            dy = torch.randn_like(module(x))
-            result.step_ms, result.peak_gb = _timed_step(module, x, dy, offload, timer)
-        results.append(result)
-    _print(results, model, layers, hidden, batch, seq, dtype, device, budget_gb)
     os.makedirs(out_dir, exist_ok=True)
-    _write_csv(results, os.path.join(out_dir, f"memory_{model}.csv"))
+    csv_path = os.path.join(out_dir, f"memory_{model}.csv")
+    _print_header(model, layers, hidden, batch, seq, dtype, device)
+    results = []
+    interrupted = False
+    try:
+        for name, make in table:
+            results.append(_measure_or_error(name, make, x, layers, sbh, device, timer))
+            _print_row(results[-1])
+            _write_csv(results, csv_path)  # after each policy: a kill loses only the one underway
+            _release_memory(device)
+    except KeyboardInterrupt:  # Ctrl-C, `timeout -s INT`: stop measuring, report what was measured
+        interrupted = True
+    _print_budget(results, budget_gb)
+    _write_csv(results, csv_path)
     _plot(results, os.path.join(out_dir, f"memory_{model}.png"), model, on_gpu)
+    if interrupted:
+        print("(interrupted: partial results)", flush=True)
     return results
+
+
+def _measure(name, make, x, layers, sbh, device, timer):
+    """One policy's row: the bytes it keeps for the backward, and on a GPU its step time and peak."""
+    module, offload = make()
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        device_bytes, host_bytes = _allocated_by_forward(module, x, offload, device)
+    elif "selective" in name or "(HF)" in name:
+        # Selective checkpointing, and Hugging Face's own checkpointing, keep what they keep
+        # out of reach of saved-tensor hooks: without a GPU's allocator to read, not counted.
+        device_bytes = host_bytes = math.nan
+    else:
+        device_bytes, host_bytes = count_saved_bytes(module, x, offload)
+    result = PolicyResult(name, device_bytes, host_bytes, (host_bytes if offload else device_bytes) / layers / sbh)
+    if on_gpu:
+        with torch.no_grad():  # only the output's shape is wanted: no graph kept alive while timing
+            dy = torch.randn_like(module(x))
+        result.step_ms, result.peak_gb = _timed_step(module, x, dy, offload, timer)
+    return result
+
+
+def _measure_or_error(name, make, *args):
+    """The policy's row; if it fails (out of memory, no pinned host memory), a row that says why,
+    so that one policy's failure costs only its own row."""
+    try:
+        return _measure(name, make, *args)
+    except Exception as error:  # noqa: BLE001 - any failure of one policy is reported in its row
+        return PolicyResult(name, math.nan, math.nan, math.nan, error=_short_message(error))
+
+
+def _short_message(error, limit=160):
+    """The exception's type and the first line of its message (CUDA's out-of-memory runs long)."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:limit]
+
+
+def _release_memory(device):
+    """Frees what the last policy left (its build, its graph, a failed step's tensors), so that
+    none of it counts in the next policy's peak or pushes it out of memory."""
+    if device.type == "cuda":
+        gc.collect()  # reference cycles (an exception's traceback and its frames) hold tensors too
+        torch.cuda.empty_cache()
 
 
 def cheapest_fitting(results, budget_gb):
@@ -238,7 +344,7 @@ def cheapest_fitting(results, budget_gb):
     def need(r):
         return r.peak_gb if not math.isnan(r.peak_gb) else r.saved_bytes / 2**30
 
-    fitting = [r for r in results if need(r) <= budget_gb]
+    fitting = [r for r in results if not r.error and need(r) <= budget_gb]
     if not fitting:
         return None
     # Without timings, prefer the policy that recomputes least: eager < remat < checkpointing.
@@ -246,26 +352,38 @@ def cheapest_fitting(results, budget_gb):
     return min(fitting, key=lambda r: (r.step_ms if not math.isnan(r.step_ms) else order[r.policy]))
 
 
-def _print(results, model, layers, hidden, batch, seq, dtype, device, budget_gb):
+# Printed with flush=True: under `timeout` stdout is often a pipe, and a killed process loses its buffer.
+def _print_header(model, layers, hidden, batch, seq, dtype, device):
     print(f"{model}: {layers} layers, hidden {hidden}, batch {batch}, seq {seq}, "
           f"{str(dtype).replace('torch.', '')} on {device}")
     if device.type != "cuda":
         print("saved bytes are exact; step time and peak memory need a GPU")
     print("saved: what the forward keeps for the backward; sbh/layer: per layer, in bytes per s·b·h")
-    print(f"{'policy':28s} {'saved GB':>9s} {'host GB':>8s} {'sbh/layer':>9s} {'step ms':>8s} {'peak GB':>8s}")
-    for r in results:
-        print(f"{r.policy:28s} {r.saved_bytes / 2**30:9.3f} {r.host_bytes / 2**30:8.3f} {r.per_layer_sbh:9.2f} "
-              f"{r.step_ms:8.1f} {r.peak_gb:8.2f}")
+    print("peak: absolute peak of one training step: weights, input, gradients, activations; not optimizer state")
+    print(f"{'policy':28s} {'saved GB':>9s} {'host GB':>8s} {'sbh/layer':>9s} {'step ms':>8s} {'peak GB':>8s}", flush=True)
+
+
+def _print_row(r):
+    print(f"{r.policy:28s} {r.saved_bytes / 2**30:9.3f} {r.host_bytes / 2**30:8.3f} {r.per_layer_sbh:9.2f} "
+          f"{r.step_ms:8.1f} {r.peak_gb:8.2f}" + (f"  error: {r.error}" if r.error else ""), flush=True)
+
+
+def _print_budget(results, budget_gb):
     if budget_gb is not None:
         best = cheapest_fitting(results, budget_gb)
-        print(f"budget {budget_gb} GB: " + (f"use '{best.policy}'" if best else "no policy fits"))
+        print(f"budget {budget_gb} GB: " + (f"use '{best.policy}'" if best else "no policy fits"), flush=True)
 
 
 def _write_csv(results, path):
-    with open(path, "w") as handle:
-        handle.write("policy,saved_bytes,host_bytes,sbh_per_layer,step_ms,peak_gb\n")
+    """Written to a temporary file, then renamed over the CSV: a kill mid-write leaves the last one whole."""
+    partial = path + ".partial"
+    with open(partial, "w", newline="") as handle:
+        writer = csv.writer(handle, lineterminator="\n")  # quotes an error message's commas
+        writer.writerow(["policy", "saved_bytes", "host_bytes", "sbh_per_layer", "step_ms", "peak_gb", "error"])
         for r in results:
-            handle.write(f"{r.policy},{r.saved_bytes},{r.host_bytes},{r.per_layer_sbh:.3f},{r.step_ms:.3f},{r.peak_gb:.3f}\n")
+            writer.writerow([r.policy, r.saved_bytes, r.host_bytes, f"{r.per_layer_sbh:.3f}", f"{r.step_ms:.3f}",
+                             f"{r.peak_gb:.3f}", r.error])
+    os.replace(partial, path)
 
 
 def _plot(results, path, model, on_gpu):
@@ -278,6 +396,8 @@ def _plot(results, path, model, on_gpu):
         return
     figure, axes = plt.subplots(figsize=(6, 4))
     for i, r in enumerate(results):
+        if r.error:  # nothing measured to draw
+            continue
         x = r.step_ms if on_gpu else i
         axes.scatter(x, r.saved_bytes / 2**30, label=r.policy)
     axes.set_xlabel("step time, ms" if on_gpu else "policy (no GPU: no step time)")

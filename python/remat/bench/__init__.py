@@ -3,7 +3,7 @@
 import torch
 
 from . import attention, block, gelu, layer_norm, mlp, report
-from .cases import Progress, Timer, measure_case
+from .cases import CaseInterrupted, Progress, Timer, measure_case
 
 # op name -> module with cases(device, dtypes, quick)
 SUITES = {"layernorm": layer_norm, "gelu": gelu, "mlp": mlp, "attention": attention, "block": block}
@@ -26,6 +26,9 @@ def run(ops, dtypes, quick=False, out_dir="bench/out", device=None, progress=Tru
         for case in all_cases:
             bar.step(f"{case.op} {case.mode} {case.shape}")
             results.append(measure_case(case, timer))
+    except CaseInterrupted as stop:  # within a case: keep what it timed
+        results.append(stop.results)
+        interrupted = True
     except KeyboardInterrupt:
         interrupted = True
     finally:

@@ -1,12 +1,14 @@
 """What a benchmark case is, and the runner that measures every implementation of it."""
 
 import dataclasses
+import functools
 import math
 import sys
 from typing import Callable, Optional
 
 import torch
 
+from .._backend import use_backend as remat_backend
 from .timing import QUANTILES, Timer, quantiles
 
 
@@ -16,12 +18,14 @@ class Implementation:
 
     `build(inputs)` returns (fn, reset) or (fn, reset, forward): fn is timed, reset runs untimed
     before each call, and forward (when given) runs the forward pass alone, to measure the memory
-    it leaves allocated for the backward.
+    it leaves allocated for the backward. `backend`: remat's backend, in force for every call
+    of fn and forward, backward included (remat's ops choose their backend when they run).
     """
 
     name: str
     ours: bool
     build: Callable
+    backend: Optional[str] = None
 
 
 @dataclasses.dataclass
@@ -64,37 +68,81 @@ class Result:
         return self.case.work / (self.p50_ms * 1e-3) / scale
 
 
+class CaseInterrupted(Exception):
+    """Ctrl-C (SIGINT) during a case: carries the results of what was measured before it."""
+
+    def __init__(self, results):
+        super().__init__("interrupted")
+        self.results = results
+
+
 def measure_case(case, timer, rounds=3):
     """Results of every implementation of `case`, timed in interleaved rounds.
 
     Interleaving (A B C A B C ...) makes slow drift of the machine (clocks, temperature)
-    fall on all implementations alike.
+    fall on all implementations alike. A failure of one implementation (an error, out of
+    memory) is recorded in its result and the others go on. Ctrl-C raises CaseInterrupted
+    with the medians of the calls timed so far (no memory figures for those).
     """
-    inputs = case.make_inputs()
-    runnable, results = {}, {}
+    results = {impl.name: Result(case, impl.name, impl.ours) for impl in case.implementations}
+    try:
+        inputs = case.make_inputs()
+    except Exception as error:
+        for result in results.values():
+            result.error = f"inputs: {_short(error)}"
+        return list(results.values())
+    runnable = {}
     for impl in case.implementations:
-        results[impl.name] = Result(case, impl.name, impl.ours)
         try:
-            runnable[impl.name] = impl.build(inputs)
+            fn, reset, *forward = impl.build(inputs)
+            in_backend = functools.partial(_in_backend, impl.backend)
+            runnable[impl.name] = (in_backend(fn), reset, *[in_backend(f) for f in forward])
         except Exception as error:  # a peer that cannot run this case is reported, not fatal
             results[impl.name].error = _short(error)
     samples = {name: [] for name in runnable}
-    for _ in range(rounds):
-        for name, (fn, reset, *_) in list(runnable.items()):
-            try:
-                samples[name] += timer.times_ms(fn, reset)
-            except Exception as error:
-                results[name].error = _short(error)
-                del runnable[name]
+    try:
+        for _ in range(rounds):
+            for name, (fn, reset, *_) in list(runnable.items()):
+                try:
+                    samples[name] += timer.times_ms(fn, reset)
+                except Exception as error:
+                    results[name].error = _short(error)
+                    del runnable[name]
+    except KeyboardInterrupt:
+        _set_times(results, samples)
+        raise CaseInterrupted(list(results.values())) from None
+    _set_times(results, samples)
     for name, (fn, reset, *forward) in runnable.items():
-        result = results[name]
-        result.p20_ms, result.p50_ms, result.p80_ms = quantiles(samples[name])
+        _measure_memory(results[name], timer, fn, reset, forward)
+    return list(results.values())
+
+
+def _in_backend(backend, fn):
+    if backend is None:
+        return fn
+
+    def run():
+        with remat_backend(backend):
+            return fn()
+
+    return run
+
+
+def _set_times(results, samples):
+    for name, times in samples.items():
+        if times and not results[name].error:
+            results[name].p20_ms, results[name].p50_ms, results[name].p80_ms = quantiles(times)
+
+
+def _measure_memory(result, timer, fn, reset, forward):
+    try:
         peak = timer.peak_memory_bytes(fn, reset)
         result.peak_mb = None if peak is None else peak / 2**20
         if forward:
             retained = timer.retained_memory_bytes(forward[0], reset)
             result.retained_mb = None if retained is None else retained / 2**20
-    return list(results.values())
+    except Exception as error:  # e.g. out of memory: the timings stand, the memory is unknown
+        result.error = f"memory: {_short(error)}"
 
 
 def _short(error):
@@ -103,11 +151,11 @@ def _short(error):
 
 def best_peer_ratio(results):
     """For each result of ours: its rate over the best peer's rate in the same case."""
-    ratios = {}
-    peers = [r.rate for r in results if not r.ours and not r.error]
+    timed = [r for r in results if not math.isnan(r.p50_ms)]  # a memory error leaves the timing valid
+    peers = [r.rate for r in timed if not r.ours]
     best = max(peers) if peers else math.nan
-    for result in results:
-        ratios[result.implementation] = result.rate / best if result.ours and not result.error else math.nan
+    ratios = {r.implementation: math.nan for r in results}
+    ratios.update({r.implementation: r.rate / best for r in timed if r.ours})
     return ratios
 
 
@@ -129,4 +177,4 @@ class Progress:
             sys.stderr.write("\n")
 
 
-__all__ = ["Case", "Implementation", "Result", "measure_case", "best_peer_ratio", "Progress", "QUANTILES", "Timer"]
+__all__ = ["Case", "CaseInterrupted", "Implementation", "Result", "measure_case", "best_peer_ratio", "Progress", "QUANTILES", "Timer"]

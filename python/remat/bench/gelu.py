@@ -20,12 +20,8 @@ CPU_ROWS, CPU_WIDTH = 256, 1000
 VARIANTS = (("none", False), ("tanh", False), ("none", True))  # (approximate, with bias)
 
 
-def _remat(backend, approximate):
-    def gelu(x, b):
-        with remat.use_backend(backend):
-            return remat.gelu(x, approximate, b)
-
-    return gelu
+def _remat(approximate):
+    return lambda x, b: remat.gelu(x, approximate, b)
 
 
 def _torch(approximate):
@@ -34,13 +30,14 @@ def _torch(approximate):
 
 @functools.cache
 def _compiled(approximate):
-    return torch.compile(_torch(approximate))
+    return torch.compile(_torch(approximate), dynamic=False)  # one kernel per shape
 
 
 def implementations(device, approximate):
-    impls = [(name, True, _remat(backend, approximate)) for name, backend in ours_by_backend(device)]
-    impls += [("torch", False, _torch(approximate)),
-              ("torch.compile", False, lambda x, b: _compiled(approximate)(x, b))]
+    """(name, ours, function, remat backend) for every implementation."""
+    impls = [(name, True, _remat(approximate), backend) for name, backend in ours_by_backend(device)]
+    impls += [("torch", False, _torch(approximate), None),
+              ("torch.compile", False, lambda x, b: _compiled(approximate)(x, b), None)]
     return impls
 
 
@@ -90,5 +87,6 @@ def cases(device, dtypes, quick, sizes=None):
                         mode=mode, dtype=dtype, shape=f"M={rows} N={width}", size=rows * width,
                         unit="GB/s", work=factor * rows * width * elem,
                         make_inputs=_make_inputs(rows, width, dtype, device, with_bias),
-                        implementations=[Implementation(name, ours, wrap(fn)) for name, ours, fn in impls],
+                        implementations=[Implementation(name, ours, wrap(fn), backend)
+                                         for name, ours, fn, backend in impls],
                     )

@@ -19,12 +19,8 @@ CPU_ROWS, CPU_WIDTHS = 256, (256, 1000)  # a functional run: small, awkward widt
 EPS = 1e-5
 
 
-def _remat(backend):
-    def layer_norm(x, w, b):
-        with remat.use_backend(backend):
-            return remat.layer_norm(x, (x.shape[-1],), w, b, EPS)
-
-    return layer_norm
+def _remat(x, w, b):
+    return remat.layer_norm(x, (x.shape[-1],), w, b, EPS)
 
 
 def _torch(x, w, b):
@@ -33,7 +29,7 @@ def _torch(x, w, b):
 
 @functools.cache
 def _compiled():
-    return torch.compile(_torch)
+    return torch.compile(_torch, dynamic=False)  # one kernel per shape, as for a training run
 
 
 def _liger():
@@ -50,13 +46,13 @@ def ours_by_backend(device):
 
 
 def implementations(device):
-    """(name, ours, function) for every implementation that can run on `device`."""
-    impls = [(name, True, _remat(backend)) for name, backend in ours_by_backend(device)]
-    impls += [("torch", False, _torch), ("torch.compile", False, lambda x, w, b: _compiled()(x, w, b))]
+    """(name, ours, function, remat backend) for every implementation that can run on `device`."""
+    impls = [(name, True, _remat, backend) for name, backend in ours_by_backend(device)]
+    impls += [("torch", False, _torch, None), ("torch.compile", False, lambda x, w, b: _compiled()(x, w, b), None)]
     if device.type == "cuda":
         try:
-            impls.append(("liger", False, _liger()))
-        except ImportError:
+            impls.append(("liger", False, _liger(), None))
+        except Exception:  # not installed, or installed but broken against this torch/triton
             pass
     return impls
 
@@ -109,5 +105,5 @@ def cases(device, dtypes, quick, sizes=None):
                     unit="GB/s",
                     work=factor * rows * width * elem,
                     make_inputs=_make_inputs(rows, width, dtype, device),
-                    implementations=[Implementation(name, ours, wrap(fn)) for name, ours, fn in impls],
+                    implementations=[Implementation(name, ours, wrap(fn), backend) for name, ours, fn, backend in impls],
                 )

@@ -23,23 +23,17 @@ def _stack(with_norm, hidden, device, dtype):
     return torch.nn.Sequential(*layers).to(device, dtype)
 
 
-def _ours(stack, with_norm, backend, recompute):
-    fused = (remat.nn.LayerNormMLP if with_norm else remat.nn.MLP).from_modules(*stack, recompute=recompute)
-
-    def run(x):
-        with remat.use_backend(backend):
-            return fused(x)
-
-    return run, fused
+def _ours(stack, with_norm):
+    fused = (remat.nn.LayerNormMLP if with_norm else remat.nn.MLP).from_modules(*stack, recompute=True)
+    return fused, fused
 
 
 def implementations(device, with_norm):
-    """(name, ours, make(stack) -> (callable, module holding the parameters))."""
-    impls = [(name, True, lambda stack, b=backend: _ours(stack, with_norm, b, True))
-             for name, backend in ours_by_backend(device)]
+    """(name, ours, make(stack) -> (callable, module holding the parameters), remat backend)."""
+    impls = [(name, True, lambda stack: _ours(stack, with_norm), backend) for name, backend in ours_by_backend(device)]
     impls += [
-        ("torch", False, lambda stack: (stack, stack)),
-        ("torch.compile", False, lambda stack: (torch.compile(stack), stack)),
+        ("torch", False, lambda stack: (stack, stack), None),
+        ("torch.compile", False, lambda stack: (torch.compile(stack, dynamic=False), stack), None),
     ]
     return impls
 
@@ -81,5 +75,6 @@ def cases(device, dtypes, quick, sizes=None):
                     shape=f"T={tokens} h={hidden} f={4 * hidden}", size=hidden,
                     unit="TFLOP/s", work=48 * tokens * hidden * hidden,
                     make_inputs=_make_inputs(tokens, hidden, dtype, device, with_norm),
-                    implementations=[Implementation(name, ours, _forward_backward(make)) for name, ours, make in impls],
+                    implementations=[Implementation(name, ours, _forward_backward(make), backend)
+                                     for name, ours, make, backend in impls],
                 )

@@ -78,7 +78,7 @@ def rows(results_by_case):
                 "op": c.op, "mode": c.mode, "dtype": str(c.dtype).replace("torch.", ""),
                 "shape": c.shape, "implementation": r.implementation,
                 "p20_ms": r.p20_ms, "p50_ms": r.p50_ms, "p80_ms": r.p80_ms,
-                "unit": c.unit, "rate": math.nan if r.error else r.rate,
+                "unit": c.unit, "rate": r.rate,
                 "ratio_to_best_peer": ratios[r.implementation],
                 "peak_mb": r.peak_mb, "retained_mb": r.retained_mb,
                 "saved_sbh_per_layer": r.saved_sbh_per_layer, "error": r.error, "size": c.size,
@@ -99,7 +99,10 @@ TABLE_HEADER = ["op", "mode", "dtype", "shape", "implementation", "p50 ms", "rat
 
 
 def _table_cells(r):
-    rate = f"{_fmt(r['rate'], 4)} {r['unit']}" if not r["error"] else f"error: {r['error'][:60]}"
+    if not math.isnan(r["rate"]):  # timed (a later memory error, if any, is in the CSV's error column)
+        rate = f"{_fmt(r['rate'], 4)} {r['unit']}"
+    else:
+        rate = f"error: {r['error'][:60]}" if r["error"] else "not measured (interrupted)"
     ratio = r["ratio_to_best_peer"]
     return [r["op"], r["mode"], r["dtype"], r["shape"], r["implementation"], _fmt(r["p50_ms"]), rate,
             "-" if math.isnan(ratio) else f"{ratio:.2f}x", _fmt(r["peak_mb"], 4), _fmt(r["retained_mb"], 4),
@@ -146,7 +149,7 @@ def write_plots(table, env, out_dir):
     paths = []
     groups = {}
     for r in table:
-        if not r["error"]:
+        if not math.isnan(r["rate"]):
             groups.setdefault((r["op"], r["mode"], r["dtype"], r["unit"]), []).append(r)
     for (op, mode, dtype, unit), group in groups.items():
         figure, axes = plt.subplots(figsize=(6, 4))

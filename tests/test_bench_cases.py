@@ -1,0 +1,112 @@
+"""The benchmark runner: remat's backend for the whole timed call, failures and Ctrl-C contained."""
+
+import csv
+import math
+import types
+
+import pytest
+import torch
+
+import remat
+from remat import _backend, bench
+from remat.bench.cases import Case, CaseInterrupted, Implementation, Timer, measure_case
+
+
+def _case(implementations, make_inputs=lambda: None):
+    return Case(op="fake", mode="fwd", dtype=torch.float32, shape="n=1", size=1, unit="GB/s", work=1e6,
+                make_inputs=make_inputs, implementations=implementations)
+
+
+def _timed(fn):
+    return lambda inputs: (fn, None)
+
+
+def test_backend_is_in_force_for_the_backward_too(monkeypatch):
+    """remat's ops choose their backend when they run: the backward of a benchmarked call must see
+    the implementation's backend, not whatever is set after its forward returned."""
+    seen = []
+    choose = _backend.choose
+    monkeypatch.setattr(_backend, "choose", lambda op, device: seen.append(_backend.get_backend()) or choose(op, device))
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def step():
+        remat.layer_norm(x, (16,)).sum().backward()
+
+    results = measure_case(_case([Implementation("remat", True, _timed(step), backend="reference")]),
+                           Timer("cpu", warmup=1, reps=2), rounds=1)
+    assert not results[0].error and results[0].p50_ms > 0
+    calls_per_step = len(seen) // 3  # 1 warm-up + 2 timed calls
+    assert calls_per_step >= 2, f"forward and backward should both choose a backend, saw {seen}"
+    assert set(seen) == {"reference"}, seen
+    assert _backend.get_backend() == "auto"
+
+
+def test_a_failing_implementation_or_input_is_reported_not_fatal():
+    def broken():
+        raise RuntimeError("out of memory, say")
+
+    results = measure_case(_case([Implementation("ok", True, _timed(lambda: None)),
+                                  Implementation("broken", False, _timed(broken))]), Timer("cpu", warmup=1, reps=2))
+    by_name = {r.implementation: r for r in results}
+    assert by_name["ok"].p50_ms >= 0 and not by_name["ok"].error
+    assert "out of memory" in by_name["broken"].error and math.isnan(by_name["broken"].p50_ms)
+
+    def no_inputs():
+        raise MemoryError("inputs too large")
+
+    results = measure_case(_case([Implementation("ok", True, _timed(lambda: None))], no_inputs), Timer("cpu"))
+    assert results[0].error.startswith("inputs: MemoryError")
+
+
+def _interrupting_after(calls):
+    count = {"n": 0}
+
+    def fn():
+        count["n"] += 1
+        if count["n"] > calls:
+            raise KeyboardInterrupt
+
+    return fn
+
+
+def test_ctrl_c_inside_a_case_keeps_what_it_timed():
+    # Round 1 times both (1 warm-up + 3 calls each); Ctrl-C comes in round 2.
+    case = _case([Implementation("first", True, _timed(lambda: None)),
+                  Implementation("second", False, _timed(_interrupting_after(4)))])
+    with pytest.raises(CaseInterrupted) as stop:
+        measure_case(case, Timer("cpu", warmup=1, reps=3))
+    by_name = {r.implementation: r for r in stop.value.results}
+    assert not math.isnan(by_name["first"].p50_ms) and not math.isnan(by_name["second"].p50_ms)
+
+
+def test_run_writes_partial_results_when_interrupted(tmp_path, monkeypatch, capsys):
+    def cases(device, dtypes, quick, sizes):
+        yield _case([Implementation("measured", True, _timed(lambda: None)),
+                     Implementation("cut", False, _timed(_interrupting_after(0)))])
+        yield _case([Implementation("never", True, _timed(lambda: None))])
+
+    monkeypatch.setitem(bench.SUITES, "fake", types.SimpleNamespace(cases=cases))
+    bench.run(["fake"], [torch.float32], out_dir=str(tmp_path), device="cpu", progress=False)
+    assert "interrupted: partial results" in capsys.readouterr().out
+    with open(tmp_path / "bench.csv") as handle:
+        rows = {row["implementation"]: row for row in csv.DictReader(handle)}
+    assert float(rows["measured"]["p50_ms"]) >= 0
+    assert rows["cut"]["p50_ms"] == "-" and "never" not in rows
+
+
+def test_triton_cache_warmer_launches_every_kernel_kind(monkeypatch):
+    """bench/warm_triton_cache.py calls the attention launchers directly: each kind runs (here
+    in the interpreter, small) without an error, so a GPU run does not lose its warm-up."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "bench" / "warm_triton_cache.py"
+    spec = importlib.util.spec_from_file_location("warm_triton_cache", path)
+    warmer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(warmer)
+    monkeypatch.setattr(warmer, "HEADS", 2)
+    monkeypatch.setattr(warmer, "SEQLEN", 32)
+    kinds = {kind for kind, *_ in warmer._work("float16", [64])}
+    assert kinds == {"fwd", "dkdv", "dq"}
+    items = [(kind, 32, causal, (16, 16, 4, 1)) for kind in sorted(kinds) for causal in (False, True)]
+    assert warmer._compile("float32", items, device="cpu") == (len(items), [])
