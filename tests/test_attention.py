@@ -52,6 +52,12 @@ CASES = [
     pytest.param((1, 1, 1, 33, 17, 128, False, None), id="d128"),
     pytest.param((1, 1, 1, 17, 17, 256, True, None), id="d256"),
     pytest.param((1, 1, 1, 127, 129, 64, True, None), id="causal-q127-k129"),
+    # Whole 16-blocks only: every unmasked (interior) step with no ragged tail next to it.
+    pytest.param((1, 2, 2, 32, 64, 32, False, None), id="noncausal-whole-blocks"),
+    pytest.param((1, 2, 2, 48, 48, 64, True, None), id="causal-whole-blocks"),
+    pytest.param((1, 2, 1, 64, 32, 32, True, None), id="gqa-causal-q64-k32-whole-blocks"),
+    pytest.param((1, 1, 1, 20, 64, 32, True, None), id="causal-q20-k64"),
+    pytest.param((1, 2, 2, 33, 47, 64, True, -0.4), id="causal-negative-scale"),
 ]
 
 
@@ -155,6 +161,28 @@ def test_matches_float64_and_sdpa(target, case, dtype):
         ours_err = rel_error(got, want)
         torch_err = max(rel_error(by_sdpa, want), rel_error(by_explicit, want))
         assert ours_err <= 2 * torch_err + ERROR_FLOOR[dtype], f"{name}: {ours_err:.3g} vs torch {torch_err:.3g}"
+
+
+# GPU block sizes differ between query and key blocks (128 x 64, 32 x 128, ...), which moves the
+# boundaries between unmasked and masked tiles relative to the causal diagonal; the interpreter's
+# default is square. Forced here, for all three kernels.
+@pytest.mark.parametrize("config", [(32, 16, 4, 1), (16, 32, 4, 1), (64, 16, 4, 1), (16, 64, 4, 1)],
+                         ids=lambda c: f"BM{c[0]}-BN{c[1]}")
+@pytest.mark.parametrize("shape", [(1, 2, 1, 45, 70, 32, True), (1, 2, 2, 70, 45, 32, True),
+                                   (1, 2, 2, 64, 64, 32, True), (1, 2, 2, 50, 37, 32, False)],
+                         ids=["causal-q45-k70-mqa", "causal-q70-k45", "causal-64", "noncausal-q50-k37"])
+def test_rectangular_blocks_match_float64(target, monkeypatch, config, shape):
+    device, _ = target
+    monkeypatch.setattr(importlib.import_module(_kernel_module()), "_select_config", lambda *args: config)
+    *dims, causal = shape
+    q, k, v = make_qkv(dims, torch.float32, device)
+    do = torch.randn(q.shape, device=device)
+    ours = run_remat(q, k, v, do, causal, None)
+    ref = float64_reference(q, k, v, do, causal, None)
+    for name, got, want in zip(("o", "lse", "dq", "dk", "dv"), ours, ref):
+        seen = torch.isfinite(want)  # lse is -inf on rows that see no key
+        assert torch.equal(torch.isfinite(got), seen), name
+        assert rel_error(got[seen], want[seen]) <= REL_TOL[torch.float32], f"{name}: {rel_error(got[seen], want[seen]):.3g}"
 
 
 def test_rows_without_visible_keys_are_zero(target):
@@ -435,7 +463,7 @@ def aot_cases():
 @pytest.mark.parametrize("arch", [80, 90])
 def test_attention_compiles_without_spills(arch):
     module = os.path.splitext(os.path.basename(__file__))[0]
-    expected = [case["name"] for case in aot_cases()]
+    expected = [case["name"] for case in aot_cases() if arch in (case.get("archs") or (arch,))]
     # A compile takes 1-5 s on one core: the full list needs more than the default limit.
     paths = [REPO, os.path.dirname(os.path.abspath(__file__))]
     results = compile_module_cases(module, archs=(arch,), extra_paths=paths, timeout=max(900, 10 * len(expected)))

@@ -264,7 +264,8 @@ def test_every_candidate_matches_the_reference(monkeypatch, head_dim, dtype):
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref_o, _ = attention_ref(*leaves, causal=True)
     ref = (ref_o, *torch.autograd.grad(ref_o, leaves, do.double()))
-    options = {kind: kernels.candidates(kind, head_dim, dtype) for kind in kernels.KINDS}
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    options = {kind: kernels.candidates(kind, head_dim, dtype, hopper) for kind in kernels.KINDS}
     for index in range(max(len(o) for o in options.values())):
         chosen = {kind: o[min(index, len(o) - 1)] for kind, o in options.items()}
         monkeypatch.setattr(kernels, "_select_config", lambda kind, q, k, causal, run: chosen[kind])
@@ -272,3 +273,13 @@ def test_every_candidate_matches_the_reference(monkeypatch, head_dim, dtype):
         ours = (o, *torch.autograd.grad(o, (q, k, v), do))
         for name, got, want in zip(("o", "dq", "dk", "dv"), ours, ref):
             assert rel_error(got, want) <= REL_TOL[dtype], f"{name} with {chosen}: {rel_error(got, want):.3g}"
+
+
+def test_hopper_only_candidates_are_timed_on_sm_90_only(fake_gpu, monkeypatch):
+    hopper_only = kernels._HOPPER_HALF_CANDIDATES["fwd"][128]
+    _choose(fake_gpu, "fwd", 128, torch.bfloat16)  # "Fake GPU sm_90"
+    assert set(hopper_only) <= set(fake_gpu.timed)
+    fake_gpu.timed.clear()
+    monkeypatch.setattr(kernels, "_gpu_signature", lambda device: "Other GPU sm_80")
+    _choose(fake_gpu, "fwd", 128, torch.bfloat16)
+    assert fake_gpu.timed and not set(hopper_only) & set(fake_gpu.timed)

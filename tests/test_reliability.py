@@ -262,6 +262,7 @@ def _pytorch_flash_attention(q, k, v, causal, softmax_scale):
 EXTREME_LOGITS = {
     "scale-1e3": (1.0, 1e3),  # |logits| ~2e4, near fp16's max
     "scale-1e5": (1.0, 1e5),  # |logits| ~2e6, beyond fp16's max: must not matter in fp32 math
+    "scale-minus-1e3": (1.0, -1e3),  # negative: the row maximum is at the smallest q.k
     "qk-x100": (100.0, None),  # |q|, |k| ~100 (fp16 q.k partial sums past 65504), |logits| ~3e4
     "qk-x10-causal": (10.0, None),  # |logits| ~3e2: one-hot rows under a causal mask
 }
@@ -298,3 +299,38 @@ def test_attention_extreme_logits_as_pytorch(target, case, dtype):
     if causal:
         logits = logits.masked_fill(torch.ones_like(logits, dtype=torch.bool).triu(1), float("-inf"))
     assert rel_error(lse, torch.logsumexp(logits, dim=-1)) <= REL_TOL[torch.float32]
+
+
+# --- multi-GPU callers: Triton launches on the current device, not the tensors' ----------------
+def test_triton_launchers_switch_to_their_inputs_device(monkeypatch):
+    """Every public Triton launcher makes its first tensor's device current while it runs (a
+    kernel launched on another GPU would read the wrong memory). Recorded with a stand-in for
+    torch.cuda.device, so it runs without a GPU; CPU tensors leave the device alone."""
+    import types
+
+    from remat.triton_kernels import _common, attention, gelu, layer_norm
+
+    entered = []
+
+    class RecordingDevice:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            entered.append("exit")
+
+    monkeypatch.setattr(torch.cuda, "device", RecordingDevice)
+    calls = []
+    launch = _common.on_input_device(lambda first, *args: calls.append((first, args)) or "done")
+    on_gpu1 = types.SimpleNamespace(device=torch.device("cuda", 1))
+    assert launch(on_gpu1, 2) == "done"
+    assert entered == [torch.device("cuda", 1), "exit"] and calls == [(on_gpu1, (2,))]
+    launch(torch.zeros(1), 3)
+    assert len(entered) == 2 and len(calls) == 2
+    launchers = [layer_norm.layer_norm_fwd, layer_norm.layer_norm_bwd, gelu.gelu_fwd, gelu.gelu_bwd,
+                 attention.attention_fwd, attention.attention_bwd]
+    undecorated = [f.__name__ for f in launchers if getattr(f, "__wrapped__", None) is None]
+    assert not undecorated, f"launchers without the device switch: {undecorated}"

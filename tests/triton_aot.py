@@ -9,7 +9,8 @@ configuration its launchers can use::
      "constexprs": {arg: value, ...},   # the args marked "constexpr" in the signature
      "num_warps": int,
      "num_stages": int,                 # optional
-     "divisible_by_16": [arg, ...]}     # optional: args Triton would specialise as 16-divisible
+     "divisible_by_16": [arg, ...],     # optional: args Triton would specialise as 16-divisible
+     "archs": (90,)}                    # optional: the only archs it is launched on (None: all)
 
 ``compile_module_cases(module_name, archs)`` compiles every case for every arch with
 ``triton.compile`` (PTX, then a cubin via Triton's bundled ptxas) and reads the cubin's resource
@@ -164,7 +165,7 @@ def _worker(module_name, archs, shard):
     names = [c["name"] for c in cases]
     if len(set(names)) != len(names):
         raise ValueError(f"{module_name}.aot_cases() has duplicate names")
-    work = [(case, arch) for arch in archs for case in cases]
+    work = [(case, arch) for arch in archs for case in cases if arch in (case.get("archs") or archs)]
     results = []
     for case, arch in work[index::count]:
         start = time.perf_counter()

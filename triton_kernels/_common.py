@@ -1,4 +1,4 @@
-"""Small helpers shared by the Triton op families: block sizing and grid sizing."""
+"""Small helpers shared by the Triton op families: block sizing, grid sizing, the launch device."""
 
 import functools
 
@@ -43,3 +43,21 @@ def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     The kernels index the last dim with stride 1: anything else gets a copy, never a wrong answer.
     """
     return t if t.stride(-1) == 1 or t.numel() == 0 else t.contiguous()
+
+
+def on_input_device(launcher):
+    """Run `launcher` with the current CUDA device set to its first argument's.
+
+    Triton launches on the current device and its current stream, whatever device the tensors
+    are on: a caller holding tensors on cuda:1 while cuda:0 is current would get a kernel on the
+    wrong GPU (the CUDA extension's kernels take a device guard for the same reason).
+    """
+
+    @functools.wraps(launcher)
+    def launch(first, *args, **kwargs):
+        if first.device.type != "cuda":
+            return launcher(first, *args, **kwargs)
+        with torch.cuda.device(first.device):
+            return launcher(first, *args, **kwargs)
+
+    return launch

@@ -30,6 +30,9 @@ Conventions:
   - Masked scores are set to a large finite negative (-1e30), never -inf, so the running
     maximum of a row that has seen no key yet stays finite and no inf - inf can occur; the
     probabilities of masked entries are then zeroed explicitly.
+  - Masks only where they change something: each loop runs in two ranges, the tiles entirely
+    visible (no bounds checks, no selects) and the tiles on the causal diagonal or at a ragged
+    end (masked); see _key_ranges and _query_ranges. Causal query blocks run heaviest first.
   - Offsets are int64 wherever they grow with the problem, and the grid is 1-D: any batch,
     head count, sequence length and row stride that fits in memory (see section 2).
   - The head dim is padded to the next power of two (80 and 96 -> 128) with masked loads.
@@ -46,7 +49,7 @@ import triton.language as tl
 
 from remat import _autotune
 
-from ._common import cdiv, next_power_of_2, unit_last_stride
+from ._common import cdiv, next_power_of_2, on_input_device, unit_last_stride
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # ln(2): log(x) = log2(x) * LN2
@@ -72,35 +75,43 @@ _HALF_CONFIGS = {
     "dq": {32: (128, 32, 4, 3), 64: (128, 32, 4, 3), 128: (64, 32, 4, 2), 256: (64, 32, 8, 2)},
 }
 # fp32 tiles take twice the registers and shared memory of half ones: smaller blocks. With
-# FMA-lowered (ieee) dots, ptxas puts 8-40 bytes on the stack for some fp32 tiles, at times far
-# below the register limit: larger tiles at padded head dim 128, 4 warps at head dims 80 and 96,
-# and at 256 16 x 16 tiles for dQ (8 warps, or 4) and dK/dV (4 warps) when not causal. Every
-# entry here and among the candidates below compiles without, causal or not, on both archs;
-# the 32-row dQ tile at 256 also halves that kernel's key/value re-reads.
+# FMA-lowered (ieee) dots, ptxas puts 8-120 bytes on the stack for some fp32 tiles, at times far
+# below the register limit, and which ones changes with small code changes (the split into
+# masked and unmasked loops moved it): every entry here and among the candidates below is
+# checked to compile without, causal or not, on both archs (REMAT_AOT_FULL=1).
 _FP32_CONFIGS = {
     "fwd": {32: (32, 32, 4, 2), 64: (32, 32, 4, 2), 128: (16, 16, 8, 1), 256: (16, 32, 8, 1)},
-    "dkdv": {32: (16, 32, 4, 2), 64: (16, 32, 4, 2), 128: (16, 16, 8, 1), 256: (16, 16, 8, 1)},
-    "dq": {32: (32, 16, 4, 2), 64: (32, 16, 4, 2), 128: (16, 16, 8, 1), 256: (32, 16, 8, 1)},
+    "dkdv": {32: (16, 32, 4, 2), 64: (16, 32, 4, 2), 128: (16, 32, 8, 1), 256: (16, 16, 8, 1)},
+    "dq": {32: (32, 16, 4, 2), 64: (32, 16, 4, 2), 128: (16, 16, 8, 1), 256: (16, 32, 8, 1)},
 }
 # Further autotuning candidates, timed after the table entry on first use per key (see
 # _select_config); the table entry wins ties, so tuning can only pick something faster. Every
 # one compiles without spills on sm_80 and sm_90 (tests/test_attention.py). They vary the tile
 # shape, warps and pipeline depth around the table entry within that register budget.
 _HALF_CANDIDATES = {
-    "fwd": {32: [(128, 128, 8, 3), (64, 64, 4, 4)], 64: [(128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
-            128: [(64, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 2)], 256: [(64, 64, 8, 2), (32, 64, 4, 2)]},
-    "dkdv": {32: [(64, 128, 8, 3), (32, 64, 4, 3)], 64: [(64, 128, 8, 2), (32, 64, 4, 3)],
+    "fwd": {32: [(128, 128, 8, 3), (64, 64, 4, 4)], 64: [(64, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3)],
+            128: [(64, 64, 8, 3), (64, 32, 4, 2)], 256: [(64, 64, 8, 2), (32, 64, 4, 2)]},
+    "dkdv": {32: [(64, 128, 8, 3), (32, 64, 4, 3)], 64: [(32, 64, 4, 3)],
              128: [(16, 64, 4, 2), (64, 64, 8, 2)], 256: [(16, 32, 4, 2)]},
     "dq": {32: [(64, 64, 4, 3), (128, 64, 8, 3)], 64: [(64, 64, 4, 3), (128, 64, 8, 2)],
-           128: [(128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 3)], 256: [(32, 32, 4, 2), (64, 16, 4, 2)]},
+           128: [(128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 3)], 256: [(32, 32, 4, 2)]},
+}
+# Hopper (sm_90) only: its warpgroup MMA keeps larger tiles in registers than sm_80's mma does.
+# These spill on sm_80 and compile without on sm_90 (the 128 x 128 forward tile of
+# FlashAttention-3; with 2 stages instead of 3 it spills at head dims 80 and 96 in fp16); they
+# are timed there after the candidates above.
+_HOPPER_HALF_CANDIDATES = {
+    "fwd": {128: [(128, 128, 8, 3)]},
+    "dkdv": {128: [(32, 128, 8, 2)]},
+    "dq": {128: [(128, 64, 8, 2)]},
 }
 _FP32_CANDIDATES = {
-    "fwd": {32: [(64, 32, 4, 2), (32, 64, 4, 2)], 64: [(32, 32, 4, 3)],
+    "fwd": {32: [(32, 64, 4, 2)], 64: [(32, 32, 4, 3)],
             128: [(16, 16, 4, 2)], 256: [(16, 16, 4, 1), (16, 16, 8, 1), (16, 16, 4, 2)]},
-    "dkdv": {32: [(32, 32, 4, 2)], 64: [(16, 64, 4, 2)],
-             128: [(16, 32, 8, 1), (16, 16, 4, 1)], 256: [(16, 32, 8, 1), (16, 16, 8, 2)]},
-    "dq": {32: [(64, 16, 4, 2), (32, 32, 4, 2)], 64: [(64, 16, 4, 2), (32, 32, 4, 2)],
-           128: [(16, 16, 8, 2)], 256: [(16, 32, 8, 1), (16, 16, 4, 2)]},
+    "dkdv": {32: [(32, 32, 4, 2)], 64: [(16, 32, 4, 1)],
+             128: [(16, 16, 4, 1)], 256: [(16, 16, 8, 2)]},
+    "dq": {32: [(64, 16, 4, 2), (32, 32, 4, 2)], 64: [(32, 32, 4, 2)],
+           128: [(16, 16, 4, 1), (16, 32, 8, 1)], 256: [(16, 16, 4, 2)]},
 }
 # Under the Triton interpreter (CPU tensors) one small configuration: fast, and sequence lengths
 # of a few dozen already span several blocks, so the loops and tail masks are exercised.
@@ -117,13 +128,15 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
-def candidates(kind, head_dim, dtype):
+def candidates(kind, head_dim, dtype, hopper=False):
     """The (BLOCK_M, BLOCK_N, num_warps, num_stages) configurations of kernel `kind` ("fwd",
-    "dkdv", "dq") on a GPU, the fixed-table one first."""
+    "dkdv", "dq") on a GPU, the fixed-table one first; hopper: on sm_90, with its own extras."""
     half = dtype != torch.float32
     d_pad = padded_head_dim(head_dim)
     table = (_HALF_CONFIGS if half else _FP32_CONFIGS)[kind][d_pad]
     extra = (_HALF_CANDIDATES if half else _FP32_CANDIDATES)[kind][d_pad]
+    if hopper and half:
+        extra = extra + _HOPPER_HALF_CANDIDATES[kind].get(d_pad, [])
     return [table] + [c for c in extra if c != table]
 
 
@@ -172,10 +185,11 @@ def _config_for(kind, head_dim, dtype, causal, seqlen_q, seqlen_k, device, may_t
     table entry with REMAT_AUTOTUNE=0, else the tuned one (timing run(config) on first use)."""
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
-    options = candidates(kind, head_dim, dtype)
     if not _autotune.enabled():
-        return options[0]
-    key = tuning_key(kind, head_dim, causal, dtype, _gpu_signature(device), seqlen_q, seqlen_k)
+        return candidates(kind, head_dim, dtype)[0]
+    gpu = _gpu_signature(device)
+    options = candidates(kind, head_dim, dtype, hopper=gpu.endswith(" sm_90"))
+    key = tuning_key(kind, head_dim, causal, dtype, gpu, seqlen_q, seqlen_k)
     return _TUNER.best(key, options, run, may_time=may_time)
 
 
@@ -207,6 +221,13 @@ def _program_coords(num_blocks, heads):
     batch = slice_index // heads
     head = slice_index - batch * heads
     return block, batch.to(tl.int64), head.to(tl.int64)
+
+
+@triton.jit
+def _heaviest_first(block, num_blocks):
+    # Causal query blocks in reverse: the last ones see the most keys. Started first, the long
+    # programs do not end up as a tail running on a few SMs after the short ones have finished.
+    return num_blocks - 1 - block
 
 
 @triton.jit
@@ -242,12 +263,51 @@ def _visible(rows, cols, seqlen_q, seqlen_k, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _causal_key_end(block_start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
-    # One past the last key the query rows [block_start_m, block_start_m + BLOCK_M) may see.
+def _key_ranges(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    # (full_end, end) for the query rows [start_m, start_m + BLOCK_M): key blocks starting below
+    # full_end (a multiple of BLOCK_N) are entirely visible to every row of the block that exists
+    # (all keys in range and, when causal, left of every row's diagonal): no mask needed. end is
+    # one past the last key any of these rows may see; blocks in [full_end, end) need the mask.
+    # Rows past seqlen_q do not restrict full_end: nothing of theirs is stored.
     end = seqlen_k
+    full_end = (seqlen_k // BLOCK_N) * BLOCK_N
     if CAUSAL:
-        end = tl.minimum(seqlen_k, tl.maximum(0, block_start_m + BLOCK_M + seqlen_k - seqlen_q))
-    return end
+        # Row i sees keys j <= i + (Sk - Sq): the first row of the block sees the fewest.
+        end = tl.minimum(seqlen_k, tl.maximum(0, start_m + BLOCK_M + seqlen_k - seqlen_q))
+        first_row_end = tl.maximum(0, start_m + 1 + seqlen_k - seqlen_q)
+        full_end = tl.minimum(full_end, (first_row_end // BLOCK_N) * BLOCK_N)
+    return full_end, end
+
+
+@triton.jit
+def _fwd_step(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, rows, cols, offs_d, seqlen_q, seqlen_k, qk_scale,
+              HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE_FP32: tl.constexpr, MASKED: tl.constexpr):
+    # One key block of the online softmax: returns the updated (acc, l_i, m_i). Unmasked blocks
+    # (every key in range and visible to every row) load without the key bounds, skip both
+    # selects, and fold the scale into the exponent's argument (one FMA per score), which
+    # needs qk_scale >= 0 for max(s) * qk_scale to be the row maximum (the launcher ensures it).
+    d_ok = offs_d < HEAD_DIM  # constant-folded when D is a power of two
+    if MASKED:
+        kv_mask = (cols[:, None] < seqlen_k) & d_ok[None, :]
+    else:
+        kv_mask = d_ok[None, :]
+    kt = tl.load(_tile_ptrs_t(K, cols, stride_kn, offs_d), mask=tl.trans(kv_mask), other=0.0)
+    s = _dot(q, kt, IEEE_FP32)
+    if MASKED:
+        visible = _visible(rows, cols, seqlen_q, seqlen_k, CAUSAL)
+        s = tl.where(visible, s * qk_scale, -1.0e30)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Zeroed explicitly: in a row with no visible key yet, m_new is -1e30 too and
+        # exp2(s - m_new) would be 1 for the masked entries.
+        p = tl.where(visible, tl.exp2(s - m_new[:, None]), 0.0)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(_tile_ptrs(V, cols, stride_vn, offs_d), mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE_FP32)
+    return acc, l_i, m_new
 
 
 @triton.jit
@@ -276,6 +336,8 @@ def _attn_fwd_kernel(
 ):
     # Grid (cdiv(Sq, BLOCK_M) * H * B,): one query block of one head per program.
     block, batch, head = _program_coords(tl.cdiv(seqlen_q, BLOCK_M), heads)
+    if CAUSAL:
+        block = _heaviest_first(block, tl.cdiv(seqlen_q, BLOCK_M))
     start_m = block * BLOCK_M
     kv_head = head // GROUP
     Q += batch * stride_qb + head * stride_qh
@@ -297,25 +359,17 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
 
-    # Causal: key blocks right of the diagonal are skipped entirely (a row block whose rows see
-    # no key at all runs zero iterations).
-    end_n = _causal_key_end(start_m, seqlen_q, seqlen_k, BLOCK_M, CAUSAL)
-    for start_n in range(0, end_n, BLOCK_N):
-        cols = start_n + offs_n
-        col_ok = cols < seqlen_k
-        kt = tl.load(_tile_ptrs_t(K, cols, stride_kn, offs_d), mask=d_ok[:, None] & col_ok[None, :], other=0.0)
-        s = _dot(q, kt, IEEE_FP32) * qk_scale
-        visible = _visible(rows, cols, seqlen_q, seqlen_k, CAUSAL)
-        s = tl.where(visible, s, -1.0e30)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Zeroed explicitly: in a row with no visible key yet, m_new is -1e30 too and
-        # exp2(s - m_new) would be 1 for the masked entries.
-        p = tl.where(visible, tl.exp2(s - m_new[:, None]), 0.0)
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(_tile_ptrs(V, cols, stride_vn, offs_d), mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE_FP32)
-        m_i = m_new
+    # Key blocks [0, full_end) are visible to every row of this block: no mask at all there.
+    # Blocks [full_end, end_n) straddle the causal diagonal or the end of the keys: masked.
+    # Causal: blocks right of the diagonal are skipped entirely (a row block whose rows see no
+    # key at all runs zero iterations).
+    full_end, end_n = _key_ranges(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    for start_n in range(0, full_end, BLOCK_N):
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, rows, start_n + offs_n, offs_d,
+                                  seqlen_q, seqlen_k, qk_scale, HEAD_DIM, CAUSAL, IEEE_FP32, False)
+    for start_n in range(full_end, end_n, BLOCK_N):
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, rows, start_n + offs_n, offs_d,
+                                  seqlen_q, seqlen_k, qk_scale, HEAD_DIM, CAUSAL, IEEE_FP32, True)
 
     # A row that saw no key (l_i == 0) gets o = 0 and lse = -inf (log of an empty sum).
     seen = l_i > 0.0
@@ -385,6 +439,78 @@ def _load_lse_base2(LSE, rows, seqlen_q):
 
 
 @triton.jit
+def _load_query_rows(Q, DO, LSE, Delta, rows, stride_qm, stride_dom, offs_d, seqlen_q, HEAD_DIM: tl.constexpr):
+    # The query side of the backward at rows `rows` of one head: q, dO, the lse in base 2 and
+    # delta. Rows past seqlen_q read as zeros, which contribute exactly 0 to every gradient.
+    mask = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(_tile_ptrs(Q, rows, stride_qm, offs_d), mask=mask, other=0.0)
+    do = tl.load(_tile_ptrs(DO, rows, stride_dom, offs_d), mask=mask, other=0.0)
+    lse = _load_lse_base2(LSE, rows, seqlen_q)
+    delta = tl.load(Delta + rows, mask=rows < seqlen_q, other=0.0)
+    return q, do, lse, delta
+
+
+@triton.jit
+def _query_ranges(start_n, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    # (first, full) for the keys [start_n, start_n + BLOCK_N): query blocks from first (a
+    # multiple of BLOCK_M) on may see some of these keys; from full (also a multiple, >= first)
+    # on, every row sees all of them. Not causal: every block, all unmasked.
+    first = 0
+    full = 0
+    if CAUSAL:
+        # Row i sees key j iff i >= j - (Sk - Sq): the block's first key is seen from row
+        # start_n - (Sk - Sq) on, its last from row start_n + BLOCK_N - 1 - (Sk - Sq) on.
+        first = (tl.maximum(0, start_n - (seqlen_k - seqlen_q)) // BLOCK_M) * BLOCK_M
+        full = tl.cdiv(tl.maximum(0, start_n + BLOCK_N - 1 - (seqlen_k - seqlen_q)), BLOCK_M) * BLOCK_M
+        full = tl.minimum(full, tl.cdiv(seqlen_q, BLOCK_M) * BLOCK_M)
+    return first, full
+
+
+@triton.jit
+def _dkdv_step(dk, dv, k, v, Qh, DOh, LSEh, Deltah, stride_qm, stride_dom, rows, cols, offs_d, seqlen_q, seqlen_k,
+               qk_scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE_FP32: tl.constexpr, MASKED: tl.constexpr):
+    # One query block's contribution to dK and dV of a key block: returns the updated (dk, dv).
+    q, do, lse, delta = _load_query_rows(Qh, DOh, LSEh, Deltah, rows, stride_qm, stride_dom, offs_d, seqlen_q,
+                                         HEAD_DIM)
+    # P^T recomputed: (BLOCK_N, BLOCK_M).
+    st = _dot(k, tl.trans(q), IEEE_FP32)
+    if MASKED:
+        visible_t = tl.trans(_visible(rows, cols, seqlen_q, seqlen_k, CAUSAL))
+        pt = tl.where(visible_t, tl.exp2(st * qk_scale - lse[None, :]), 0.0)
+    else:
+        pt = tl.exp2(st * qk_scale - lse[None, :])
+    dv += _dot(pt.to(do.dtype), do, IEEE_FP32)
+    dpt = _dot(v, tl.trans(do), IEEE_FP32)
+    dst = pt * (dpt - delta[None, :])
+    dk += _dot(dst.to(q.dtype), q, IEEE_FP32)
+    return dk, dv
+
+
+@triton.jit
+def _dq_step(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, rows, cols, offs_d, seqlen_q, seqlen_k, qk_scale,
+             HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE_FP32: tl.constexpr, MASKED: tl.constexpr):
+    # One key block's contribution to dQ of a query block: returns the updated dq. Unmasked
+    # blocks load without the key bounds (all keys in range) and skip the select.
+    d_ok = offs_d < HEAD_DIM
+    if MASKED:
+        kv_mask = (cols[:, None] < seqlen_k) & d_ok[None, :]
+    else:
+        kv_mask = d_ok[None, :]
+    k = tl.load(_tile_ptrs(K, cols, stride_kn, offs_d), mask=kv_mask, other=0.0)
+    v = tl.load(_tile_ptrs(V, cols, stride_vn, offs_d), mask=kv_mask, other=0.0)
+    s = _dot(q, tl.trans(k), IEEE_FP32)
+    if MASKED:
+        # Keys past seqlen_k must get P = 0: their zero scores would give exp2(-lse) otherwise.
+        visible = _visible(rows, cols, seqlen_q, seqlen_k, CAUSAL)
+        p = tl.where(visible, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+    else:
+        p = tl.exp2(s * qk_scale - lse[:, None])
+    dp = _dot(do, tl.trans(v), IEEE_FP32)
+    ds = p * (dp - delta[:, None])
+    return dq + _dot(ds.to(k.dtype), k, IEEE_FP32)
+
+
+@triton.jit
 def _attn_bwd_dkdv_kernel(
     Q,  # (B, H, Sq, D) strides stride_qb, stride_qh, stride_qm, 1
     K,  # (B, H_kv, Sk, D) strides stride_kb, stride_kh, stride_kn, 1
@@ -433,34 +559,23 @@ def _attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
 
-    # Causal: query row i sees key start_n only if i >= start_n - (Sk - Sq); earlier query blocks
-    # contribute nothing to these keys.
-    start_m_first = 0
-    if CAUSAL:
-        start_m_first = (tl.maximum(0, start_n - (seqlen_k - seqlen_q)) // BLOCK_M) * BLOCK_M
-
+    # Query blocks [first, full) straddle the causal diagonal: masked. From full on every query
+    # row sees every key of this block (unmasked; the query tail past seqlen_q is loaded as
+    # zeros, which add exactly 0 to dK and dV). Keys past seqlen_k in this block are computed
+    # but never stored.
+    first, full = _query_ranges(start_n, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
     for g in range(GROUP):
         head = kv_head * GROUP + g
         Qh = Q + batch * stride_qb + head * stride_qh
         DOh = DO + batch * stride_dob + head * stride_doh
         LSEh = LSE + batch * stride_lb + head * stride_lh
         Deltah = Delta + batch * stride_lb + head * stride_lh
-        for start_m in range(start_m_first, seqlen_q, BLOCK_M):
-            rows = start_m + offs_m
-            q_mask = (rows[:, None] < seqlen_q) & d_ok[None, :]
-            q = tl.load(_tile_ptrs(Qh, rows, stride_qm, offs_d), mask=q_mask, other=0.0)
-            do = tl.load(_tile_ptrs(DOh, rows, stride_dom, offs_d), mask=q_mask, other=0.0)
-            lse = _load_lse_base2(LSEh, rows, seqlen_q)
-            delta = tl.load(Deltah + rows, mask=rows < seqlen_q, other=0.0)
-
-            # P^T recomputed: (BLOCK_N, BLOCK_M).
-            st = _dot(k, tl.trans(q), IEEE_FP32) * qk_scale
-            visible_t = tl.trans(_visible(rows, cols, seqlen_q, seqlen_k, CAUSAL))
-            pt = tl.where(visible_t, tl.exp2(st - lse[None, :]), 0.0)
-            dv += _dot(pt.to(do.dtype), do, IEEE_FP32)
-            dpt = _dot(v, tl.trans(do), IEEE_FP32)
-            dst = pt * (dpt - delta[None, :])
-            dk += _dot(dst.to(q.dtype), q, IEEE_FP32)
+        for start_m in range(first, full, BLOCK_M):
+            dk, dv = _dkdv_step(dk, dv, k, v, Qh, DOh, LSEh, Deltah, stride_qm, stride_dom, start_m + offs_m, cols,
+                                offs_d, seqlen_q, seqlen_k, qk_scale, HEAD_DIM, CAUSAL, IEEE_FP32, True)
+        for start_m in range(full, seqlen_q, BLOCK_M):
+            dk, dv = _dkdv_step(dk, dv, k, v, Qh, DOh, LSEh, Deltah, stride_qm, stride_dom, start_m + offs_m, cols,
+                                offs_d, seqlen_q, seqlen_k, qk_scale, HEAD_DIM, CAUSAL, IEEE_FP32, False)
 
     dk *= softmax_scale
     tl.store(_tile_ptrs(DK, cols, stride_dkn, offs_d), dk.to(DK.dtype.element_ty), mask=kv_mask)
@@ -497,6 +612,8 @@ def _attn_bwd_dq_kernel(
 ):
     # Grid (cdiv(Sq, BLOCK_M) * H * B,).
     block, batch, head = _program_coords(tl.cdiv(seqlen_q, BLOCK_M), heads)
+    if CAUSAL:
+        block = _heaviest_first(block, tl.cdiv(seqlen_q, BLOCK_M))
     start_m = block * BLOCK_M
     kv_head = head // GROUP
     Q += batch * stride_qb + head * stride_qh
@@ -510,29 +627,21 @@ def _attn_bwd_dq_kernel(
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < HEAD_DIM
-    q_mask = (rows[:, None] < seqlen_q) & d_ok[None, :]
-    q = tl.load(_tile_ptrs(Q, rows, stride_qm, offs_d), mask=q_mask, other=0.0)
-    do = tl.load(_tile_ptrs(DO, rows, stride_dom, offs_d), mask=q_mask, other=0.0)
-    lse = _load_lse_base2(LSE, rows, seqlen_q)
-    delta = tl.load(Delta + rows, mask=rows < seqlen_q, other=0.0)
+    q, do, lse, delta = _load_query_rows(Q, DO, LSE, Delta, rows, stride_qm, stride_dom, offs_d, seqlen_q, HEAD_DIM)
     dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
 
-    end_n = _causal_key_end(start_m, seqlen_q, seqlen_k, BLOCK_M, CAUSAL)
-    for start_n in range(0, end_n, BLOCK_N):
-        cols = start_n + offs_n
-        kv_mask = (cols[:, None] < seqlen_k) & d_ok[None, :]
-        k = tl.load(_tile_ptrs(K, cols, stride_kn, offs_d), mask=kv_mask, other=0.0)
-        v = tl.load(_tile_ptrs(V, cols, stride_vn, offs_d), mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), IEEE_FP32) * qk_scale
-        visible = _visible(rows, cols, seqlen_q, seqlen_k, CAUSAL)
-        p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
-        dp = _dot(do, tl.trans(v), IEEE_FP32)
-        ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, IEEE_FP32)
+    # As in the forward: key blocks below full_end unmasked, the diagonal and the key tail masked.
+    full_end, end_n = _key_ranges(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    for start_n in range(0, full_end, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, rows, start_n + offs_n, offs_d,
+                      seqlen_q, seqlen_k, qk_scale, HEAD_DIM, CAUSAL, IEEE_FP32, False)
+    for start_n in range(full_end, end_n, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, rows, start_n + offs_n, offs_d,
+                      seqlen_q, seqlen_k, qk_scale, HEAD_DIM, CAUSAL, IEEE_FP32, True)
 
     dq *= softmax_scale
-    tl.store(_tile_ptrs(DQ, rows, stride_dqm, offs_d), dq.to(DQ.dtype.element_ty), mask=q_mask)
+    tl.store(_tile_ptrs(DQ, rows, stride_dqm, offs_d), dq.to(DQ.dtype.element_ty),
+             mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -564,6 +673,7 @@ def _launch_fwd(q, k, v, o, lse, causal, softmax_scale, config):
     )
 
 
+@on_input_device
 def attention_fwd(q, k, v, causal, softmax_scale):
     """(o, lse): o (B, H, Sq, D) in q's dtype laid out as (B, Sq, H, D), lse (B, H, Sq) fp32 natural log."""
     q, k, v = (unit_last_stride(t) for t in (q, k, v))
@@ -576,6 +686,10 @@ def attention_fwd(q, k, v, causal, softmax_scale):
         return o, lse
     if seqlen_k == 0:  # no key at all: every row sees an empty set
         return o.zero_(), lse.fill_(float("-inf"))
+    if softmax_scale < 0:
+        # The forward's unmasked steps take the row maximum of the unscaled scores, which needs
+        # a non-negative scale: c q k^T = |c| q (-k)^T. (A copy of k, for this odd case only.)
+        k, softmax_scale = -k, -softmax_scale
     launch = functools.partial(_launch_fwd, q, k, v, o, lse, causal, softmax_scale)
     launch(_select_config("fwd", q, k, causal, launch))
     return o, lse
@@ -607,6 +721,7 @@ def _launch_dq(q, k, v, do, lse, delta, dq, causal, softmax_scale, config):
     )
 
 
+@on_input_device
 def attention_bwd(do, q, k, v, o, lse, causal, softmax_scale):
     """(dq, dk, dv), contiguous, in the shapes and dtypes of q, k, v."""
     do, q, k, v, o = (unit_last_stride(t) for t in (do, q, k, v, o))
@@ -670,7 +785,8 @@ def _kernel_signatures(t):
 
 def aot_cases(dtypes=(torch.float16, torch.bfloat16, torch.float32), head_dims=HEAD_DIMS, causals=(False, True)):
     """Every (kernel, signature, constexprs, num_warps, num_stages) the launchers above can launch
-    on a GPU: each autotuning candidate (the table entry among them) and the preprocess.
+    on a GPU: each autotuning candidate (the table entry among them) and the preprocess. The
+    Hopper-only candidates carry archs=(90,): they are launched, and compiled, on sm_90 only.
 
     Distinct configurations only: head dims 80 and 96 compile separately from 128 (HEAD_DIM is
     a constexpr) although they share its block sizes. The strides are typed i32 (the common
@@ -688,11 +804,13 @@ def aot_cases(dtypes=(torch.float16, torch.bfloat16, torch.float32), head_dims=H
                 tag = f"{t}_d{head_dim}_{'causal' if causal else 'full'}"
                 for kind in KINDS:
                     kernel, signature, divisible = signatures[kind]
-                    for bm, bn, w, st in candidates(kind, head_dim, dtype):
+                    everywhere = candidates(kind, head_dim, dtype)
+                    for config in candidates(kind, head_dim, dtype, hopper=True):
+                        bm, bn, w, st = config
                         cases.append(dict(
                             name=f"{kind}_{tag}_BM{bm}_BN{bn}_w{w}_s{st}", kernel=kernel, signature=signature,
                             constexprs=dict(flags, BLOCK_M=bm, BLOCK_N=bn), num_warps=w, num_stages=st,
-                            divisible_by_16=divisible,
+                            divisible_by_16=divisible, archs=None if config in everywhere else (90,),
                         ))
             cases.append(dict(
                 name=f"pre_{t}_d{head_dim}_BM{_PRE_BLOCK_M}",

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, num_sms, unit_last_stride
+from ._common import cdiv, num_sms, on_input_device, unit_last_stride
 
 # ---------------------------------------------------------------------------------------------
 # 1. Configuration
@@ -302,6 +302,7 @@ def _dense(t):
     return t.stride(0) == t.shape[1] or t.shape[0] == 1
 
 
+@on_input_device
 def gelu_fwd(x, bias, approximate):
     """gelu(x + bias) of a 2-D x.
 
@@ -329,6 +330,7 @@ def gelu_fwd(x, bias, approximate):
     return y
 
 
+@on_input_device
 def gelu_bwd(dy, x, bias, approximate, recompute_output):
     """Gradients of gelu(x + bias), recomputing x + bias (and y when recompute_output) from x.
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, next_power_of_2, num_sms, unit_last_stride
+from ._common import cdiv, next_power_of_2, num_sms, on_input_device, unit_last_stride
 
 # ---------------------------------------------------------------------------------------------
 # 1. Configuration
@@ -432,6 +432,7 @@ def _layer_norm_bwd_chunked_kernel(
 # ---------------------------------------------------------------------------------------------
 # 4. Launchers
 # ---------------------------------------------------------------------------------------------
+@on_input_device
 def layer_norm_fwd(x, weight, bias, eps):
     """LayerNorm over the last dim of a 2-D x.
 
@@ -469,6 +470,7 @@ def _persistent_groups(M, block_m, programs):
     return cdiv(M, rows_per_program), rows_per_program
 
 
+@on_input_device
 def layer_norm_bwd(dy, x, weight, bias, mean, rstd, recompute_output):
     """Gradients of LayerNorm, recomputing xhat from x, mean and rstd.
 
