@@ -110,3 +110,15 @@ def test_triton_cache_warmer_launches_every_kernel_kind(monkeypatch):
     assert kinds == {"fwd", "dkdv", "dq"}
     items = [(kind, 32, causal, (16, 16, 4, 1)) for kind in sorted(kinds) for causal in (False, True)]
     assert warmer._compile("float32", items, device="cpu") == (len(items), [])
+
+
+def test_memory_is_measured_after_the_first_timing_and_a_failure_there_keeps_the_times():
+    class FailingMemoryTimer(Timer):
+        def peak_memory_bytes(self, fn, reset=None):
+            self.measured = getattr(self, "measured", 0) + 1
+            raise RuntimeError("CUDA out of memory")
+
+    timer = FailingMemoryTimer("cpu", warmup=1, reps=2)
+    (result,) = measure_case(_case([Implementation("ours", True, _timed(lambda: None))]), timer, rounds=3)
+    assert timer.measured == 1  # once, in the first round
+    assert result.error.startswith("memory: RuntimeError") and result.p50_ms >= 0

@@ -81,8 +81,9 @@ def measure_case(case, timer, rounds=3):
 
     Interleaving (A B C A B C ...) makes slow drift of the machine (clocks, temperature)
     fall on all implementations alike. A failure of one implementation (an error, out of
-    memory) is recorded in its result and the others go on. Ctrl-C raises CaseInterrupted
-    with the medians of the calls timed so far (no memory figures for those).
+    memory) is recorded in its result and the others go on. Memory is measured after an
+    implementation's first timing. Ctrl-C raises CaseInterrupted with the medians of the calls
+    timed so far.
     """
     results = {impl.name: Result(case, impl.name, impl.ours) for impl in case.implementations}
     try:
@@ -101,19 +102,20 @@ def measure_case(case, timer, rounds=3):
             results[impl.name].error = _short(error)
     samples = {name: [] for name in runnable}
     try:
-        for _ in range(rounds):
-            for name, (fn, reset, *_) in list(runnable.items()):
+        for round_index in range(rounds):
+            for name, (fn, reset, *forward) in list(runnable.items()):
                 try:
                     samples[name] += timer.times_ms(fn, reset)
                 except Exception as error:
                     results[name].error = _short(error)
                     del runnable[name]
+                    continue
+                if round_index == 0:  # right away: an interrupted run keeps the memory figures too
+                    _measure_memory(results[name], timer, fn, reset, forward)
     except KeyboardInterrupt:
-        _set_times(results, samples)
+        _set_times(results, samples, runnable)
         raise CaseInterrupted(list(results.values())) from None
-    _set_times(results, samples)
-    for name, (fn, reset, *forward) in runnable.items():
-        _measure_memory(results[name], timer, fn, reset, forward)
+    _set_times(results, samples, runnable)
     return list(results.values())
 
 
@@ -128,10 +130,11 @@ def _in_backend(backend, fn):
     return run
 
 
-def _set_times(results, samples):
-    for name, times in samples.items():
-        if times and not results[name].error:
-            results[name].p20_ms, results[name].p50_ms, results[name].p80_ms = quantiles(times)
+def _set_times(results, samples, runnable):
+    # Implementations whose timing failed were taken out of `runnable`: no figure for them.
+    for name in runnable:
+        if samples[name]:
+            results[name].p20_ms, results[name].p50_ms, results[name].p80_ms = quantiles(samples[name])
 
 
 def _measure_memory(result, timer, fn, reset, forward):
