@@ -15,7 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-transformers = pytest.importorskip("transformers")
+# The hf extra's floor (pyproject.toml). Older releases have other attention forward signatures:
+# remat.hf then leaves those classes stock and says why (test_probe_refuses_an_attention_forward_
+# that_differs), so the counts and swaps asserted here do not apply to them.
+transformers = pytest.importorskip("transformers", minversion="5.24")
 
 # remat.convert is also the name of the function remat/__init__.py exports: import the module by path.
 conv = importlib.import_module("remat.convert")
