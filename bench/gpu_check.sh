@@ -59,7 +59,7 @@ main() {
     local parallel
     parallel=$("$PYTHON" -c "import xdist" 2> /dev/null && echo "-n 8")
     # SIGINT: pytest stops, still prints its summary and writes the junit XML of what ran.
-    timeout -k 10 -s INT 95 "$PYTHON" -m pytest -q $parallel --junitxml="$OUT_DIR/pytest.xml" -k "not compiles_without_spills" \
+    timeout -k 10 -s INT 95 "$PYTHON" -m pytest -q $parallel --durations=30 --junitxml="$OUT_DIR/pytest.xml" -k "not compiles_without_spills" \
         --ignore tests/test_cuda_compile.py --ignore tests/test_triton_aot.py > "$OUT_DIR/pytest.log" 2>&1 || status=1
     tail -n 5 "$OUT_DIR/pytest.log"
     wait "$warm"; tail -n 1 "$OUT_DIR/warm_triton_cache.log"
