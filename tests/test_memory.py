@@ -2,11 +2,13 @@
 host bytes that are counted as the device bytes are (each storage once, no parameters)."""
 
 import csv
+import gc
 import math
 
 import pytest
 import torch
 from remat import memory
+from remat.bench.block import _Checkpointed
 
 POLICIES = memory.policies  # the real table, before a test swaps it
 
@@ -129,3 +131,66 @@ def test_a_freed_storage_is_counted_though_another_reuses_its_address():
     saved.add(second)  # the same storage again: still once
     assert saved.total_bytes() == 2 * 64
     assert saved.total_bytes(second) == 64  # excluding the live one leaves the freed one
+
+
+def _selective_bytes_by_hand(config, batch, seq, dtype):
+    """What selective checkpointing keeps for a stack of stock blocks (remat.gpt.TorchGPTBlock),
+    derived from the block's structure: each checkpoint holds its block's input, and the cache
+    holds every output of the ops the policy saves (mm/addmm/bmm and SDPA); all else is recomputed."""
+    tokens, h, size = batch * seq, config.hidden, torch.empty((), dtype=dtype).element_size()
+    per_layer = (
+        tokens * 3 * h * size  # attn_qkv: addmm on the 2-D view of LN(x); q, k, v are views of it
+        + tokens * h * size  # SDPA (_scaled_dot_product_flash_attention_for_cpu) output, (b, heads, s, d)
+        + batch * config.heads * seq * 4  # ... and its logsumexp: fp32, one per head per token
+        + tokens * h * size  # attn_out: addmm
+        + tokens * config.ffn_hidden * size  # fc1: addmm (GELU's output is recomputed)
+        + tokens * h * size  # fc2: addmm (the residual adds are recomputed)
+    )
+    # Each checkpoint holds its block's input: the first is the caller's, the others are the
+    # previous block's output, kept once though the previous checkpoint returns it.
+    inputs = (config.layers - 1) * tokens * h * size
+    return config.layers * per_layer + inputs
+
+
+def _forward_allocations(module, x):
+    """Bytes the forward leaves allocated besides its output, from the profiler's record of CPU
+    allocations and frees: a measurement independent of saved-tensor hooks and dispatch modes,
+    as the allocator's is on a GPU. Each non-reentrant checkpoint also keeps the CPU RNG state
+    (to replay dropout in the recompute), which is not an activation: taken out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    checkpoints = sum(isinstance(m, _Checkpointed) for m in module.modules())
+    gc.collect()  # no unrelated frees during the forward
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = module(x)
+    allocated = sum(event.self_cpu_memory_usage for event in prof.key_averages())
+    return allocated - out.untyped_storage().nbytes() - checkpoints * torch.get_rng_state().nbytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selective_checkpoint_bytes_match_the_block_structure_and_the_allocations(dtype):
+    config, batch, seq = memory.MODELS["tiny"], 2, 16
+    stack = memory.torch_stack(config, dtype=dtype)
+    x = torch.randn(batch, seq, config.hidden, dtype=dtype, requires_grad=True)
+    built = {name: make(stack)[0] for name, make in POLICIES(config.layers)}
+    counted = {name: memory.count_saved_bytes(built[name], x, offload=False)[0]
+               for name in ("eager", "selective checkpoint", "full checkpoint")}
+    expected = _selective_bytes_by_hand(config, batch, seq, dtype)
+    assert counted["selective checkpoint"] == expected
+    assert counted["full checkpoint"] < counted["selective checkpoint"] < counted["eager"]
+    for name, saved in counted.items():  # the second, independent measurement agrees
+        assert _forward_allocations(built[name], x) == saved, name
+
+
+def test_run_reports_selective_checkpoint_on_cpu(tmp_path):
+    config, batch, seq = memory.MODELS["tiny"], 2, 16
+    results = {r.policy: r for r in memory.run("tiny", batch=batch, seq=seq, out_dir=str(tmp_path),
+                                               device="cpu", dtype=torch.float32)}
+    selective = results["selective checkpoint"]
+    assert not selective.error
+    assert selective.saved_bytes == _selective_bytes_by_hand(config, batch, seq, torch.float32)
+    # fp32, per layer in bytes per s·b·h: the input, 4, in 3 of the 4 layers (the first is the
+    # caller's); qkv 12, attention 4, attn_out 4, fc1 16, fc2 4; the logsumexp, 4 bytes per head
+    # per token, 2 heads over a width of 64: 1/8.
+    assert selective.per_layer_sbh == 3 + 40 + 1 / 8
+    assert results["full checkpoint"].per_layer_sbh < selective.per_layer_sbh < results["eager"].per_layer_sbh

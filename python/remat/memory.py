@@ -1,8 +1,11 @@
 """`remat memory`: the activation-memory / step-time trade-off of a model under each policy.
 
-For each policy it reports the bytes autograd keeps for the backward per layer (counted exactly,
-on any device, with saved-tensor hooks), and on a GPU the step time and the peak memory of one
-training step: absolute, so weights, input, gradients and activations, but not optimizer state.
+For each policy it reports the bytes the forward keeps for the backward per layer: on a GPU read
+from the allocator; without one counted exactly, each storage once, with saved-tensor hooks plus
+what torch's checkpoints hold (block inputs, the op outputs selective checkpointing keeps), but
+not for Hugging Face's own checkpointing (nan). On a GPU it also reports the step time and the
+peak memory of one training step: absolute, so weights, input, gradients and activations, but
+not optimizer state.
 It draws the memory/time frontier, and with a budget names the cheapest policy whose peak fits.
 
 Each policy's row is printed, and the CSV rewritten, as soon as it is measured: a policy that
@@ -24,9 +27,13 @@ import dataclasses
 import gc
 import math
 import os
+import warnings
 
 import torch
+import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from .bench.block import _Checkpointed, _save_matmuls_and_attention
 from .bench.timing import Timer, quantiles
@@ -99,11 +106,39 @@ class _SavedStorages:
                                        if address not in skip or ref.expired())
 
 
+class _SelectiveSaves(TorchDispatchMode):
+    """Adds to `saved` the outputs of the ops that selective checkpointing keeps.
+
+    Selective checkpointing keeps the outputs of the ops its policy saves in a cache of its own,
+    which saved-tensor hooks do not see. This mode sits below checkpoint's own dispatch modes, so
+    every op they run reaches it too, and asks the running block's own policy, as they do.
+    """
+
+    def __init__(self, saved):
+        super().__init__()
+        self.saved = saved
+        self.policies = []  # of the selectively checkpointed blocks running now, innermost last
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.policies:
+            context = SelectiveCheckpointContext(is_recompute=False, op_output=out)
+            policy = self.policies[-1](context, func, *args, **kwargs)
+            if policy is True or policy in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
+                for tensor in pytree.tree_leaves(out):  # all its outputs: SDPA's logsumexp too
+                    if isinstance(tensor, torch.Tensor):
+                        self.saved.add(tensor)
+        return out
+
+
 def count_saved_bytes(module, x, offload):
     """(device bytes, host bytes) that one forward keeps for the backward, by unique storage.
 
-    Saved-tensor hooks see what autograd saves; a non-reentrant checkpoint instead holds its
-    block's input, which is counted as well. Parameters are not activations and are left out.
+    Saved-tensor hooks see what autograd saves; inside a non-reentrant checkpoint they see only
+    the checkpoint's handles, which cost nothing. The checkpoint instead holds its block's input,
+    and a selective one also the outputs of the ops its policy saves: both are counted as well.
+    Parameters are not activations and are left out.
     """
     saved = _SavedStorages(module)
 
@@ -112,10 +147,24 @@ def count_saved_bytes(module, x, offload):
         return tensor
 
     held = []
-    hooks = [m.register_forward_pre_hook(lambda m, args: held.append(args[0]))
-             for m in module.modules() if isinstance(m, _Checkpointed)]
+    checkpointed = [m for m in module.modules() if isinstance(m, _Checkpointed)]
+    hooks = [m.register_forward_pre_hook(lambda m, args: held.append(args[0])) for m in checkpointed]
+    selective = [m for m in checkpointed if m.policy is not None]
+    recorder = _SelectiveSaves(saved) if selective else contextlib.nullcontext()
+
+    def enter(m, args):
+        recorder.policies.append(m.policy)
+
+    def leave(m, args, out):  # returns None: a forward hook's result would replace the output
+        recorder.policies.pop()
+
+    for m in selective:  # the recorder counts ops only while such a block runs
+        hooks += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with warnings.catch_warnings(), recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            # torch warns that selective checkpointing's cache will go through these hooks one
+            # day: pack would then see tensors the recorder sees, and each storage counts once.
+            warnings.filterwarnings("ignore", "A saved_tensors_hooks context", FutureWarning)
             out = module(x)
     finally:
         for hook in hooks:
@@ -302,9 +351,10 @@ def _measure(name, make, x, layers, sbh, device, timer):
     on_gpu = device.type == "cuda"
     if on_gpu:
         device_bytes, host_bytes = _allocated_by_forward(module, x, offload, device)
-    elif "selective" in name or "(HF)" in name:
-        # Selective checkpointing, and Hugging Face's own checkpointing, keep what they keep
-        # out of reach of saved-tensor hooks: without a GPU's allocator to read, not counted.
+    elif "(HF)" in name:
+        # Hugging Face's gradient checkpointing keeps what it keeps out of reach of saved-tensor
+        # hooks, and is not a _Checkpointed block that count_saved_bytes knows how to count:
+        # without a GPU's allocator to read, not counted.
         device_bytes = host_bytes = math.nan
     else:
         device_bytes, host_bytes = count_saved_bytes(module, x, offload)
