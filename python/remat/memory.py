@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from .bench.block import _Checkpointed, _save_matmuls_and_attention
+from .bench.cases import short_error
 from .bench.timing import Timer, quantiles
 from .gpt import GPTConfig, remat_stack, torch_stack
 
@@ -372,13 +373,7 @@ def _measure_or_error(name, make, *args):
     try:
         return _measure(name, make, *args)
     except Exception as error:  # noqa: BLE001 - any failure of one policy is reported in its row
-        return PolicyResult(name, math.nan, math.nan, math.nan, error=_short_message(error))
-
-
-def _short_message(error, limit=160):
-    """The exception's type and the first line of its message (CUDA's out-of-memory runs long)."""
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:limit]
+        return PolicyResult(name, math.nan, math.nan, math.nan, error=short_error(error))
 
 
 def _release_memory(device):

@@ -90,7 +90,7 @@ def measure_case(case, timer, rounds=3):
         inputs = case.make_inputs()
     except Exception as error:
         for result in results.values():
-            result.error = f"inputs: {_short(error)}"
+            result.error = f"inputs: {short_error(error)}"
         return list(results.values())
     runnable = {}
     for impl in case.implementations:
@@ -99,7 +99,7 @@ def measure_case(case, timer, rounds=3):
             in_backend = functools.partial(_in_backend, impl.backend)
             runnable[impl.name] = (in_backend(fn), reset, *[in_backend(f) for f in forward])
         except Exception as error:  # a peer that cannot run this case is reported, not fatal
-            results[impl.name].error = _short(error)
+            results[impl.name].error = short_error(error)
     samples = {name: [] for name in runnable}
     try:
         for round_index in range(rounds):
@@ -107,7 +107,7 @@ def measure_case(case, timer, rounds=3):
                 try:
                     samples[name] += timer.times_ms(fn, reset)
                 except Exception as error:
-                    results[name].error = _short(error)
+                    results[name].error = short_error(error)
                     del runnable[name]
                     continue
                 if round_index == 0:  # right away: an interrupted run keeps the memory figures too
@@ -145,11 +145,13 @@ def _measure_memory(result, timer, fn, reset, forward):
             retained = timer.retained_memory_bytes(forward[0], reset)
             result.retained_mb = None if retained is None else retained / 2**20
     except Exception as error:  # e.g. out of memory: the timings stand, the memory is unknown
-        result.error = f"memory: {_short(error)}"
+        result.error = f"memory: {short_error(error)}"
 
 
-def _short(error):
-    return f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+def short_error(error, limit=160):
+    """The exception's type and the first line of its message (CUDA's out-of-memory runs long)."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:limit]
 
 
 def best_peer_ratio(results):
