@@ -243,6 +243,13 @@ def _tile_ptrs_t(Base, rows, stride_rows, offs_d):
 
 
 @triton.jit
+def _tile_mask(rows, num_rows, offs_d, HEAD_DIM: tl.constexpr):
+    # The elements of that tile that exist: row below num_rows, column below the head dim (the
+    # column test is constant-folded when the head dim is a power of two).
+    return (rows[:, None] < num_rows) & (offs_d[None, :] < HEAD_DIM)
+
+
+@triton.jit
 def _dot(a, b, IEEE_FP32: tl.constexpr):
     # fp32 operands: full-precision products (tl.dot's default for fp32 is tf32 on a GPU, which
     # would make fp32 attention as inexact as bf16's mantissa). Half operands ignore this.
@@ -286,11 +293,10 @@ def _fwd_step(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, rows, cols, offs_d, 
     # (every key in range and visible to every row) load without the key bounds, skip both
     # selects, and fold the scale into the exponent's argument (one FMA per score), which
     # needs qk_scale >= 0 for max(s) * qk_scale to be the row maximum (the launcher ensures it).
-    d_ok = offs_d < HEAD_DIM  # constant-folded when D is a power of two
     if MASKED:
-        kv_mask = (cols[:, None] < seqlen_k) & d_ok[None, :]
-    else:
-        kv_mask = d_ok[None, :]
+        kv_mask = _tile_mask(cols, seqlen_k, offs_d, HEAD_DIM)
+    else:  # every key in range: only the head-dim padding is masked
+        kv_mask = (offs_d < HEAD_DIM)[None, :]
     kt = tl.load(_tile_ptrs_t(K, cols, stride_kn, offs_d), mask=tl.trans(kv_mask), other=0.0)
     s = _dot(q, kt, IEEE_FP32)
     if MASKED:
@@ -349,9 +355,8 @@ def _attn_fwd_kernel(
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < HEAD_DIM  # constant-folded when D is a power of two
-    row_ok = rows < seqlen_q
-    q = tl.load(_tile_ptrs(Q, rows, stride_qm, offs_d), mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_mask = _tile_mask(rows, seqlen_q, offs_d, HEAD_DIM)
+    q = tl.load(_tile_ptrs(Q, rows, stride_qm, offs_d), mask=q_mask, other=0.0)
 
     # Online softmax state, base 2: m_i the running max of the scaled scores, l_i the running sum
     # of exp2(s - m_i), acc the running sum of exp2(s - m_i) * v.
@@ -376,9 +381,8 @@ def _attn_fwd_kernel(
     l_safe = tl.where(seen, l_i, 1.0)
     o = acc / l_safe[:, None]
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    tl.store(_tile_ptrs(O, rows, stride_om, offs_d), o.to(O.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(LSE + rows, lse, mask=row_ok)
+    tl.store(_tile_ptrs(O, rows, stride_om, offs_d), o.to(O.dtype.element_ty), mask=q_mask)
+    tl.store(LSE + rows, lse, mask=rows < seqlen_q)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -424,7 +428,7 @@ def _attn_bwd_preprocess_kernel(
     DO += batch * stride_dob + head * stride_doh
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
-    mask = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    mask = _tile_mask(rows, seqlen_q, offs_d, HEAD_DIM)
     o = tl.load(_tile_ptrs(O, rows, stride_om, offs_d), mask=mask, other=0.0).to(tl.float32)
     do = tl.load(_tile_ptrs(DO, rows, stride_dom, offs_d), mask=mask, other=0.0).to(tl.float32)
     tl.store(Delta + batch * stride_lb + head * stride_lh + rows, tl.sum(o * do, 1), mask=rows < seqlen_q)
@@ -442,7 +446,7 @@ def _load_lse_base2(LSE, rows, seqlen_q):
 def _load_query_rows(Q, DO, LSE, Delta, rows, stride_qm, stride_dom, offs_d, seqlen_q, HEAD_DIM: tl.constexpr):
     # The query side of the backward at rows `rows` of one head: q, dO, the lse in base 2 and
     # delta. Rows past seqlen_q read as zeros, which contribute exactly 0 to every gradient.
-    mask = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    mask = _tile_mask(rows, seqlen_q, offs_d, HEAD_DIM)
     q = tl.load(_tile_ptrs(Q, rows, stride_qm, offs_d), mask=mask, other=0.0)
     do = tl.load(_tile_ptrs(DO, rows, stride_dom, offs_d), mask=mask, other=0.0)
     lse = _load_lse_base2(LSE, rows, seqlen_q)
@@ -491,11 +495,10 @@ def _dq_step(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, rows, cols, offs
              HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE_FP32: tl.constexpr, MASKED: tl.constexpr):
     # One key block's contribution to dQ of a query block: returns the updated dq. Unmasked
     # blocks load without the key bounds (all keys in range) and skip the select.
-    d_ok = offs_d < HEAD_DIM
     if MASKED:
-        kv_mask = (cols[:, None] < seqlen_k) & d_ok[None, :]
-    else:
-        kv_mask = d_ok[None, :]
+        kv_mask = _tile_mask(cols, seqlen_k, offs_d, HEAD_DIM)
+    else:  # every key in range: only the head-dim padding is masked
+        kv_mask = (offs_d < HEAD_DIM)[None, :]
     k = tl.load(_tile_ptrs(K, cols, stride_kn, offs_d), mask=kv_mask, other=0.0)
     v = tl.load(_tile_ptrs(V, cols, stride_vn, offs_d), mask=kv_mask, other=0.0)
     s = _dot(q, tl.trans(k), IEEE_FP32)
@@ -552,8 +555,7 @@ def _attn_bwd_dkdv_kernel(
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < HEAD_DIM
-    kv_mask = (cols[:, None] < seqlen_k) & d_ok[None, :]
+    kv_mask = _tile_mask(cols, seqlen_k, offs_d, HEAD_DIM)
     k = tl.load(_tile_ptrs(K, cols, stride_kn, offs_d), mask=kv_mask, other=0.0)
     v = tl.load(_tile_ptrs(V, cols, stride_vn, offs_d), mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
@@ -641,7 +643,7 @@ def _attn_bwd_dq_kernel(
 
     dq *= softmax_scale
     tl.store(_tile_ptrs(DQ, rows, stride_dqm, offs_d), dq.to(DQ.dtype.element_ty),
-             mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
+             mask=_tile_mask(rows, seqlen_q, offs_d, HEAD_DIM))
 
 
 # ---------------------------------------------------------------------------------------------
