@@ -161,7 +161,8 @@ LAYER_NORM_LINEAR_ERRORS = [
     case("layer_norm_linear", "eps-negative", lambda: remat.layer_norm_linear(**lnl_args(), eps=-1.0),
          ValueError, "eps", r"eps must be a non-negative float, got -1\.0"),
     case("nn.LayerNormLinear", "x-width", lambda: remat.nn.LayerNormLinear(8, 4)(rand(2, 7)),
-         ValueError, "norm_weight", r"norm_weight must have shape \(7,\), got \(8,\)"),
+         ValueError, "x", r"x must have 8 features in its last dimension \(the in_features of LayerNormLinear\), "
+                          r"got shape \(2, 7\)"),
     case("nn.LayerNormLinear", "recompute", lambda: remat.nn.LayerNormLinear(8, 4, recompute=1),
          TypeError, "recompute", r"recompute must be True or False, got 1"),
 ]
@@ -196,11 +197,11 @@ MLP_ERRORS = [
     case("mlp", "eps-negative", lambda: remat.mlp(**mlp_args(), eps=-0.5, layer_norm=True),
          ValueError, "eps", r"eps must be a non-negative float, got -0\.5"),
     case("nn.MLP", "x-width", lambda: remat.nn.MLP(8, 16)(rand(2, 9)),
-         ValueError, "w1", r"w1 must have shape \(out_features, 9\), got \(16, 8\)"),
+         ValueError, "x", r"x must have 8 features in its last dimension \(the in_features of MLP\), got shape \(2, 9\)"),
     case("nn.MLP", "activation", lambda: remat.nn.MLP(8, 16, activation="relu"),
          ValueError, "activation", r"activation must be one of \('gelu', 'gelu_tanh'\), got 'relu'"),
     case("nn.LayerNormMLP", "x-width", lambda: remat.nn.LayerNormMLP(8, 16)(rand(2, 9)),
-         ValueError, "norm_weight", r"norm_weight must have shape \(9,\), got \(8,\)"),
+         ValueError, "x", r"x must have 8 features .* \(the in_features of LayerNormMLP\), got shape \(2, 9\)"),
     case("nn.LayerNormMLP", "x-dtype", lambda: remat.nn.LayerNormMLP(8, 16)(rand(2, 8, dtype=torch.bfloat16)),
          TypeError, "w1", r"w1 has dtype torch\.float32 but x has torch\.bfloat16"),
 ]

@@ -63,8 +63,11 @@ devices or dtypes. The report says which rule stopped each one.
 import collections
 import contextlib
 import copy
+import functools
 import inspect
 import types
+import warnings
+import weakref
 
 import torch
 import torch.fx
@@ -72,26 +75,46 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import nn as remat_nn
+from ._guards import fallback, fallback_counts, hook_reason
+from ._linears import fused_saved_bytes, projection
 from .ops.attention import multihead_self_attention
 from .ops.fused import layer_norm_linear, mlp
 
 LAYERS = frozenset({"layernorm", "gelu", "attention", "mlp"})
 
-__all__ = ["ConversionReport", "RematMultiheadAttention", "RematSequential", "ReportRow", "convert", "revert"]
+__all__ = ["ConversionReport", "RematMultiheadAttention", "RematSequential", "RematWarning", "ReportRow", "convert",
+           "revert"]
 
 
 # ---------------------------------------------------------------------------------------------
 # The report
 # ---------------------------------------------------------------------------------------------
 
-ReportRow = collections.namedtuple("ReportRow", "path type action reason")
+# saves: a function giving the activation bytes per token the swap keeps less than stock, under the
+# model's requires_grad when it is called (None for skipped rows).
+ReportRow = collections.namedtuple("ReportRow", "path type action reason saves", defaults=(None,))
+
+
+def _no_saving():
+    return 0
 
 
 class ConversionReport(list):
-    """A list of ReportRow(path, type, action, reason); str() is a table."""
+    """A list of ReportRow(path, type, action, reason, saves); str() is a table.
 
-    def add(self, path, module, action, reason=""):
-        self.append(ReportRow(path or "(root)", type(module).__name__, action, reason))
+    saved_bytes_per_token() totals what the swaps keep less than stock, per token of a layer's input
+    (the bytes of the activation dtype, taken as the parameters'), for layers whose input requires
+    grad, under the requires_grad of the model's parameters at the time of asking: freeze weights or
+    add LoRA adapters after conversion and it changes as the saving does. fallbacks() counts the
+    calls that ran a stock forward instead, per module and reason.
+    """
+
+    model = None  # a weak reference to the converted model, set by convert()
+
+    def add(self, path, module, action, reason="", saves=None):
+        if action != "skipped" and saves is None:
+            saves = _no_saving
+        self.append(ReportRow(path or "(root)", type(module).__name__, action, reason, saves))
 
     @property
     def swapped(self):
@@ -101,36 +124,39 @@ class ConversionReport(list):
     def skipped(self):
         return [row for row in self if row.action == "skipped"]
 
+    def saved_bytes_per_token(self):
+        """Activation bytes per token all the swaps keep less than stock, at the current requires_grad."""
+        return sum(row.saves() for row in self.swapped)
+
+    def fallbacks(self):
+        """{module path: {reason: calls}} of the converted modules that ran their stock forward."""
+        model = self.model() if self.model is not None else None
+        return fallback_counts(model) if model is not None else {}
+
     def __str__(self):
-        header = ReportRow("module", "type", "action", "reason")
-        rows = [header, *self]
-        widths = [max(len(str(row[i])) for row in rows) for i in range(3)]
+        header = ("module", "type", "action", "saves B/token", "reason")
+        rows = [header] + [(row.path, row.type, row.action, "" if row.saves is None else str(row.saves()),
+                            row.reason) for row in self]
+        widths = [max(len(str(row[i])) for row in rows) for i in range(4)]
         lines = []
         for n, row in enumerate(rows):
-            cells = [str(row[i]).ljust(widths[i]) for i in range(3)] + [row.reason]
+            cells = [str(row[i]).ljust(widths[i]) for i in range(4)] + [row[4]]
             lines.append("  ".join(cells).rstrip())
             if n == 0:
                 lines.append("  ".join("-" * w for w in widths) + "  ------")
-        lines.append(f"{len(self.swapped)} swapped, {len(self.skipped)} skipped")
+        lines.append(f"{len(self.swapped)} swapped, {len(self.skipped)} skipped; "
+                     f"{self.saved_bytes_per_token()} activation bytes saved per token "
+                     "(for layers whose input requires grad, at the current requires_grad)")
         return "\n".join(lines)
 
     def __repr__(self):
-        return f"ConversionReport({len(self)} rows: {len(self.swapped)} swapped, {len(self.skipped)} skipped)"
+        return (f"ConversionReport({len(self)} rows: {len(self.swapped)} swapped, {len(self.skipped)} skipped, "
+                f"{self.saved_bytes_per_token()} bytes/token saved)")
 
 
 # ---------------------------------------------------------------------------------------------
 # Checks shared by the rules (also used by remat.hf)
 # ---------------------------------------------------------------------------------------------
-
-
-def hook_reason(module):
-    """Why `module` must be left alone because of hooks or parametrizations, or None."""
-    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    if any(getattr(module, name, None) for name in hooks):
-        return "has forward/backward hooks"
-    if getattr(module, "parametrizations", None) is not None:
-        return "has parametrizations"
-    return None
 
 
 def uniform_reason(*modules):
@@ -418,7 +444,8 @@ def _sequential_runs(seq, layers, recompute, path, report):
             module.__dict__["remat_activation"] = children[i + length - 2]
         types = ", ".join(type(c).__name__ for c in children[i:i + length])
         report.add(_join(path, members[0]), children[i], f"swapped to {type(module).__name__}",
-                   f"fused ({types}) from {members[0]} to {members[-1]}; Identity at the rest")
+                   f"fused ({types}) from {members[0]} to {members[-1]}; Identity at the rest",
+                   module.saved_bytes_per_token)
         i += length
     if runs:
         seq.__class__ = RematSequential
@@ -485,11 +512,12 @@ class FxRewrite:
     """What the fx path did to one module, and when its rewritten forward applies.
 
     programs: {training flag: forward generated from that mode's rewritten graph}. The trace
-    fixed each argument with a default to that default, read the module's scalar attributes as
-    constants and no longer calls the fused submodules, so a call runs the program only while
-    all of that holds: defaulted arguments at their defaults, the same scalar attributes, the
-    fused submodules still in place and without hooks. Any other call runs the class's own
-    forward: the same computation without the fusion. fusions: ((kind, module names, training
+    fixed each argument with a default to that default and read the module's scalar attributes as
+    constants, so a call runs the program only while both hold: defaulted arguments at their
+    defaults, the same scalar attributes. Any other call runs the class's own forward: the same
+    computation without the fusion. The fused submodules are looked up by name at each call, and
+    each fused function runs them by their own forwards where they are no longer plain (hooks,
+    another module, a wrapper other than peft's LoRA). fusions: ((kind, module names, training
     flag or None for both modes), ...).
     """
 
@@ -518,9 +546,8 @@ class FxRewrite:
                 return None
         if not all(_unchanged(getattr(module, name, _MISSING), value) for name, value in self.state.items()):
             return None
-        for name, fused in self.fused:
-            if module.get_submodule(name) is not fused or hook_reason(fused):
-                return None
+        # The fused submodules are read at each call by name: the fused functions check them
+        # then, and call whatever sits there now by its own forward where it is not plain.
         return [values[name] for name in self.required]
 
 
@@ -533,24 +560,41 @@ def _fx_forward(self, *args, **kwargs):
     return rewrite.programs[self.training](self, *required)
 
 
-def fx_layer_norm_linear(x, norm, linear, recompute):
-    """linear(norm(x)) on remat.ops.fused, reading the modules' parameters at call time."""
-    return layer_norm_linear(x, norm.weight, norm.bias, linear.weight, linear.bias, norm.eps, recompute)
+def fx_layer_norm_linear(x, norm, linear, recompute, label):
+    """linear(norm(x)) on remat.ops.fused, reading the modules' parameters at call time; by their
+    own forwards where they are not plain any more (label: the run, for the warning)."""
+    proj, reason = projection(linear, "the Linear")
+    reason = remat_nn.norm_reason(norm, "the LayerNorm") or reason
+    if reason:
+        fallback(norm, reason, where=label)
+        return linear(norm(x))
+    return layer_norm_linear(x, norm.weight, norm.bias, proj.weight, proj.bias, norm.eps, recompute, proj.adapters)
 
 
-def fx_mlp(x, norm, fc1, fc2, approximate, recompute):
-    """fc2(gelu(fc1(norm(x)))) on remat.ops.fused; norm None for fc2(gelu(fc1(x)))."""
-    if norm is None:
-        return mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, approximate, recompute)
-    return mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, approximate, recompute,
-               norm_weight=norm.weight, norm_bias=norm.bias, eps=norm.eps, layer_norm=True)
+def fx_mlp(x, norm, fc1, act, fc2, approximate, recompute, label):
+    """fc2(gelu(fc1(norm(x)))) on remat.ops.fused; norm None for fc2(gelu(fc1(x))), act None for F.gelu."""
+    first, reason = projection(fc1, "fc1")
+    second, reason2 = projection(fc2, "fc2")
+    reason = reason or reason2 or (remat_nn.norm_reason(norm, "the LayerNorm") if norm is not None else None)
+    if reason is None and act is not None and gelu_approximate(act) != approximate:
+        reason = f"the activation is now {type(act).__name__}"
+    reason = reason or (f"the activation {hook_reason(act)}" if act is not None and hook_reason(act) else None)
+    if reason:
+        fallback(norm if norm is not None else fc1, reason, where=label)
+        h = fc1(norm(x) if norm is not None else x)
+        return fc2(act(h) if act is not None else F.gelu(h, approximate=approximate))
+    norm_args = {} if norm is None else dict(norm_weight=norm.weight, norm_bias=norm.bias, eps=norm.eps,
+                                             layer_norm=True)
+    return mlp(x, first.weight, first.bias, second.weight, second.bias, approximate, recompute,
+               fc1_adapters=first.adapters, fc2_adapters=second.adapters, **norm_args)
 
 
 def _fx_owned(module):
     """Modules the fx path may rewrite: not torch's own (leaves, containers, and composites whose
-    fast-path checks do not trace), not transformers' (remat.hf's rules), not remat's."""
+    fast-path checks do not trace), not transformers' (remat.hf's rules), not remat's, not peft's
+    (its wrappers run their own forwards; the fused layers compute LoRA layers in place)."""
     origin = type(module).__module__
-    return not origin.startswith(("torch.", "transformers.", "remat.")) \
+    return not origin.startswith(("torch.", "transformers.", "remat.", "peft.")) \
         and not isinstance(module, FUSED_TYPES) and not getattr(module, "remat_fused", False)
 
 
@@ -725,17 +769,20 @@ def _norm_run(root, node, norm, layers, skips):
 # --- rewriting ---
 
 
-def _fuse(graph, fusion, recompute):
+def _fuse(graph, fusion, recompute, label_path):
     """Replace the run's nodes by one call of remat's fused function on the same submodules."""
     x, last = fusion.nodes[0].args[0], fusion.nodes[-1]
     with graph.inserting_before(last):  # after every input of the run
+        label = f"{label_path} ({_run_names(fusion)})"
         if fusion.kind == "LayerNormLinear":
             norm, linear = (graph.get_attr(t) for t in fusion.targets)
-            fused = graph.call_function(fx_layer_norm_linear, (x, norm, linear, recompute))
+            fused = graph.call_function(fx_layer_norm_linear, (x, norm, linear, recompute, label))
         else:
             norm = graph.get_attr(fusion.targets[0]) if fusion.kind == "LayerNormMLP" else None
+            act_target = fusion.targets[-2]
+            act = graph.get_attr(act_target) if act_target is not None else None
             fc1, fc2 = graph.get_attr(fusion.targets[-3]), graph.get_attr(fusion.targets[-1])
-            fused = graph.call_function(fx_mlp, (x, norm, fc1, fc2, fusion.approximate, recompute))
+            fused = graph.call_function(fx_mlp, (x, norm, fc1, act, fc2, fusion.approximate, recompute, label))
     last.replace_all_uses_with(fused)
     for node in reversed(fusion.nodes):
         graph.erase_node(node)
@@ -830,10 +877,11 @@ def fx_convert(module, layers, recompute, path, report):
         for target, sub, reason in skips:
             report.add(_join(path, target), sub, "skipped", reason + mode)
         for fusion in runs:
-            _fuse(graph, fusion, recompute)
+            _fuse(graph, fusion, recompute, path or "(root)")
             first = module.get_submodule(fusion.targets[0])
             report.add(_join(path, fusion.targets[0]), first, f"fused to {fusion.kind} (torch.fx)",
-                       f"{_run_names(fusion)} in {type(module).__name__}.forward{mode}")
+                       f"{_run_names(fusion)} in {type(module).__name__}.forward{mode}",
+                       functools.partial(_fx_saved_bytes, weakref.ref(module), fusion.kind, fusion.targets))
             consumed.update((t, module.get_submodule(t)) for t in fusion.targets if t is not None)
             fusions.append((fusion.kind, fusion.targets, training if mode else None))
     if not fusions:
@@ -844,6 +892,18 @@ def fx_convert(module, layers, recompute, path, report):
                                             tuple(consumed.items()), tuple(fusions))
     module.__dict__["forward"] = types.MethodType(_fx_forward, module)
     return {id(m) for m in consumed.values()}
+
+
+def _fx_saved_bytes(module_ref, kind, targets):
+    """Bytes per token an fx fusion keeps less than stock, from its submodules as they are now."""
+    module = module_ref()
+    if module is None:
+        return 0
+    get = module.get_submodule
+    if kind == "LayerNormLinear":
+        return fused_saved_bytes(get(targets[0]), [get(targets[1])])
+    norm = get(targets[0]) if kind == "LayerNormMLP" else None
+    return fused_saved_bytes(norm, [get(targets[-3])], get(targets[-1]))
 
 
 def fx_consumed(module):
@@ -891,6 +951,21 @@ def _leaf_swap(module, layers, path, report):
     elif isinstance(module, (nn.LayerNorm, nn.GELU, nn.MultiheadAttention)) and not isinstance(
             module, (remat_nn.LayerNorm, remat_nn.GELU, RematMultiheadAttention)):
         report.add(path, module, "skipped", "subclass of a stock layer (its forward may differ)")
+    elif _unsupported_kind(module):
+        report.add(path, module, "skipped", _unsupported_kind(module))
+    return None
+
+
+GATED_MLP_NAMES = ({"gate_proj", "up_proj", "down_proj"}, {"gate_up_proj", "down_proj"}, {"w1", "w2", "w3"})
+
+
+def _unsupported_kind(module):
+    """Why a module remat recognises is not converted (RMSNorm, gated MLPs), or None."""
+    if type(module).__name__.endswith("RMSNorm"):  # torch.nn.RMSNorm, LlamaRMSNorm, T5LayerNorm's kin
+        return "RMSNorm: remat has no RMSNorm kernel yet; it runs as it is and saves nothing"
+    children = set(module._modules)
+    if any(names <= children for names in GATED_MLP_NAMES):
+        return "gated MLP (act(gate) * up -> down): not fused yet; it runs as it is and saves nothing"
     return None
 
 
@@ -924,23 +999,54 @@ def _convert_children(parent, layers, recompute, path, report, hf_rules, consume
             _convert_children(child, layers, recompute, child_path, report, hf_rules, consumed)
 
 
+class RematWarning(UserWarning):
+    """remat.convert found nothing to fuse: the converted model keeps as many activation bytes as before."""
+
+
+def _peft_inner(model):
+    """(the model a peft PeftModel and its tuner wrap, and its path in `model`), or (model, "").
+
+    peft's wrappers are not transformers models and their forwards take *args: the family rules
+    apply to the model inside, whose modules keep their names under base_model.model.
+    """
+    path = ""
+    while type(model).__module__.startswith("peft."):
+        name = next((n for n in ("base_model", "model") if isinstance(model._modules.get(n), nn.Module)), None)
+        if name is None:
+            break
+        model, path = model._modules[name], _join(path, name)
+    return model, path
+
+
+def _layer_set(layers):
+    if isinstance(layers, str):  # a single name, not its letters
+        layers = (layers,)
+    try:
+        layers = frozenset(layers)
+    except TypeError:
+        raise TypeError(f"layers must be a name or a collection of names from {sorted(LAYERS)}, "
+                        f"got {layers!r}") from None
+    unknown = layers - LAYERS
+    if unknown:
+        raise ValueError(f"layers must be a subset of {sorted(LAYERS)}, got unknown {sorted(map(str, unknown))}")
+    return layers
+
+
 def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False):
     """Swap `model`'s layers for remat's where that is provably the same computation.
 
     inplace: convert `model` itself (its parameters stay the same objects) instead of a deep
-    copy. layers: which rules to apply, a subset of {"layernorm", "gelu", "attention", "mlp"}
-    ("layernorm" also fuses LayerNorm -> Linear; LayerNorm -> MLP needs "mlp" and "layernorm").
-    recompute: the fused layers' switch (False keeps what eager keeps, to compare).
-    report: also return a ConversionReport (print it for a table).
+    copy. layers: which rules to apply, one of or a subset of {"layernorm", "gelu", "attention",
+    "mlp"} ("layernorm" also fuses LayerNorm -> Linear; LayerNorm -> MLP needs "mlp" and
+    "layernorm"). recompute: the fused layers' switch (False keeps what eager keeps, to compare).
+    report: also return a ConversionReport (print it for a table, with the bytes each swap saves).
 
     Returns the converted model, or (model, report). state_dict keys are unchanged and the
     original checkpoint loads into the result. Hugging Face models (transformers
-    PreTrainedModel) also get the family rules of remat.hf.
+    PreTrainedModel, also inside a peft PeftModel) also get the family rules of remat.hf. Warns
+    (RematWarning) when the conversion saves no activation memory at all.
     """
-    layers = frozenset(layers)
-    unknown = layers - LAYERS
-    if unknown:
-        raise ValueError(f"layers must be a subset of {sorted(LAYERS)}, got unknown {sorted(unknown)}")
+    layers = _layer_set(layers)
     if not isinstance(recompute, bool):
         raise TypeError(f"recompute must be True or False, got {recompute!r}")
     if not isinstance(model, nn.Module):
@@ -950,14 +1056,21 @@ def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False):
     rows = ConversionReport()
     from . import hf
 
-    hf_rules = hf if hf.is_hf_model(model) else None
+    inner, inner_path = _peft_inner(model)
+    hf_rules = hf if hf.is_hf_model(inner) else None
     order = {path or "(root)": i for i, (path, _) in enumerate(model.named_modules())}
-    root = _leaf_swap(model, layers, "", rows)
+    root = _leaf_swap(model, layers, "", rows) if inner is model else None
     if root is not None:
         model = root
     else:
-        _convert_children(model, layers, recompute, "", rows, hf_rules, set())
+        _convert_children(inner, layers, recompute, inner_path, rows, hf_rules, set())
     rows.sort(key=lambda row: order.get(row.path, len(order)))  # rows in the model's module order
+    rows.model = weakref.ref(model)
+    if rows.saved_bytes_per_token() == 0:
+        fused = "no fusion applies" if not rows.swapped else \
+            f"{len(rows.swapped)} modules swapped, none of them keeping less than stock"
+        warnings.warn(f"remat.convert saves no activation memory on this {type(inner).__name__}: {fused} "
+                      "(convert(model, report=True) says why for each module)", RematWarning, stacklevel=2)
     return (model, rows) if report else model
 
 
@@ -980,6 +1093,8 @@ def _revert_sequential(seq):
 
 
 def _revert_module(module):
+    for name in ("remat_fallbacks", "remat_verified"):  # left on stock modules by fallbacks and LoRA checks
+        module.__dict__.pop(name, None)
     if type(module) is remat_nn.LayerNorm:
         return _with_class(module, nn.LayerNorm)
     if type(module) is remat_nn.GELU:

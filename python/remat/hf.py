@@ -1,70 +1,82 @@
 """Hugging Face transformers support for remat.convert (tested with transformers 5.24).
 
 remat.convert applies these rules, besides the generic ones (every other nn.LayerNorm becomes
-remat.nn.LayerNorm), when the model is a transformers PreTrainedModel. Module swaps only: no
-forward function of a transformers class is patched, and a swapped module holds the very
-submodules and parameters of the original (same state_dict keys, in the same order).
+remat.nn.LayerNorm), when the model is a transformers PreTrainedModel (a peft model is converted
+through the transformers model it wraps). Class swaps only: no forward function of a transformers
+class is patched; a swapped module is the stock instance with a remat subclass of its class, so
+it holds the very submodules and parameters of the original (same state_dict keys, in the same
+order) and isinstance checks still hold.
 
     family           swapped (class -> remat class)                  LayerNorms fused (pre-LN)
     GPT-2            GPT2Attention -> RematGPT2Attention             ln_1 into c_attn
-                     GPT2MLP -> RematHFMLP                           ln_2 into c_fc
+                     GPT2MLP -> RematGPT2MLP                         ln_2 into c_fc
     ViT              ViTAttention -> RematViTAttention               layernorm_before into q/k/v_proj
-                     ViTMLP -> RematHFMLP                            layernorm_after into fc1
+                     ViTMLP -> RematViTMLP                           layernorm_after into fc1
     GPT-NeoX/Pythia  GPTNeoXAttention -> RematGPTNeoXAttention       input_layernorm into
                        (rotary embedding included)                     query_key_value
-                     GPTNeoXMLP -> RematHFMLP                        post_attention_layernorm into
+                     GPTNeoXMLP -> RematGPTNeoXMLP                   post_attention_layernorm into
                                                                        dense_h_to_4h
     BERT, RoBERTa    Bert/RobertaSelfAttention ->                    none: post-LN, the LayerNorm
                        RematBert/RobertaSelfAttention                  follows the residual add
-                     intermediate -> RematPassthroughIntermediate,
-                     output -> RematBertOutput (the FFN, fused)
-    CLIP             CLIPMLP -> RematHFMLP, with a GELU only         none
+                     Bert/RobertaIntermediate -> Remat...Intermediate (returns its input),
+                     Bert/RobertaOutput -> Remat...Output (the FFN, fused)
+    CLIP             CLIPMLP -> RematCLIPMLP, with a GELU only       none
                        (CLIP's default quick_gelu is not one)
 
 Memory (design.md §1), per layer and token, in bytes of the activation dtype: the fused MLPs keep
 the fc1 output, never the GELU output (ffn less); a fused pre-LN LayerNorm keeps its input x and
-fp32 mean/rstd, never its output, because the projection after it rebuilds LN(x) for its weight
-gradient (hidden less per LayerNorm, two per pre-LN layer). ViT's q, k and v are three Linears:
-its LayerNorm is fused into each, which keeps x once and three fp32 mean/rstd pairs (two more
-than stock, 16 bytes). remat.attention keeps q, k, v, the output and an fp32 log-sum-exp per
-row, and lays its output out as (batch, seq, heads, head_dim), so the out-projection keeps that
-same storage; stock SDPA's output takes q's layout on some backends (CPU), and transformers'
-transpose(1, 2).contiguous() then copies it (GPT-NeoX on CPU: hidden more kept by stock).
+fp32 mean/rstd, never its output, because the projection(s) after it rebuild LN(x) for their
+weight gradients (hidden less per LayerNorm, two per pre-LN layer; ViT's three q/k/v Linears read
+one LayerNorm computed once). Each saving holds only where the weight whose gradient needs the
+tensor is trained (a frozen Linear keeps no input in stock PyTorch either): the report computes
+them under the model's requires_grad at the time it is printed. remat.attention keeps q, k, v,
+the output and an fp32 log-sum-exp per row, as SDPA's flash and efficient kernels do, and lays its
+output out as (batch, seq, heads, head_dim), so the out-projection keeps that same storage (stock
+SDPA's output takes q's layout on some backends, CPU, and transformers' .contiguous() then copies
+it: GPT-NeoX on CPU keeps hidden more in stock).
 
-Attention. The remat classes are the stock classes with a remat path mixed in: the instance is
-the stock module with its class changed, so isinstance checks (transformers' output recorders,
-weight init) and attributes stay, and every call the remat path does not compute exactly runs
-the stock forward (with the fused LayerNorm applied first). The remat path computes q, k, v with
-the module's own projections (GPT-NeoX's rotary embedding as transformers applies it), then
-remat.attention and the module's output projection. It runs when:
+LoRA (peft). Projections wrapped by peft's LoRA layers (before or after convert) run inside the
+fused ops: base + Σ B(A(x))·scale, in peft's order and dtypes, keeping only each adapter's rank-r
+A(x) besides what the fused op keeps anyway; A's gradient gets the rebuilt input. Each LoRA layer
+is checked once against its own forward. A LoRA variant (DoRA, ...), LoRA dropout in training,
+or a wrapper remat does not know runs the module's own forward for that call.
 
-- config._attn_implementation is "sdpa" or "eager" (flash_attention_* and flex_attention read
-  packing information from the call: stock);
-- no attention weights are requested (output_attentions by argument, by config, or by
-  transformers' output collector for a model-level output_attentions=True call);
-- no dropout in effect (eval, or an attention dropout of 0);
-- no KV cache, or a plain DynamicCache that holds nothing yet for this layer (a prefill, and
-  training with use_cache=True): its update() stores and returns the new keys and values as
-  given. A cache with past keys (a generation step) runs stock;
-- the mask is none or plain: None (sdpa passes None when nothing is masked; with sdpa the call
-  is then causal when the module is, with eager it is not masked), or a 4-D tensor that is
-  exactly all-visible or exactly causal: bool (True = visible), or float added to the scores
-  with 0 = visible and -inf or the dtype's minimum = hidden. That check compares on the device
-  (one synchronisation per layer) and only runs for materialised masks (eager, or padding);
-  any padding makes the mask neither, and the call runs stock;
-- no other argument with a value (cross-attention's encoder_hidden_states, head masks, packing
-  arguments), the input (batch, seq, hidden), and the arguments bind to the stock forward's
-  signature (a deprecated name it renames runs stock).
+Every fused path checks at each call that the modules it computes are still the plain ones fused
+(exact classes, no hooks or parametrizations, plain tensors as weights); where one is not, that
+call runs the modules' own forwards, with a RematFallbackWarning once per module and reason
+(counts: ConversionReport.fallbacks()). The same holds for the calls the remat path does not
+compute exactly; the attention classes run the stock forward (with the fused LayerNorm applied
+first) when:
+
+- config._attn_implementation is not "sdpa" or "eager" (flash_attention_* and flex_attention read
+  packing information from the call);
+- attention weights are requested (output_attentions by argument, by config, or by transformers'
+  output collector for a model-level output_attentions=True call);
+- dropout is in effect (training with an attention dropout above 0);
+- a KV cache holds past keys, or is not a plain DynamicCache (an empty one, as in a prefill or in
+  training with use_cache=True, stays on remat: its update() returns the new keys as given);
+- the mask is neither none nor plain: a 4-D mask must be exactly all-visible or exactly causal
+  (bool True = visible, or float with 0 = visible and -inf or the dtype's minimum = hidden); the
+  check compares on the device (one synchronisation per layer) and only runs for materialised
+  masks (eager, or padding); any padding makes the mask neither;
+- an argument that changes the math has a value (cross-attention's encoder_hidden_states, a
+  position bias, softcap, sliding windows, ...). The keyword arguments transformers passes through
+  every layer (TransformersKwargs: num_items_in_batch from the Trainer, position_ids, cu_seq_lens,
+  output_hidden_states, ...), which sdpa and eager attention ignore, stay on remat; is_causal is
+  honoured as sdpa honours it;
+- the input is not (batch, seq, hidden), or the arguments do not bind to the stock forward's
+  signature (a deprecated name it renames).
 
 Not swapped: cross-attention (GPT-2's crossattention, BertCrossAttention), head dims outside
-remat's kernel head dims (remat.ops.attention.HEAD_DIMS), projections that are not exactly
-nn.Linear / transformers Conv1D, modules with hooks, and attention classes without a rule (the
-report says "no remat rule").
+remat's kernel head dims (remat.ops.attention.HEAD_DIMS), modules whose forward was replaced on
+the instance, and classes without a rule (the report says "no remat rule").
 
 LayerNorm fusion. A fused LayerNorm becomes RematFusedLayerNorm: still an nn.LayerNorm with its
-own weight, bias and eps (same keys), whose forward returns its input; the attention or MLP
-after it applies it inside the fused op. Only exact nn.LayerNorms over the last dimension with
-affine parameters (and a bias, for the MLP) are fused.
+own weight, bias and eps (same keys), whose forward returns its input while the module after it
+applies it inside the fused op (a Handoff between the two, checked by both at every call: each
+must still sit in its place in the layer without hooks; otherwise the LayerNorm computes itself
+and the next module takes its output, as stock). Only exact nn.LayerNorms over the last dimension
+with affine parameters (and a bias, for the MLP) are fused.
 
 GELU variants accepted: GELUActivation (erf), nn.GELU, GELUTanh/PytorchGELUTanh,
 NewGELUActivation and FastGELUActivation (the tanh approximation, FastGELU's constant rounded
@@ -73,36 +85,40 @@ the attention's out-projection is torch's nn.Dropout exactly as the original, so
 those dropouts stays equivalent (same random stream).
 
 Every rule is checked when it is applied: the original and the swapped modules run on one small
-random input (eval mode, a private generator, no autograd) and must agree, the attention's
-remat path must be what ran, and a fused LayerNorm is checked by running the whole layer, which
-also proves its output feeds nothing else. A mismatch (a transformers version whose forward
-differs) leaves the modules alone and says so in the report. Models on the meta device are not
-probed.
+random input (eval mode, a private generator, no autograd) and must agree, the remat path must be
+what ran, and a fused LayerNorm is checked by running the whole layer, which also proves its
+output feeds nothing else. A mismatch (a transformers version whose forward differs) leaves the
+modules alone and says so in the report. Models on the meta device are not probed.
 
 remat.revert gives the stock classes back (same objects inside).
 """
 
+import collections
 import contextlib
 import functools
 import inspect
 import sys
+import weakref
 
 import torch
 from torch import nn
 
-from .convert import _join, _with_class, hook_reason, layer_norm_fusable, uniform_reason
+from ._guards import fallback, hook_reason, tensor_reason
+from ._linears import fused_saved_bytes, projection, widths
+from .convert import _join, _with_class, layer_norm_fusable, uniform_reason
 from .convert import gelu_approximate as _generic_gelu_approximate
 from .ops.attention import HEAD_DIMS, attention
-from .ops.fused import layer_norm_linear, mlp
+from .ops.fused import layer_norm_linears, mlp
 
 TESTED_TRANSFORMERS = ">=5.24,<6"
 
-# MLP modules: class name -> (fc1, activation, fc2, dropout or None, Conv1D weights (in, out))
+# A transformers MLP module: the names of its fc1, activation, fc2 and (or None) dropout after fc2.
+MLPParts = collections.namedtuple("MLPParts", "fc1 act fc2 dropout")
 MLP_RULES = {
-    "GPT2MLP": ("c_fc", "act", "c_proj", "dropout", True),
-    "ViTMLP": ("fc1", "activation_fn", "fc2", None, False),
-    "GPTNeoXMLP": ("dense_h_to_4h", "act", "dense_4h_to_h", None, False),
-    "CLIPMLP": ("fc1", "activation_fn", "fc2", None, False),
+    "GPT2MLP": MLPParts("c_fc", "act", "c_proj", "dropout"),
+    "ViTMLP": MLPParts("fc1", "activation_fn", "fc2", None),
+    "GPTNeoXMLP": MLPParts("dense_h_to_4h", "act", "dense_4h_to_h", None),
+    "CLIPMLP": MLPParts("fc1", "activation_fn", "fc2", None),
 }
 
 # FFNs split over two siblings: layer class -> (intermediate attr and class, output attr and class)
@@ -148,36 +164,26 @@ def _gelu(module):
     return _generic_gelu_approximate(module) if isinstance(module, nn.Module) else None
 
 
-def _is_conv1d(module):
-    return type(module).__name__ == "Conv1D" and _from_transformers(module)
-
-
-def _widths(fc, transposed):
-    """(in_features, out_features) of an nn.Linear, or of a transformers Conv1D (weight (in, out))."""
-    if transposed:
-        return tuple(fc.weight.shape)
-    return fc.in_features, fc.out_features
-
-
-def _mlp_reason(fc1, act, fc2, dropout, transposed):
-    """None when fc1 -> act -> fc2 [-> dropout] is remat.mlp [+ dropout], else why not."""
-    for name, fc in (("fc1", fc1), ("fc2", fc2)):
-        if transposed and not _is_conv1d(fc):
-            return f"{name} is {type(fc).__name__}, not transformers Conv1D"
-        if not transposed and type(fc) is not nn.Linear:
-            return f"{name} is {type(fc).__name__}, not exactly nn.Linear"
+def _activation_reason(act, label="activation"):
+    """Why the activation module `act` is not a GELU the fused MLP computes in its place, or None."""
     if _gelu(act) is None:
-        return f"activation {type(act).__name__} is not a GELU remat computes (exact or tanh)"
-    (h_in, f_out), (f_in, h_out) = _widths(fc1, transposed), _widths(fc2, transposed)
+        return f"{label} {type(act).__name__} is not a GELU remat computes (exact or tanh)"
+    reason = hook_reason(act)
+    return f"{label} {reason}" if reason else None
+
+
+def _mlp_reason(fc1, act, fc2):
+    """None when fc1 -> act -> fc2 is remat.mlp (fc1 and fc2 Linear-like, peft's LoRA included), else why not."""
+    for name, fc in (("fc1", fc1), ("fc2", fc2)):
+        reason = projection(fc, name)[1]
+        if reason:
+            return reason
+    reason = _activation_reason(act)
+    if reason:
+        return reason
+    (h_in, f_out), (f_in, h_out) = widths(fc1), widths(fc2)
     if f_in != f_out or h_out != h_in:
         return f"widths do not chain: {h_in}->{f_out} then {f_in}->{h_out}"
-    if (fc1.bias is None) != (fc2.bias is None):
-        return "one projection has a bias and the other none"
-    if dropout is not None and type(dropout) is not nn.Dropout:
-        return f"dropout is {type(dropout).__name__}, not nn.Dropout"
-    for m in (fc1, act, fc2, dropout):
-        if m is not None and hook_reason(m):
-            return f"{type(m).__name__} {hook_reason(m)}"
     return uniform_reason(fc1, fc2)
 
 
@@ -213,159 +219,264 @@ def _probe(before, after, width, param, modules):
 
 
 # ---------------------------------------------------------------------------------------------
-# The swapped modules
+# Handoffs: a module's work done, fused, by the module after it
 # ---------------------------------------------------------------------------------------------
 
 
-class RematHFMLP(nn.Module):
-    """A transformers MLP module (GPT2MLP, ViTMLP, GPTNeoXMLP, CLIPMLP) on remat.mlp.
+class Handoff:
+    """Work moved from one module of a layer to the next: the producer at layer.<producer> returns
+    its input unchanged, and the consumer at layer.<consumer> does the producer's work inside its
+    own fused op (a pre-LN LayerNorm into the q/k/v projection or fc1; BERT's intermediate into
+    its output).
 
-    Holds the original's submodules under their original names (same parameters, same
-    state_dict keys), computes dropout(fc2(gelu(fc1(x)))) keeping x and the fc1 output only,
-    and remat_revert() gives the original module back.
+    It holds only while both sit in their places in the layer without hooks (checked at every
+    call, by both): otherwise the producer runs its own forward and the consumer takes what it
+    gets, as stock. The layer is held by a weak reference; a deepcopy of the whole model points
+    the copy at the copied layer, while a copy of one of the two modules alone keeps pointing at
+    the original layer, where it does not sit, so the copy computes itself.
     """
 
+    def __init__(self, layer, producer, consumer):
+        self._layer = weakref.ref(layer)
+        self.producer, self.consumer = producer, consumer
+
+    def reason(self):
+        """None while the handoff holds, else why not."""
+        layer = self._layer()
+        if layer is None:
+            return "the layer holding it is gone"
+        for name in (self.producer, self.consumer):
+            module = layer._modules.get(name)
+            if module is None or module.__dict__.get("remat_handoff") is not self:
+                return f"{name} is no longer the module converted"
+            reason = hook_reason(module)
+            if reason:
+                return f"{name} {reason}"
+        return None
+
+    def source(self):
+        """The producer module (call only while reason() is None)."""
+        return self._layer()._modules[self.producer]
+
+    def __deepcopy__(self, memo):
+        layer = self._layer()
+        new = Handoff.__new__(Handoff)
+        memo[id(self)] = new
+        new._layer = weakref.ref(memo.get(id(layer), layer)) if layer is not None else self._layer
+        new.producer, new.consumer = self.producer, self.consumer
+        return new
+
+    def __reduce__(self):  # pickling a model: the layer itself, which pickle keeps once
+        return Handoff, (self._layer(), self.producer, self.consumer)
+
+
+def _link(layer, producer_name, producer, consumer_name, consumer):
+    handoff = Handoff(layer, producer_name, consumer_name)
+    producer.__dict__["remat_handoff"] = consumer.__dict__["remat_handoff"] = handoff
+
+
+def _handed_over(module):
+    """(the producer whose work `module` does at this call, or None; why a handoff no longer holds, or None)."""
+    handoff = module.__dict__.get("remat_handoff")
+    if handoff is None:
+        return None, None
+    reason = handoff.reason()
+    if reason:
+        return None, f"{handoff.producer} is not fused any more: {reason}"
+    return handoff.source(), None
+
+
+def _strip(module, stock_class):
+    """`module` as `stock_class` again, without the remat_* entries conversion added to its __dict__."""
+    stock = _with_class(module, stock_class)
+    for name in [n for n in vars(stock) if n.startswith("remat_")]:
+        del stock.__dict__[name]
+    return stock
+
+
+_REMAT_CLASSES = {}
+
+
+def remat_class(mixin, stock_class):
+    """Remat<Stock>(mixin, stock): the class a stock transformers module is swapped to."""
+    cls = _REMAT_CLASSES.get((mixin, stock_class))
+    if cls is None:
+        name = f"Remat{stock_class.__name__}"
+        cls = type(name, (mixin, stock_class), {"remat_stock": stock_class, "__module__": __name__,
+                                                "__qualname__": name})
+        globals()[name] = cls  # importable by name, so a converted model pickles
+        _REMAT_CLASSES[(mixin, stock_class)] = cls
+    return cls
+
+
+class _RematModule:
+    """What every swapped transformers module shares: the probe's trace, fallbacks, revert."""
+
     remat_fused = True
+    remat_stock: type  # the stock class
 
-    def __init__(self, original, fc1, act, fc2, dropout, transposed, approximate, recompute, norm=None):
-        super().__init__()
-        self.names = (fc1, act, fc2, dropout)
-        for name in self.names:
-            if name is not None:
-                setattr(self, name, getattr(original, name))
-        self.transposed, self.approximate, self.recompute = transposed, approximate, recompute
-        self.__dict__["remat_original"] = original  # not a submodule: kept for remat_revert()
-        # The sibling LayerNorm in front (a RematFusedLayerNorm that passes its input through),
-        # or None. Not a submodule: its parameters keep their place and keys in the layer.
-        self.__dict__["remat_norm"] = norm
-
-    def forward(self, hidden_states):
-        fc1, _, fc2, dropout = (self._modules[n] if n is not None else None for n in self.names)
-        w1, w2 = fc1.weight, fc2.weight
-        if self.transposed:  # Conv1D: y = x @ weight + bias, weight (in, out)
-            w1, w2 = w1.t(), w2.t()
-        norm = self.remat_norm
-        if norm is None:
-            out = mlp(hidden_states, w1, fc1.bias, w2, fc2.bias, self.approximate, self.recompute)
-        else:
-            out = mlp(hidden_states, w1, fc1.bias, w2, fc2.bias, self.approximate, self.recompute,
-                      norm_weight=norm.weight, norm_bias=norm.bias, eps=norm.eps, layer_norm=True)
-        return dropout(out) if dropout is not None else out
-
-    def extra_repr(self):
-        fused = ", LayerNorm fused in front" if self.remat_norm is not None else ""
-        return f"{type(self.remat_original).__name__} on remat.mlp, approximate={self.approximate!r}, " \
-               f"recompute={self.recompute}{fused}"
+    def _remat_fallback(self, reason):
+        """Record a call that runs stock (or the probe's trace of it)."""
+        trace = self.__dict__.get("remat_trace")
+        if trace is not None:  # set by the conversion probe only
+            trace.append(reason)
+        elif reason is not None:
+            fallback(self, reason)
 
     def remat_revert(self):
-        original = self.remat_original
-        for name in self.names:
-            if name is not None:
-                original._modules[name] = self._modules[name]
-        original.train(self.training)
-        return original
+        return _strip(self, self.remat_stock)
 
 
-class RematFusedLayerNorm(nn.LayerNorm):
+class RematFusedLayerNorm(_RematModule, nn.LayerNorm):
     """A pre-LN block's LayerNorm whose consumer (the attention's q/k/v projection or the MLP's
-    fc1) now applies it, fused: forward returns its input. Still an nn.LayerNorm with its own
-    weight, bias and eps (same objects, same state_dict keys, found by isinstance checks such as
-    weight-decay groups); remat_revert() gives the stock module back."""
+    fc1) applies it, fused: while their handoff holds, forward returns its input. Still an
+    nn.LayerNorm with its own weight, bias and eps (same objects, same state_dict keys, found by
+    isinstance checks such as weight-decay groups); remat_revert() gives the stock module back."""
 
-    remat_fused = True
+    remat_stock = nn.LayerNorm
 
     def forward(self, hidden_states):
-        return hidden_states
+        if self.remat_handoff.reason() is None:
+            return hidden_states
+        return nn.LayerNorm.forward(self, hidden_states)
 
     def extra_repr(self):
-        return f"{super().extra_repr()}, applied fused by the next projection: returns its input"
-
-    def remat_revert(self):
-        return _with_class(self, nn.LayerNorm)
+        return f"{super().extra_repr()}, applied fused by the next projection"
 
 
-class RematPassthroughIntermediate(nn.Module):
-    """BertIntermediate's place in a converted layer: holds dense and the activation (same
-    parameters and keys) and returns its input; RematBertOutput computes the whole FFN."""
+def _layer_norm_reason(norm):
+    """Why a RematFusedLayerNorm's parameters cannot be read by a fused op at this call, or None."""
+    for name in ("weight", "bias"):
+        reason = tensor_reason(name, getattr(norm, name, None))
+        if reason:
+            return reason
+    return None
 
-    remat_fused = True
 
-    def __init__(self, original):
-        super().__init__()
-        self.dense = original.dense
-        self.intermediate_act_fn = original.intermediate_act_fn
-        self.__dict__["remat_original"] = original
+def _normed_outputs(x, norm, modules, recompute, labels):
+    """([module(norm(x)) for each module], None), with the LayerNorm fused into the projections when
+    `norm` is given, or (None, why they cannot be fused at this call)."""
+    if norm is None:
+        return [m(x) for m in modules], None
+    linears = []
+    for module, label in zip(modules, labels):
+        linear, reason = projection(module, label)
+        if reason:
+            return None, reason
+        linears.append(linear)
+    reason = _layer_norm_reason(norm)
+    if reason:
+        return None, reason
+    return layer_norm_linears(x, norm.weight, norm.bias, linears, norm.eps, recompute), None
+
+
+# ---------------------------------------------------------------------------------------------
+# The swapped MLP modules
+# ---------------------------------------------------------------------------------------------
+
+
+class _RematMLP(_RematModule):
+    """A transformers MLP module (GPT2MLP, ViTMLP, GPTNeoXMLP, CLIPMLP) on remat.mlp:
+    dropout(fc2(gelu(fc1(x)))) keeping x and the fc1 output only, with the LayerNorm before it
+    fused in when it was handed over. Any call remat cannot compute runs the stock forward."""
 
     def forward(self, hidden_states):
-        return hidden_states
+        parts = MLP_RULES[self.remat_stock.__name__]
+        norm, norm_reason = _handed_over(self)
+        fc1, reason = projection(self._modules[parts.fc1], parts.fc1)
+        fc2, reason2 = projection(self._modules[parts.fc2], parts.fc2)
+        reason = reason or reason2 or _activation_reason(self._modules[parts.act], parts.act) \
+            or (_layer_norm_reason(norm) if norm is not None else None)
+        if reason:
+            self._remat_fallback(reason)
+            if norm is not None:
+                hidden_states = nn.LayerNorm.forward(norm, hidden_states)
+            return self.remat_stock.forward(self, hidden_states)
+        self._remat_fallback(norm_reason)
+        norm_args = {} if norm is None else dict(norm_weight=norm.weight, norm_bias=norm.bias, eps=norm.eps,
+                                                 layer_norm=True)
+        out = mlp(hidden_states, fc1.weight, fc1.bias, fc2.weight, fc2.bias, _gelu(self._modules[parts.act]),
+                  self.remat_recompute, fc1_adapters=fc1.adapters, fc2_adapters=fc2.adapters, **norm_args)
+        return self._modules[parts.dropout](out) if parts.dropout else out
 
-    def remat_revert(self):
-        original = self.remat_original
-        original._modules["dense"] = self._modules["dense"]
-        original.train(self.training)
-        return original
+    def remat_saved_bytes(self):
+        """Bytes per token this module keeps less than stock: the GELU output, where fc2 trains."""
+        return 0 if not self.remat_recompute else fused_saved_bytes(fc2=self._modules[MLP_RULES[self.remat_stock.__name__].fc2])
+
+    def extra_repr(self):
+        return f"on remat.mlp, recompute={self.remat_recompute}"
 
 
-class RematBertOutput(nn.Module):
+class _RematIntermediate(_RematModule):
+    """BertIntermediate's place in a converted layer (dense + activation): returns its input while its
+    handoff to the output holds, the output computing the whole FFN."""
+
+    def forward(self, hidden_states):
+        if self.remat_handoff.reason() is None:
+            return hidden_states
+        return self.remat_stock.forward(self, hidden_states)
+
+
+class _RematOutput(_RematModule):
     """BertOutput (and RobertaOutput) with the FFN fused in:
-    LayerNorm(dropout(dense(gelu(intermediate.dense(x)))) + input_tensor) on remat.mlp.
-
-    Holds dense, LayerNorm and dropout (same parameters and keys); the intermediate dense is
-    the sibling's (not registered here, so the keys do not change).
-    """
-
-    def __init__(self, original, intermediate, approximate, recompute):
-        super().__init__()
-        self.dense, self.LayerNorm, self.dropout = original.dense, original.LayerNorm, original.dropout
-        self.approximate, self.recompute = approximate, recompute
-        self.__dict__["remat_fc1"] = intermediate.dense
-        self.__dict__["remat_original"] = original
+    LayerNorm(dropout(dense(gelu(intermediate.dense(x)))) + input_tensor) on remat.mlp."""
 
     def forward(self, hidden_states, input_tensor):
-        fc1, fc2 = self.remat_fc1, self.dense
-        out = mlp(hidden_states, fc1.weight, fc1.bias, fc2.weight, fc2.bias, self.approximate, self.recompute)
+        intermediate, reason = _handed_over(self)
+        if intermediate is None:  # the intermediate computed itself
+            self._remat_fallback(reason)
+            return self.remat_stock.forward(self, hidden_states, input_tensor)
+        fc1, reason = projection(intermediate.dense, "intermediate.dense")
+        fc2, reason2 = projection(self.dense, "dense")
+        act = intermediate.intermediate_act_fn
+        reason = reason or reason2 or _activation_reason(act, "intermediate.intermediate_act_fn")
+        if reason:
+            self._remat_fallback(reason)
+            hidden_states = intermediate.remat_stock.forward(intermediate, hidden_states)
+            return self.remat_stock.forward(self, hidden_states, input_tensor)
+        self._remat_fallback(None)
+        out = mlp(hidden_states, fc1.weight, fc1.bias, fc2.weight, fc2.bias, _gelu(act), self.remat_recompute,
+                  fc1_adapters=fc1.adapters, fc2_adapters=fc2.adapters)
         return self.LayerNorm(self.dropout(out) + input_tensor)
 
-    def remat_revert(self):
-        original = self.remat_original
-        for name in ("dense", "LayerNorm", "dropout"):
-            original._modules[name] = self._modules[name]
-        original.train(self.training)
-        return original
+    def remat_saved_bytes(self):
+        return 0 if not self.remat_recompute else fused_saved_bytes(fc2=self.dense)
 
 
 # ---------------------------------------------------------------------------------------------
 # Attention: the stock classes with a remat path (class swap, same objects inside)
 # ---------------------------------------------------------------------------------------------
 
-# Arguments of the stock forwards that may be given with any value without changing what the
-# remat path computes: position_ids only matter to flash-attention packing (not run here), and
-# use_cache only says whether a cache was made (the cache itself is checked).
-HARMLESS_KWARGS = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions",
-                             "output_hidden_states", "return_dict"})
-
 # The attention implementations whose result is fully determined by q, k, v, the mask, the
 # scale and dropout. flash_attention_* and flex_attention also read packing information from the
 # call (cu_seq_lens, position_ids) and run the stock forward.
 REMAT_IMPLEMENTATIONS = ("sdpa", "eager")
 
+# Arguments of the stock forwards that may have any value without changing what sdpa and eager
+# attention compute. transformers passes its TransformersKwargs through every layer (the Trainer's
+# num_items_in_batch, position_ids, packing's cu_seq_lens, which only flash attention reads; a
+# packed batch reaches sdpa as a block-diagonal mask, which is read); use_cache only says whether
+# a cache was made (the cache itself is checked). output_attentions and is_causal are read.
+_PASSTHROUGH_KWARGS = frozenset({
+    "num_items_in_batch", "output_hidden_states", "output_router_logits", "cu_seq_lens_q", "cu_seq_lens_k",
+    "max_length_q", "max_length_k", "position_ids", "seq_idx", "use_cache", "cache_position", "return_dict",
+    "output_attentions", "is_causal",
+})
+
+
+@functools.cache
+def _passthrough_kwargs():
+    """_PASSTHROUGH_KWARGS and whatever else this transformers version declares in TransformersKwargs."""
+    try:
+        from transformers.utils.generic import TransformersKwargs
+    except ImportError:
+        return _PASSTHROUGH_KWARGS
+    return _PASSTHROUGH_KWARGS | frozenset(getattr(TransformersKwargs, "__annotations__", {}))
+
 
 @functools.cache
 def _signature(stock_class):
     return inspect.signature(stock_class.forward)
-
-
-def _layer_norm(norm, x):
-    """What the stock nn.LayerNorm computes, for a LayerNorm whose module now passes its input through."""
-    return nn.LayerNorm.forward(norm, x)
-
-
-def _project(x, norm, linear, recompute, transposed=False):
-    """linear(norm(x)), with the LayerNorm fused into the Linear when there is one (keeps x, not norm(x))."""
-    weight = linear.weight.t() if transposed else linear.weight  # Conv1D holds (in, out)
-    if norm is None:
-        return linear(x)
-    return layer_norm_linear(x, norm.weight, norm.bias, weight, linear.bias, norm.eps, recompute)
 
 
 def _heads(t, heads, head_dim):
@@ -448,32 +559,34 @@ def _attention_weights_requested(module, kwargs):
     return bool(collected) and "attentions" in collected
 
 
-class _RematAttention:
+class _RematAttention(_RematModule):
     """The remat path shared by the swapped attention classes (mixed in before the stock class).
 
-    The instance is the stock module with its class changed: same submodules, parameters and
-    attributes, so state_dict keys, isinstance checks (transformers' output recorders and weight
-    init) and the stock forward (every call the remat path does not take) are unchanged.
-    Subclasses say how to build q, k, v and how to project the output; `remat_norm` is the
-    preceding LayerNorm fused into the q/k/v projection (None when nothing is fused).
+    Subclasses name their q/k/v projections (remat_projections, which read the hidden states,
+    the handed-over LayerNorm fused in) and say how to form q, k, v from their outputs and how to
+    project the output.
     """
 
-    remat_fused = True
-    remat_stock: type  # the stock class
     remat_cache_arg = None  # the stock forward's KV-cache argument
     remat_extra_args = ()  # further stock arguments the remat path reads (rotary cos/sin)
+    remat_head_dim_attr = "head_dim"
+    remat_projections = ()
 
     def forward(self, hidden_states, *args, **kwargs):
+        norm, norm_reason = _handed_over(self)
         call = self._remat_bind(hidden_states, args, kwargs)
         reason = self.remat_fallback_reason(hidden_states, call)
-        trace = self.__dict__.get("remat_trace")
-        if trace is not None:  # set by the conversion probe only
-            trace.append(reason)
+        if reason is None:
+            modules = [self._modules[n] for n in self.remat_projections]
+            outputs, reason = _normed_outputs(hidden_states, norm, modules, self.remat_recompute,
+                                              self.remat_projections)
         if reason is not None:
-            if self.remat_norm is not None:
-                hidden_states = _layer_norm(self.remat_norm, hidden_states)
+            self._remat_fallback(reason)
+            if norm is not None:
+                hidden_states = nn.LayerNorm.forward(norm, hidden_states)
             return self.remat_stock.forward(self, hidden_states, *args, **kwargs)
-        return self.remat_forward(hidden_states, call, self.remat_causal(call, hidden_states.shape[1]))
+        self._remat_fallback(norm_reason)
+        return self.remat_forward(outputs, call, self.remat_causal(call, hidden_states.shape[1]))
 
     def _remat_bind(self, hidden_states, args, kwargs):
         """The call's arguments by the stock forward's names (**kwargs merged in), or None when
@@ -506,11 +619,10 @@ class _RematAttention:
         cache = call.get(self.remat_cache_arg) if self.remat_cache_arg else None
         if cache is not None and not _empty_dynamic_cache(cache, getattr(self, "layer_idx", None)):
             return "a KV cache with past keys, or not a plain DynamicCache"
-        known = {"attention_mask", self.remat_cache_arg, *self.remat_extra_args}
-        others = [name for name, value in call.items() if name not in known and name not in HARMLESS_KWARGS
-                  and value is not None and value is not False]
+        known = {"attention_mask", self.remat_cache_arg, *self.remat_extra_args, *_passthrough_kwargs()}
+        others = [name for name, value in call.items() if name not in known and value is not None and value is not False]
         if others:
-            return f"arguments the remat path does not take: {', '.join(sorted(others))}"
+            return f"arguments that change the attention: {', '.join(sorted(others))}"
         mask = call.get("attention_mask")
         if mask is not None and torch.compiler.is_compiling():
             return "a materialised mask under torch.compile (reading it would break the graph)"
@@ -523,40 +635,43 @@ class _RematAttention:
 
     def remat_causal(self, call, seq):
         """Whether this call is causal: by the mask's pattern, or without a mask, as the
-        implementation reads none (sdpa: the module's is_causal; eager: nothing is masked)."""
+        implementation reads none (sdpa: the call's is_causal, else the module's; eager: nothing
+        is masked)."""
         if call.get("attention_mask") is not None:
             pattern = call.get("remat_mask_pattern") or _mask_pattern(call["attention_mask"], seq, seq)
             return pattern == "causal"
-        return bool(self.is_causal) and self.config._attn_implementation == "sdpa"
+        if self.config._attn_implementation != "sdpa":
+            return False
+        is_causal = call.get("is_causal")
+        return bool(self.is_causal if is_causal is None else is_causal)
 
-    def remat_forward(self, hidden_states, call, causal):
+    def remat_forward(self, outputs, call, causal):
         """(output, None) by remat.attention; the caller has checked remat_fallback_reason."""
-        q, k, v = self.remat_qkv(hidden_states, call)
+        q, k, v = self.remat_qkv(outputs, call)
         cache = call.get(self.remat_cache_arg) if self.remat_cache_arg else None
         if cache is not None:  # empty: update() stores and returns these very keys and values
             k, v = cache.update(k, v, self.layer_idx)
         o = attention(q, k, v, causal=causal, softmax_scale=float(self.scaling))
         return self.remat_output(_merge_heads(o)), None
 
-    def remat_revert(self):
-        stock = _with_class(self, self.remat_stock)
-        for name in ("remat_norm", "remat_recompute", "remat_trace"):
-            stock.__dict__.pop(name, None)
-        return stock
+    def remat_saved_bytes(self):
+        """Bytes per token kept less than stock by the attention itself: none against SDPA's flash
+        and efficient kernels, which keep what remat.attention keeps (q, k, v, output, lse)."""
+        return 0
 
     def extra_repr(self):
-        fused = ", the LayerNorm before it fused into the q/k/v projection" if self.remat_norm is not None else ""
-        return f"{self.remat_stock.__name__} on remat.attention{fused}"
+        return f"{self.remat_stock.__name__} on remat.attention"
 
 
 class _RematGPT2Attention(_RematAttention):
     remat_cache_arg = "cache"
+    remat_projections = ("c_attn",)
 
     def remat_dropout(self):
         return self.attn_dropout.p
 
-    def remat_qkv(self, x, call):
-        qkv = _project(x, self.remat_norm, self.c_attn, self.remat_recompute, transposed=True)
+    def remat_qkv(self, outputs, call):
+        (qkv,) = outputs
         return (_heads(t, self.num_heads, self.head_dim) for t in qkv.split(self.split_size, dim=2))
 
     def remat_output(self, o):
@@ -567,27 +682,28 @@ class _RematBertSelfAttention(_RematAttention):
     """BertSelfAttention / RobertaSelfAttention: q, k, v Linears; the out-projection is BertSelfOutput's."""
 
     remat_cache_arg = "cache"
+    remat_head_dim_attr = "attention_head_size"
+    remat_projections = ("query", "key", "value")
 
     def remat_dropout(self):
         return self.dropout.p
 
-    def remat_qkv(self, x, call):
-        return (_heads(linear(x), self.num_attention_heads, self.attention_head_size)
-                for linear in (self.query, self.key, self.value))
+    def remat_qkv(self, outputs, call):
+        return (_heads(t, self.num_attention_heads, self.attention_head_size) for t in outputs)
 
     def remat_output(self, o):
         return o
 
 
 class _RematViTAttention(_RematAttention):
+    # Three Linears read one LayerNorm: fused, it is computed once and x kept once.
+    remat_projections = ("q_proj", "k_proj", "v_proj")
+
     def remat_dropout(self):
         return self.attention_dropout
 
-    def remat_qkv(self, x, call):
-        # Three separate Linears: the LayerNorm is fused into each (recomputed three times, and three
-        # fp32 mean/rstd pairs kept), which keeps x once instead of LN(x).
-        return (_heads(_project(x, self.remat_norm, linear, self.remat_recompute), self.num_attention_heads,
-                       self.head_dim) for linear in (self.q_proj, self.k_proj, self.v_proj))
+    def remat_qkv(self, outputs, call):
+        return (_heads(t, self.num_attention_heads, self.head_dim) for t in outputs)
 
     def remat_output(self, o):
         return self.o_proj(o)
@@ -596,6 +712,8 @@ class _RematViTAttention(_RematAttention):
 class _RematGPTNeoXAttention(_RematAttention):
     remat_cache_arg = "layer_past"
     remat_extra_args = ("position_embeddings",)
+    remat_head_dim_attr = "head_size"
+    remat_projections = ("query_key_value",)
 
     def remat_dropout(self):
         return self.attention_dropout
@@ -605,8 +723,8 @@ class _RematGPTNeoXAttention(_RematAttention):
             return "no position_embeddings (rotary cos, sin)"
         return super().remat_fallback_reason(hidden_states, call)
 
-    def remat_qkv(self, x, call):
-        qkv = _project(x, self.remat_norm, self.query_key_value, self.remat_recompute)
+    def remat_qkv(self, outputs, call):
+        (qkv,) = outputs
         # GPT-NeoX packs q, k, v per head: (B, S, H, 3 * D)
         qkv = qkv.unflatten(-1, (-1, 3 * self.head_size)).transpose(1, 2)
         q, k, v = qkv.chunk(3, dim=-1)
@@ -616,52 +734,6 @@ class _RematGPTNeoXAttention(_RematAttention):
 
     def remat_output(self, o):
         return self.dense(o)
-
-
-# ---------------------------------------------------------------------------------------------
-# The rules, called by remat.convert for each module of a PreTrainedModel
-# ---------------------------------------------------------------------------------------------
-
-
-def _mlp_candidate(module, recompute, norm=None):
-    """(RematHFMLP for `module`, None) or (None, why not); `norm` is fused in front when given."""
-    fc1_name, act_name, fc2_name, dropout_name, transposed = MLP_RULES[type(module).__name__]
-    fc1, act, fc2 = (getattr(module, n, None) for n in (fc1_name, act_name, fc2_name))
-    dropout = getattr(module, dropout_name, None) if dropout_name else None
-    if fc1 is None or fc2 is None or act is None:
-        return None, f"{type(module).__name__} lacks the expected submodules {fc1_name}, {act_name}, {fc2_name}"
-    reason = hook_reason(module) or _mlp_reason(fc1, act, fc2, dropout, transposed)
-    if reason:
-        return None, reason
-    new = RematHFMLP(module, fc1_name, act_name, fc2_name, dropout_name, transposed, _gelu(act), recompute,
-                     norm)
-    new.train(module.training)
-    return new, None
-
-
-def _mlp_row(path, name, module, new, norm_name=None):
-    fc1_name, act_name, fc2_name, dropout_name, _ = MLP_RULES[type(module).__name__]
-    chain = f"{fc1_name} -> {type(getattr(module, act_name)).__name__} -> {fc2_name}"
-    if dropout_name:
-        chain += f" (+ {dropout_name})"
-    if norm_name:
-        chain = f"{norm_name} -> {chain}"
-    kept = "the GELU output is not kept" + (f", nor {norm_name}'s output" if norm_name else "")
-    return _join(path, name), module, "swapped to RematHFMLP", f"fused {chain}: {kept}"
-
-
-def _mlp_rule(parent, name, module, recompute, path, report):
-    new, reason = _mlp_candidate(module, recompute)
-    if reason:
-        return reason
-    fc1_name, _, _, _, transposed = MLP_RULES[type(module).__name__]
-    fc1 = getattr(module, fc1_name)
-    reason = _probe(module, new, _widths(fc1, transposed)[0], fc1.weight, [module])
-    if reason:
-        return reason
-    parent._modules[name] = new
-    report.add(*_mlp_row(path, name, module, new))
-    return None
 
 
 # Attention classes with a remat path: class name -> the mixin that computes it. The swapped class
@@ -674,13 +746,9 @@ ATTENTION_RULES = {
     "GPTNeoXAttention": _RematGPTNeoXAttention,
 }
 
-# What each mixin reads from the stock module: head dim attribute, projections (Conv1D or Linear).
-_ATTENTION_PARTS = {
-    _RematGPT2Attention: ("head_dim", ("c_attn", "c_proj"), True),
-    _RematBertSelfAttention: ("attention_head_size", ("query", "key", "value"), False),
-    _RematViTAttention: ("head_dim", ("q_proj", "k_proj", "v_proj", "o_proj"), False),
-    _RematGPTNeoXAttention: ("head_size", ("query_key_value", "dense"), False),
-}
+# The output projection each attention class ends with (for its width and parameter checks).
+_OUTPUT_PROJECTIONS = {_RematGPT2Attention: "c_proj", _RematViTAttention: "o_proj",
+                       _RematGPTNeoXAttention: "dense", _RematBertSelfAttention: None}
 
 # Pre-LN blocks: layer class -> ((LayerNorm, attention), (LayerNorm, MLP)) child names. Each
 # LayerNorm's output feeds only that consumer (checked by the probe, which runs the whole layer).
@@ -690,59 +758,55 @@ LAYER_RULES = {
     "GPTNeoXLayer": (("input_layernorm", "attention"), ("post_attention_layernorm", "mlp")),
 }
 
-_REMAT_CLASSES = {}
+
+# ---------------------------------------------------------------------------------------------
+# The rules, called by remat.convert for each module of a PreTrainedModel
+# ---------------------------------------------------------------------------------------------
 
 
-def remat_attention_class(stock_class):
-    """The remat class of a stock transformers attention class: Remat<Name>(mixin, stock)."""
-    cls = _REMAT_CLASSES.get(stock_class)
-    if cls is None:
-        name = f"Remat{stock_class.__name__}"
-        cls = type(name, (ATTENTION_RULES[stock_class.__name__], stock_class),
-                   {"remat_stock": stock_class, "__module__": __name__, "__qualname__": name})
-        globals()[name] = cls  # importable by name, so a converted model pickles
-        _REMAT_CLASSES[stock_class] = cls
-    return cls
+def _instance_reason(module):
+    """Why a stock module must keep its class: hooks, or a forward replaced on the instance."""
+    if "forward" in vars(module):
+        return "its forward is replaced on the instance"
+    return hook_reason(module)
+
+
+def _swapped(module, mixin, recompute, path):
+    new = _with_class(module, remat_class(mixin, type(module)))
+    new.__dict__["remat_recompute"], new.__dict__["remat_path"] = recompute, path
+    return new
 
 
 def _attention_reason(module):
     """None when `module` can take the remat path, else why it is left alone."""
     mixin = ATTENTION_RULES[type(module).__name__]
-    head_dim_attr, projections, transposed = _ATTENTION_PARTS[mixin]
-    if hook_reason(module):
-        return hook_reason(module)
+    reason = _instance_reason(module)
+    if reason:
+        return reason
     if getattr(module, "is_cross_attention", False):
         return "cross-attention (keys and values from the encoder)"
-    expected = (head_dim_attr, "scaling", "config", "is_causal", *projections)
+    output = _OUTPUT_PROJECTIONS[mixin]
+    expected = (mixin.remat_head_dim_attr, "scaling", "config", "is_causal", *mixin.remat_projections,
+                *filter(None, [output]))
     missing = [n for n in expected if not hasattr(module, n)]
     if missing:
         return f"lacks the expected attributes {', '.join(missing)}"
-    layers = [getattr(module, n) for n in projections]
-    for n, m in zip(projections, layers, strict=True):
-        if transposed and not _is_conv1d(m):
-            return f"{n} is {type(m).__name__}, not transformers Conv1D"
-        if not transposed and type(m) is not nn.Linear:
-            return f"{n} is {type(m).__name__}, not exactly nn.Linear"
-        if hook_reason(m):
-            return f"{n} {hook_reason(m)}"
-    head_dim = getattr(module, head_dim_attr)
+    if any(widths(getattr(module, n)) is None for n in mixin.remat_projections):
+        return "its q/k/v projections are not Linear-like (nn.Linear, Conv1D or peft's LoRA around one)"
+    head_dim = getattr(module, mixin.remat_head_dim_attr)
     if head_dim not in HEAD_DIMS:
         return f"head dim {head_dim} is not one of remat's kernel head dims {HEAD_DIMS}"
     parameters = _signature(type(module)).parameters
     needed = ["attention_mask", *filter(None, [mixin.remat_cache_arg]), *mixin.remat_extra_args]
     if any(n not in parameters for n in needed):
         return f"the forward's arguments are not {', '.join(needed)}: this transformers version differs"
-    return uniform_reason(*layers)
+    return None
 
 
-def _remat_attention(module, norm, recompute):
-    new = _with_class(module, remat_attention_class(type(module)))
-    new.__dict__["remat_norm"], new.__dict__["remat_recompute"] = norm, recompute
+def _fused_layer_norm(norm, path):
+    new = _with_class(norm, RematFusedLayerNorm)
+    new.__dict__["remat_path"] = path
     return new
-
-
-def _fused_layer_norm(norm):
-    return _with_class(norm, RematFusedLayerNorm)
 
 
 def _probe_kwargs(module, param):
@@ -764,37 +828,37 @@ def _first_output(output):
     return output[0] if isinstance(output, tuple) else output
 
 
-def _swap_probe(owner, swaps, width, param, remat_attention=None):
-    """None when owner(x) is unchanged with `swaps` ({child name: new module}) in place, and the
-    remat path of `remat_attention` (when given) is what ran; else why not."""
+def _swap_probe(owner, swaps, width, param, traced=None, call=None):
+    """None when owner(x) (or call(owner, x)) is unchanged with `swaps` ({child name: new module})
+    in place, and the remat path of `traced` (a swapped module, when given) is what ran; else why not."""
     if param.is_meta:
         return None  # nothing to run on: not probed, as _probe
     originals = {name: owner._modules[name] for name in swaps}
     extra = _probe_kwargs(owner, param)
+    call = call or (lambda module, x: _first_output(module(x, **extra)))
     trace = []
 
     def after(x):
         owner._modules.update(swaps)
-        if remat_attention is not None:
-            remat_attention.__dict__["remat_trace"] = trace
+        if traced is not None:
+            traced.__dict__["remat_trace"] = trace
         try:
-            return _first_output(owner(x, **extra))
+            return call(owner, x)
         finally:
             owner._modules.update(originals)
-            if remat_attention is not None:
-                del remat_attention.__dict__["remat_trace"]
+            if traced is not None:
+                del traced.__dict__["remat_trace"]
 
-    reason = _probe(lambda x: _first_output(owner(x, **extra)), after, width, param,
-                    [owner, *swaps.values()])
-    if reason is None and remat_attention is not None and trace != [None]:
+    reason = _probe(lambda x: call(owner, x), after, width, param, [owner, *swaps.values()])
+    if reason is None and traced is not None and trace != [None]:
         reason = f"the probe call did not take the remat path ({trace[0] if trace else 'not called'})"
     return reason
 
 
-def _attention_probe(module, new, width, param):
-    """Probe of a swapped attention on its own (no LayerNorm fused): its remat path against the stock forward."""
+def _self_probe(module, new, width, param):
+    """Probe of a swapped module on its own: its remat path against the stock forward."""
     if param.is_meta:
-        return None  # nothing to run on: not probed, as _probe
+        return None
     extra = _probe_kwargs(module, param)
     trace = []
 
@@ -812,29 +876,29 @@ def _attention_probe(module, new, width, param):
 
 
 def _attention_width(module):
-    first = getattr(module, _ATTENTION_PARTS[ATTENTION_RULES[type(module).__name__]][1][0])
-    return _widths(first, _is_conv1d(first))[0], first.weight
+    first = getattr(module, ATTENTION_RULES[type(module).__name__].remat_projections[0])
+    return widths(first)[0], first.weight
 
 
-def _attention_row(path, name, module, norm_name=None):
-    fused = f"; {norm_name} fused into its q/k/v projection (its output is not kept)" if norm_name else ""
-    return (_join(path, name), module, f"swapped to Remat{type(module).__name__}",
+def _attention_row(path, name, module, new, norm_name=None):
+    fused = f"; {norm_name} fused into its q/k/v projection" if norm_name else ""
+    return (_join(path, name), module, f"swapped to {type(new).__name__}",
             "remat.attention" + fused + "; the stock forward for padding masks, KV caches with past keys, "
-            "output_attentions, dropout in training and other implementations than sdpa/eager")
+            "output_attentions, dropout in training and other implementations than sdpa/eager",
+            new.remat_saved_bytes)
 
 
 def _attention_rule(parent, name, module, recompute, path, report):
     """Swap a stock attention module (no LayerNorm fused); returns the reason when it is not swapped."""
     reason = _attention_reason(module)
     if reason is None:
-        new = _remat_attention(module, None, recompute)
-        new.train(module.training)
+        new = _swapped(module, ATTENTION_RULES[type(module).__name__], recompute, _join(path, name))
         width, param = _attention_width(module)
-        reason = _attention_probe(module, new, width, param)
+        reason = _self_probe(module, new, width, param)
     if reason:
         return reason
     parent._modules[name] = new
-    report.add(*_attention_row(path, name, module))
+    report.add(*_attention_row(path, name, module, new))
     return None
 
 
@@ -844,7 +908,14 @@ def _fusable_norm(layer, norm_name, width, layers):
         return None, "layers excludes layernorm"
     if type(norm) is not nn.LayerNorm:
         return None, f"{norm_name} is {type(norm).__name__}, not exactly nn.LayerNorm"
-    return norm, layer_norm_fusable(norm, width) or hook_reason(layer)
+    return norm, layer_norm_fusable(norm, width) or _instance_reason(norm) or hook_reason(layer)
+
+
+def _add_norm_row(report, path, norm_name, norm, new_norm, consumer_name, consumer, into):
+    report.add(_join(path, norm_name), norm, "swapped to RematFusedLayerNorm",
+               f"applied inside {consumer_name}, fused into {into}; returns its input",
+               lambda: 0 if not consumer.remat_recompute else
+               fused_saved_bytes(new_norm, [consumer._modules[n] for n in consumer.remat_norm_consumers]))
 
 
 def _layer_attention(layer, norm_name, attn_name, layers, recompute, path, report):
@@ -858,18 +929,22 @@ def _layer_attention(layer, norm_name, attn_name, layers, recompute, path, repor
     if reason:
         report.add(_join(path, attn_name), module, "skipped", reason)
         return {attn_name}
+    mixin = ATTENTION_RULES[type(module).__name__]
     width, param = _attention_width(module)
     norm, norm_reason = _fusable_norm(layer, norm_name, width, layers)
     if norm_reason is None:
-        fused_norm = _fused_layer_norm(norm)
-        new = _remat_attention(module, fused_norm, recompute)
-        new.train(module.training)
+        norm_reason = next(filter(None, (projection(getattr(module, n), n)[1] for n in mixin.remat_projections)),
+                           None)
+    if norm_reason is None:
+        fused_norm = _fused_layer_norm(norm, _join(path, norm_name))
+        new = _swapped(module, mixin, recompute, _join(path, attn_name))
+        _link(layer, norm_name, fused_norm, attn_name, new)
         norm_reason = _swap_probe(layer, {norm_name: fused_norm, attn_name: new}, width, param, new)
         if norm_reason is None:
             layer._modules[norm_name], layer._modules[attn_name] = fused_norm, new
-            report.add(*_attention_row(path, attn_name, module, norm_name))
-            report.add(_join(path, norm_name), norm, "swapped to RematFusedLayerNorm",
-                       f"applied inside {attn_name}, fused into its q/k/v projection; returns its input")
+            new.__dict__["remat_norm_consumers"] = mixin.remat_projections
+            report.add(*_attention_row(path, attn_name, module, new, norm_name))
+            _add_norm_row(report, path, norm_name, norm, fused_norm, attn_name, new, "its q/k/v projection")
             return {norm_name, attn_name}
     if norm is not None and norm_reason != "layers excludes layernorm":
         report.add(_join(path, norm_name), norm, "skipped", f"fusion into {attn_name}: {norm_reason}")
@@ -879,34 +954,72 @@ def _layer_attention(layer, norm_name, attn_name, layers, recompute, path, repor
     return {attn_name}
 
 
+def _mlp_candidate(module, recompute, path):
+    """(the swapped MLP for `module`, None) or (None, why not)."""
+    parts = MLP_RULES[type(module).__name__]
+    fc1, act, fc2 = (getattr(module, n, None) for n in (parts.fc1, parts.act, parts.fc2))
+    if fc1 is None or fc2 is None or act is None:
+        return None, f"{type(module).__name__} lacks the expected submodules {parts.fc1}, {parts.act}, {parts.fc2}"
+    reason = _instance_reason(module) or _mlp_reason(fc1, act, fc2)
+    if reason:
+        return None, reason
+    return _swapped(module, _RematMLP, recompute, path), None
+
+
+def _mlp_row(path, name, module, new, norm_name=None):
+    parts = MLP_RULES[type(module).__name__]
+    chain = f"{parts.fc1} -> {type(getattr(module, parts.act)).__name__} -> {parts.fc2}"
+    if parts.dropout:
+        chain += f" (+ {parts.dropout})"
+    if norm_name:
+        chain = f"{norm_name} -> {chain}"
+    kept = "the GELU output is not kept" + (f", nor {norm_name}'s output" if norm_name else "")
+    return _join(path, name), module, f"swapped to {type(new).__name__}", f"fused {chain}: {kept}", \
+        new.remat_saved_bytes
+
+
 def _layer_mlp(layer, norm_name, mlp_name, layers, recompute, path, report):
     """Swap the MLP of a pre-LN layer with its LayerNorm fused in; the names handled (none when the
     plain MLP rule should run instead)."""
     module = layer._modules.get(mlp_name)
     if type(module).__name__ not in MLP_RULES or not _from_transformers(module) or "mlp" not in layers:
         return set()
-    fc1_name, _, _, _, transposed = MLP_RULES[type(module).__name__]
-    fc1 = getattr(module, fc1_name, None)
-    if fc1 is None:
+    parts = MLP_RULES[type(module).__name__]
+    fc1 = getattr(module, parts.fc1, None)
+    if fc1 is None or widths(fc1) is None:
         return set()
-    width = _widths(fc1, transposed)[0]
+    width = widths(fc1)[0]
     norm, reason = _fusable_norm(layer, norm_name, width, layers)
     if reason is None:
         reason = layer_norm_fusable(norm, width, need_bias=True)
     if reason is None:
-        fused_norm = _fused_layer_norm(norm)
-        new, reason = _mlp_candidate(module, recompute, fused_norm)
+        new, reason = _mlp_candidate(module, recompute, _join(path, mlp_name))
         if reason is None:
-            reason = _swap_probe(layer, {norm_name: fused_norm, mlp_name: new}, width, fc1.weight)
+            fused_norm = _fused_layer_norm(norm, _join(path, norm_name))
+            _link(layer, norm_name, fused_norm, mlp_name, new)
+            reason = _swap_probe(layer, {norm_name: fused_norm, mlp_name: new}, width, fc1.weight, new)
         if reason is None:
             layer._modules[norm_name], layer._modules[mlp_name] = fused_norm, new
+            new.__dict__["remat_norm_consumers"] = (parts.fc1,)
             report.add(*_mlp_row(path, mlp_name, module, new, norm_name))
-            report.add(_join(path, norm_name), norm, "swapped to RematFusedLayerNorm",
-                       f"applied inside {mlp_name}, fused into {fc1_name}; returns its input")
+            _add_norm_row(report, path, norm_name, norm, fused_norm, mlp_name, new, parts.fc1)
             return {norm_name, mlp_name}
     if norm is not None and reason != "layers excludes layernorm":
         report.add(_join(path, norm_name), norm, "skipped", f"fusion into {mlp_name}: {reason}")
     return set()  # the MLP on its own, by the plain rule
+
+
+def _mlp_rule(parent, name, module, recompute, path, report):
+    new, reason = _mlp_candidate(module, recompute, _join(path, name))
+    if reason:
+        return reason
+    fc1 = getattr(module, MLP_RULES[type(module).__name__].fc1)
+    reason = _self_probe(module, new, widths(fc1)[0], fc1.weight)
+    if reason:
+        return reason
+    parent._modules[name] = new
+    report.add(*_mlp_row(path, name, module, new))
+    return None
 
 
 def _layer_rule(layer, layers, recompute, path, report):
@@ -926,37 +1039,31 @@ def _pair_rule(layer, recompute, path, report):
     row_path = _join(path, inter_name)
     fc1, act = getattr(inter, "dense", None), getattr(inter, "intermediate_act_fn", None)
     fc2, dropout, norm = (getattr(out, n, None) for n in ("dense", "dropout", "LayerNorm"))
-    reason = hook_reason(inter) or hook_reason(out) or hook_reason(layer)
+    reason = _instance_reason(inter) or _instance_reason(out) or hook_reason(layer)
     if reason is None and not callable(getattr(layer, "feed_forward_chunk", None)):
         reason = f"{type(layer).__name__} has no feed_forward_chunk to check the FFN wiring against"
     if reason is None:
-        reason = _mlp_reason(fc1, act, fc2, dropout, False) if isinstance(fc1, nn.Module) and \
+        reason = _mlp_reason(fc1, act, fc2) if isinstance(fc1, nn.Module) and \
             isinstance(fc2, nn.Module) else "dense layers missing"
+    if reason is None and not isinstance(dropout, nn.Module):
+        reason = "output.dropout is not a module"
     if reason is None and not isinstance(norm, nn.LayerNorm):
         reason = "output.LayerNorm is not an nn.LayerNorm"
     if reason is None:
-        new_inter = RematPassthroughIntermediate(inter)
-        new_out = RematBertOutput(out, inter, _gelu(act), recompute)
-        new_inter.train(inter.training)
-        new_out.train(out.training)
-        before = layer.feed_forward_chunk
-
-        def after(x):
-            layer._modules[inter_name], layer._modules[out_name] = new_inter, new_out
-            try:
-                return layer.feed_forward_chunk(x)
-            finally:
-                layer._modules[inter_name], layer._modules[out_name] = inter, out
-
-        reason = _probe(before, after, fc1.in_features, fc1.weight, [layer])
+        new_inter = _swapped(inter, _RematIntermediate, recompute, row_path)
+        new_out = _swapped(out, _RematOutput, recompute, _join(path, out_name))
+        _link(layer, inter_name, new_inter, out_name, new_out)
+        reason = _swap_probe(layer, {inter_name: new_inter, out_name: new_out}, widths(fc1)[0], fc1.weight,
+                             new_out, call=lambda owner, x: owner.feed_forward_chunk(x))
     if reason:
         report.add(row_path, inter, "skipped", f"{inter_name} + {out_name} FFN: {reason}")
         return set()
     layer._modules[inter_name], layer._modules[out_name] = new_inter, new_out
-    report.add(row_path, inter, "swapped to RematPassthroughIntermediate",
-               f"FFN fused into {out_name}; returns its input")
-    report.add(_join(path, out_name), out, "swapped to RematBertOutput",
-               f"LayerNorm(dropout(dense(gelu({inter_name}.dense(x)))) + input): the GELU output is not kept")
+    report.add(row_path, inter, f"swapped to {type(new_inter).__name__}",
+               f"FFN fused into {out_name}; returns its input", lambda: 0)
+    report.add(_join(path, out_name), out, f"swapped to {type(new_out).__name__}",
+               f"LayerNorm(dropout(dense(gelu({inter_name}.dense(x)))) + input): the GELU output is not kept",
+               new_out.remat_saved_bytes)
     return {inter_name}  # output is recursed into: its LayerNorm becomes remat.nn.LayerNorm
 
 
@@ -988,4 +1095,17 @@ def convert_children(parent, layers, recompute, path, report):
             handled.add(name)
         elif kind.endswith(ATTENTION_SUFFIXES) and "attention" in layers and not _holds_ruled_attention(child):
             report.add(_join(path, name), child, "skipped", f"no remat rule for {kind}: it runs as it is")
+        elif _unruled_layer(child):
+            report.add(_join(path, name), child, "skipped",
+                       f"no remat rule for {kind}: its norms are not fused into the projections after "
+                       "them, and its MLP is not fused")
     return handled
+
+
+def _unruled_layer(module):
+    """True for a transformers block (…Layer, …Block) holding a norm, that no family rule covers."""
+    kind = type(module).__name__
+    if kind in LAYER_RULES or kind in PAIR_RULES or not kind.endswith(("Layer", "Block")):
+        return False
+    return any(isinstance(m, nn.LayerNorm) or type(m).__name__.endswith(("RMSNorm", "LayerNorm"))
+               for m in module.children())

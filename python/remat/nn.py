@@ -6,10 +6,13 @@ one from existing modules, copying the weights.
 """
 
 import torch
+import torch.nn.functional as F
 
-from ._validate import check_self_attention_input
+from ._guards import fallback, plain_reason
+from ._linears import fused_saved_bytes, projection
+from ._validate import check_self_attention_input, check_float_tensor
 from .ops.attention import multihead_self_attention
-from .ops.fused import layer_norm_linear, mlp
+from .ops.fused import check_input_width, layer_norm_linear, mlp
 from .ops.gelu import gelu
 from .ops.layer_norm import layer_norm
 
@@ -65,11 +68,31 @@ def _check_recompute(recompute):
     return recompute
 
 
+def norm_reason(norm, label="norm"):
+    """None when `norm` is a LayerNorm over the last dimension that the fused ops compute (plain:
+    no hooks, no parametrizations, plain parameters), else why not."""
+    reason = plain_reason(norm, (torch.nn.LayerNorm, LayerNorm), label)
+    if reason is None and len(norm.normalized_shape) != 1:
+        reason = f"{label} normalises over more than the last dimension"
+    return reason
+
+
+def _input_checked(x, width, module):
+    check_float_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (..., in_features)")
+    check_input_width(x, width, f"the in_features of {type(module).__name__}")
+    return x
+
+
 class LayerNormLinear(torch.nn.Module):
     """Linear(LayerNorm(x)) that keeps x and fp32 row statistics instead of LayerNorm(x).
 
     state_dict: norm.weight, norm.bias, linear.weight, linear.bias. recompute=False keeps
-    LayerNorm(x) like the unfused pair does.
+    LayerNorm(x) like the unfused pair does. `linear` may be wrapped by peft's LoRA (the adapters
+    run inside the fused op); any other change to norm or linear after construction (hooks,
+    parametrizations, another module) makes each call run norm then linear, with a
+    RematFallbackWarning once.
     """
 
     def __init__(self, in_features, out_features, bias=True, eps=1e-5, norm_bias=True,
@@ -80,8 +103,19 @@ class LayerNormLinear(torch.nn.Module):
         self.recompute = _check_recompute(recompute)
 
     def forward(self, x):
-        return layer_norm_linear(x, self.norm.weight, self.norm.bias, self.linear.weight,
-                                 self.linear.bias, self.norm.eps, self.recompute)
+        linear, reason = projection(self.linear, "linear")
+        reason = norm_reason(self.norm) or reason
+        if reason:
+            fallback(self, reason)
+            return self.linear(self.norm(x))
+        _input_checked(x, self.norm.normalized_shape[0], self)
+        return layer_norm_linear(x, self.norm.weight, self.norm.bias, linear.weight, linear.bias, self.norm.eps,
+                                 self.recompute, linear.adapters)
+
+    def saved_bytes_per_token(self):
+        """Activation bytes per token this layer keeps less than LayerNorm then Linear (LN(x), where the
+        Linear's weight or a LoRA adapter trains), for an input that requires grad."""
+        return fused_saved_bytes(self.norm, [self.linear]) if self.recompute else 0
 
     @classmethod
     def from_modules(cls, norm, linear, recompute=True):
@@ -104,7 +138,9 @@ class MLP(torch.nn.Module):
     """fc2(gelu(fc1(x))) that keeps x and the fc1 output only, never the GELU output.
 
     activation: "gelu" (exact) or "gelu_tanh". state_dict: fc1.*, fc2.*. recompute=False
-    keeps the GELU output like the unfused stack does.
+    keeps the GELU output like the unfused stack does. fc1 and fc2 may be wrapped by peft's LoRA
+    (the adapters run inside the fused op); any other change to them makes each call run the
+    layers one after the other, with a RematFallbackWarning once.
     """
 
     def __init__(self, hidden, ffn_hidden, activation="gelu", bias=True, recompute=True,
@@ -118,8 +154,30 @@ class MLP(torch.nn.Module):
         self.recompute = _check_recompute(recompute)
 
     def forward(self, x):
-        return mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias,
-                   ACTIVATIONS[self.activation], self.recompute)
+        return self._forward(x, None)
+
+    def _forward(self, x, norm):
+        """The fused MLP, with `norm` (a LayerNorm) in front when given; unfused where it must be."""
+        fc1, reason = projection(self.fc1, "fc1")
+        fc2, reason2 = projection(self.fc2, "fc2")
+        reason = (norm_reason(norm) if norm is not None else None) or reason or reason2
+        approximate = ACTIVATIONS[self.activation]
+        if reason:
+            fallback(self, reason)
+            return self.fc2(F.gelu(self.fc1(norm(x) if norm is not None else x), approximate=approximate))
+        _input_checked(x, fc1.weight.shape[1], self)
+        norm_args = {} if norm is None else dict(norm_weight=norm.weight, norm_bias=norm.bias, eps=norm.eps,
+                                                 layer_norm=True)
+        return mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, approximate, self.recompute,
+                   fc1_adapters=fc1.adapters, fc2_adapters=fc2.adapters, **norm_args)
+
+    def saved_bytes_per_token(self):
+        """Activation bytes per token kept less than the unfused stack (the GELU output where fc2
+        trains, LN(x) where fc1 trains), for an input that requires grad."""
+        if not self.recompute:
+            return 0
+        norm = getattr(self, "norm", None)
+        return fused_saved_bytes(norm, [self.fc1] if norm is not None else [], self.fc2)
 
     @classmethod
     def from_modules(cls, fc1, activation, fc2, recompute=True):
@@ -155,10 +213,7 @@ class LayerNormMLP(MLP):
         self.norm = torch.nn.LayerNorm(hidden, eps=eps, device=device, dtype=dtype)
 
     def forward(self, x):
-        return mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias,
-                   ACTIVATIONS[self.activation], self.recompute,
-                   norm_weight=self.norm.weight, norm_bias=self.norm.bias, eps=self.norm.eps,
-                   layer_norm=True)
+        return self._forward(x, self.norm)
 
     @classmethod
     def from_modules(cls, norm, fc1, activation, fc2, recompute=True):

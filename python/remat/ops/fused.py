@@ -9,9 +9,17 @@ gradient anyway, uses it for dW, and drops it:
     MLP               keeps x and h = x·W1ᵀ            rebuilds gelu(h + b1)     saves gelu(h): 8·T·h bf16 at 4h
     LayerNormMLP      keeps x, mean/rstd and h         rebuilds both             saves both
 
-With recompute=False the same functions keep the rebuilt tensors instead, as eager PyTorch
-does, so tests and benchmarks can compare the two modes.
+Each Linear may carry LoRA adapters (peft's vanilla LoRA: y = x·Wᵀ + b + Σ scale·B(A(x))), computed
+inside the fused op in peft's order and dtypes. An adapter keeps only its rank-r intermediate
+A(x), for B's gradient; A's gradient needs the Linear's input, which is rebuilt like the rest.
+
+What is kept follows the gradients that are actually required (ctx.needs_input_grad), as eager
+PyTorch does: a frozen weight needs no rebuilt input, a layer whose input needs no gradient keeps
+nothing for dx. With recompute=False the same functions keep the rebuilt tensors instead, as
+eager PyTorch does, so tests and benchmarks can compare the two modes.
 """
+
+import collections
 
 import torch
 import torch.nn.functional as F
@@ -21,87 +29,262 @@ from .._validate import (autocast_dtype, cast_for_autocast, check_eps, check_flo
 from .gelu import check_approximate, gelu_bwd, gelu_fwd
 from .layer_norm import layer_norm_bwd, layer_norm_fwd
 
+# One LoRA adapter on a Linear: out += F.linear(F.linear(x, a), b, b_bias) * scale, x cast to a's dtype
+# first (peft's order). a: (rank, in_features), b: (out_features, rank), b_bias: (out_features,) or None.
+LoRA = collections.namedtuple("LoRA", "a b b_bias scale")
+# One Linear as a fused op computes it: F.linear(x, weight, bias) plus its LoRA adapters.
+Linear = collections.namedtuple("Linear", "weight bias adapters", defaults=(None, ()))
+_PER_ADAPTER = 3  # tensors per adapter in the flat argument lists of the autograd functions
 
-class _LayerNormLinear(torch.autograd.Function):
-    """out = Linear(LayerNorm(x)) on rows x (M, K)."""
+
+def _flatten(adapters):
+    """(flat tensors a0, b0, b_bias0, a1, ..., scales) for an autograd function's arguments."""
+    return [t for lora in adapters for t in (lora.a, lora.b, lora.b_bias)], tuple(float(a.scale) for a in adapters)
+
+
+def _unflatten(tensors, scales):
+    return [LoRA(*tensors[i * _PER_ADAPTER:(i + 1) * _PER_ADAPTER], scale) for i, scale in enumerate(scales)]
+
+
+def _adapter_needs(needs, count):
+    """[(needs a's grad, needs b's grad, needs b_bias's grad)] per adapter, from a needs_input_grad slice."""
+    return [tuple(needs[i * _PER_ADAPTER:(i + 1) * _PER_ADAPTER]) for i in range(count)]
+
+
+def _add_adapters(out, inp, adapters):
+    """out + Σ F.linear(F.linear(inp, a), b, b_bias) * scale in peft's order and dtypes; also
+    [A(inp)] per adapter. The sum is cast back to out's dtype once, at the end, as peft does."""
+    dtype, intermediates = out.dtype, []
+    for lora in adapters:
+        inp = inp.to(lora.a.dtype)
+        t = F.linear(inp, lora.a)
+        out = out + F.linear(t, lora.b, lora.b_bias) * lora.scale
+        intermediates.append(t)
+    return out.to(dtype), intermediates
+
+
+def _adapter_grads(d_out, adapters, intermediates, needs, need_input_grad):
+    """Gradients of the adapters' terms: ([(da, db, d_b_bias)], [d_t]) where d_t = dL/dA(inp) is
+    returned for the adapters whose a (or the input) needs a gradient. The input's own gradient
+    part, Σ d_t·a, is added by the caller."""
+    grads, d_ts = [], []
+    for lora, t, (need_a, need_b, need_bb) in zip(adapters, intermediates, needs, strict=True):
+        scaled = d_out.to(lora.b.dtype) * lora.scale  # the gradient reaching F.linear(t, b, b_bias)
+        db = scaled.t().matmul(t) if need_b else None
+        d_bb = scaled.sum(0) if need_bb and lora.b_bias is not None else None
+        d_t = scaled.matmul(lora.b) if need_a or need_input_grad else None
+        grads.append([None, db, d_bb])
+        d_ts.append(d_t)
+    return grads, d_ts
+
+
+def _input_grad_from_adapters(d_inp, adapters, d_ts):
+    """d_inp + Σ d_t·a (each cast to d_inp's dtype, as autograd casts through peft's .to())."""
+    for lora, d_t in zip(adapters, d_ts, strict=True):
+        d_inp = d_inp + d_t.matmul(lora.a).to(d_inp.dtype)
+    return d_inp
+
+
+def _finish_adapter_grads(grads, adapters, d_ts, inp, needs):
+    """Fill in da = d_tᵀ·inp (inp the Linear's input, rebuilt) for the adapters that need it; flat list."""
+    flat = []
+    for g, lora, d_t, (need_a, _, _) in zip(grads, adapters, d_ts, needs, strict=True):
+        if need_a:
+            g[0] = d_t.t().matmul(inp.to(lora.a.dtype))
+        flat.extend(g)
+    return flat
+
+
+def _kept(keep, *tensors):
+    """The tensors when `keep`, else Nones of the same count (save_for_backward takes None)."""
+    return tensors if keep else (None,) * len(tensors)
+
+
+class _LayerNormLinears(torch.autograd.Function):
+    """outs[i] = Linear_i(LayerNorm(x)) [+ its LoRA adapters] on rows x (M, K), for one or more Linears
+    reading the same LayerNorm (ViT's q, k, v): LayerNorm(x) is computed once, and x with one fp32
+    mean/rstd pair kept once, whatever the number of Linears.
+
+    tensors: per Linear, its weight, bias and flat adapters; layout: per Linear, its adapters' scales.
+    """
 
     @staticmethod
-    def forward(ctx, x, norm_weight, norm_bias, weight, bias, eps, recompute):
+    def forward(ctx, x, norm_weight, norm_bias, eps, recompute, layout, *tensors):
+        linears = _unpack_linears(tensors, layout)
+        needs = _unpack_needs(ctx.needs_input_grad[6:], layout)
+        need_norm_grad = any(ctx.needs_input_grad[:3])  # the LayerNorm's backward runs
+        need_normed = any(n.weight or any(a[0] for a in n.adapters) for n in needs)  # for each dW and dA
+        # Rebuilding LN(x) pays only where x is kept anyway, for the LayerNorm's own backward;
+        # otherwise LN(x) is kept as eager keeps it (it is smaller than x and its statistics).
+        rebuild = recompute and need_norm_grad
         normed, mean, rstd = layer_norm_fwd(x, norm_weight, norm_bias, eps)
-        out = F.linear(normed, weight, bias)
-        kept = () if recompute else (normed,)
-        ctx.save_for_backward(x, norm_weight, norm_bias, weight, mean, rstd, *kept)
-        ctx.recompute, ctx.has_bias = recompute, bias is not None
-        return out
+        outs, intermediates = [], []
+        for linear in linears:
+            out, ts = _add_adapters(F.linear(normed, linear.weight, linear.bias), normed, linear.adapters)
+            outs.append(out)
+            intermediates.extend(ts)
+        kept = [t if n[1] else None for t, n in zip(intermediates, [a for n in needs for a in n.adapters])]
+        ctx.save_for_backward(*_kept(need_norm_grad or (need_normed and rebuild), x, mean, rstd),
+                              *_kept(need_normed and not rebuild, normed), norm_weight, norm_bias, *tensors, *kept)
+        ctx.eps, ctx.layout, ctx.needs = eps, layout, needs
+        ctx.need_norm_grad, ctx.need_normed = need_norm_grad, need_normed
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, d_out):
-        x, norm_weight, norm_bias, weight, mean, rstd, *kept = ctx.saved_tensors
-        need_x, need_nw, need_nb, need_w, need_b = ctx.needs_input_grad[:5]
-        d_normed = d_out.matmul(weight)
-        dx, d_norm_weight, d_norm_bias, normed = layer_norm_bwd(
-            d_normed, x, norm_weight, norm_bias, mean, rstd, ctx.recompute and need_w
-        )
-        if not ctx.recompute:
-            normed = kept[0]
-        d_weight = d_out.t().matmul(normed) if need_w else None
-        d_bias = d_out.sum(0) if need_b and ctx.has_bias else None
+    def backward(ctx, *d_outs):
+        x, mean, rstd, normed, norm_weight, norm_bias, *rest = ctx.saved_tensors
+        count = sum(2 + _PER_ADAPTER * len(scales) for scales in ctx.layout)
+        linears = _unpack_linears(rest[:count], ctx.layout)
+        intermediates = iter(rest[count:])
+        grads, d_normed = [], None
+        for linear, need, d_out in zip(linears, ctx.needs, d_outs, strict=True):
+            ts = [next(intermediates) for _ in linear.adapters]
+            adapter_grads, d_ts = _adapter_grads(d_out, linear.adapters, ts, need.adapters, ctx.need_norm_grad)
+            if ctx.need_norm_grad:
+                part = _input_grad_from_adapters(d_out.matmul(linear.weight), linear.adapters, d_ts)
+                d_normed = part if d_normed is None else d_normed + part
+            grads.append((d_out, adapter_grads, d_ts))
+        dx = d_norm_weight = d_norm_bias = None
+        if ctx.need_norm_grad:
+            rebuild = ctx.need_normed and normed is None
+            dx, d_norm_weight, d_norm_bias, rebuilt = layer_norm_bwd(
+                d_normed, x, norm_weight, norm_bias, mean, rstd, rebuild)
+            normed = rebuilt if rebuild else normed
+        flat = []
+        for linear, need, (d_out, adapter_grads, d_ts) in zip(linears, ctx.needs, grads):
+            flat.append(d_out.t().matmul(normed) if need.weight else None)
+            flat.append(d_out.sum(0) if need.bias and linear.bias is not None else None)
+            flat.extend(_finish_adapter_grads(adapter_grads, linear.adapters, d_ts, normed, need.adapters))
+        need_x, need_nw, need_nb = ctx.needs_input_grad[:3]
         return (
             dx if need_x else None,
             d_norm_weight if need_nw and norm_weight is not None else None,
             d_norm_bias if need_nb and norm_bias is not None else None,
-            d_weight, d_bias, None, None,
+            None, None, None, *flat,
         )
 
 
-class _MLP(torch.autograd.Function):
-    """out = fc2(gelu(fc1(LayerNorm(x)))) on rows x (M, K); the LayerNorm is optional.
+_Needs = collections.namedtuple("_Needs", "weight bias adapters")
 
-    fc1's bias is added inside the GELU kernel, so its gradient comes out of the same pass
-    that computes dh, and h = x·W1ᵀ (without bias) is what is kept.
+
+def _unpack_linears(tensors, layout):
+    """[Linear(weight, bias, adapters)] from the flat tensors of _LayerNormLinears."""
+    linears, i = [], 0
+    for scales in layout:
+        size = _PER_ADAPTER * len(scales)
+        linears.append(Linear(tensors[i], tensors[i + 1], tuple(_unflatten(tensors[i + 2:i + 2 + size], scales))))
+        i += 2 + size
+    return linears
+
+
+def _unpack_needs(needs, layout):
+    """[_Needs(weight, bias, per-adapter needs)] from the needs_input_grad of the flat tensors."""
+    out, i = [], 0
+    for scales in layout:
+        out.append(_Needs(needs[i], needs[i + 1], _adapter_needs(needs[i + 2:], len(scales))))
+        i += 2 + _PER_ADAPTER * len(scales)
+    return out
+
+
+class _MLP(torch.autograd.Function):
+    """out = fc2(gelu(fc1(LayerNorm(x)))) on rows x (M, K); the LayerNorm is optional, and fc1 and fc2
+    may carry LoRA adapters.
+
+    Without adapters on fc1, its bias is added inside the GELU kernel, so its gradient comes out
+    of the same pass that computes dh, and h = x·W1ᵀ (without bias) is what is kept. With adapters
+    on fc1, h = fc1(x) + its adapters' terms, bias included in peft's order, and dh sums to db1.
     """
 
     @staticmethod
-    def forward(ctx, x, norm_weight, norm_bias, eps, has_norm, w1, b1, w2, b2, approximate, recompute):
+    def forward(ctx, x, norm_weight, norm_bias, eps, has_norm, w1, b1, w2, b2, approximate, recompute,
+                fc1_scales, fc2_scales, *lora_tensors):
+        split = len(fc1_scales) * _PER_ADAPTER
+        fc1_adapters, fc2_adapters = _unflatten(lora_tensors[:split], fc1_scales), \
+            _unflatten(lora_tensors[split:], fc2_scales)
+        needs = ctx.needs_input_grad
+        need_x, need_nw, need_nb, need_w1, need_b1, need_w2 = needs[0], needs[1], needs[2], needs[5], needs[6], needs[7]
+        fc1_needs = _adapter_needs(needs[13:13 + split], len(fc1_adapters))
+        fc2_needs = _adapter_needs(needs[13 + split:], len(fc2_adapters))
+        need_norm_grad = has_norm and (need_x or need_nw or need_nb)
+        need_fc1_input = need_w1 or any(n[0] for n in fc1_needs)  # for dW1 and fc1's dA
+        need_dh = need_x or need_norm_grad or need_fc1_input or need_b1 or any(n[1] or n[2] for n in fc1_needs)
+        need_activation = need_w2 or any(n[0] for n in fc2_needs)  # gelu(h), for dW2 and fc2's dA
         if has_norm:
             fc1_input, mean, rstd = layer_norm_fwd(x, norm_weight, norm_bias, eps)
         else:
             fc1_input, mean, rstd = x, None, None
-        h = fc1_input.matmul(w1.t())
-        activation = gelu_fwd(h, b1, approximate)
-        out = F.linear(activation, w2, b2)
-        kept = () if recompute else (fc1_input, activation)
-        ctx.save_for_backward(x, norm_weight, norm_bias, mean, rstd, w1, b1, w2, h, *kept)
-        ctx.has_norm, ctx.approximate, ctx.recompute = has_norm, approximate, recompute
-        ctx.has_b2 = b2 is not None
+        if fc1_adapters:
+            h, fc1_intermediates = _add_adapters(F.linear(fc1_input, w1, b1), fc1_input, fc1_adapters)
+            activation = gelu_fwd(h, None, approximate)
+        else:
+            h, fc1_intermediates = fc1_input.matmul(w1.t()), []
+            activation = gelu_fwd(h, b1, approximate)
+        out, fc2_intermediates = _add_adapters(F.linear(activation, w2, b2), activation, fc2_adapters)
+        # As for the LayerNorm: rebuilding pays only where the backward runs that pass anyway (the
+        # LayerNorm's for LN(x), the GELU's for gelu(h)); else the tensor is kept, as eager does.
+        rebuild_fc1_input = recompute and need_norm_grad
+        rebuild_activation = recompute and need_dh
+        keep_x = need_norm_grad or (need_fc1_input and not has_norm)
+        keep_fc1_input = has_norm and need_fc1_input and not rebuild_fc1_input
+        kept = [t if n[1] else None for t, n in zip([*fc1_intermediates, *fc2_intermediates], fc1_needs + fc2_needs)]
+        ctx.save_for_backward(
+            *_kept(keep_x, x), *_kept(keep_x and has_norm, mean, rstd), *_kept(keep_fc1_input, fc1_input),
+            *_kept(need_dh, h), *_kept(need_activation and not rebuild_activation, activation),
+            norm_weight, norm_bias, w1, b1, w2, *lora_tensors, *kept)
+        ctx.has_norm, ctx.approximate = has_norm, approximate
+        ctx.has_b2, ctx.fc1_scales, ctx.fc2_scales = b2 is not None, fc1_scales, fc2_scales
+        ctx.fc1_needs, ctx.fc2_needs = fc1_needs, fc2_needs
+        ctx.need_norm_grad, ctx.need_fc1_input, ctx.need_dh = need_norm_grad, need_fc1_input, need_dh
+        ctx.need_activation = need_activation
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        x, norm_weight, norm_bias, mean, rstd, w1, b1, w2, h, *kept = ctx.saved_tensors
+        x, mean, rstd, fc1_input, h, activation, norm_weight, norm_bias, w1, b1, w2, *rest = ctx.saved_tensors
+        split = len(ctx.fc1_scales) * _PER_ADAPTER
+        tensors = rest[:split + len(ctx.fc2_scales) * _PER_ADAPTER]
+        intermediates = rest[len(tensors):]
+        fc1_adapters = _unflatten(tensors[:split], ctx.fc1_scales)
+        fc2_adapters = _unflatten(tensors[split:], ctx.fc2_scales)
+        fc1_intermediates, fc2_intermediates = intermediates[:len(fc1_adapters)], intermediates[len(fc1_adapters):]
         need_x, need_nw, need_nb, _, _, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:9]
-        need_fc1_input_grad = need_x or (ctx.has_norm and (need_nw or need_nb))
-        recompute = ctx.recompute
-        d_activation = d_out.matmul(w2)
-        dh, d_b1, activation = gelu_bwd(d_activation, h, b1, ctx.approximate, recompute and need_w2)
-        if not recompute:
-            fc1_input, activation = kept
+
+        # fc2 and its adapters; gelu(h) is rebuilt in the GELU backward's pass when dW2 or fc2's dA needs it
+        fc2_grads, fc2_d_ts = _adapter_grads(d_out, fc2_adapters, fc2_intermediates, ctx.fc2_needs, ctx.need_dh)
+        dh = d_b1 = None
+        rebuild_activation = ctx.need_activation and activation is None
+        fc1_bias_in_kernel = not fc1_adapters
+        if ctx.need_dh:
+            d_activation = _input_grad_from_adapters(d_out.matmul(w2), fc2_adapters, fc2_d_ts)
+            dh, d_b1, rebuilt = gelu_bwd(d_activation, h, b1 if fc1_bias_in_kernel else None, ctx.approximate,
+                                         rebuild_activation)
+            activation = rebuilt if rebuild_activation else activation
+            d_activation = None
+            if not fc1_bias_in_kernel and need_b1 and b1 is not None:
+                d_b1 = dh.sum(0)
         d_w2 = d_out.t().matmul(activation) if need_w2 else None
         d_b2 = d_out.sum(0) if need_b2 and ctx.has_b2 else None
-        activation = d_activation = None  # the rebuilt gelu(h) lives only for dW2
-        d_fc1_input = dh.matmul(w1) if need_fc1_input_grad else None
-        dx = d_norm_weight = d_norm_bias = None
-        if ctx.has_norm:
-            if d_fc1_input is None:  # only dW1 is wanted, but LayerNorm(x) must still be rebuilt
-                d_fc1_input = torch.zeros_like(x)
-            dx, d_norm_weight, d_norm_bias, normed = layer_norm_bwd(
-                d_fc1_input, x, norm_weight, norm_bias, mean, rstd, recompute and need_w1
-            )
-            if recompute:
-                fc1_input = normed
-        else:
-            dx, fc1_input = d_fc1_input, x
-        d_w1 = dh.t().matmul(fc1_input) if need_w1 else None
+        fc2_flat = _finish_adapter_grads(fc2_grads, fc2_adapters, fc2_d_ts, activation, ctx.fc2_needs)
+        activation = None  # the rebuilt gelu(h) lives only for dW2 and fc2's dA
+
+        # fc1 and its adapters, then the LayerNorm; LN(x) is rebuilt in its backward's pass when needed
+        need_d_fc1_input = need_x or ctx.need_norm_grad
+        fc1_flat, d_w1, dx, d_norm_weight, d_norm_bias = [None] * (3 * len(fc1_adapters)), None, None, None, None
+        if ctx.need_dh:
+            fc1_grads, fc1_d_ts = _adapter_grads(dh, fc1_adapters, fc1_intermediates, ctx.fc1_needs,
+                                                 need_d_fc1_input)
+            d_fc1_input = _input_grad_from_adapters(dh.matmul(w1), fc1_adapters, fc1_d_ts) \
+                if need_d_fc1_input else None
+            if ctx.has_norm:
+                if ctx.need_norm_grad:
+                    rebuild = ctx.need_fc1_input and fc1_input is None
+                    dx, d_norm_weight, d_norm_bias, rebuilt = layer_norm_bwd(
+                        d_fc1_input, x, norm_weight, norm_bias, mean, rstd, rebuild)
+                    fc1_input = rebuilt if rebuild else fc1_input
+            else:
+                dx, fc1_input = d_fc1_input, x
+            d_w1 = dh.t().matmul(fc1_input) if need_w1 else None
+            fc1_flat = _finish_adapter_grads(fc1_grads, fc1_adapters, fc1_d_ts, fc1_input, ctx.fc1_needs)
         return (
             dx if need_x else None,
             d_norm_weight if need_nw and norm_weight is not None else None,
@@ -109,9 +292,9 @@ class _MLP(torch.autograd.Function):
             None, None,
             d_w1,
             d_b1 if need_b1 and b1 is not None else None,
-            d_w2, d_b2, None, None,
+            d_w2, d_b2, None, None, None, None,
+            *fc1_flat, *fc2_flat,
         )
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,6 +317,47 @@ def _check_linear(weight_name, weight, bias_name, bias, in_features, x):
         raise TypeError(f"{bias_name} has dtype {bias.dtype} but {weight_name} has {weight.dtype}; they must match")
 
 
+def _check_adapters(name, adapters, weight, x):
+    """Each adapter of the Linear `weight` (out, in): a LoRA of matching shapes on x's device, its
+    a, b and b_bias in one floating dtype (peft may keep adapters in float32 beside half weights)."""
+    if not isinstance(adapters, (tuple, list)) or not all(isinstance(a, LoRA) for a in adapters):
+        raise TypeError(f"{name} must be a tuple of remat.ops.fused.LoRA(a, b, b_bias, scale), got {adapters!r}")
+    out_features, in_features = weight.shape
+    for i, lora in enumerate(adapters):
+        label = f"{name}[{i}]"
+        check_float_tensor(f"{label}.a", lora.a)
+        check_float_tensor(f"{label}.b", lora.b)
+        if lora.a.dim() != 2 or lora.a.shape[1] != in_features:
+            raise ValueError(f"{label}.a must have shape (rank, {in_features}), got {tuple(lora.a.shape)}")
+        if tuple(lora.b.shape) != (out_features, lora.a.shape[0]):
+            raise ValueError(f"{label}.b must have shape ({out_features}, {lora.a.shape[0]}), got {tuple(lora.b.shape)}")
+        for part in ("a", "b", "b_bias"):
+            tensor = getattr(lora, part)
+            if tensor is None:
+                continue
+            check_same_device(f"{label}.{part}", tensor, "x", x)
+            if tensor.dtype != lora.a.dtype:
+                raise TypeError(f"{label}.{part} has dtype {tensor.dtype} but {label}.a has {lora.a.dtype}; they must match")
+        if lora.b_bias is not None and tuple(lora.b_bias.shape) != (out_features,):
+            raise ValueError(f"{label}.b_bias must have shape ({out_features},), got {tuple(lora.b_bias.shape)}")
+        if isinstance(lora.scale, bool) or not isinstance(lora.scale, (int, float)):
+            raise TypeError(f"{label}.scale must be a number, got {lora.scale!r}")
+
+
+def check_input_width(x, width, what):
+    """x's last dimension must be `width` (what expects it, for the message)."""
+    if x.shape[-1] != width:
+        raise ValueError(f"x must have {width} features in its last dimension ({what}), "
+                         f"got shape {tuple(x.shape)}")
+
+
+def _check_width_against_norm(x, norm_weight, weight):
+    """When the LayerNorm weight and the Linear agree on a width that x does not have, x is what is wrong."""
+    width = _in_features(weight)
+    if width is not None and isinstance(norm_weight, torch.Tensor) and tuple(norm_weight.shape) == (width,):
+        check_input_width(x, width, "the width of the LayerNorm and of the Linear after it")
+
+
 def _check_norm_params(norm_weight, norm_bias, width, x, eps):
     check_optional_param("norm_weight", norm_weight, (width,), "x", x)
     check_optional_param("norm_bias", norm_bias, (width,), "x", x)
@@ -153,50 +377,106 @@ def _rows(x):
     return rows_with_unit_stride(x, x.shape[-1])
 
 
-def _under_autocast(fn, x, *tensors, **kwargs):
+def _in_features(weight):
+    return weight.shape[1] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+
+
+def _cast_adapters(dtype, adapters):
+    """Under autocast the adapters' Linears autocast too (peft's lora_A, lora_B are nn.Linear)."""
+    if not isinstance(adapters, (tuple, list)):
+        return adapters  # refused by name in _check_adapters
+    return tuple(LoRA(*cast_for_autocast(dtype, a.a, a.b, a.b_bias), a.scale) if isinstance(a, LoRA) else a
+                 for a in adapters)
+
+
+def _under_autocast(fn, x, *tensors, adapter_lists=(), **kwargs):
     """Under autocast, run `fn` on inputs cast to the autocast dtype with autocast off inside.
 
     The Linears would autocast anyway; casting up front keeps every tensor of the fused layer in
     one dtype, so the outputs have the dtypes PyTorch's own layers give under autocast.
+    `adapter_lists`: {keyword: adapters} passed on, cast likewise.
     """
     dtype = autocast_dtype(x.device.type)
+    casted = {name: _cast_adapters(dtype, adapters) for name, adapters in dict(adapter_lists).items()}
     with torch.autocast(x.device.type, enabled=False):
-        return fn(*cast_for_autocast(dtype, x, *tensors), **kwargs)
+        return fn(*cast_for_autocast(dtype, x, *tensors), **kwargs, **casted)
 
 
-def layer_norm_linear(x, norm_weight, norm_bias, weight, bias=None, eps=1e-5, recompute=True):
-    """Linear(LayerNorm(x)): autograd keeps x and fp32 mean/rstd, and rebuilds LayerNorm(x) for dW."""
+def _cast_linears(dtype, linears):
+    return [Linear(*cast_for_autocast(dtype, lin.weight, lin.bias), _cast_adapters(dtype, lin.adapters))
+            if isinstance(lin, Linear) else lin for lin in linears]
+
+
+def layer_norm_linears(x, norm_weight, norm_bias, linears, eps=1e-5, recompute=True):
+    """[Linear_i(LayerNorm(x)) + its LoRA adapters] for each remat.ops.fused.Linear(weight, bias, adapters)
+    in `linears`, all reading one LayerNorm (as ViT's q, k and v do).
+
+    LayerNorm(x) is computed once; autograd keeps x and one fp32 mean/rstd pair (and each adapter's
+    rank-r A(LN(x))), and rebuilds LayerNorm(x) for every dW and dA.
+    """
     check_float_tensor("x", x)
+    if not isinstance(linears, (tuple, list)) or not linears or not all(isinstance(lin, Linear) for lin in linears):
+        raise TypeError(f"linears must be a non-empty list of remat.ops.fused.Linear(weight, bias, adapters), "
+                        f"got {linears!r}")
     if autocast_dtype(x.device.type) is not None:
-        return _under_autocast(layer_norm_linear, x, norm_weight, norm_bias, weight, bias, eps=eps, recompute=recompute)
+        dtype = autocast_dtype(x.device.type)
+        with torch.autocast(x.device.type, enabled=False):
+            return layer_norm_linears(cast_for_autocast(dtype, x)[0], norm_weight, norm_bias,
+                                      _cast_linears(dtype, linears), eps=eps, recompute=recompute)
+    names = [("weight", "bias", "adapters")] if len(linears) == 1 else \
+        [(f"linears[{i}].weight", f"linears[{i}].bias", f"linears[{i}].adapters") for i in range(len(linears))]
+    return _layer_norm_linears(x, norm_weight, norm_bias, linears, eps, recompute, names)
+
+
+def _layer_norm_linears(x, norm_weight, norm_bias, linears, eps, recompute, names):
     rows = _rows(x)
+    _check_width_against_norm(x, norm_weight, linears[0].weight)
     _check_norm_params(norm_weight, norm_bias, x.shape[-1], x, eps)
-    _check_linear("weight", weight, "bias", bias, x.shape[-1], x)
+    tensors, layout = [], []
+    for linear, (weight_name, bias_name, adapters_name) in zip(linears, names):
+        _check_linear(weight_name, linear.weight, bias_name, linear.bias, x.shape[-1], x)
+        _check_adapters(adapters_name, linear.adapters, linear.weight, x)
+        flat, scales = _flatten(linear.adapters)
+        tensors += [linear.weight, linear.bias, *flat]
+        layout.append(scales)
     norm_weight, norm_bias = _contiguous(norm_weight, norm_bias)
-    out = _LayerNormLinear.apply(rows, norm_weight, norm_bias, weight, bias, float(eps), bool(recompute))
-    return out.view(*x.shape[:-1], weight.shape[0])
+    outs = _LayerNormLinears.apply(rows, norm_weight, norm_bias, float(eps), bool(recompute), tuple(layout), *tensors)
+    return [out.view(*x.shape[:-1], linear.weight.shape[0]) for out, linear in zip(outs, linears)]
+
+
+def layer_norm_linear(x, norm_weight, norm_bias, weight, bias=None, eps=1e-5, recompute=True, adapters=()):
+    """Linear(LayerNorm(x)) [+ LoRA adapters]: autograd keeps x and fp32 mean/rstd (and each adapter's
+    rank-r A(LN(x))), and rebuilds LayerNorm(x) for dW and each dA."""
+    check_float_tensor("x", x)
+    return layer_norm_linears(x, norm_weight, norm_bias, [Linear(weight, bias, adapters)], eps, recompute)[0]
 
 
 def mlp(x, w1, b1, w2, b2=None, approximate="none", recompute=True,
-        norm_weight=None, norm_bias=None, eps=1e-5, layer_norm=False):
-    """fc2(gelu(fc1(x))), with LayerNorm(x) in front when layer_norm=True.
+        norm_weight=None, norm_bias=None, eps=1e-5, layer_norm=False, fc1_adapters=(), fc2_adapters=()):
+    """fc2(gelu(fc1(x))), with LayerNorm(x) in front when layer_norm=True, and LoRA adapters on fc1/fc2.
 
-    Autograd keeps x, the fc1 output h (and fp32 mean/rstd with the LayerNorm), and rebuilds
-    gelu(h) (and LayerNorm(x)) in the backward.
+    Autograd keeps x, the fc1 output h (and fp32 mean/rstd with the LayerNorm, and each adapter's
+    rank-r intermediate), and rebuilds gelu(h) (and LayerNorm(x)) in the backward.
     """
     check_float_tensor("x", x)
     if autocast_dtype(x.device.type) is not None:
         return _under_autocast(mlp, x, w1, b1, w2, b2, approximate=approximate, recompute=recompute,
-                               norm_weight=norm_weight, norm_bias=norm_bias, eps=eps, layer_norm=layer_norm)
+                               norm_weight=norm_weight, norm_bias=norm_bias, eps=eps, layer_norm=layer_norm,
+                               adapter_lists={"fc1_adapters": fc1_adapters, "fc2_adapters": fc2_adapters})
     rows = _rows(x)
     check_approximate(approximate)
     if layer_norm:
+        _check_width_against_norm(x, norm_weight, w1)
         _check_norm_params(norm_weight, norm_bias, x.shape[-1], x, eps)
     elif norm_weight is not None or norm_bias is not None:
         raise ValueError("norm_weight and norm_bias need layer_norm=True")
     _check_linear("w1", w1, "b1", b1, x.shape[-1], x)
     _check_linear("w2", w2, "b2", b2, w1.shape[0], x)
+    _check_adapters("fc1_adapters", fc1_adapters, w1, x)
+    _check_adapters("fc2_adapters", fc2_adapters, w2, x)
     norm_weight, norm_bias, b1 = _contiguous(norm_weight, norm_bias, b1)
+    fc1_flat, fc1_scales = _flatten(fc1_adapters)
+    fc2_flat, fc2_scales = _flatten(fc2_adapters)
     out = _MLP.apply(rows, norm_weight, norm_bias, float(eps), bool(layer_norm),
-                     w1, b1, w2, b2, approximate, bool(recompute))
+                     w1, b1, w2, b2, approximate, bool(recompute), fc1_scales, fc2_scales, *fc1_flat, *fc2_flat)
     return out.view(*x.shape[:-1], w2.shape[0])

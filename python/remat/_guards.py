@@ -1,0 +1,93 @@
+"""When a fused path may stand in for modules, and what a converted module does when it may not.
+
+A fused path computes several modules' work in one op, reading their parameters directly, so it
+reproduces them only while they are the plain layers it was built for. A model changes after
+conversion: peft wraps Linears in LoRA layers, users add hooks or parametrizations, weights become
+quantised tensor subclasses. Every fused path therefore asks, at each call, whether its modules
+are still plain (these functions); where one is not, that call runs the modules' own forwards,
+and the converted module records why (`fallback`), warning once per module and reason.
+"""
+
+import collections
+import warnings
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module_globals
+
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+_PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)
+
+
+class RematFallbackWarning(UserWarning):
+    """A converted module ran its stock forward for a call (shown once per module and reason)."""
+
+
+def hook_reason(module):
+    """Why `module` must run its own forward because of hooks or parametrizations, or None.
+
+    Global module hooks (torch.nn.modules.module.register_module_forward_hook and the like) count
+    too: they run on every module call, which a fused path would skip.
+    """
+    if any(getattr(module, name, None) for name in _MODULE_HOOKS):
+        return "has forward/backward hooks"
+    if any(getattr(_module_globals, name, None) for name in _GLOBAL_HOOKS):
+        return "global module hooks are registered"
+    if getattr(module, "parametrizations", None) is not None:
+        return "has parametrizations"
+    return None
+
+
+def tensor_reason(name, tensor):
+    """Why the parameter `tensor` cannot be read as a plain dense tensor, or None."""
+    if tensor is None:
+        return None
+    if type(tensor) not in _PLAIN_TENSOR_TYPES:
+        return f"{name} is a {type(tensor).__name__}, not a plain tensor (quantised or a tensor subclass)"
+    if not tensor.is_floating_point():
+        return f"{name} has dtype {tensor.dtype}, not a floating dtype"
+    return None
+
+
+def plain_reason(module, classes, label=None):
+    """None when `module` is exactly one of `classes`, without hooks or parametrizations, its own
+    parameters plain floating tensors; else why not (naming `label`, or the class)."""
+    label = label or type(module).__name__
+    if type(module) not in classes:
+        names = " or ".join(c.__name__ for c in classes)
+        return f"{label} is {type(module).__name__}, not exactly {names}"
+    reason = hook_reason(module)
+    if reason:
+        return f"{label} {reason}"
+    for name, param in module.named_parameters(recurse=False):
+        reason = tensor_reason(f"{label}.{name}", param)
+        if reason:
+            return reason
+    return None
+
+
+def fallback(module, reason, where=None):
+    """Record that `module` runs its stock forward for this call because of `reason`; the first
+    time for this module and reason, warn (RematFallbackWarning) naming `where` (default: the path
+    convert gave the module). Counts: fallback_counts()."""
+    if torch.compiler.is_compiling():
+        return  # nothing to record from inside a graph; the eager calls record it
+    counts = module.__dict__.setdefault("remat_fallbacks", collections.Counter())
+    if reason not in counts:
+        if where is None:
+            path = module.__dict__.get("remat_path")
+            where = f"{path} ({type(module).__name__})" if path else type(module).__name__
+        warnings.warn(f"remat: {where} runs its stock forward: {reason}", RematFallbackWarning, stacklevel=3)
+    counts[reason] += 1
+
+
+def fallback_counts(model):
+    """{module path: {reason: calls}} of the converted modules in `model` that fell back to stock."""
+    found = {}
+    for path, module in model.named_modules():
+        counts = module.__dict__.get("remat_fallbacks")
+        if counts:
+            found[path or "(root)"] = dict(counts)
+    return found
