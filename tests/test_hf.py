@@ -13,142 +13,15 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
-# The hf extra's floor (pyproject.toml). Older releases have other attention forward signatures:
-# remat.hf then leaves those classes stock and says why (test_probe_refuses_an_attention_forward_
-# that_differs), so the counts and swaps asserted here do not apply to them.
-transformers = pytest.importorskip("transformers", minversion="5.24")
+from hf_models import (ATTENTION, BATCH, DECODERS, FAMILIES, FUSED, GRAD_TOL, HEADS, HIDDEN, LAYERS, PRE_LN, SEQ,
+                       OpCounter, assert_same_step, build, inputs, loss_and_grads, remat_attention_calls, tokens,
+                       transformers)
+from numerics import rel_error, saved_bytes
 
 # remat.convert is also the name of the function remat/__init__.py exports: import the module by path.
 conv = importlib.import_module("remat.convert")
 from remat import hf  # noqa: E402
-from numerics import rel_error, saved_bytes  # noqa: E402
-
-GRAD_TOL = 1e-4
-BATCH, SEQ, VOCAB, LAYERS = 2, 8, 100, 2
-HIDDEN, HEADS, FFN = 64, 2, 128  # head dim 32: one of remat's attention kernel head dims
-
-
-def gpt2(**overrides):
-    config = dict(vocab_size=VOCAB, n_positions=32, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
-                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**config, **overrides})), 4 * HIDDEN
-
-
-def bert(**overrides):
-    config = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                  intermediate_size=FFN, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                  max_position_embeddings=32)
-    return transformers.BertForMaskedLM(transformers.BertConfig(**{**config, **overrides})), FFN
-
-
-def roberta(**overrides):
-    config = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                  intermediate_size=FFN, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                  max_position_embeddings=40, pad_token_id=1)
-    return transformers.RobertaForMaskedLM(transformers.RobertaConfig(**{**config, **overrides})), FFN
-
-
-def vit(**overrides):
-    config = dict(image_size=8, patch_size=4, num_channels=3, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
-                  num_attention_heads=HEADS, intermediate_size=FFN, hidden_dropout_prob=0.0,
-                  attention_probs_dropout_prob=0.0, num_labels=5)
-    return transformers.ViTForImageClassification(transformers.ViTConfig(**{**config, **overrides})), FFN
-
-
-def gpt_neox(**overrides):
-    # rotary on half of each head (Pythia's partial_rotary_factor): the pass-through half is covered too
-    config = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                  intermediate_size=FFN, max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0,
-                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
-    return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**{**config, **overrides})), FFN
-
-
-FAMILIES = {"gpt2": gpt2, "bert": bert, "roberta": roberta, "vit": vit, "gpt_neox": gpt_neox}
-# The MLP module swapped in each family (the FFN of BERT/RoBERTa is split over two modules).
-FUSED = {"gpt2": "RematGPT2MLP", "bert": "RematBertOutput", "roberta": "RematRobertaOutput",
-         "vit": "RematViTMLP", "gpt_neox": "RematGPTNeoXMLP"}
-ATTENTION = {"gpt2": "RematGPT2Attention", "bert": "RematBertSelfAttention",
-             "roberta": "RematRobertaSelfAttention", "vit": "RematViTAttention",
-             "gpt_neox": "RematGPTNeoXAttention"}
-PRE_LN = ("gpt2", "vit", "gpt_neox")  # LayerNorms fused into the q/k/v projection and into fc1
-DECODERS = ("gpt2", "gpt_neox")
-
-
-def build(family, **overrides):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model, ffn = FAMILIES[family](**overrides)
-    with torch.no_grad():  # LayerNorms away from ones/zeros
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    return model.train(), ffn
-
-
-def inputs(family, device):
-    generator = torch.Generator().manual_seed(1)
-    if family == "vit":
-        pixels = torch.randn(BATCH, 3, 8, 8, generator=generator)
-        return {"pixel_values": pixels.to(device), "labels": torch.tensor([1, 3], device=device)}
-    ids = torch.randint(2, VOCAB, (BATCH, SEQ), generator=generator).to(device)
-    return {"input_ids": ids, "labels": ids}
-
-
-def tokens(family):
-    return BATCH * (5 if family == "vit" else SEQ)  # ViT: 4 patches + [CLS]
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the operators dispatched while active, by name ("remat::attention_fwd")."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.name()] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def loss_and_grads(model, batch):
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch).loss
-    loss.backward()
-    params = model.state_dict(keep_vars=True)
-    return loss.detach(), {k: p.grad for k, p in params.items() if isinstance(p, torch.nn.Parameter)}
-
-
-def grad_error(out, ref, total):
-    """rel_error, with a floor on the scale of 1e-4 x the whole model's gradient norm: a gradient
-    that is zero in exact arithmetic (the key bias: softmax ignores a constant added to a whole
-    row of scores) holds only rounding noise, which differs between two correct kernels."""
-    return (out.double() - ref.double()).norm().item() / max(ref.double().norm().item(), 1e-4 * total)
-
-
-def assert_same_step(stock, converted, batch):
-    loss, grads = loss_and_grads(stock, batch)
-    loss_c, grads_c = loss_and_grads(converted, batch)
-    assert rel_error(loss_c, loss) < GRAD_TOL
-    assert grads.keys() == grads_c.keys()
-    total = sum(g.double().norm().item() ** 2 for g in grads.values() if g is not None) ** 0.5
-    compared = 0
-    for key, grad in grads.items():
-        if grad is None:  # unused by this loss (e.g. a pooler): unused after conversion too
-            assert grads_c[key] is None, key
-            continue
-        error = grad_error(grads_c[key], grad, total)
-        assert error < GRAD_TOL, f"{key}: {error:.3g}"
-        compared += 1
-    assert compared > 10
-
-
-def remat_attention_calls(fn):
-    """(fn()'s result, number of remat attention forward kernels it ran)."""
-    with OpCounter() as counter:
-        result = fn()
-    return result, counter.counts["remat::attention_fwd"]
-
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_same_loss_gradients_and_state_dict(target, family):

@@ -238,6 +238,7 @@ def fused_mlp(norm, fc1, act, fc2, recompute):
                            recompute=recompute)
         new.norm = norm
     new.fc1, new.fc2 = fc1, fc2
+    new.__dict__["remat_activation"] = act  # not a submodule (keys unchanged): for revert, and fallbacks
     return new
 
 
@@ -440,8 +441,6 @@ def _sequential_runs(seq, layers, recompute, path, report):
             seq._modules[name] = nn.Identity()
         runs[members[0]] = {sub: names[i + offset] for sub, offset in subs.items()}
         handled.update(members)
-        if isinstance(module, remat_nn.MLP):  # the activation module, for revert()
-            module.__dict__["remat_activation"] = children[i + length - 2]
         types = ", ".join(type(c).__name__ for c in children[i:i + length])
         report.add(_join(path, members[0]), children[i], f"swapped to {type(module).__name__}",
                    f"fused ({types}) from {members[0]} to {members[-1]}; Identity at the rest",

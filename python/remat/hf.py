@@ -95,7 +95,6 @@ remat.revert gives the stock classes back (same objects inside).
 
 import collections
 import contextlib
-import functools
 import inspect
 import sys
 import weakref
@@ -302,8 +301,10 @@ def remat_class(mixin, stock_class):
     cls = _REMAT_CLASSES.get((mixin, stock_class))
     if cls is None:
         name = f"Remat{stock_class.__name__}"
-        cls = type(name, (mixin, stock_class), {"remat_stock": stock_class, "__module__": __name__,
-                                                "__qualname__": name})
+        # Read at every call: computed here, once, outside any torch.compile trace.
+        fixed = {"remat_stock": stock_class, "remat_signature": inspect.signature(stock_class.forward),
+                 "remat_passthrough": _passthrough_kwargs()}
+        cls = type(name, (mixin, stock_class), {**fixed, "__module__": __name__, "__qualname__": name})
         globals()[name] = cls  # importable by name, so a converted model pickles
         _REMAT_CLASSES[(mixin, stock_class)] = cls
     return cls
@@ -464,7 +465,6 @@ _PASSTHROUGH_KWARGS = frozenset({
 })
 
 
-@functools.cache
 def _passthrough_kwargs():
     """_PASSTHROUGH_KWARGS and whatever else this transformers version declares in TransformersKwargs."""
     try:
@@ -472,11 +472,6 @@ def _passthrough_kwargs():
     except ImportError:
         return _PASSTHROUGH_KWARGS
     return _PASSTHROUGH_KWARGS | frozenset(getattr(TransformersKwargs, "__annotations__", {}))
-
-
-@functools.cache
-def _signature(stock_class):
-    return inspect.signature(stock_class.forward)
 
 
 def _heads(t, heads, head_dim):
@@ -591,7 +586,7 @@ class _RematAttention(_RematModule):
     def _remat_bind(self, hidden_states, args, kwargs):
         """The call's arguments by the stock forward's names (**kwargs merged in), or None when
         they do not bind."""
-        signature = _signature(self.remat_stock)
+        signature = self.remat_signature
         try:
             bound = signature.bind(self, hidden_states, *args, **kwargs)
         except TypeError:
@@ -619,7 +614,7 @@ class _RematAttention(_RematModule):
         cache = call.get(self.remat_cache_arg) if self.remat_cache_arg else None
         if cache is not None and not _empty_dynamic_cache(cache, getattr(self, "layer_idx", None)):
             return "a KV cache with past keys, or not a plain DynamicCache"
-        known = {"attention_mask", self.remat_cache_arg, *self.remat_extra_args, *_passthrough_kwargs()}
+        known = {"attention_mask", self.remat_cache_arg, *self.remat_extra_args, *self.remat_passthrough}
         others = [name for name, value in call.items() if name not in known and value is not None and value is not False]
         if others:
             return f"arguments that change the attention: {', '.join(sorted(others))}"
@@ -796,7 +791,7 @@ def _attention_reason(module):
     head_dim = getattr(module, mixin.remat_head_dim_attr)
     if head_dim not in HEAD_DIMS:
         return f"head dim {head_dim} is not one of remat's kernel head dims {HEAD_DIMS}"
-    parameters = _signature(type(module)).parameters
+    parameters = inspect.signature(type(module).forward).parameters
     needed = ["attention_mask", *filter(None, [mixin.remat_cache_arg]), *mixin.remat_extra_args]
     if any(n not in parameters for n in needed):
         return f"the forward's arguments are not {', '.join(needed)}: this transformers version differs"

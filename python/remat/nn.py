@@ -164,7 +164,9 @@ class MLP(torch.nn.Module):
         approximate = ACTIVATIONS[self.activation]
         if reason:
             fallback(self, reason)
-            return self.fc2(F.gelu(self.fc1(norm(x) if norm is not None else x), approximate=approximate))
+            h = self.fc1(norm(x) if norm is not None else x)
+            act = self.__dict__.get("remat_activation")  # the GELU module convert fused, if any
+            return self.fc2(act(h) if act is not None else F.gelu(h, approximate=approximate))
         _input_checked(x, fc1.weight.shape[1], self)
         norm_args = {} if norm is None else dict(norm_weight=norm.weight, norm_bias=norm.bias, eps=norm.eps,
                                                  layer_norm=True)

@@ -1,0 +1,197 @@
+"""A converted model never computes something the stock model would not: a module changed after
+conversion (hooks, parametrizations, weight norm, a tensor subclass as weight, another module in its
+place) makes every fused path that stands in for it run the modules' own forwards for that call,
+with one RematFallbackWarning per module and reason, counted by the report; deep copies and pickles
+of converted models keep their fusions."""
+
+import copy
+import importlib
+import io
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from hf_models import LAYERS, build, inputs, remat_attention_calls
+from numerics import rel_error
+from remat._guards import RematFallbackWarning
+
+conv = importlib.import_module("remat.convert")
+
+
+def double_output(module, args, output):
+    return output * 2
+
+
+class Plain(torch.Tensor):
+    """A tensor subclass that computes like a tensor (quantised weights are subclasses too)."""
+
+
+def to_subclass(module):
+    module.weight = nn.Parameter(torch.Tensor._make_subclass(Plain, module.weight.detach(), True))
+
+
+def scale_parametrization(module):
+    class Scale(nn.Module):
+        def forward(self, weight):
+            return weight * 1.5
+
+    torch.nn.utils.parametrize.register_parametrization(module, "weight", Scale())
+
+
+CHANGES = {
+    "forward-hook": lambda m: m.register_forward_hook(double_output),
+    "pre-hook": lambda m: m.register_forward_pre_hook(lambda mod, args: (args[0] * 0.5,)),
+    "parametrization": scale_parametrization,
+    "weight-norm": lambda m: torch.nn.utils.parametrizations.weight_norm(m),
+    "tensor-subclass": to_subclass,
+}
+
+
+def stack(kind):
+    """(remat fused module, a stock Sequential of the same layers sharing their parameters)."""
+    norm, fc1, act, fc2 = nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)
+    if kind == "LayerNormLinear":
+        return conv.fused_layer_norm_linear(norm, fc1, True), nn.Sequential(norm, fc1)
+    return conv.fused_mlp(norm, fc1, act, fc2, True), nn.Sequential(norm, fc1, act, fc2)
+
+
+@pytest.mark.parametrize("change", CHANGES)
+@pytest.mark.parametrize("kind", ["LayerNormLinear", "LayerNormMLP"])
+def test_a_changed_linear_runs_its_own_forward(kind, change):
+    fused, stock = stack(kind)
+    x = torch.randn(3, 16, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RematFallbackWarning)
+        fused(x)  # plain: the fused path, no warning
+    CHANGES[change](stock[1])  # the first Linear, shared by both
+    with pytest.warns(RematFallbackWarning, match="runs its stock forward") as caught:
+        out = fused(x)
+        fused(x)
+    assert len([w for w in caught if issubclass(w.category, RematFallbackWarning)]) == 1  # once per reason
+    want = stock(x)
+    assert rel_error(out, want) < 1e-6
+    grads = torch.autograd.grad(out.sum(), x)
+    assert rel_error(grads[0], torch.autograd.grad(want.sum(), x)[0]) < 1e-6
+    assert sum(fused.__dict__["remat_fallbacks"].values()) == 2
+
+
+def test_a_replaced_linear_is_what_runs():
+    fused, _ = stack("LayerNormLinear")
+    x = torch.randn(4, 16)
+    fused.linear = nn.Sequential(nn.Linear(16, 8), nn.ReLU())  # not a Linear any more
+    with pytest.warns(RematFallbackWarning, match="is Sequential, not exactly Linear"):
+        out = fused(x)
+    assert torch.equal(out, fused.linear(fused.norm(x)))
+
+
+def test_global_module_hooks_run():
+    fused, stock = stack("LayerNormMLP")
+    x = torch.randn(2, 16)
+    calls = []
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: calls.append(type(m).__name__))
+    try:
+        with pytest.warns(RematFallbackWarning, match="global module hooks"):
+            fused(x)
+    finally:
+        handle.remove()
+    assert calls.count("Linear") == 2 and "GELU" in calls  # each layer ran, as stock runs them
+
+
+# --- Hugging Face models: changes after conversion ---------------------------------------------
+
+
+@pytest.mark.parametrize("change", ["forward-hook", "parametrization", "tensor-subclass"])
+def test_a_changed_projection_in_a_converted_hf_model(change):
+    stock, _ = build("gpt2")
+    converted = conv.convert(copy.deepcopy(stock))
+    for model in (stock, converted):  # the same change to both: their results must agree
+        CHANGES[change](model.transformer.h[0].attn.c_attn)
+        CHANGES[change](model.transformer.h[1].mlp.c_fc)
+    batch = inputs("gpt2", "cpu")
+    with pytest.warns(RematFallbackWarning) as caught:
+        loss, calls = remat_attention_calls(lambda: converted(**batch).loss)
+    assert rel_error(loss, stock(**batch).loss) < 1e-5
+    assert calls == LAYERS - 1  # the changed layer's attention ran stock, the other remat's
+    where = {str(w.message).split(" runs")[0] for w in caught if issubclass(w.category, RematFallbackWarning)}
+    assert where == {"remat: transformer.h.0.attn (RematGPT2Attention)", "remat: transformer.h.1.mlp (RematGPT2MLP)"}
+
+
+def test_a_replaced_layer_norm_breaks_its_handoff():
+    """A fused LayerNorm replaced after conversion: the new module's output is what the attention
+    gets, as in stock; the fusion is gone for that layer, with a warning."""
+    stock, _ = build("gpt2")
+    converted = conv.convert(copy.deepcopy(stock))
+    replacement = nn.LayerNorm(64)
+    with torch.no_grad():
+        replacement.weight.normal_()
+    for model in (stock, converted):
+        model.transformer.h[0].ln_1 = copy.deepcopy(replacement)
+    batch = inputs("gpt2", "cpu")
+    with pytest.warns(RematFallbackWarning, match="ln_1 is not fused any more"):
+        loss = converted(**batch).loss
+    assert rel_error(loss, stock(**batch).loss) < 1e-5
+
+
+def test_a_copy_of_a_fused_layer_norm_alone_normalises():
+    """peft's modules_to_save wraps a deep copy of a module: a copied fused LayerNorm, which does not
+    sit in the layer, computes LayerNorm itself; the attention then takes its output as stock."""
+    stock, _ = build("gpt2")
+    converted = conv.convert(copy.deepcopy(stock))
+    for model in (stock, converted):
+        layer = model.transformer.h[0]
+        layer.ln_1 = nn.Sequential(copy.deepcopy(layer.ln_1))
+    batch = inputs("gpt2", "cpu")
+    with pytest.warns(RematFallbackWarning):
+        loss = converted(**batch).loss
+    assert rel_error(loss, stock(**batch).loss) < 1e-5
+
+
+def test_deepcopy_and_pickle_keep_the_fusions():
+    stock, _ = build("vit")
+    converted = conv.convert(copy.deepcopy(stock))
+    buffer = io.BytesIO()
+    torch.save(converted, buffer)
+    buffer.seek(0)
+    copies = [copy.deepcopy(converted), torch.load(buffer, weights_only=False)]
+    batch = inputs("vit", "cpu")
+    want = stock(**batch).loss
+    for model in copies:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RematFallbackWarning)
+            loss, calls = remat_attention_calls(lambda: model(**batch).loss)
+        assert calls == LAYERS and rel_error(loss, want) < 1e-5
+        # the copy's handoffs are the copy's: changing the original leaves it fused
+        assert model.vit.layers[0].layernorm_before.remat_handoff is not \
+            converted.vit.layers[0].layernorm_before.remat_handoff
+
+
+# --- what runs stock is counted, and said once --------------------------------------------------
+
+
+def test_default_attention_dropout_is_reported():
+    """GPT-2's default attn_pdrop=0.1: in training its attention runs stock (dropout), which the user
+    learns from one warning per layer and from the report's counts."""
+    stock, _ = build("gpt2", attn_pdrop=0.1)
+    converted, report = conv.convert(stock, report=True)
+    batch = inputs("gpt2", "cpu")
+    with pytest.warns(RematFallbackWarning, match="attention dropout in training"):
+        for _ in range(3):
+            converted(**batch).loss.backward()
+    counts = report.fallbacks()
+    assert counts == {f"transformer.h.{i}.attn": {"attention dropout in training": 3} for i in range(LAYERS)}
+    converted.eval()
+    _, calls = remat_attention_calls(lambda: converted(**batch).loss)
+    assert calls == LAYERS  # eval: no dropout, remat's path
+
+
+def test_revert_drops_the_records():
+    fused, stock = stack("LayerNormLinear")
+    seq = conv.convert(nn.Sequential(*stock))
+    seq[0].linear.register_forward_hook(double_output)
+    with pytest.warns(RematFallbackWarning):
+        seq(torch.randn(2, 16))
+    reverted = remat.revert(seq)
+    assert not any(n.startswith("remat_") for m in reverted.modules() for n in vars(m))
