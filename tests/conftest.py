@@ -23,7 +23,18 @@ os.environ.setdefault("REMAT_AUTOTUNE", "0")
 import pytest  # noqa: E402
 
 import remat  # noqa: E402
+from numerics import round_interpreter_bf16_casts_to_nearest  # noqa: E402
 from remat import _backend  # noqa: E402
+
+# Under the interpreter, fp32 -> bf16 casts round to nearest even, as on the GPU (see numerics.py).
+BF16_CASTS_PATCHED = _backend.interpreter_enabled() and _backend.backends()["triton"][0] and (
+    round_interpreter_bf16_casts_to_nearest())
+
+
+def pytest_report_header(config):
+    if BF16_CASTS_PATCHED:
+        return "Triton interpreter: fp32 -> bf16 casts truncate; patched to round to nearest even, as on a GPU"
+    return None
 
 # Devices and backends every kernel test runs on: the interpreter on CPU everywhere, and on a
 # GPU each compiled backend that this install has.
