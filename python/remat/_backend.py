@@ -31,14 +31,22 @@ def _check_name(name, source):
 
 
 def set_backend(name):
-    """Choose the implementation for every op: "auto", "triton", "cuda" or "reference"."""
+    """Choose the implementation for every op: "auto", "triton", "cuda" or "reference".
+
+    "triton" and "cuda" choose what CUDA tensors run; CPU tensors run the Triton kernels through
+    the interpreter (TRITON_INTERPRET=1) or the reference whatever the backend. Without a CUDA
+    device, choosing either says so once (a warning).
+    """
     global _chosen
     _check_name(name, "backend")
     if name in ("triton", "cuda"):
         # Only the named backend's (cached) status: set_backend runs around every benchmarked call.
         available, reason = (_triton_status if name == "triton" else _cuda_extension_status)()
         if not available:
-            raise RuntimeError(f"remat backend {name!r} is not available: {reason}")
+            raise RuntimeError(f"remat backend {name!r} is not available: {reason}. It is for CUDA tensors; "
+                               f"CPU tensors run {cpu_implementation()} whatever the backend")
+        if not _cuda_device_visible():
+            _warn_no_cuda_device_once(name)
     _chosen = name
 
 
@@ -66,6 +74,33 @@ def use_backend(name):
 def interpreter_enabled():
     """True when Triton kernels run on CPU tensors through the interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _interpreter_runs_cpu_tensors():
+    return interpreter_enabled() and _triton_status()[0]
+
+
+def cpu_implementation():
+    """What CPU tensors run, in words (the same whatever the backend, but "reference")."""
+    if _interpreter_runs_cpu_tensors():
+        return "the Triton kernels through the interpreter (TRITON_INTERPRET=1)"
+    if _triton_status()[0]:
+        return "the PyTorch reference (TRITON_INTERPRET=1 would run the Triton kernels through the interpreter)"
+    return "the PyTorch reference"
+
+
+@functools.cache
+def _cuda_device_visible():
+    return torch.cuda.is_available()
+
+
+@functools.cache
+def _warn_no_cuda_device_once(name):
+    warnings.warn(
+        f"remat.set_backend({name!r}): no CUDA device is visible, so this backend runs nothing here (it "
+        f"chooses what CUDA tensors run); CPU tensors still run {cpu_implementation()}",
+        stacklevel=3,
+    )
 
 
 @functools.cache
@@ -124,9 +159,7 @@ def choose(op, device):
     if backend == "reference":
         return "reference"
     if device.type != "cuda":
-        if interpreter_enabled() and _triton_status()[0]:
-            return "triton"
-        return "reference"
+        return "triton" if _interpreter_runs_cpu_tensors() else "reference"
     if backend != "auto":
         return backend
     if _triton_status()[0]:
