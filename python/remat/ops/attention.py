@@ -276,7 +276,7 @@ def _unit_last_stride(t):
     return t if t.stride(-1) == 1 or t.numel() == 0 else t.contiguous()
 
 
-def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False):
+def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, attn_mask=None):
     """softmax(softmax_scale * q k^T) v, like F.scaled_dot_product_attention, FlashAttention-style.
 
     q: (batch, heads, seqlen_q, head_dim); k, v: (batch, kv_heads, seqlen_k, head_dim) with
@@ -284,10 +284,14 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False):
     (a last dim of stride != 1 is copied). causal: bottom-right aligned when seqlen_q !=
     seqlen_k. softmax_scale: default 1/sqrt(head_dim). Returns o (batch, heads, seqlen_q,
     head_dim), and with return_lse=True also the fp32 natural-log log-sum-exp per query row
-    (batch, heads, seqlen_q), -inf for rows that see no key (not differentiable).
+    (batch, heads, seqlen_q), -inf for rows that see no key (not differentiable). attn_mask: None
+    only, for code written for scaled_dot_product_attention: the kernels mask causally, nothing else.
 
     Autograd saves q, k, v, o and the lse (4 bytes per query row and head).
     """
+    if attn_mask is not None:
+        raise ValueError("attn_mask must be None: remat.attention masks causally only (causal=True); for other "
+                         "masks call torch.nn.functional.scaled_dot_product_attention")
     _check_qkv(q, k, v)
     dtype = autocast_dtype(q.device.type)
     if dtype is not None:  # as scaled_dot_product_attention: computed in the autocast dtype
