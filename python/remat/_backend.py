@@ -168,3 +168,39 @@ def choose(op, device):
         return "cuda"
     _warn_reference_once(op)
     return "reference"
+
+
+# ---------------------------------------------------------------------------------------------
+# Double backward (create_graph=True)
+# ---------------------------------------------------------------------------------------------
+
+
+def backward_is_differentiated():
+    """True inside a backward whose result will be differentiated again (create_graph=True).
+
+    Autograd runs a backward in grad mode only then. The ops compute such a backward with their
+    differentiable PyTorch reference instead of the backward kernels, which have no derivative.
+    torch.compile traces the backward with grad mode off: compiled training keeps the kernels.
+    """
+    return torch.is_grad_enabled()
+
+
+def refuse_double_backward(backward_op, name):
+    """Gives the custom backward op `backward_op` (named `name`) a derivative that is a clear error.
+
+    remat.layer_norm, remat.gelu and remat.attention never differentiate their backward ops (see
+    backward_is_differentiated); the fused layers call them inside their own backward, and a
+    double backward through those would need the backward op's derivative.
+    """
+    def setup_context(ctx, inputs, output):
+        pass
+
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            f"{name} has no derivative: remat's fused layers (remat.mlp, remat.layer_norm_linear, remat.nn.MLP, "
+            "LayerNormMLP, LayerNormLinear) do not support a double backward (create_graph=True). "
+            "remat.layer_norm, remat.gelu and remat.attention do: use them with torch.nn.Linear there, "
+            "or the stock layers (remat.revert(model))"
+        )
+
+    backward_op.register_autograd(backward, setup_context=setup_context)

@@ -176,11 +176,16 @@ def _backward(ctx, do, _dlse):
     q, k, v, o, lse = ctx.saved_tensors
     if do.stride(-1) != 1:
         do = do.contiguous()  # the kernels read rows with unit stride
-    dq, dk, dv = attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale)
+    # Under create_graph=True the reference's formula, which a second backward can differentiate:
+    # it recomputes the probabilities from q and k, and o, a differentiable output, carries its
+    # own dependence on q, k and v.
+    backward = _attention_bwd_ref if _backend.backward_is_differentiated() else attention_bwd
+    dq, dk, dv = backward(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale)
     return dq, dk, dv, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+_backend.refuse_double_backward(attention_bwd, "remat::attention_bwd")
 
 # ---------------------------------------------------------------------------------------------
 # Fallback to PyTorch's scaled_dot_product_attention (CUDA tensors the kernels do not cover)
@@ -287,7 +292,9 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, attn_
     (batch, heads, seqlen_q), -inf for rows that see no key (not differentiable). attn_mask: None
     only, for code written for scaled_dot_product_attention: the kernels mask causally, nothing else.
 
-    Autograd saves q, k, v, o and the lse (4 bytes per query row and head).
+    Autograd saves q, k, v, o and the lse (4 bytes per query row and head). A double backward works:
+    a backward with create_graph=True runs the differentiable reference instead of the kernel, which
+    materialises (batch, heads, seqlen_q, seqlen_k) as PyTorch's math backend does.
     """
     if attn_mask is not None:
         raise ValueError("attn_mask must be None: remat.attention masks causally only (causal=True); for other "
