@@ -81,7 +81,7 @@ def _interpreter_runs_cpu_tensors():
 
 
 def cpu_implementation():
-    """What CPU tensors run, in words (the same whatever the backend, but "reference")."""
+    """What CPU tensors run, in words, under every backend but "reference" (the reference everywhere)."""
     if _interpreter_runs_cpu_tensors():
         return "the Triton kernels through the interpreter (TRITON_INTERPRET=1)"
     if _triton_status()[0]:
@@ -126,15 +126,13 @@ def _cuda_extension_status():
 
 def backends():
     """What is available, as {name: (available, why)}."""
-    interpreter = interpreter_enabled()
-    triton_ok, triton_why = _triton_status()
     return {
-        "triton": (triton_ok, triton_why),
+        "triton": _triton_status(),
         "cuda": _cuda_extension_status(),
         "interpreter": (
-            interpreter and triton_ok,
+            _interpreter_runs_cpu_tensors(),
             "TRITON_INTERPRET=1: Triton kernels run on CPU tensors"
-            if interpreter else "TRITON_INTERPRET is not set: CPU tensors use the PyTorch reference",
+            if interpreter_enabled() else "TRITON_INTERPRET is not set: CPU tensors use the PyTorch reference",
         ),
         "gpu": (
             torch.cuda.is_available(),
