@@ -120,13 +120,14 @@ def round_interpreter_bf16_casts_to_nearest():
         return False
     import numpy as np
     import triton.language as tl
+    from triton._C.libtriton import ir
     from triton.runtime import interpreter
 
     truncating = getattr(interpreter, "_convert_float", None)
     if truncating is None:
         raise RuntimeError("the Triton interpreter truncates fp32 -> bf16 casts, and "
                            "triton.runtime.interpreter._convert_float, which tests/numerics.py patches, is gone")
-    toward_zero = interpreter._ir.ROUNDING_MODE.RTZ  # an explicit fp_downcast_rounding="rtz" keeps truncating
+    toward_zero = ir.ROUNDING_MODE.RTZ  # an explicit fp_downcast_rounding="rtz" keeps truncating
 
     def convert(values, input_dtype, output_dtype, rounding_mode):
         if input_dtype == tl.float32 and output_dtype == tl.bfloat16 and rounding_mode != toward_zero:
