@@ -6,6 +6,7 @@ decoration time), so this runs first, before the tests import remat.
 
 import os
 import tempfile
+import warnings
 import zlib
 
 import torch
@@ -23,7 +24,18 @@ os.environ.setdefault("REMAT_AUTOTUNE", "0")
 import pytest  # noqa: E402
 
 import remat  # noqa: E402
+from numerics import round_interpreter_bf16_casts_to_nearest  # noqa: E402
 from remat import _backend  # noqa: E402
+
+# Under the interpreter, fp32 -> bf16 casts round to nearest even, as on the GPU (see numerics.py).
+BF16_CASTS_PATCHED = _backend.interpreter_enabled() and _backend.backends()["triton"][0] and (
+    round_interpreter_bf16_casts_to_nearest())
+
+
+def pytest_report_header(config):
+    if BF16_CASTS_PATCHED:
+        return "Triton interpreter: fp32 -> bf16 casts truncate; patched to round to nearest even, as on a GPU"
+    return None
 
 # Devices and backends every kernel test runs on: the interpreter on CPU everywhere, and on a
 # GPU each compiled backend that this install has.
@@ -45,7 +57,9 @@ def target(request):
             pytest.fail(f"the CUDA extension should be built on a GPU machine: {why}")
         pytest.skip(why)
     previous = remat.get_backend()
-    remat.set_backend(backend)
+    with warnings.catch_warnings():  # without a GPU: the note that "triton" runs no CUDA tensor here
+        warnings.filterwarnings("ignore", r"remat\.set_backend\('triton'\): no CUDA device", UserWarning)
+        remat.set_backend(backend)
     yield device, backend
     remat.set_backend(previous)
 

@@ -1,4 +1,7 @@
-"""Measures shared by the tests: numerical error against a reference, and bytes saved by autograd."""
+"""Measures shared by the tests: numerical error against a reference, bytes saved by autograd, and
+the bf16 rounding of the Triton interpreter."""
+
+import functools
 
 import torch
 
@@ -60,3 +63,82 @@ def assert_compiled_matches_eager(model, x, tol=1e-5):
     assert rel_error(out, expected) < tol
     for (name, p), got in zip(model.named_parameters(), compiled_grads):
         assert rel_error(got, p.grad) < tol, name
+
+
+# --- bf16 rounding under the Triton interpreter ------------------------------------------------
+# A GPU rounds an fp32 -> bf16 cast in a Triton kernel (a store into a bf16 tensor, x.to(tl.bfloat16))
+# to nearest even. The Triton interpreter (3.8 at least) truncates it: its cast calls
+# triton.runtime.interpreter._convert_float without a rounding mode. Truncation errs by up to one
+# bf16 ulp where rounding errs by half of one, so on CPU every bf16 bound would be measured on
+# other arithmetic than the GPU's. The test process detects the truncation and replaces the
+# conversion by torch's round-to-nearest-even one (round_interpreter_bf16_casts_to_nearest, called
+# from conftest.py), so that the CPU tests round as the GPU does and the bf16 bounds mean the same.
+
+# 1 + 3·2⁻⁹ lies 3/4 of a bf16 ulp (2⁻⁷) above 1: rounding gives 1 + 2⁻⁷, truncation gives 1.
+BF16_PROBE = (1 + 3 * 2**-9, -(1 + 3 * 2**-9))
+BF16_PROBE_ROUNDED = (1 + 2**-7, -(1 + 2**-7))
+
+
+@functools.cache
+def _bf16_store_kernel():
+    """A Triton kernel storing fp32 values into a bf16 tensor, defined on first use: TRITON_INTERPRET
+    must be set (by conftest.py) before a kernel is decorated."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def store_as_bf16(X, Y, n, BLOCK: tl.constexpr):  # X: (n,) fp32; Y: (n,) bf16
+        offsets = tl.arange(0, BLOCK)
+        tl.store(Y + offsets, tl.load(X + offsets, mask=offsets < n), mask=offsets < n)
+
+    return store_as_bf16
+
+
+def triton_bf16_store(x):
+    """x (1-D fp32) as a Triton kernel stores it into a bf16 tensor: the cast every kernel's store does."""
+    import triton
+
+    y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    _bf16_store_kernel()[(1,)](x, y, x.numel(), BLOCK=triton.next_power_of_2(max(x.numel(), 1)))
+    return y
+
+
+def triton_rounds_bf16_to_nearest(device="cpu"):
+    """True when Triton's fp32 -> bf16 cast on `device` rounds to nearest, False when it truncates."""
+    stored = triton_bf16_store(torch.tensor(BF16_PROBE, device=device))
+    return stored.tolist() == list(BF16_PROBE_ROUNDED)
+
+
+def round_interpreter_bf16_casts_to_nearest():
+    """Makes the Triton interpreter's fp32 -> bf16 casts round to nearest even, as the GPU's do.
+
+    Returns True when it had to patch (the interpreter truncated), False when the interpreter rounds
+    already. Raises if it truncates and the conversion it patches is gone (a newer Triton): then the
+    patch needs updating, rather than bf16 tests silently measured on truncation.
+    """
+    if triton_rounds_bf16_to_nearest():
+        return False
+    import numpy as np
+    import triton.language as tl
+    from triton._C.libtriton import ir
+    from triton.runtime import interpreter
+
+    truncating = getattr(interpreter, "_convert_float", None)
+    if truncating is None:
+        raise RuntimeError("the Triton interpreter truncates fp32 -> bf16 casts, and "
+                           "triton.runtime.interpreter._convert_float, which tests/numerics.py patches, is gone")
+    toward_zero = ir.ROUNDING_MODE.RTZ  # an explicit fp_downcast_rounding="rtz" keeps truncating
+
+    def convert(values, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype == tl.bfloat16 and rounding_mode != toward_zero:
+            rounded = torch.from_numpy(np.array(values, dtype=np.float32)).to(torch.bfloat16)
+            return rounded.view(torch.int16).numpy().view(np.uint16)  # the bits, as the interpreter keeps bf16
+        return truncating(values, input_dtype, output_dtype, rounding_mode)
+
+    convert.__wrapped__ = truncating  # for the test that the detection sees the truncation
+    interpreter._convert_float = convert
+    if not triton_rounds_bf16_to_nearest():
+        interpreter._convert_float = truncating
+        raise RuntimeError("patching triton.runtime.interpreter._convert_float did not make the interpreter's "
+                           "fp32 -> bf16 casts round to nearest")
+    return True

@@ -1,12 +1,12 @@
 """The `remat` command runs end to end on any machine and writes what it says it writes."""
 
 import csv
-import math
+import json
 
 import pytest
 
 from remat.cli import main
-from remat.memory import cheapest_fitting, run as memory_run
+from remat.memory import cheapest_fitting, model_names, run as memory_run
 
 
 def test_bench_writes_csv_markdown_and_plots(tmp_path, capsys):
@@ -41,6 +41,50 @@ def test_memory_counts_every_policy(tmp_path, capsys):
     assert cheapest_fitting(results, 1.0).policy == "eager"
     assert "budget 1.0 GB: use 'eager'" in capsys.readouterr().out
     assert (tmp_path / "memory_tiny.csv").exists()
+
+
+def _write_config(folder, **fields):
+    folder.mkdir(parents=True)
+    path = folder / "config.json"
+    path.write_text(json.dumps(fields))
+    return path
+
+
+def test_memory_of_a_config_path_names_its_files_after_the_folder(tmp_path, monkeypatch):
+    """`remat memory --model some/dir/config.json`: the CSV and plot are memory_dir.*, not a name
+    built from the path (which named a folder that does not exist)."""
+    pytest.importorskip("transformers")
+    _write_config(tmp_path / "some" / "dir", model_type="gpt2", n_embd=32, n_layer=2, n_head=2, vocab_size=101,
+                  n_positions=64)
+    monkeypatch.chdir(tmp_path)
+    main(["memory", "--model", "some/dir/config.json", "--batch", "2", "--seq", "16", "--dtype", "fp32",
+          "--device", "cpu", "--out", "out"])
+    with open(tmp_path / "out" / "memory_dir.csv") as handle:
+        rows = {row["policy"]: row for row in csv.DictReader(handle)}
+    assert list(rows) == ["eager", "remat", "full checkpoint (HF)", "remat + checkpoint (HF)", "offload to host"]
+    assert not any(row["error"] for row in rows.values())
+    assert float(rows["eager"]["saved_bytes"]) > float(rows["remat"]["saved_bytes"]) > 0
+
+
+@pytest.mark.parametrize("model", ["gpt2-smal", "no/such/config.json"])
+def test_memory_with_an_unknown_model_is_a_one_line_error_listing_the_names(model, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(["memory", "--model", model])
+    assert stopped.value.code == 2
+    printed = capsys.readouterr().err
+    assert "Traceback" not in printed
+    message = printed.strip().splitlines()[-1]
+    assert message.startswith("remat memory: error: argument --model: model must be one of") and repr(model) in message
+    assert all(name in message for name in model_names())
+
+
+def test_memory_with_a_config_that_is_not_one_is_a_one_line_error(tmp_path, capsys):
+    config = _write_config(tmp_path / "model", hidden_size=32)
+    with pytest.raises(SystemExit) as stopped:
+        main(["memory", "--model", str(config)])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        'has no "model_type": it must be a Hugging Face config.json')
 
 
 def test_bench_without_op_names_means_all():

@@ -194,3 +194,8 @@ def test_run_reports_selective_checkpoint_on_cpu(tmp_path):
     # per token, 2 heads over a width of 64: 1/8.
     assert selective.per_layer_sbh == 3 + 40 + 1 / 8
     assert results["full checkpoint"].per_layer_sbh < selective.per_layer_sbh < results["eager"].per_layer_sbh
+
+
+def test_an_unknown_model_is_a_value_error_naming_the_model(tmp_path):
+    with pytest.raises(ValueError, match=r"model must be one of gpt2-small, .*; got 'gpt2-smal'"):
+        memory.run("gpt2-smal", out_dir=str(tmp_path), device="cpu")

@@ -239,6 +239,9 @@ ATTENTION_ERRORS = [
          ValueError, "softmax_scale", r"softmax_scale must be a finite float or None"),
     case("attention", "return_lse", lambda: qkv(return_lse="yes"),
          TypeError, "return_lse", r"return_lse must be True or False"),
+    case("attention", "attn_mask", lambda: qkv(attn_mask=torch.ones(8, 8, dtype=torch.bool)),
+         ValueError, "attn_mask", r"attn_mask must be None: remat\.attention masks causally only \(causal=True\); "
+                                  r"for other masks call torch\.nn\.functional\.scaled_dot_product_attention"),
     case("nn.MultiheadSelfAttention", "x-2d", lambda: MHA(rand(8, 64)),
          ValueError, "x", r"x must have shape \(batch, seq, embed_dim\) with embed_dim 64, got \(8, 64\)"),
     case("nn.MultiheadSelfAttention", "x-width", lambda: MHA(rand(1, 8, 32)),
@@ -497,14 +500,16 @@ def test_non_unit_last_stride_is_read_correctly(target, subject):
 
 @pytest.mark.parametrize("subject", subject_params())
 def test_nan_input_propagates_as_in_pytorch(target, subject):
+    """NaN where PyTorch's float64 result has NaN: its same-dtype CPU kernels are no oracle for
+    non-finite values (their handling of inf and NaN can depend on the vector ISA)."""
     device, _ = target
     tensors = subject.build(device)
     tensors[subject.inputs[0]].view(-1)[0] = float("nan")
-    out, expected = subject.ours(tensors), subject.theirs(tensors)
-    assert torch.equal(torch.isnan(out), torch.isnan(expected))
-    assert not torch.isnan(out).all(), "the NaN must stay in its row, batch or head"
-    finite = ~torch.isnan(expected)
+    out = subject.ours(tensors)
     reference = subject.theirs({n: t.double() for n, t in tensors.items()})
+    assert torch.equal(torch.isnan(out), torch.isnan(reference))
+    assert not torch.isnan(out).all(), "the NaN must stay in its row, batch or head"
+    finite = ~torch.isnan(reference)
     assert rel_error(out[finite], reference[finite]) <= REL_TOL[torch.float32]
 
 

@@ -31,14 +31,22 @@ def _check_name(name, source):
 
 
 def set_backend(name):
-    """Choose the implementation for every op: "auto", "triton", "cuda" or "reference"."""
+    """Choose the implementation for every op: "auto", "triton", "cuda" or "reference".
+
+    "triton" and "cuda" choose what CUDA tensors run; CPU tensors run the Triton kernels through
+    the interpreter (TRITON_INTERPRET=1) or the reference whatever the backend. Without a CUDA
+    device, choosing either says so once (a warning).
+    """
     global _chosen
     _check_name(name, "backend")
     if name in ("triton", "cuda"):
         # Only the named backend's (cached) status: set_backend runs around every benchmarked call.
         available, reason = (_triton_status if name == "triton" else _cuda_extension_status)()
         if not available:
-            raise RuntimeError(f"remat backend {name!r} is not available: {reason}")
+            raise RuntimeError(f"remat backend {name!r} is not available: {reason}. It is for CUDA tensors; "
+                               f"CPU tensors run {cpu_implementation()} whatever the backend")
+        if not _cuda_device_visible():
+            _warn_no_cuda_device_once(name)
     _chosen = name
 
 
@@ -68,6 +76,33 @@ def interpreter_enabled():
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+def _interpreter_runs_cpu_tensors():
+    return interpreter_enabled() and _triton_status()[0]
+
+
+def cpu_implementation():
+    """What CPU tensors run, in words, under every backend but "reference" (the reference everywhere)."""
+    if _interpreter_runs_cpu_tensors():
+        return "the Triton kernels through the interpreter (TRITON_INTERPRET=1)"
+    if _triton_status()[0]:
+        return "the PyTorch reference (TRITON_INTERPRET=1 would run the Triton kernels through the interpreter)"
+    return "the PyTorch reference"
+
+
+@functools.cache
+def _cuda_device_visible():
+    return torch.cuda.is_available()
+
+
+@functools.cache
+def _warn_no_cuda_device_once(name):
+    warnings.warn(
+        f"remat.set_backend({name!r}): no CUDA device is visible, so this backend runs nothing here (it "
+        f"chooses what CUDA tensors run); CPU tensors still run {cpu_implementation()}",
+        stacklevel=3,
+    )
+
+
 @functools.cache
 def _triton_status():
     try:
@@ -91,15 +126,13 @@ def _cuda_extension_status():
 
 def backends():
     """What is available, as {name: (available, why)}."""
-    interpreter = interpreter_enabled()
-    triton_ok, triton_why = _triton_status()
     return {
-        "triton": (triton_ok, triton_why),
+        "triton": _triton_status(),
         "cuda": _cuda_extension_status(),
         "interpreter": (
-            interpreter and triton_ok,
+            _interpreter_runs_cpu_tensors(),
             "TRITON_INTERPRET=1: Triton kernels run on CPU tensors"
-            if interpreter else "TRITON_INTERPRET is not set: CPU tensors use the PyTorch reference",
+            if interpreter_enabled() else "TRITON_INTERPRET is not set: CPU tensors use the PyTorch reference",
         ),
         "gpu": (
             torch.cuda.is_available(),
@@ -124,9 +157,7 @@ def choose(op, device):
     if backend == "reference":
         return "reference"
     if device.type != "cuda":
-        if interpreter_enabled() and _triton_status()[0]:
-            return "triton"
-        return "reference"
+        return "triton" if _interpreter_runs_cpu_tensors() else "reference"
     if backend != "auto":
         return backend
     if _triton_status()[0]:
@@ -135,3 +166,39 @@ def choose(op, device):
         return "cuda"
     _warn_reference_once(op)
     return "reference"
+
+
+# ---------------------------------------------------------------------------------------------
+# Double backward (create_graph=True)
+# ---------------------------------------------------------------------------------------------
+
+
+def backward_is_differentiated():
+    """True inside a backward whose result will be differentiated again (create_graph=True).
+
+    Autograd runs a backward in grad mode only then. The ops compute such a backward with their
+    differentiable PyTorch reference instead of the backward kernels, which have no derivative.
+    torch.compile traces the backward with grad mode off: compiled training keeps the kernels.
+    """
+    return torch.is_grad_enabled()
+
+
+def refuse_double_backward(backward_op, name):
+    """Gives the custom backward op `backward_op` (named `name`) a derivative that is a clear error.
+
+    remat.layer_norm, remat.gelu and remat.attention never differentiate their backward ops (see
+    backward_is_differentiated); the fused layers call them inside their own backward, and a
+    double backward through those would need the backward op's derivative.
+    """
+    def setup_context(ctx, inputs, output):
+        pass
+
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            f"{name} has no derivative: remat's fused layers (remat.mlp, remat.layer_norm_linear, remat.nn.MLP, "
+            "LayerNormMLP, LayerNormLinear) do not support a double backward (create_graph=True). "
+            "remat.layer_norm, remat.gelu and remat.attention do: use them with torch.nn.Linear there, "
+            "or the stock layers (remat.revert(model))"
+        )
+
+    backward_op.register_autograd(backward, setup_context=setup_context)

@@ -40,6 +40,16 @@ def _suite_name(name):
     return name
 
 
+def _model(name):
+    """--model: a known name or a config.json path; argparse turns a wrong one into a one-line error."""
+    from . import memory
+
+    try:
+        return memory.check_model(name)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def parser():
     from .bench import DTYPES, SUITES
 
@@ -60,7 +70,7 @@ def parser():
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(run=_bench)
     memory = commands.add_parser("memory", help="activation memory and step time of a model under each policy")
-    memory.add_argument("--model", default="gpt2-small",
+    memory.add_argument("--model", default="gpt2-small", type=_model,
                         help="gpt2-small, gpt2-medium, gpt2-large (remat.gpt stacks), bert-base, vit-base, "
                              "hf-gpt2-small, hf-gpt2-medium (Hugging Face, needs transformers), or a config.json path")
     memory.add_argument("--batch", type=int, default=8)

@@ -25,8 +25,10 @@ import copy
 import csv
 import dataclasses
 import gc
+import json
 import math
 import os
+import re
 import warnings
 
 import torch
@@ -266,16 +268,53 @@ class _LastHidden(torch.nn.Module):
         return self.model(**{self.input_name: x}).last_hidden_state
 
 
-def _hf_config(name):
-    import json
+def model_names():
+    """The models run() knows by name; any other model is the path of a config.json."""
+    return (*MODELS, *HF_MODELS)
 
+
+def _config_fields(path):
+    """The fields of a user's config.json; a ValueError naming the model if it is none."""
+    try:
+        with open(path) as handle:
+            fields = json.load(handle)
+    except (OSError, ValueError) as error:  # unreadable, or not JSON (json's error is a ValueError)
+        raise ValueError(f"model {path!r} is not a readable config.json: {error}") from None
+    if not isinstance(fields, dict) or "model_type" not in fields:
+        raise ValueError(f"model {path!r} has no \"model_type\": it must be a Hugging Face config.json")
+    return fields
+
+
+def check_model(model):
+    """model: one of model_names(), or the path of a Hugging Face config.json; else a ValueError
+    that lists the names."""
+    if model in model_names():
+        return model
+    if not os.path.isfile(model):
+        raise ValueError(f"model must be one of {', '.join(model_names())}, or the path of a config.json; "
+                         f"got {model!r}, which is neither a name nor a file")
+    _config_fields(model)
+    return model
+
+
+def _file_label(model):
+    """The model's name in the output file names: a name as it is; for a config path, the folder
+    that holds it ("models/opt-125m/config.json" -> "opt-125m"), or its own name without ".json"."""
+    if model in model_names():
+        return model
+    path = os.path.abspath(model)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    label = os.path.basename(os.path.dirname(path)) if stem == "config" else stem
+    return re.sub(r"[^\w.-]+", "_", label) or "config"
+
+
+def _hf_config(name):
     import transformers
 
     if name in HF_MODELS:
         model_type, fields = HF_MODELS[name]
         return transformers.AutoConfig.for_model(model_type, **fields)
-    with open(name) as handle:  # a config.json of the user's
-        fields = json.load(handle)
+    fields = _config_fields(name)  # a config.json of the user's
     return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
@@ -319,6 +358,7 @@ def _gpt_setup(name, batch, seq, device, dtype):
 
 
 def run(model="gpt2-small", batch=8, seq=1024, budget_gb=None, out_dir="bench/out/memory", device=None, dtype=torch.bfloat16):
+    check_model(model)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = device.type == "cuda"
     setup = _gpt_setup if model in MODELS else _hf_setup
@@ -326,7 +366,7 @@ def run(model="gpt2-small", batch=8, seq=1024, budget_gb=None, out_dir="bench/ou
     sbh = seq * batch * hidden
     timer = Timer(device, warmup=2, reps=5) if on_gpu else None
     os.makedirs(out_dir, exist_ok=True)
-    csv_path = os.path.join(out_dir, f"memory_{model}.csv")
+    csv_path = os.path.join(out_dir, f"memory_{_file_label(model)}.csv")
     _print_header(model, layers, hidden, batch, seq, dtype, device)
     results = []
     interrupted = False
@@ -340,7 +380,7 @@ def run(model="gpt2-small", batch=8, seq=1024, budget_gb=None, out_dir="bench/ou
         interrupted = True
     _print_budget(results, budget_gb)
     _write_csv(results, csv_path)
-    _plot(results, os.path.join(out_dir, f"memory_{model}.png"), model, on_gpu)
+    _plot(results, os.path.join(out_dir, f"memory_{_file_label(model)}.png"), model, on_gpu)
     if interrupted:
         print("(interrupted: partial results)", flush=True)
     return results

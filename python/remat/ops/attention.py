@@ -176,11 +176,16 @@ def _backward(ctx, do, _dlse):
     q, k, v, o, lse = ctx.saved_tensors
     if do.stride(-1) != 1:
         do = do.contiguous()  # the kernels read rows with unit stride
-    dq, dk, dv = attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale)
+    # Under create_graph=True the reference's formula, which a second backward can differentiate:
+    # it recomputes the probabilities from q and k, and o, a differentiable output, carries its
+    # own dependence on q, k and v.
+    backward = _attention_bwd_ref if _backend.backward_is_differentiated() else attention_bwd
+    dq, dk, dv = backward(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale)
     return dq, dk, dv, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+_backend.refuse_double_backward(attention_bwd, "remat::attention_bwd")
 
 # ---------------------------------------------------------------------------------------------
 # Fallback to PyTorch's scaled_dot_product_attention (CUDA tensors the kernels do not cover)
@@ -276,7 +281,7 @@ def _unit_last_stride(t):
     return t if t.stride(-1) == 1 or t.numel() == 0 else t.contiguous()
 
 
-def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False):
+def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, attn_mask=None):
     """softmax(softmax_scale * q k^T) v, like F.scaled_dot_product_attention, FlashAttention-style.
 
     q: (batch, heads, seqlen_q, head_dim); k, v: (batch, kv_heads, seqlen_k, head_dim) with
@@ -284,10 +289,16 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False):
     (a last dim of stride != 1 is copied). causal: bottom-right aligned when seqlen_q !=
     seqlen_k. softmax_scale: default 1/sqrt(head_dim). Returns o (batch, heads, seqlen_q,
     head_dim), and with return_lse=True also the fp32 natural-log log-sum-exp per query row
-    (batch, heads, seqlen_q), -inf for rows that see no key (not differentiable).
+    (batch, heads, seqlen_q), -inf for rows that see no key (not differentiable). attn_mask: None
+    only, for code written for scaled_dot_product_attention: the kernels mask causally, nothing else.
 
-    Autograd saves q, k, v, o and the lse (4 bytes per query row and head).
+    Autograd saves q, k, v, o and the lse (4 bytes per query row and head). A double backward works:
+    a backward with create_graph=True runs the differentiable reference instead of the kernel, which
+    materialises (batch, heads, seqlen_q, seqlen_k) as PyTorch's math backend does.
     """
+    if attn_mask is not None:
+        raise ValueError("attn_mask must be None: remat.attention masks causally only (causal=True); for other "
+                         "masks call torch.nn.functional.scaled_dot_product_attention")
     _check_qkv(q, k, v)
     dtype = autocast_dtype(q.device.type)
     if dtype is not None:  # as scaled_dot_product_attention: computed in the autocast dtype

@@ -119,11 +119,14 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dy):
     x, bias = ctx.saved_tensors
     dy = rows_with_unit_stride(dy, x.shape[1])
-    dx, dbias, _ = gelu_bwd(dy, x, bias, ctx.approximate, False)
+    # Under create_graph=True the reference's formula, which a second backward can differentiate.
+    backward = gelu_bwd_ref if _backend.backward_is_differentiated() else gelu_bwd
+    dx, dbias, _ = backward(dy, x, bias, ctx.approximate, False)
     return dx, dbias if bias is not None and ctx.needs_input_grad[1] else None, None
 
 
 gelu_fwd.register_autograd(_backward, setup_context=_setup_context)
+_backend.refuse_double_backward(gelu_bwd, "remat::gelu_bwd")
 
 
 def _register_cuda_extension_fakes():
@@ -149,7 +152,9 @@ def gelu(x, approximate="none", bias=None):
     """gelu(x + bias), like torch.nn.functional.gelu(x + bias, approximate=...) in one kernel.
 
     x: float32, float16 or bfloat16, any shape. bias: optional, of shape (x.shape[-1],),
-    float32 or x's dtype. Math in fp32; autograd saves x (and the bias), never the output.
+    float32 or x's dtype. Math in fp32; autograd saves x (and the bias), never the output. A double
+    backward works: a backward with create_graph=True runs the differentiable reference instead of
+    the kernel.
     """
     check_float_tensor("x", x)
     check_approximate(approximate)

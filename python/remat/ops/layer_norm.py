@@ -28,17 +28,25 @@ def _math_dtype(x):
 def layer_norm_fwd_ref(x, weight, bias, eps):
     """(y, mean, rstd) for x of shape (M, N); mean/rstd in fp32 (float64 for float64 input)."""
     xf = x.to(_math_dtype(x))
-    # Corrected two-pass statistics: the rounding error of the first mean is measured on the
-    # centred values and removed, so the variance of inputs whose mean is far above their
-    # spread keeps full precision. y is normalised with the stored fp32 mean, as the backward
-    # recomputes it, so a recomputed y is bitwise the forward's.
+    mean, rstd = _statistics(xf, eps)
+    # y is normalised with the stored fp32 mean, as the backward recomputes it, so a recomputed y
+    # is bitwise the forward's.
+    y = _affine((xf - mean[:, None]) * rstd[:, None], weight, bias)
+    return y.to(x.dtype), mean, rstd
+
+
+def _statistics(xf, eps):
+    """(mean, rstd) per row of xf (M, N), in xf's dtype; differentiable.
+
+    Corrected two-pass statistics: the rounding error of the first mean is measured on the
+    centred values and removed, so the variance of inputs whose mean is far above their spread
+    keeps full precision.
+    """
     rough_mean = xf.mean(dim=1, keepdim=True)
     centered = xf - rough_mean
     correction = centered.mean(dim=1, keepdim=True)
     rstd = torch.rsqrt((centered - correction).square().mean(dim=1) + eps)
-    mean = (rough_mean + correction).squeeze(1)
-    y = _affine((xf - mean[:, None]) * rstd[:, None], weight, bias)
-    return y.to(x.dtype), mean, rstd
+    return (rough_mean + correction).squeeze(1), rstd
 
 
 def _affine(x_hat, weight, bias):
@@ -131,16 +139,23 @@ def _layer_norm_bwd_fake(dy, x, weight, bias, mean, rstd, recompute_output):
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, _eps = inputs
+    x, weight, bias, eps = inputs
     _y, mean, rstd = output
     ctx.save_for_backward(x, weight, bias, mean, rstd)
+    ctx.eps = eps
     ctx.mark_non_differentiable(mean, rstd)
 
 
 def _backward(ctx, dy, _dmean, _drstd):
     x, weight, bias, mean, rstd = ctx.saved_tensors
     dy = rows_with_unit_stride(dy, x.shape[1])
-    dx, dw, db, _ = layer_norm_bwd(dy, x, weight, bias, mean, rstd, False)
+    if _backend.backward_is_differentiated():
+        # create_graph=True: the reference's formula, which a second backward can differentiate,
+        # with the statistics recomputed from x: the saved ones are constants to autograd.
+        mean, rstd = _statistics(x.to(_math_dtype(x)), ctx.eps)
+        dx, dw, db, _ = layer_norm_bwd_ref(dy, x, weight, bias, mean, rstd, False)
+    else:
+        dx, dw, db, _ = layer_norm_bwd(dy, x, weight, bias, mean, rstd, False)
     return (
         dx if ctx.needs_input_grad[0] else None,
         dw if weight is not None and ctx.needs_input_grad[1] else None,
@@ -150,6 +165,7 @@ def _backward(ctx, dy, _dmean, _drstd):
 
 
 layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+_backend.refuse_double_backward(layer_norm_bwd, "remat::layer_norm_bwd")
 
 
 def _register_cuda_extension_fakes():
@@ -190,7 +206,8 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
 
     x: float32, float16 or bfloat16, any leading shape. weight/bias: optional, of
     `normalized_shape`, float32 or x's dtype, on x's device. Statistics are computed in fp32; autograd saves
-    x and the fp32 mean/rstd per row (8 bytes a row), never the output.
+    x and the fp32 mean/rstd per row (8 bytes a row), never the output. A double backward works: a
+    backward with create_graph=True runs the differentiable reference instead of the kernel.
     """
     check_float_tensor("x", x)
     if x.device.type == "cuda" and autocast_dtype("cuda") is not None:

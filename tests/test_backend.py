@@ -1,0 +1,55 @@
+"""remat.set_backend says what it changes: the backends choose what CUDA tensors run, and CPU
+tensors run the interpreter or the reference whatever the backend."""
+
+import warnings
+
+import pytest
+
+import remat
+from remat import _backend
+
+
+@pytest.fixture
+def backend_restored():
+    """The backend and set_backend's once-only warning as they were, whatever the test sets."""
+    previous = remat.get_backend()
+    _backend._warn_no_cuda_device_once.cache_clear()
+    yield
+    _backend._chosen = previous  # as it was, without set_backend's checks and warning
+    _backend._warn_no_cuda_device_once.cache_clear()
+
+
+@pytest.mark.parametrize("interpreter, cpu_runs", [
+    (True, r"the Triton kernels through the interpreter \(TRITON_INTERPRET=1\)"),
+    (False, r"the PyTorch reference \(TRITON_INTERPRET=1 would run the Triton kernels through the interpreter\)"),
+], ids=["interpreter", "no-interpreter"])
+def test_triton_without_a_cuda_device_says_what_cpu_tensors_run(monkeypatch, backend_restored, interpreter,
+                                                                   cpu_runs):
+    monkeypatch.setattr(_backend, "_cuda_device_visible", lambda: False)
+    monkeypatch.setattr(_backend, "interpreter_enabled", lambda: interpreter)
+    if not _backend.backends()["triton"][0]:
+        pytest.skip("triton is not importable")
+    with pytest.warns(UserWarning, match=r"remat\.set_backend\('triton'\): no CUDA device is visible, so this "
+                                         r"backend runs nothing here .*; CPU tensors still run " + cpu_runs):
+        remat.set_backend("triton")
+    assert remat.get_backend() == "triton"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: set_backend runs around every benchmarked call
+        remat.set_backend("triton")
+
+
+def test_triton_with_a_cuda_device_says_nothing(monkeypatch, backend_restored):
+    monkeypatch.setattr(_backend, "_cuda_device_visible", lambda: True)
+    if not _backend.backends()["triton"][0]:
+        pytest.skip("triton is not importable")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        remat.set_backend("triton")
+
+
+def test_triton_not_importable_says_cpu_tensors_do_not_need_it(monkeypatch, backend_restored):
+    monkeypatch.setattr(_backend, "_triton_status", lambda: (False, "triton is not importable (pretend)"))
+    with pytest.raises(RuntimeError, match=r"remat backend 'triton' is not available: triton is not importable "
+                                           r"\(pretend\)\. It is for CUDA tensors; CPU tensors run the PyTorch "
+                                           r"reference whatever the backend"):
+        remat.set_backend("triton")
