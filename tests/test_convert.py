@@ -207,6 +207,10 @@ def test_layers_and_recompute_options():
     assert [type(m) for m in only_gelu] == [nn.LayerNorm, nn.Linear, remat.nn.GELU, nn.Linear]
     mlp_only = conv.convert(model, layers={"mlp"})
     assert [type(m) for m in mlp_only] == [nn.LayerNorm, remat.nn.MLP, nn.Identity, nn.Identity]
+    one_name = conv.convert(model, layers="mlp")  # one name, not the letters m, l, p
+    assert [type(m) for m in one_name] == [type(m) for m in mlp_only]
+    with pytest.raises(TypeError, match="layers must be a name or a collection of names"):
+        conv.convert(model, layers=3)
     kept = conv.convert(model, recompute=False)
     assert type(kept[0]) is remat.nn.LayerNormMLP and kept[0].recompute is False
     with pytest.raises(ValueError, match="unknown"):
@@ -237,9 +241,23 @@ def test_attention_falls_back_to_torch_where_remat_does_not_apply():
             if want[1] is not None:
                 torch.testing.assert_close(got[1], want[1])
     assert spy.call_count == 1  # only the verified causal self-attention call ran on remat
+    assert set(ours.__dict__["remat_fallbacks"]) == {  # the calls that ran stock, each counted
+        "not self-attention", "need_weights=True", "key_padding_mask", "attn_mask other than the causal mask"}
     dropped = conv.convert(nn.MultiheadAttention(32, 2, dropout=0.5, batch_first=True))
     assert dropped.remat_path(x, x, x, None, False, None, False) == "attention dropout"
     assert dropped.eval().remat_path(x, x, x, None, False, None, False) is None
+
+
+def test_attention_under_autocast_stays_on_remat():
+    """Under autocast the projections autocast as torch's own do: remat's path, torch's dtypes."""
+    stock = randomize(nn.MultiheadAttention(32, 2, batch_first=True))
+    ours = conv.convert(stock)
+    x = torch.randn(2, 6, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            mock.patch.object(conv, "multihead_self_attention", wraps=conv.multihead_self_attention) as spy:
+        got, want = ours(x, x, x, need_weights=False)[0], stock(x, x, x, need_weights=False)[0]
+    assert spy.call_count == 1 and got.dtype == want.dtype == torch.bfloat16
+    assert rel_error(got, want) < 2e-2
 
 
 def test_sequence_first_attention(target):

@@ -77,6 +77,7 @@ from torch import nn
 from . import nn as remat_nn
 from ._guards import fallback, fallback_counts, hook_reason
 from ._linears import fused_saved_bytes, projection
+from ._validate import autocast_dtype
 from .ops.attention import multihead_self_attention
 from .ops.fused import layer_norm_linear, mlp
 
@@ -272,8 +273,8 @@ class RematMultiheadAttention(nn.MultiheadAttention):
     the call is self-attention (query is key is value, a 3-D batch), need_weights=False, no
     key_padding_mask, attn_mask None (or exactly the causal mask with is_causal=True; under
     torch.compile any (seq, seq) mask with is_causal=True, see _is_causal_mask), no dropout in
-    effect, a packed in-projection without bias_k/add_zero_attn, no autocast, and the input in
-    the parameters' dtype. Every other call runs the stock
+    effect, a packed in-projection without bias_k/add_zero_attn, and the input in the parameters'
+    dtype or autocast on. Every other call runs the stock
     nn.MultiheadAttention.forward, so conversion never breaks a model that worked. The
     remat path returns (output, None): no attention weights, as need_weights=False does.
     Autograd then keeps q, k, v, the output and fp32 log-sum-exps, never seq x seq.
@@ -293,9 +294,9 @@ class RematMultiheadAttention(nn.MultiheadAttention):
             return "unpacked in-projection, bias_k or add_zero_attn"
         if self.dropout > 0 and self.training:
             return "attention dropout"
-        if torch.is_autocast_enabled(query.device.type):
-            return "autocast"
-        if query.dtype != self.in_proj_weight.dtype:
+        # Under autocast the projections autocast, as torch's own do; outside it, a dtype mismatch is
+        # torch's error, which the stock forward raises.
+        if autocast_dtype(query.device.type) is None and query.dtype != self.in_proj_weight.dtype:
             return "input dtype differs from the parameters'"
         if attn_mask is not None:
             seq = query.shape[1] if self.batch_first else query.shape[0]
@@ -307,7 +308,9 @@ class RematMultiheadAttention(nn.MultiheadAttention):
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
-        if self.remat_path(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal) is not None:
+        reason = self.remat_path(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
+        if reason is not None:
+            fallback(self, reason)
             return super().forward(query, key, value, key_padding_mask=key_padding_mask,
                                    need_weights=need_weights, attn_mask=attn_mask,
                                    average_attn_weights=average_attn_weights, is_causal=is_causal)

@@ -1,0 +1,93 @@
+"""The conversion report says what was saved: bytes per token per swapped module and in total, the
+modules remat recognises but does not convert (RMSNorm, gated MLPs, families without a rule) and
+why, and a warning when the whole conversion saves nothing."""
+
+import importlib
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from hf_models import transformers
+
+conv = importlib.import_module("remat.convert")
+
+
+def converted_with_warnings(model):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, report = conv.convert(model, report=True)
+    return report, [w for w in caught if issubclass(w.category, conv.RematWarning)]
+
+
+def rows_of(report, kind):
+    return [row for row in report if row.type == kind]
+
+
+def test_fused_modules_say_what_they_save():
+    """A LayerNormMLP over fp32 width 16 with ffn 64: the LayerNorm output (16·4) and the GELU
+    output (64·4) per token; a LayerNorm swapped on its own saves nothing, and says so."""
+    model = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16), nn.LayerNorm(16))
+    report, warned = converted_with_warnings(model)
+    (fused,) = rows_of(report, "LayerNorm")[:1]
+    assert fused.action == "swapped to LayerNormMLP" and fused.saves() == 16 * 4 + 64 * 4
+    lone = [row for row in report if row.action == "swapped to remat.nn.LayerNorm"]
+    assert len(lone) == 1 and lone[0].saves() == 0
+    assert report.saved_bytes_per_token() == 320 and not warned
+    text = str(report)
+    assert "saves B/token" in text and "320 activation bytes saved per token" in text
+
+
+def test_frozen_weights_change_the_saving():
+    """Freeze fc2 and the GELU output is no saving any more (stock keeps no input for a frozen Linear)."""
+    model, report = conv.convert(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)), report=True)
+    assert report.saved_bytes_per_token() == 64 * 4
+    model[0].fc2.weight.requires_grad_(False)
+    assert report.saved_bytes_per_token() == 0
+
+
+def test_rms_norm_and_gated_mlps_are_recognised():
+    class Gated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    report, warned = converted_with_warnings(nn.Sequential(nn.RMSNorm(8), Gated()))
+    reasons = {row.type: row.reason for row in report.skipped}
+    assert reasons["RMSNorm"].startswith("RMSNorm: remat has no RMSNorm kernel yet")
+    assert reasons["Gated"].startswith("gated MLP (act(gate) * up -> down): not fused yet")
+    assert len(warned) == 1 and "saves no activation memory" in str(warned[0].message)
+
+
+def llama():
+    config = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    return transformers.LlamaForCausalLM(config)
+
+
+def bart():
+    config = transformers.BartConfig(vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1,
+                                     encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                                     decoder_ffn_dim=64, max_position_embeddings=32)
+    return transformers.BartForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("family, recognised", [
+    ("llama", {"LlamaRMSNorm": "RMSNorm", "LlamaMLP": "gated MLP", "LlamaDecoderLayer": "no remat rule"}),
+    ("bart", {"BartEncoderLayer": "no remat rule", "BartAttention": "no remat rule"}),
+])
+def test_hugging_face_families_without_a_rule_say_so(family, recognised):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' notes on tiny configs
+        model = {"llama": llama, "bart": bart}[family]()
+    report, warned = converted_with_warnings(model)
+    for kind, words in recognised.items():
+        rows = rows_of(report, kind)
+        assert rows and all(row.action == "skipped" and words in row.reason for row in rows), str(report)
+    assert report.saved_bytes_per_token() == 0
+    assert len(warned) == 1 and type(model).__name__ in str(warned[0].message)
+    assert all(row.saves() == 0 for row in report.swapped)  # BART's lone LayerNorms: swapped, saving nothing
