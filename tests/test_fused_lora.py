@@ -220,7 +220,8 @@ def _stock_name(kind, name):
     "adapters, error, words",
     [
         ([(torch.randn(2, 8), torch.randn(4, 2), None, 1.0)], TypeError, "adapters must be a tuple of"),
-        ([LoRA(torch.randn(2, 7), torch.randn(4, 2), None, 1.0)], ValueError, "adapters[0].a must have shape (rank, 8)"),
+        ([LoRA(torch.randn(2, 7), torch.randn(4, 2), None, 1.0)], ValueError,
+         "adapters[0].a must have shape (rank, 8)"),
         ([LoRA(torch.randn(2, 8), torch.randn(4, 3), None, 1.0)], ValueError, "adapters[0].b must have shape (4, 2)"),
         ([LoRA(torch.randn(2, 8), torch.randn(4, 2).half(), None, 1.0)], TypeError,
          "adapters[0].b has dtype torch.float16 but adapters[0].a has torch.float32"),

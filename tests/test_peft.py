@@ -215,3 +215,16 @@ def test_trainer_keeps_remat_attention(tmp_path):
         _, counts = fused_op_calls(trainer.train)
     assert counts["remat::attention_fwd"] == 2 * LAYERS
     assert counts["remat::attention_bwd"] == 2 * LAYERS
+
+
+def test_torch_compile_of_a_lora_model_matches_eager():
+    """torch.compile of a converted model with LoRA: the compiled step's loss and LoRA gradients are
+    eager's (transformers' own logging breaks the graph; remat's ops do not)."""
+    _, ours = peft_pair("gpt2", "after")
+    batch = inputs("gpt2", "cpu")
+    loss, grads = trained_grads(ours, batch)  # eager first: each LoRA layer checked once, outside the graph
+    torch._dynamo.reset()
+    compiled_loss, compiled_grads = trained_grads(torch.compile(ours), batch)
+    assert rel_error(compiled_loss, loss) < TOL
+    for name, grad in grads.items():
+        assert rel_error(compiled_grads["_orig_mod." + name], grad) < TOL, name

@@ -402,7 +402,8 @@ class _RematMLP(_RematModule):
 
     def remat_saved_bytes(self):
         """Bytes per token this module keeps less than stock: the GELU output, where fc2 trains."""
-        return 0 if not self.remat_recompute else fused_saved_bytes(fc2=self._modules[MLP_RULES[self.remat_stock.__name__].fc2])
+        fc2 = self._modules[MLP_RULES[self.remat_stock.__name__].fc2]
+        return fused_saved_bytes(fc2=fc2) if self.remat_recompute else 0
 
     def extra_repr(self):
         return f"on remat.mlp, recompute={self.remat_recompute}"
@@ -441,7 +442,7 @@ class _RematOutput(_RematModule):
         return self.LayerNorm(self.dropout(out) + input_tensor)
 
     def remat_saved_bytes(self):
-        return 0 if not self.remat_recompute else fused_saved_bytes(fc2=self.dense)
+        return fused_saved_bytes(fc2=self.dense) if self.remat_recompute else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -615,7 +616,8 @@ class _RematAttention(_RematModule):
         if cache is not None and not _empty_dynamic_cache(cache, getattr(self, "layer_idx", None)):
             return "a KV cache with past keys, or not a plain DynamicCache"
         known = {"attention_mask", self.remat_cache_arg, *self.remat_extra_args, *self.remat_passthrough}
-        others = [name for name, value in call.items() if name not in known and value is not None and value is not False]
+        others = [name for name, value in call.items()
+                  if name not in known and value is not None and value is not False]
         if others:
             return f"arguments that change the attention: {', '.join(sorted(others))}"
         mask = call.get("attention_mask")

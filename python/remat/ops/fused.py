@@ -330,14 +330,16 @@ def _check_adapters(name, adapters, weight, x):
         if lora.a.dim() != 2 or lora.a.shape[1] != in_features:
             raise ValueError(f"{label}.a must have shape (rank, {in_features}), got {tuple(lora.a.shape)}")
         if tuple(lora.b.shape) != (out_features, lora.a.shape[0]):
-            raise ValueError(f"{label}.b must have shape ({out_features}, {lora.a.shape[0]}), got {tuple(lora.b.shape)}")
+            raise ValueError(f"{label}.b must have shape ({out_features}, {lora.a.shape[0]}), "
+                             f"got {tuple(lora.b.shape)}")
         for part in ("a", "b", "b_bias"):
             tensor = getattr(lora, part)
             if tensor is None:
                 continue
             check_same_device(f"{label}.{part}", tensor, "x", x)
             if tensor.dtype != lora.a.dtype:
-                raise TypeError(f"{label}.{part} has dtype {tensor.dtype} but {label}.a has {lora.a.dtype}; they must match")
+                raise TypeError(f"{label}.{part} has dtype {tensor.dtype} but {label}.a has {lora.a.dtype}; "
+                                "they must match")
         if lora.b_bias is not None and tuple(lora.b_bias.shape) != (out_features,):
             raise ValueError(f"{label}.b_bias must have shape ({out_features},), got {tuple(lora.b_bias.shape)}")
         if isinstance(lora.scale, bool) or not isinstance(lora.scale, (int, float)):
