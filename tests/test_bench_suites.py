@@ -105,3 +105,10 @@ def test_gpu_table_keeps_rates_and_peer_ratios():
     assert "rate" in header and "vs best peer" in header and "peak MB" in header and "CPU run" not in text
     ours = next(line for line in text.splitlines()[2:] if line.split()[4].startswith("remat"))
     assert "GB/s" in ours and ours.split("GB/s")[1].split()[0].endswith("x")
+
+
+def test_shapes_option_reaches_every_suite_on_cpu():
+    """--shapes sets the sizes on CPU too (GELU's row count was ignored there)."""
+    shapes = {suite: {case.shape for case in bench.SUITES[suite].cases(CPU, [torch.float32], quick=True, sizes=[48])}
+              for suite in ("layernorm", "gelu", "mlp")}
+    assert shapes == {"layernorm": {"M=256 N=48"}, "gelu": {"M=48 N=1000"}, "mlp": {"T=128 h=48 f=192"}}

@@ -195,22 +195,10 @@ def measure_case(case, timer, rounds=3):
     recorded in its result and the others go on. Memory is measured after an implementation's
     first timing. Ctrl-C raises CaseInterrupted with the medians of the calls timed so far.
     """
-    results = {impl.name: Result(case, impl.name, impl.ours) for impl in case.implementations}
-    try:
-        inputs = case.make_inputs()
-    except Exception as error:
-        for result in results.values():
-            result.error = f"inputs: {short_error(error)}"
-        return list(results.values())
-    runnable = {}
-    for impl in case.implementations:
-        try:
-            runnable[impl.name] = _Runnable(impl.backend, impl.build(inputs))
-        except Exception as error:  # a peer that cannot run this case is reported, not fatal
-            results[impl.name].error = short_error(error)
+    results, inputs, runnable = _built(case)
     samples = {name: [] for name in runnable}
     try:
-        if case.check is not None:
+        if case.check is not None and runnable:
             _check(case.check, inputs, runnable, results)
         for round_index in range(rounds):
             for name, run in list(runnable.items()):
@@ -227,6 +215,33 @@ def measure_case(case, timer, rounds=3):
         raise CaseInterrupted(list(results.values())) from None
     _set_times(results, samples, runnable)
     return list(results.values())
+
+
+def check_case(case):
+    """Results of the case's Check alone, nothing timed: the smoke test before a benchmark."""
+    results, inputs, runnable = _built(case)
+    if runnable:
+        _check(case.check, inputs, runnable, results)
+    return list(results.values())
+
+
+def _built(case):
+    """({name: Result}, the case's inputs, {name: _Runnable}) with every implementation built
+    on the inputs; a failure to make the inputs or to build is in the results."""
+    results = {impl.name: Result(case, impl.name, impl.ours) for impl in case.implementations}
+    try:
+        inputs = case.make_inputs()
+    except Exception as error:
+        for result in results.values():
+            result.error = f"inputs: {short_error(error)}"
+        return results, None, {}
+    runnable = {}
+    for impl in case.implementations:
+        try:
+            runnable[impl.name] = _Runnable(impl.backend, impl.build(inputs))
+        except Exception as error:  # a peer that cannot run this case is reported, not fatal
+            results[impl.name].error = short_error(error)
+    return results, inputs, runnable
 
 
 class _Runnable:
@@ -334,4 +349,4 @@ class Progress:
 
 
 __all__ = ["Built", "Case", "CaseInterrupted", "Check", "Forward", "Implementation", "Result", "Variant", "measure_case",
-           "check_against", "module_built", "op_built", "best_peer_ratio", "Progress", "QUANTILES", "Timer"]
+           "check_against", "check_case", "module_built", "op_built", "best_peer_ratio", "Progress", "QUANTILES", "Timer"]
