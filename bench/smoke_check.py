@@ -16,7 +16,6 @@ fails, a case does not run, or a group does not finish.
 """
 
 import argparse
-import concurrent.futures
 import csv
 import multiprocessing
 import os
@@ -27,8 +26,18 @@ SUITES = ("layernorm", "gelu", "mlp", "attention", "block")
 COLUMNS = ["suite", "op", "dtype", "shape", "implementation", "check", "error", "seconds"]
 
 
-def check_group(suite, dtype_name, device):
-    """Rows of the smoke check of one suite in one dtype (run in a worker process)."""
+def check_group(group):
+    """((suite, dtype name), rows) of the smoke check of group = (suite, dtype name, device), in a
+    worker process; one row "did not run" when the group fails as a whole."""
+    suite, dtype_name, device = group
+    try:
+        return (suite, dtype_name), _check_group(suite, dtype_name, device)
+    except Exception as error:
+        return (suite, dtype_name), [{"suite": suite, "dtype": dtype_name, "check": "did not run",
+                                      "error": f"{type(error).__name__}: {error}"[:200]}]
+
+
+def _check_group(suite, dtype_name, device):
     import torch
 
     from remat import bench
@@ -88,19 +97,15 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     os.environ["REMAT_AUTOTUNE"] = "0"  # before the workers start: they inherit it
     groups = [(suite, dtype) for suite in args.suites for dtype in args.dtypes]
+    rows, pending, env = [], list(groups), {}
+    _write(rows, pending, env, args.out)  # from the start: every group is there, unfinished
     # spawn: CUDA cannot be used in forked children of a process that initialised it.
-    pool = concurrent.futures.ProcessPoolExecutor(args.jobs or len(groups), mp_context=multiprocessing.get_context("spawn"))
-    futures = {pool.submit(check_group, suite, dtype, args.device): (suite, dtype) for suite, dtype in groups}
-    env = _environment(args.device)
-    rows, pending = [], list(groups)
+    pool = multiprocessing.get_context("spawn").Pool(args.jobs or len(groups))
     try:
-        for future in concurrent.futures.as_completed(futures):
-            group = futures[future]
+        done = pool.imap_unordered(check_group, [(suite, dtype, args.device) for suite, dtype in groups])
+        env = _environment(args.device)
+        for group, found in done:
             pending.remove(group)
-            try:
-                found = future.result()
-            except Exception as error:  # the group's process failed: a row says so
-                found = [{"suite": group[0], "dtype": group[1], "check": "did not run", "error": f"{type(error).__name__}: {error}"[:200]}]
             for row in found:
                 print(f"{row['dtype']} {row.get('op', row['suite'])} {row.get('shape', '')} {row.get('implementation', '')}: "
                       f"{row['check']} {row['error']}".rstrip(), flush=True)
@@ -109,14 +114,11 @@ def main():
     except KeyboardInterrupt:
         print(f"interrupted: {len(pending)} groups not finished", flush=True)
     finally:
+        pool.terminate()  # no worker outlives this process, busy or not (they hold GPU memory)
         _write(rows, pending, env, args.out)
     good = sum(passed(row) for row in rows)
     print(f"smoke: {good} of {len(rows)} checks ok, {len(pending)} groups not finished; {args.out}/smoke.md", flush=True)
-    status = 0 if good == len(rows) and not pending else 1
-    if pending:  # workers still busy with an unfinished group would hold the exit: leave without them
-        os._exit(status)
-    pool.shutdown()
-    return status
+    return 0 if good == len(rows) and not pending else 1
 
 
 if __name__ == "__main__":

@@ -111,8 +111,6 @@ def test_the_stub_writes_the_columns_the_real_bench_writes():
 
 def test_summary_reads_a_real_bench_csv(tmp_path):
     """A CSV the runner wrote (a performance run's columns, a wrong row) becomes the suite's row."""
-    import importlib.util
-
     def case(implementations):
         return Case(op="layernorm", mode="fwd", dtype=torch.bfloat16, shape="M=8 N=8", size=8, unit="GB/s", work=1e9,
                     make_inputs=lambda: None, implementations=implementations)
@@ -124,10 +122,53 @@ def test_summary_reads_a_real_bench_csv(tmp_path):
     results[1].p20_ms = results[1].p50_ms = results[1].p80_ms = math.nan
     env = {**report.environment(torch.device("cpu"), cases_planned=3), "timings": report.PERFORMANCE}
     report.write_tables(report.rows([results]), env, str(tmp_path / "bench" / "layernorm"))
-    spec = importlib.util.spec_from_file_location("summarize", BENCH / "summarize.py")
-    summarize = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(summarize)
+    summarize = _load("summarize")
     row = summarize.suite_row(str(tmp_path), "layernorm", {"bench: layernorm": {"status": "timed out"}})
     assert re.search(r"layernorm +timed out +1 of 3 +cases +2 rows +1 wrong +0 failed", row), row
     (headline,) = summarize.headline_lines(str(tmp_path), ["layernorm"])[1:]
     assert "remat-triton" in headline and "GB/s" in headline and "no peer timed" in headline
+
+
+def _load(script):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(script, BENCH / f"{script}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_smoke_check_runs_each_group_and_writes_every_check(tmp_path):
+    """bench/smoke_check.py for real, on CPU shapes: a row per remat implementation and case,
+    all within twice PyTorch's error, exit 0; the md says so."""
+    done = subprocess.run([sys.executable, str(BENCH / "smoke_check.py"), "--device", "cpu", "--dtypes", "fp32",
+                           "--suites", "layernorm", "gelu", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(tmp_path / "smoke.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert sorted((row["op"], row["shape"]) for row in rows) == [
+        ("gelu", "M=256 N=1000"), ("gelu+bias", "M=256 N=1000"), ("gelu_tanh", "M=256 N=1000"),
+        ("layernorm", "M=256 N=1000"), ("layernorm", "M=256 N=256")]
+    assert all(row["check"].startswith("ok (") and row["implementation"].startswith("remat") for row in rows)
+    assert "5 of 5 ok" in (tmp_path / "smoke.md").read_text()
+
+
+def test_smoke_check_writes_unfinished_groups_as_such(tmp_path):
+    smoke = _load("smoke_check")
+    rows = [{"suite": "layernorm", "op": "layernorm", "dtype": "bf16", "shape": "M=1 N=1", "implementation": "remat-triton",
+             "check": "ok (1.00x)", "error": "", "seconds": "1.0"}]
+    smoke._write(rows, [("attention", "fp16")], {"commit": "abc"}, str(tmp_path))
+    with open(tmp_path / "smoke.csv", newline="") as handle:
+        written = list(csv.DictReader(handle))
+    assert [(row["suite"], row["check"]) for row in written] == [("layernorm", "ok (1.00x)"), ("attention", "not finished")]
+    assert "1 of 2 ok; not finished: attention fp16" in (tmp_path / "smoke.md").read_text()
+
+
+def test_compile_warmer_finds_every_compiled_peer():
+    """bench/warm_compile_cache.py compiles what the benchmarks build with torch.compile (on a GPU
+    also FlexAttention and the memory-budget policies, left out of CPU runs)."""
+    warmer = _load("warm_compile_cache")
+    found = {suite: warmer.compiled_implementations(suite, "bf16", "cpu") for suite in SUITES}
+    assert found == {"layernorm": ["torch.compile"], "gelu": ["torch.compile"], "mlp": ["torch.compile"],
+                     "attention": [], "block": ["compile", "remat + compile", "compile (each block)"]}

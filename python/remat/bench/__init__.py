@@ -27,8 +27,6 @@ def run(ops, dtypes, quick=False, out_dir="bench/out", device=None, progress=Tru
     # Read once, before measuring: nvidia-smi can take seconds, which a killed run may not have.
     env = report.environment(device, cases_planned=len(all_cases))
     with_ratios = report.is_performance(env)
-    if not with_ratios:
-        print(report.CPU_BANNER, flush=True)
     bar = Progress(len(all_cases), enabled=progress)
     results = []
     interrupted = False

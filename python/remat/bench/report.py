@@ -127,7 +127,7 @@ def _fmt_bytes(size):
     return f"{size:.3g} GiB"
 
 
-def _columns(env):
+def _columns(env, table):
     """(header, cell(row)) of the printed and markdown tables: no rate or peer ratio on CPU."""
     columns = [(name, lambda r, name=name: r[name]) for name in ("op", "mode", "dtype", "shape", "implementation", "check")]
     columns.append(("p50 ms", lambda r: _fmt(r["p50_ms"])))
@@ -136,7 +136,7 @@ def _columns(env):
                     ("vs best peer", lambda r: "-" if math.isnan(r["ratio_to_best_peer"]) else f"{r['ratio_to_best_peer']:.2f}x"),
                     ("peak MB", lambda r: _fmt(r["peak_mb"], 4))]
     columns += [("fwd saves", lambda r: _fmt_bytes(r["fwd_saves_bytes"])), ("sbh/layer", lambda r: _fmt(r["saved_sbh_per_layer"], 3))]
-    if not is_performance(env):  # no rate column to say why a row has no time
+    if not is_performance(env) and any(_untimed(r) for r in table):  # no rate column to say why
         columns.append(("not timed", _untimed))
     return columns
 
@@ -160,7 +160,7 @@ def _header_lines(env):
 
 
 def text_table(table, env):
-    columns = _columns(env)
+    columns = _columns(env, table)
     lines = [[cell(r) for _, cell in columns] for r in table]
     header = [name for name, _ in columns]
     widths = [max([len(h)] + [len(line[i]) for line in lines]) for i, h in enumerate(header)]
@@ -178,7 +178,7 @@ def write_csv(table, env, path):
 
 
 def write_markdown(table, env, path):
-    columns = _columns(env)
+    columns = _columns(env, table)
     header = [name if name != "p50 ms" else "p20 / p50 / p80 ms" for name, _ in columns]
     banner = [] if is_performance(env) else ["", *(f"> {line}" for line in CPU_BANNER.splitlines())]
     lines = ["# remat benchmark", "", *[f"- {k}: {v}" for k, v in env.items()], *banner, "",
