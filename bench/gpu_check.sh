@@ -8,8 +8,8 @@
 # Time: at most GPU_CHECK_BUDGET seconds (480). Each step has its own limit (SIGINT 5 s before
 # it, on which the Python steps write what they have, and SIGKILL at it), cheapest first; those
 # that always run sum to 470 s (the last 10 are for the summary):
-#   environment 15, install for Triton 25, build of the CUDA extension 85 (if it fails: reinstall
-#   without it, 15, and go on with Triton), smoke check 30, GPU tests 50 + 30, benchmarks:
+#   environment 15, install (Triton only) 25, build of the CUDA extension 85 (if it fails: reinstall
+#   without it, 15, and go on with Triton), smoke check 30, GPU tests 50 (kernels) + 30 (the rest), benchmarks:
 #   layernorm 25, gelu 25, mlp 25, attention 70, block 75.
 # Then, only with the time left: the exhaustive autotune-candidate test, `remat memory`, and
 # compute-sanitizer's racecheck when GPU_CHECK_RACECHECK=1. A step is never given more than what

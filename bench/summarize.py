@@ -151,9 +151,9 @@ def _result(row):
 
 def _saves(row, suite):
     """What the forward keeps: per layer in s·b·h for the block, else in MiB."""
+    per_layer, saved = _number(row.get("saved_sbh_per_layer")), _number(row.get("fwd_saves_bytes"))
     if suite == "block":
-        return f"{_number(row['saved_sbh_per_layer']):.3g} sbh/layer"
-    saved = _number(row["fwd_saves_bytes"])
+        return "-" if math.isnan(per_layer) else f"{per_layer:.3g} sbh/layer"
     return "-" if math.isnan(saved) else f"{saved / 2**20:.4g} MiB"
 
 
@@ -204,7 +204,10 @@ def main(argv=None):
     out += [suite_row(args.out_dir, suite, steps) for suite in args.suites]
     out += headline_lines(args.out_dir, args.suites)
     out += memory_lines(args.out_dir, steps.get("memory"))
-    out.append(f"files: {os.path.abspath(args.out_dir)} (logs per step: <step>.log; build.log, environment.txt)")
+    out.append(f"files, in {os.path.abspath(args.out_dir)}: steps.tsv, console.log, environment.txt, backends.txt, "
+               "build.log, smoke/smoke.{csv,md}, pytest_<group>.{log,xml}, sanitizer_memcheck.log, "
+               "bench/<suite>/bench.{csv,md} and PNGs, bench_<suite>.log, autotune/ (tuned attention blocks), "
+               "memory/, <background work>.log")
     print("\n".join(out))
 
 
