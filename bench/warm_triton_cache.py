@@ -9,7 +9,7 @@ arguments specialise like the benchmark's (heads 16, lengths and strides multipl
 several processes at once, so that the benchmark's tuner finds every kernel compiled and only
 times them.
 
-    python bench/warm_triton_cache.py [--jobs 8] [--head-dims 64 128] [--dtype bf16]
+    python bench/warm_triton_cache.py [--jobs 8] [--head-dims 64 128] [--dtypes bfloat16 float16]
 """
 
 import argparse
@@ -65,17 +65,20 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=8)
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float16", "float32"])
     args = parser.parse_args()
-    work = _work(args.dtype, args.head_dims)
+    work = [(dtype, item) for dtype in args.dtypes for item in _work(dtype, args.head_dims)]
     start = time.perf_counter()
     shares = [work[i::args.jobs] for i in range(args.jobs)]
     # spawn: CUDA cannot be used in forked children of a process that initialised it.
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        done = list(pool.map(_compile, [args.dtype] * len(shares), shares))
+        futures = [pool.submit(_compile, dtype, [item for d, item in share if d == dtype])
+                   for share in shares for dtype in args.dtypes]
+        done = [future.result() for future in futures]
     errors = [e for _, batch in done for e in batch]
-    print(f"compiled {sum(n for n, _ in done)} attention kernels in {time.perf_counter() - start:.0f} s"
-          f" with {args.jobs} processes" + (f"; {len(errors)} failed: " + "; ".join(errors) if errors else ""))
+    print(f"compiled {sum(n for n, _ in done)} attention kernels ({', '.join(args.dtypes)}) in "
+          f"{time.perf_counter() - start:.0f} s with {args.jobs} processes"
+          + (f"; {len(errors)} failed: " + "; ".join(errors) if errors else ""))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The benchmark runner: remat's backend for the whole timed call, failures and Ctrl-C contained."""
+"""The benchmark runner: outputs checked before timing, remat's backend for the whole timed call,
+failures and Ctrl-C contained, results on disk after every case."""
 
 import csv
 import math
@@ -9,16 +10,17 @@ import torch
 
 import remat
 from remat import _backend, bench
-from remat.bench.cases import Case, CaseInterrupted, Implementation, Timer, measure_case
+from remat.bench.cases import (Built, Case, CaseInterrupted, Implementation, Timer, check_against, measure_case,
+                               op_built)
 
 
-def _case(implementations, make_inputs=lambda: None):
+def _case(implementations, make_inputs=lambda: None, check=None):
     return Case(op="fake", mode="fwd", dtype=torch.float32, shape="n=1", size=1, unit="GB/s", work=1e6,
-                make_inputs=make_inputs, implementations=implementations)
+                make_inputs=make_inputs, implementations=implementations, check=check)
 
 
 def _timed(fn):
-    return lambda inputs: (fn, None)
+    return lambda inputs: Built(fn)
 
 
 def test_backend_is_in_force_for_the_backward_too(monkeypatch):
@@ -122,3 +124,89 @@ def test_memory_is_measured_after_the_first_timing_and_a_failure_there_keeps_the
     (result,) = measure_case(_case([Implementation("ours", True, _timed(lambda: None))]), timer, rounds=3)
     assert timer.measured == 1  # once, in the first round
     assert result.error.startswith("memory: RuntimeError") and result.p50_ms >= 0
+
+
+def _layer_norm_case(implementations, dtype=torch.bfloat16):
+    """A LayerNorm case checked against F.layer_norm, with the given functions of (x, w, b)."""
+    def build(fn):
+        def built(inputs):
+            x, w, b, dy = inputs
+            return op_built("fwd+bwd", lambda: fn(x, w, b), {"x": x, "weight": w, "bias": b}, dy)
+
+        return built
+
+    def make_inputs():
+        x, dy = torch.randn(64, 48, dtype=dtype, requires_grad=True), torch.randn(64, 48, dtype=dtype)
+        w, b = (torch.randn(48, dtype=dtype, requires_grad=True) for _ in range(2))
+        return x, w, b, dy
+
+    torch_layer_norm = lambda x, w, b: torch.nn.functional.layer_norm(x, (48,), w, b)  # noqa: E731
+    impls = [Implementation(name, name != "torch", build(fn)) for name, fn in [("torch", torch_layer_norm), *implementations]]
+    return Case(op="layernorm", mode="fwd+bwd", dtype=dtype, shape="M=64 N=48", size=48, unit="GB/s", work=1e6,
+                make_inputs=make_inputs, implementations=impls, check=check_against(build(torch_layer_norm)))
+
+
+def _by_name(results):
+    return {r.implementation: r for r in results}
+
+
+def test_a_wrong_output_is_marked_and_never_timed():
+    calls = {"wrong": 0}
+
+    def wrong_bias_gradient(x, w, b):  # the same forward, bit for bit, but db comes out doubled
+        calls["wrong"] += 1
+        return torch.nn.functional.layer_norm(x, (48,), w, b + (b - b.detach()))
+
+    def slightly_off(x, w, b):  # an fp32 computation rounded once: more exact than bf16 PyTorch
+        return torch.nn.functional.layer_norm(x.float(), (48,), w.float(), b.float()).to(x.dtype)
+
+    results = _by_name(measure_case(_layer_norm_case([("wrong", wrong_bias_gradient), ("exact", slightly_off)]),
+                                    Timer("cpu", warmup=1, reps=2)))
+    assert results["wrong"].check == "wrong" and math.isnan(results["wrong"].p50_ms)
+    assert "dbias error" in results["wrong"].error and "2x PyTorch's" in results["wrong"].error
+    assert calls["wrong"] == 1  # the check's one call, no timing, no memory measurement
+    for name in ("torch", "exact"):
+        assert results[name].check.startswith("ok (") and results[name].p50_ms > 0, results[name]
+
+
+def test_non_finite_outputs_are_wrong():
+    def nan_output(x, w, b):
+        return torch.nn.functional.layer_norm(x, (48,), w, b) * float("nan")
+
+    result = _by_name(measure_case(_layer_norm_case([("nan", nan_output)]), Timer("cpu", warmup=1, reps=2)))["nan"]
+    assert result.check == "wrong" and result.error == "wrong output: out has non-finite values"
+    assert math.isnan(result.p50_ms)
+
+
+def test_a_missing_gradient_is_wrong():
+    def detached_weight(x, w, b):
+        return torch.nn.functional.layer_norm(x, (48,), w.detach(), b)
+
+    result = _by_name(measure_case(_layer_norm_case([("detached", detached_weight)]), Timer("cpu")))["detached"]
+    assert result.check == "wrong" and result.error == "wrong output: no dweight"
+
+
+def test_a_reference_that_fails_leaves_the_rows_timed_and_marked_unchecked():
+    case = _layer_norm_case([])
+    case.check = check_against(lambda inputs: (_ for _ in ()).throw(MemoryError("float64 does not fit")))
+    (result,) = measure_case(case, Timer("cpu", warmup=1, reps=2))
+    assert result.check == "unchecked" and result.error == "reference: MemoryError: float64 does not fit"
+    assert result.p50_ms > 0
+
+
+def test_csv_and_markdown_are_written_after_every_case(tmp_path, monkeypatch):
+    """A run killed during a case (SIGKILL after a time limit) leaves the earlier cases on disk."""
+    seen_on_disk = []
+
+    def look_at_the_csv():
+        with open(tmp_path / "bench.csv") as handle:
+            seen_on_disk.append({row["implementation"] for row in csv.DictReader(handle)})
+
+    def cases(device, dtypes, quick, sizes):
+        yield _case([Implementation("first", True, _timed(lambda: None))])
+        yield _case([Implementation("second", True, _timed(look_at_the_csv))])
+
+    monkeypatch.setitem(bench.SUITES, "fake", types.SimpleNamespace(cases=cases))
+    bench.run(["fake"], [torch.float32], out_dir=str(tmp_path), device="cpu", progress=False)
+    assert seen_on_disk and all(names == {"first"} for names in seen_on_disk)
+    assert "| first |" in (tmp_path / "bench.md").read_text()

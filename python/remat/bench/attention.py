@@ -1,7 +1,9 @@
 """Attention cases: remat's Triton kernels against SDPA's flash, cuDNN and efficient backends and FlexAttention.
 
 FLOP model: forward 4·b·h·s²·d, halved when causal; backward 2.5 times the forward; forward +
-backward 3.5 times. Inputs are (b, h, s, d), bf16 by default.
+backward 3.5 times. Inputs are (b, h, s, d), bf16 by default. Checked against SDPA with its
+default backend: output and the gradients of q, k and v; the three modes of a shape share their
+inputs, so its float64 reference is computed once.
 """
 
 import functools
@@ -11,11 +13,16 @@ import torch.nn.functional as F
 
 import remat
 
-from .cases import Case, Implementation
+from .cases import Case, Variant, check_against, op_built
+from .check import outputs_and_grads
 
 GPU_SHAPES = ((8, 16, 2048, 64), (4, 16, 4096, 128), (1, 16, 16384, 128))
 QUICK_SHAPES = GPU_SHAPES  # the shapes attention is judged at; --quick only times fewer calls
 CPU_SHAPES = ((1, 2, 128, 64),)
+# The float64 reference runs this many bytes of attention scores at a time: all 16 heads of a
+# 16384-long sequence at once would take 34 GB for the scores alone, and as much again for each
+# tensor the backward keeps.
+REFERENCE_CHUNK_BYTES = 2**30
 
 
 def _sdpa(backend):
@@ -53,57 +60,66 @@ def _remat(q, k, v, causal):
     return remat.attention(q, k, v, causal=causal)
 
 
+def _sdpa_default(q, k, v, causal):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
 def implementations(device):
-    impls = [(f"remat-{remat._backend.choose('attention', device)}", True, _remat)]
+    """A Variant (a function of q, k, v, causal) for every implementation."""
+    impls = [Variant(f"remat-{remat._backend.choose('attention', device)}", True, _remat)]
     if device.type == "cuda":
-        impls += [(f"sdpa-{name}", False, _sdpa(backend)) for name, backend in
+        impls += [Variant(f"sdpa-{name}", False, _sdpa(backend)) for name, backend in
                   (("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION"), ("efficient", "EFFICIENT_ATTENTION"))]
-        impls.append(("flex_attention", False, _flex))
+        impls.append(Variant("flex_attention", False, _flex, compiles=True))
     else:
-        impls.append(("sdpa", False, lambda q, k, v, causal: F.scaled_dot_product_attention(q, k, v, is_causal=causal)))
+        impls.append(Variant("sdpa", False, _sdpa_default))
     return impls
 
 
-def _make_inputs(shape, dtype, device):
+_SHARED = {}  # the inputs of the (shape, dtype, causal) being measured: its three modes use them
+
+
+def _make_inputs(shape, dtype, device, causal):
     def make():
-        q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-        return q, k, v, torch.randn(shape, device=device, dtype=dtype)
+        key = (shape, dtype, str(device), causal)
+        if key not in _SHARED:
+            _SHARED.clear()  # the previous shape's inputs go before the next are made
+            q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+            _SHARED[key] = (q, k, v, torch.randn(shape, device=device, dtype=dtype))
+        return _SHARED[key]
 
     return make
 
 
-def _forward(fn, causal):
-    def build(inputs):
-        q, k, v, _ = inputs
-        return (lambda: fn(q, k, v, causal)), None
+def _float64_reference(causal):
+    """Outputs of SDPA in float64, a few heads at a time (REFERENCE_CHUNK_BYTES), each chunk's
+    backward run before the next chunk's forward."""
+    def reference(inputs):
+        q, k, v, do = (t.detach().double() for t in inputs)
+        batch, heads, seqlen_q, dim = q.shape
+        flat = [t.reshape(batch * heads, t.shape[2], dim) for t in (q, k, v, do)]
+        per_chunk = max(1, REFERENCE_CHUNK_BYTES // (seqlen_q * k.shape[2] * 8))
+        parts = {name: [] for name in ("out", "dq", "dk", "dv")}
+        for start in range(0, batch * heads, per_chunk):
+            q_c, k_c, v_c, do_c = (t[start:start + per_chunk] for t in flat)
+            leaves = {"q": q_c.requires_grad_(), "k": k_c.requires_grad_(), "v": v_c.requires_grad_()}
+            found = outputs_and_grads(lambda: _sdpa_default(q_c, k_c, v_c, causal), leaves, do_c)
+            for name, tensor in found.items():
+                parts[name].append(tensor)
+        return {name: torch.cat(tensors).view(batch, heads, -1, dim) for name, tensors in parts.items()}
 
-    return build
-
-
-def _backward(fn, causal):
-    def build(inputs):
-        q, k, v, do = inputs
-        out = {}
-
-        def reset():  # the forward is untimed: only the backward is measured
-            q.grad = k.grad = v.grad = None
-            out["o"] = fn(q, k, v, causal)
-
-        return (lambda: out["o"].backward(do)), reset
-
-    return build
+    return reference
 
 
-def _forward_backward(fn, causal):
-    def build(inputs):
-        q, k, v, do = inputs
+def _build(mode, causal):
+    def wrap(fn):
+        def build(inputs):
+            q, k, v, do = inputs
+            return op_built(mode, lambda: fn(q, k, v, causal), {"q": q, "k": k, "v": v}, do)
 
-        def reset():
-            q.grad = k.grad = v.grad = None
+        return build
 
-        return (lambda: fn(q, k, v, causal).backward(do)), reset
-
-    return build
+    return wrap
 
 
 def cases(device, dtypes, quick, sizes=None):
@@ -115,11 +131,13 @@ def cases(device, dtypes, quick, sizes=None):
         for b, h, s, d in shapes:
             for causal in (False, True):
                 forward_flops = 4 * b * h * s * s * d / (2 if causal else 1)
-                for mode, factor, wrap in (("fwd", 1.0, _forward), ("bwd", 2.5, _backward),
-                                           ("fwd+bwd", 3.5, _forward_backward)):
+                check = check_against(_build("fwd+bwd", causal)(_sdpa_default), _float64_reference(causal))
+                make_inputs = _make_inputs((b, h, s, d), dtype, device, causal)
+                for mode, factor in (("fwd", 1.0), ("bwd", 2.5), ("fwd+bwd", 3.5)):
                     yield Case(
                         op="attention" + ("_causal" if causal else ""), mode=mode, dtype=dtype,
                         shape=f"b={b} h={h} s={s} d={d}", size=s, unit="TFLOP/s", work=factor * forward_flops,
-                        make_inputs=_make_inputs((b, h, s, d), dtype, device),
-                        implementations=[Implementation(name, ours, wrap(fn, causal)) for name, ours, fn in impls],
+                        make_inputs=make_inputs,
+                        implementations=[impl.implementation(_build(mode, causal)) for impl in impls],
+                        check=check,
                     )

@@ -11,7 +11,8 @@ that forward + backward; causal attention 2·b·s²·h forward, 3.5 times that f
 layer, in units of s·b·h bytes (eager keeps about 32 in bf16).
 
 The policies run in order of importance (the targets compare remat with eager and with
-torch.compile first), so a run cut short by Ctrl-C still has those.
+torch.compile first), so a run cut short by Ctrl-C still has those. Each is checked against the
+eager stack: the output and the gradients of the input and of every weight.
 """
 
 import functools
@@ -19,8 +20,9 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..gpt import GPTConfig, remat_stack, torch_stack
-from .cases import Case, Implementation
+from ..gpt import GPTConfig, RematGPTBlock, TorchGPTBlock, remat_stack, torch_stack
+from .cases import Case, Variant, check_against, module_built
+from .check import randomize_norms
 
 GPU_SHAPE = {"batch": 8, "seq": 2048, "hidden": 2048, "heads": 16, "layers": 8}
 QUICK_LAYERS = 2
@@ -73,41 +75,63 @@ def _compiled_with_budget(stack, budget):
     return torch.compile(stack, backend=functools.partial(_budget_backend, budget))
 
 
-def _offloaded(stack):
-    def run(x):
-        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
-            return stack(x)
+class _Offloaded(torch.nn.Module):
+    """Runs `stack` with its saved activations offloaded to host memory."""
 
-    return run
+    def __init__(self, stack):
+        super().__init__()
+        self.stack = stack
+
+    def forward(self, x):
+        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+            return self.stack(x)
 
 
 def policies(device):
-    """(name, ours, make(stock_stack) -> callable) for every policy."""
+    """A Variant for every policy: make(stock stack) -> the module to run."""
     half = lambda stack: len(stack) // 2  # noqa: E731
     table = [
-        ("eager", False, lambda s: s),
-        ("remat", True, remat_stack),
-        ("compile", False, torch.compile),
-        ("remat + compile", True, lambda s: torch.compile(remat_stack(s))),
-        ("full checkpoint", False, lambda s: torch.nn.Sequential(*(_Checkpointed(b) for b in s))),
-        ("selective checkpoint", False,
-         lambda s: torch.nn.Sequential(*(_Checkpointed(b, _save_matmuls_and_attention) for b in s))),
-        ("remat + checkpoint half", True,
-         lambda s: torch.nn.Sequential(*(_Checkpointed(b) if i < half(s) else b for i, b in enumerate(remat_stack(s))))),
-        ("compile, budget 0.5", False, lambda s: _compiled_with_budget(s, 0.5)),
-        ("compile, budget 0.3", False, lambda s: _compiled_with_budget(s, 0.3)),
-        ("offload to host", False, _offloaded),
-        ("compile (each block)", False, lambda s: torch.nn.Sequential(*(torch.compile(b) for b in s))),
+        Variant("eager", False, lambda s: s),
+        Variant("remat", True, remat_stack),
+        Variant("compile", False, torch.compile, compiles=True),
+        Variant("remat + compile", True, lambda s: torch.compile(remat_stack(s)), compiles=True),
+        Variant("full checkpoint", False, lambda s: torch.nn.Sequential(*(_Checkpointed(b) for b in s))),
+        Variant("selective checkpoint", False,
+                lambda s: torch.nn.Sequential(*(_Checkpointed(b, _save_matmuls_and_attention) for b in s))),
+        Variant("remat + checkpoint half", True,
+                lambda s: torch.nn.Sequential(*(_Checkpointed(b) if i < half(s) else b
+                                                for i, b in enumerate(remat_stack(s))))),
+        Variant("compile, budget 0.5", False, lambda s: _compiled_with_budget(s, 0.5), compiles=True),
+        Variant("compile, budget 0.3", False, lambda s: _compiled_with_budget(s, 0.3), compiles=True),
+        Variant("offload to host", False, _Offloaded),
+        Variant("compile (each block)", False, lambda s: torch.nn.Sequential(*(torch.compile(b) for b in s)),
+                compiles=True),
     ]
     if device.type != "cuda":  # functional run: skip the slow compiles of the budget variants
-        table = [row for row in table if "budget" not in row[0]]
+        table = [policy for policy in table if "budget" not in policy.name]
     return table
+
+
+def _block_parameters(block):
+    """A block's parameters in TorchGPTBlock's order. RematGPTBlock.from_torch copies each stock
+    layer into its fused counterpart: ln_1 -> attn_qkv.norm, attn_qkv -> attn_qkv.linear,
+    attn_out, ln_2 -> mlp.norm, fc1 -> mlp.fc1, fc2 -> mlp.fc2."""
+    if isinstance(block, RematGPTBlock):
+        block = [block.attn_qkv.norm, block.attn_qkv.linear, block.attn_out, block.mlp.norm, block.mlp.fc1, block.mlp.fc2]
+        return [p for layer in block for p in layer.parameters()]
+    return list(block.parameters())
+
+
+def parameters_in_stock_order(run):
+    """The weights a policy's module trains, in the order of the stock stack's parameters."""
+    blocks = [m for m in run.modules() if isinstance(m, (TorchGPTBlock, RematGPTBlock))]
+    return [p for block in blocks for p in _block_parameters(block)]
 
 
 def _make_inputs(shape, dtype, device):
     def make():
         config = GPTConfig(hidden=shape["hidden"], heads=shape["heads"], layers=shape["layers"])
-        stack = torch_stack(config, device=device, dtype=dtype)
+        stack = randomize_norms(torch_stack(config, device=device, dtype=dtype))
         x = torch.randn(shape["batch"], shape["seq"], shape["hidden"], device=device, dtype=dtype, requires_grad=True)
         return stack, x, torch.randn_like(x)
 
@@ -118,14 +142,7 @@ def _step(make):
     def build(inputs):
         stack, x, dy = inputs
         run = make(stack)
-        params = [p for module in (run, stack) if isinstance(module, torch.nn.Module) for p in module.parameters()]
-
-        def reset():
-            x.grad = None
-            for p in params:
-                p.grad = None
-
-        return (lambda: run(x).backward(dy)), reset, (lambda: run(x))
+        return module_built(run, parameters_in_stock_order(run), stack, x, dy)
 
     return build
 
@@ -143,7 +160,7 @@ def cases(device, dtypes, quick, sizes=None):
             op="gpt_block", mode="fwd+bwd", dtype=dtype,
             shape=f"L={layers} b={b} s={s} h={h} heads={shape['heads']}", size=s,
             unit="TFLOP/s", work=flops, make_inputs=_make_inputs(shape, dtype, device),
-            implementations=[Implementation(name, ours, _step(make)) for name, ours, make in policies(device)],
-            sbh_per_layer=layers * s * b * h,
+            implementations=[policy.implementation(_step) for policy in policies(device)],
+            sbh_per_layer=layers * s * b * h, check=check_against(_step(lambda stack: stack)),
         )
 

@@ -1,7 +1,6 @@
 """What a benchmark case is, and the runner that measures every implementation of it."""
 
 import dataclasses
-import functools
 import math
 import sys
 from typing import Callable, Optional
@@ -9,6 +8,7 @@ from typing import Callable, Optional
 import torch
 
 from .._backend import use_backend as remat_backend
+from .check import Check, compare, outputs_and_grads
 from .timing import QUANTILES, Timer, quantiles
 
 
@@ -16,16 +16,123 @@ from .timing import QUANTILES, Timer, quantiles
 class Implementation:
     """One way to run a case.
 
-    `build(inputs)` returns (fn, reset) or (fn, reset, forward): fn is timed, reset runs untimed
-    before each call, and forward (when given) runs the forward pass alone, to measure the memory
-    it leaves allocated for the backward. `backend`: remat's backend, in force for every call
-    of fn and forward, backward included (remat's ops choose their backend when they run).
+    `build(inputs)` returns a Built. `backend`: remat's backend, in force for everything the
+    Built runs, backward included (remat's ops choose their backend when they run). `compiles`:
+    built with torch.compile, so compiled on its first call (bench/warm_compile_cache.py
+    compiles these ahead of a GPU run).
     """
 
     name: str
     ours: bool
     build: Callable
     backend: Optional[str] = None
+    compiles: bool = False
+
+
+@dataclasses.dataclass
+class Built:
+    """An implementation built on a case's inputs.
+
+    step: the timed call. reset: runs untimed before each call. forward: the forward pass alone
+    (a Forward), to measure what it keeps for the backward. outputs(): runs the implementation
+    once, forward and backward, and returns its results by name (check.outputs_and_grads), for
+    the case's Check.
+    """
+
+    step: Callable
+    reset: Optional[Callable] = None
+    forward: Optional["Forward"] = None
+    outputs: Optional[Callable] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One implementation of an op before it is wrapped for a case: `fn` is what the suite's
+    wrappers take (a function of the case's tensors, or a module builder)."""
+
+    name: str
+    ours: bool
+    fn: Callable
+    backend: Optional[str] = None
+    compiles: bool = False
+
+    def implementation(self, wrap):
+        """The Implementation whose build is wrap(fn)."""
+        return Implementation(self.name, self.ours, wrap(self.fn), self.backend, self.compiles)
+
+
+@dataclasses.dataclass
+class Forward:
+    """An implementation's forward pass alone, module(x).
+
+    On a GPU the timer reads what it leaves allocated; on any device memory.count_saved_bytes
+    counts what it saves for the backward, exactly: each storage once, leaving out the module's
+    parameters, its input and its output (the caller holds those anyway).
+    """
+
+    module: torch.nn.Module
+    x: torch.Tensor
+
+    def __call__(self):
+        return self.module(self.x)
+
+
+class OpModule(torch.nn.Module):
+    """A call of an op on tensors as a module, for Forward: `call()` is its forward, and the
+    tensors it is given (the input, weights, keys, values) are held as its parameters, so the
+    saved-bytes count leaves them out: the caller holds them anyway."""
+
+    def __init__(self, call, *held):
+        super().__init__()
+        self.call = call
+        self.held = torch.nn.ParameterList(
+            torch.nn.Parameter(t, requires_grad=t.requires_grad) for t in held if t is not None)
+
+    def forward(self, x):
+        return self.call()
+
+
+def op_built(mode, forward, leaves, dy):
+    """The Built of an op, `forward()`, on the named tensors `leaves` (the first is its input x).
+
+    mode "fwd" times the forward; "bwd" the backward alone (the forward runs untimed in reset);
+    "fwd+bwd" both. The check's outputs are the op's output and the leaves' gradients.
+    """
+    saved = {}
+
+    def reset():
+        for leaf in leaves.values():
+            leaf.grad = None
+        if mode == "bwd":
+            saved["out"] = forward()
+
+    steps = {"fwd": forward, "bwd": lambda: saved["out"].backward(dy), "fwd+bwd": lambda: forward().backward(dy)}
+    return Built(steps[mode], reset, Forward(OpModule(forward, *leaves.values()), next(iter(leaves.values()))),
+                 lambda: outputs_and_grads(forward, leaves, dy))
+
+
+def module_built(module, params, stock, x, dy):
+    """The Built of a training step of `module` on x (forward, then backward of dy).
+
+    Its check outputs are the output and the gradients of x and of `params`: the weights it
+    trains, in the order of the `stock` module's parameters and named as those, so that every
+    implementation's are compared with the reference's (fused layers hold copies of the weights).
+    """
+    leaves = {"x": x, **dict(zip([name for name, _ in stock.named_parameters()], params, strict=True))}
+
+    def reset():
+        for leaf in leaves.values():
+            leaf.grad = None
+
+    return Built(lambda: module(x).backward(dy), reset, Forward(module, x),
+                 lambda: outputs_and_grads(lambda: module(x), leaves, dy))
+
+
+def check_against(build, reference=None):
+    """The Check that holds a case's implementations to the outputs of `build` (PyTorch's own
+    implementation, built as theirs are), with its float64 reference (by default `build` on
+    float64 copies of the inputs)."""
+    return Check(lambda inputs: build(inputs).outputs(), reference)
 
 
 @dataclasses.dataclass
@@ -40,6 +147,7 @@ class Case:
     make_inputs: Callable
     implementations: list
     sbh_per_layer: Optional[int] = None  # layers·s·b·h, to report saved bytes per layer in sbh units
+    check: Optional[Check] = None  # what every implementation's outputs are compared with before timing
 
 
 @dataclasses.dataclass
@@ -51,15 +159,16 @@ class Result:
     p50_ms: float = math.nan
     p80_ms: float = math.nan
     peak_mb: Optional[float] = None
-    retained_mb: Optional[float] = None
+    saved_bytes: Optional[int] = None  # what the forward keeps for the backward (see Forward)
+    check: str = ""  # "ok (1.02x)", "wrong", "unchecked"; "" when the case has no Check
     error: str = ""
 
     @property
     def saved_sbh_per_layer(self):
         """What the forward keeps for the backward, per layer, in bytes per s·b·h."""
-        if self.retained_mb is None or not self.case.sbh_per_layer:
+        if self.saved_bytes is None or not self.case.sbh_per_layer:
             return None
-        return self.retained_mb * 2**20 / self.case.sbh_per_layer
+        return self.saved_bytes / self.case.sbh_per_layer
 
     @property
     def rate(self):
@@ -77,41 +186,30 @@ class CaseInterrupted(Exception):
 
 
 def measure_case(case, timer, rounds=3):
-    """Results of every implementation of `case`, timed in interleaved rounds.
+    """Results of every implementation of `case`, checked, then timed in interleaved rounds.
 
-    Interleaving (A B C A B C ...) makes slow drift of the machine (clocks, temperature)
-    fall on all implementations alike. A failure of one implementation (an error, out of
-    memory) is recorded in its result and the others go on. Memory is measured after an
-    implementation's first timing. Ctrl-C raises CaseInterrupted with the medians of the calls
-    timed so far.
+    First each implementation's outputs are compared with the case's Check, when it has one:
+    one whose output is wrong is not timed, and its result says what is wrong. Interleaving
+    (A B C A B C ...) makes slow drift of the machine (clocks, temperature) fall on all
+    implementations alike. A failure of one implementation (an error, out of memory) is
+    recorded in its result and the others go on. Memory is measured after an implementation's
+    first timing. Ctrl-C raises CaseInterrupted with the medians of the calls timed so far.
     """
-    results = {impl.name: Result(case, impl.name, impl.ours) for impl in case.implementations}
-    try:
-        inputs = case.make_inputs()
-    except Exception as error:
-        for result in results.values():
-            result.error = f"inputs: {short_error(error)}"
-        return list(results.values())
-    runnable = {}
-    for impl in case.implementations:
-        try:
-            fn, reset, *forward = impl.build(inputs)
-            in_backend = functools.partial(_in_backend, impl.backend)
-            runnable[impl.name] = (in_backend(fn), reset, *[in_backend(f) for f in forward])
-        except Exception as error:  # a peer that cannot run this case is reported, not fatal
-            results[impl.name].error = short_error(error)
+    results, inputs, runnable = _built(case)
     samples = {name: [] for name in runnable}
     try:
+        if case.check is not None and runnable:
+            _check(case.check, inputs, runnable, results)
         for round_index in range(rounds):
-            for name, (fn, reset, *forward) in list(runnable.items()):
+            for name, run in list(runnable.items()):
                 try:
-                    samples[name] += timer.times_ms(fn, reset)
+                    samples[name] += timer.times_ms(run.step, run.reset)
                 except Exception as error:
                     results[name].error = short_error(error)
                     del runnable[name]
                     continue
                 if round_index == 0:  # right away: an interrupted run keeps the memory figures too
-                    _measure_memory(results[name], timer, fn, reset, forward)
+                    _measure_memory(results[name], timer, run)
     except KeyboardInterrupt:
         _set_times(results, samples, runnable)
         raise CaseInterrupted(list(results.values())) from None
@@ -119,15 +217,74 @@ def measure_case(case, timer, rounds=3):
     return list(results.values())
 
 
-def _in_backend(backend, fn):
-    if backend is None:
-        return fn
+def check_case(case):
+    """Results of the case's Check alone, nothing timed: the smoke test before a benchmark."""
+    results, inputs, runnable = _built(case)
+    if runnable:
+        _check(case.check, inputs, runnable, results)
+    return list(results.values())
 
-    def run():
-        with remat_backend(backend):
-            return fn()
 
-    return run
+def _built(case):
+    """({name: Result}, the case's inputs, {name: _Runnable}) with every implementation built
+    on the inputs; a failure to make the inputs or to build is in the results."""
+    results = {impl.name: Result(case, impl.name, impl.ours) for impl in case.implementations}
+    try:
+        inputs = case.make_inputs()
+    except Exception as error:
+        for result in results.values():
+            result.error = f"inputs: {short_error(error)}"
+        return results, None, {}
+    runnable = {}
+    for impl in case.implementations:
+        try:
+            runnable[impl.name] = _Runnable(impl.backend, impl.build(inputs))
+        except Exception as error:  # a peer that cannot run this case is reported, not fatal
+            results[impl.name].error = short_error(error)
+    return results, inputs, runnable
+
+
+class _Runnable:
+    """A Built whose every call runs in remat's backend `backend` (None: leave it as it is)."""
+
+    def __init__(self, backend, built):
+        self.backend, self.built, self.reset, self.forward = backend, built, built.reset, built.forward
+        self.step = self.in_backend(built.step)
+
+    def in_backend(self, fn):
+        if self.backend is None:
+            return fn
+
+        def run():
+            with remat_backend(self.backend):
+                return fn()
+
+        return run
+
+
+def _check(check, inputs, runnable, results):
+    """Compares each implementation's outputs with the reference; takes out of `runnable` those
+    that are wrong or fail to run."""
+    try:
+        reference, pytorch = check.expected(inputs)
+    except Exception as error:  # e.g. the float64 reference does not fit: timed, marked unchecked
+        for name in runnable:
+            results[name].check, results[name].error = "unchecked", f"reference: {short_error(error)}"
+        return
+    for name, run in list(runnable.items()):
+        if run.built.outputs is None:
+            results[name].check = "unchecked"
+            continue
+        try:
+            verdict = compare(run.in_backend(run.built.outputs)(), reference, pytorch)
+        except Exception as error:
+            results[name].error = short_error(error)
+            del runnable[name]
+            continue
+        results[name].check = verdict.text if verdict.ok else "wrong"
+        if not verdict.ok:
+            results[name].error = verdict.text
+            del runnable[name]
 
 
 def _set_times(results, samples, runnable):
@@ -137,15 +294,24 @@ def _set_times(results, samples, runnable):
             results[name].p20_ms, results[name].p50_ms, results[name].p80_ms = quantiles(samples[name])
 
 
-def _measure_memory(result, timer, fn, reset, forward):
+def _measure_memory(result, timer, run):
     try:
-        peak = timer.peak_memory_bytes(fn, reset)
+        peak = timer.peak_memory_bytes(run.step, run.reset)
         result.peak_mb = None if peak is None else peak / 2**20
-        if forward:
-            retained = timer.retained_memory_bytes(forward[0], reset)
-            result.retained_mb = None if retained is None else retained / 2**20
+        if run.forward is not None:
+            retained = timer.retained_memory_bytes(run.in_backend(run.forward), run.reset)
+            if retained is None:  # no allocator to read (CPU): counted exactly instead
+                retained = run.in_backend(lambda: saved_bytes(run.forward))()
+            result.saved_bytes = retained
     except Exception as error:  # e.g. out of memory: the timings stand, the memory is unknown
         result.error = f"memory: {short_error(error)}"
+
+
+def saved_bytes(forward):
+    """Exact bytes a Forward keeps for the backward (memory.count_saved_bytes on its module)."""
+    from ..memory import count_saved_bytes  # memory imports the bench: not at the top
+
+    return count_saved_bytes(forward.module, forward.x, offload=False)[0]
 
 
 def short_error(error, limit=160):
@@ -182,4 +348,5 @@ class Progress:
             sys.stderr.write("\n")
 
 
-__all__ = ["Case", "CaseInterrupted", "Implementation", "Result", "measure_case", "best_peer_ratio", "Progress", "QUANTILES", "Timer"]
+__all__ = ["Built", "Case", "CaseInterrupted", "Check", "Forward", "Implementation", "Result", "Variant", "measure_case",
+           "check_against", "check_case", "module_built", "op_built", "best_peer_ratio", "Progress", "QUANTILES", "Timer"]

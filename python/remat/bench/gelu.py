@@ -2,7 +2,8 @@
 
 Byte model (effective bandwidth): forward reads x and writes y, 2·M·N·elem bytes; forward +
 backward also reads x and dy and writes dx, 5·M·N·elem bytes. The bias is O(N), not counted.
-Eager bias + GELU is two kernels (add, then gelu), as `F.gelu(x + b)` runs.
+Eager bias + GELU is two kernels (add, then gelu), as `F.gelu(x + b)` runs. Checked against
+F.gelu: output and the gradients of x and the bias.
 """
 
 import functools
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 
 import remat
 
-from .cases import Case, Implementation
+from .cases import Case, Variant, check_against, op_built
 from .layer_norm import ours_by_backend
 
 GPU_ROWS, GPU_WIDTH, QUICK_ROWS = 32768, 8192, 8192
@@ -34,10 +35,10 @@ def _compiled(approximate):
 
 
 def implementations(device, approximate):
-    """(name, ours, function, remat backend) for every implementation."""
-    impls = [(name, True, _remat(approximate), backend) for name, backend in ours_by_backend(device)]
-    impls += [("torch", False, _torch(approximate), None),
-              ("torch.compile", False, lambda x, b: _compiled(approximate)(x, b), None)]
+    """A Variant (a function of x and the bias) for every implementation."""
+    impls = [Variant(name, True, _remat(approximate), backend) for name, backend in ours_by_backend(device)]
+    impls += [Variant("torch", False, _torch(approximate)),
+              Variant("torch.compile", False, lambda x, b: _compiled(approximate)(x, b), compiles=True)]
     return impls
 
 
@@ -50,43 +51,33 @@ def _make_inputs(rows, width, dtype, device, with_bias):
     return make
 
 
-def _forward(fn):
-    def build(inputs):
-        x, b, _ = inputs
-        return (lambda: fn(x, b)), None
+def _build(mode):
+    def wrap(fn):
+        def build(inputs):
+            x, b, dy = inputs
+            return op_built(mode, lambda: fn(x, b), {"x": x} if b is None else {"x": x, "bias": b}, dy)
 
-    return build
+        return build
 
-
-def _forward_backward(fn):
-    def build(inputs):
-        x, b, dy = inputs
-
-        def reset():
-            x.grad = None
-            if b is not None:
-                b.grad = None
-
-        return (lambda: fn(x, b).backward(dy)), reset
-
-    return build
+    return wrap
 
 
 def cases(device, dtypes, quick, sizes=None):
     on_gpu = device.type == "cuda"
     width = GPU_WIDTH if on_gpu else CPU_WIDTH
-    row_counts = sizes or ([QUICK_ROWS] if quick else [GPU_ROWS // 4, GPU_ROWS]) if on_gpu else [CPU_ROWS]
+    row_counts = sizes or (([QUICK_ROWS] if quick else [GPU_ROWS // 4, GPU_ROWS]) if on_gpu else [CPU_ROWS])
     for dtype in dtypes:
         elem = torch.finfo(dtype).bits // 8
         for approximate, with_bias in VARIANTS:
             impls = implementations(device, approximate)
+            check = check_against(_build("fwd+bwd")(_torch(approximate)))
             for rows in row_counts:
-                for mode, factor, wrap in (("fwd", 2, _forward), ("fwd+bwd", 5, _forward_backward)):
+                for mode, factor in (("fwd", 2), ("fwd+bwd", 5)):
                     yield Case(
                         op="gelu" + ("_tanh" if approximate == "tanh" else "") + ("+bias" if with_bias else ""),
                         mode=mode, dtype=dtype, shape=f"M={rows} N={width}", size=rows * width,
                         unit="GB/s", work=factor * rows * width * elem,
                         make_inputs=_make_inputs(rows, width, dtype, device, with_bias),
-                        implementations=[Implementation(name, ours, wrap(fn), backend)
-                                         for name, ours, fn, backend in impls],
+                        implementations=[impl.implementation(_build(mode)) for impl in impls],
+                        check=check,
                     )

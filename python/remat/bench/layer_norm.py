@@ -2,7 +2,8 @@
 
 Byte model (effective bandwidth): forward reads x and writes y, 2·M·N·elem bytes; forward +
 backward also reads x and dy and writes dx, 5·M·N·elem bytes. Weights and the per-row
-statistics are O(N + M) and not counted.
+statistics are O(N + M) and not counted. Checked against F.layer_norm: output and the gradients
+of x, weight and bias.
 """
 
 import functools
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 
 import remat
 
-from .cases import Case, Implementation
+from .cases import Case, Variant, check_against, op_built
 
 GPU_ROWS, GPU_WIDTHS, QUICK_WIDTHS = 32768, (1024, 2048, 4096, 8192), (1024, 4096)
 CPU_ROWS, CPU_WIDTHS = 256, (256, 1000)  # a functional run: small, awkward widths
@@ -46,12 +47,13 @@ def ours_by_backend(device):
 
 
 def implementations(device):
-    """(name, ours, function, remat backend) for every implementation that can run on `device`."""
-    impls = [(name, True, _remat, backend) for name, backend in ours_by_backend(device)]
-    impls += [("torch", False, _torch, None), ("torch.compile", False, lambda x, w, b: _compiled()(x, w, b), None)]
+    """A Variant (a function of x, weight, bias) for every implementation that can run on `device`."""
+    impls = [Variant(name, True, _remat, backend) for name, backend in ours_by_backend(device)]
+    impls += [Variant("torch", False, _torch),
+              Variant("torch.compile", False, lambda x, w, b: _compiled()(x, w, b), compiles=True)]
     if device.type == "cuda":
         try:
-            impls.append(("liger", False, _liger(), None))
+            impls.append(Variant("liger", False, _liger()))
         except Exception:  # not installed, or installed but broken against this torch/triton
             pass
     return impls
@@ -68,34 +70,26 @@ def _make_inputs(rows, width, dtype, device):
     return make
 
 
-def _forward(fn):
-    def build(inputs):
-        x, w, b, _ = inputs
-        return (lambda: fn(x, w, b)), None
+def _build(mode):
+    def wrap(fn):
+        def build(inputs):
+            x, w, b, dy = inputs
+            return op_built(mode, lambda: fn(x, w, b), {"x": x, "weight": w, "bias": b}, dy)
 
-    return build
+        return build
 
-
-def _forward_backward(fn):
-    def build(inputs):
-        x, w, b, dy = inputs
-
-        def reset():
-            x.grad = w.grad = b.grad = None
-
-        return (lambda: fn(x, w, b).backward(dy)), reset
-
-    return build
+    return wrap
 
 
 def cases(device, dtypes, quick, sizes=None):
     rows = GPU_ROWS if device.type == "cuda" else CPU_ROWS
     widths = sizes or ((QUICK_WIDTHS if quick else GPU_WIDTHS) if device.type == "cuda" else CPU_WIDTHS)
     impls = implementations(device)
+    check = check_against(_build("fwd+bwd")(_torch))
     for dtype in dtypes:
         elem = torch.finfo(dtype).bits // 8
         for width in widths:
-            for mode, factor, wrap in (("fwd", 2, _forward), ("fwd+bwd", 5, _forward_backward)):
+            for mode, factor in (("fwd", 2), ("fwd+bwd", 5)):
                 yield Case(
                     op="layernorm",
                     mode=mode,
@@ -105,5 +99,6 @@ def cases(device, dtypes, quick, sizes=None):
                     unit="GB/s",
                     work=factor * rows * width * elem,
                     make_inputs=_make_inputs(rows, width, dtype, device),
-                    implementations=[Implementation(name, ours, wrap(fn), backend) for name, ours, fn, backend in impls],
+                    implementations=[impl.implementation(_build(mode)) for impl in impls],
+                    check=check,
                 )

@@ -2,14 +2,16 @@
 
 FLOP model: the two matmuls, 2·T·h·f each forward, three times that forward + backward
 (48·T·h² at f = 4h). Reported with the step time, the peak memory of the step, and the memory
-the forward leaves allocated for the backward (its output and the saved activations).
+the forward keeps for the backward (the saved activations). Checked against the eager stack:
+output and the gradients of the input and of every parameter.
 """
 
 import torch
 
 import remat
 
-from .cases import Case, Implementation
+from .cases import Case, Variant, check_against, module_built
+from .check import randomize_norms
 from .layer_norm import ours_by_backend
 
 GPU_TOKENS, GPU_HIDDEN, QUICK_HIDDEN = 16384, (1024, 2048, 4096), (2048,)
@@ -25,22 +27,29 @@ def _stack(with_norm, hidden, device, dtype):
 
 def _ours(stack, with_norm):
     fused = (remat.nn.LayerNormMLP if with_norm else remat.nn.MLP).from_modules(*stack, recompute=True)
-    return fused, fused
+    # from_modules copies the weights: the stack's parameters, in the stack's order, are these
+    parts = (fused.norm, fused.fc1, fused.fc2) if with_norm else (fused.fc1, fused.fc2)
+    return fused, [p for part in parts for p in part.parameters()]
+
+
+def _eager(stack):
+    return stack, list(stack.parameters())
+
+
+def _compiled(stack):
+    return torch.compile(stack, dynamic=False), list(stack.parameters())
 
 
 def implementations(device, with_norm):
-    """(name, ours, make(stack) -> (callable, module holding the parameters), remat backend)."""
-    impls = [(name, True, lambda stack: _ours(stack, with_norm), backend) for name, backend in ours_by_backend(device)]
-    impls += [
-        ("torch", False, lambda stack: (stack, stack), None),
-        ("torch.compile", False, lambda stack: (torch.compile(stack, dynamic=False), stack), None),
-    ]
+    """A Variant for every implementation: make(stack) -> (module, its parameters in the stack's order)."""
+    impls = [Variant(name, True, lambda stack: _ours(stack, with_norm), backend) for name, backend in ours_by_backend(device)]
+    impls += [Variant("torch", False, _eager), Variant("torch.compile", False, _compiled, compiles=True)]
     return impls
 
 
 def _make_inputs(tokens, hidden, dtype, device, with_norm):
     def make():
-        stack = _stack(with_norm, hidden, device, dtype)
+        stack = randomize_norms(_stack(with_norm, hidden, device, dtype))
         x = torch.randn(tokens, hidden, device=device, dtype=dtype, requires_grad=True)
         return stack, x, torch.randn(tokens, hidden, device=device, dtype=dtype)
 
@@ -50,14 +59,8 @@ def _make_inputs(tokens, hidden, dtype, device, with_norm):
 def _forward_backward(make):
     def build(inputs):
         stack, x, dy = inputs
-        run, module = make(stack)
-
-        def reset():
-            x.grad = None
-            for p in module.parameters():
-                p.grad = None
-
-        return (lambda: run(x).backward(dy)), reset, (lambda: run(x))
+        module, params = make(stack)
+        return module_built(module, params, stack, x, dy)
 
     return build
 
@@ -66,6 +69,7 @@ def cases(device, dtypes, quick, sizes=None):
     on_gpu = device.type == "cuda"
     tokens = GPU_TOKENS if on_gpu else CPU_TOKENS
     hiddens = sizes or ((QUICK_HIDDEN if quick else GPU_HIDDEN) if on_gpu else CPU_HIDDEN)
+    check = check_against(_forward_backward(_eager))
     for dtype in dtypes:
         for with_norm in (False, True):
             impls = implementations(device, with_norm)
@@ -75,6 +79,6 @@ def cases(device, dtypes, quick, sizes=None):
                     shape=f"T={tokens} h={hidden} f={4 * hidden}", size=hidden,
                     unit="TFLOP/s", work=48 * tokens * hidden * hidden,
                     make_inputs=_make_inputs(tokens, hidden, dtype, device, with_norm),
-                    implementations=[Implementation(name, ours, _forward_backward(make), backend)
-                                     for name, ours, make, backend in impls],
+                    implementations=[impl.implementation(_forward_backward) for impl in impls],
+                    check=check,
                 )

@@ -15,16 +15,27 @@ from remat import _autotune
 
 from .cases import best_peer_ratio
 
-COLUMNS = ["op", "mode", "dtype", "shape", "implementation", "p20_ms", "p50_ms", "p80_ms",
-           "unit", "rate", "ratio_to_best_peer", "peak_mb", "retained_mb", "saved_sbh_per_layer", "error"]
+COLUMNS = ["op", "mode", "dtype", "shape", "implementation", "check", "p20_ms", "p50_ms", "p80_ms",
+           "unit", "rate", "ratio_to_best_peer", "peak_mb", "fwd_saves_bytes", "saved_sbh_per_layer", "error"]
+
+PERFORMANCE = "performance: CUDA events, L2 flushed before each call"
+CPU_BANNER = """\
+CPU run: timings are functional, not performance. remat's kernels are written for GPUs; here
+remat runs its PyTorch reference, so the times only show that every implementation runs, and no
+ratio to the peers is given. The check column is real on any device: every implementation's
+output and gradients against float64, within twice PyTorch's own error. So is the memory:
+"fwd saves" is what each implementation's forward keeps for the backward, counted exactly
+(saved-tensor hooks, each storage once, beyond its inputs, weights and output); "sbh/layer" is
+that per layer in bytes per sequence·batch·hidden."""
 
 
-def environment(device):
+def environment(device, cases_planned=None):
     """Where and with what the numbers were measured."""
+    on_gpu = device.type == "cuda"
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()})",
-        "driver": _nvidia_smi("driver_version") if device.type == "cuda" else "",
+        "device": torch.cuda.get_device_name(device) if on_gpu else f"CPU ({platform.processor() or platform.machine()})",
+        "driver": _nvidia_smi("driver_version") if on_gpu else "",
         "cuda": torch.version.cuda or "",
         "torch": torch.__version__,
         "triton": _version("triton"),
@@ -33,10 +44,16 @@ def environment(device):
         "backend_auto": remat.get_backend(),
         # Tuned attention blocks are chosen in the warm-up calls; the cache file says which won.
         "autotune": "on" if _autotune.enabled() else "off (fixed block table)",
+        "timings": PERFORMANCE if on_gpu else "functional run on CPU: these are not performance figures",
+        "fwd_saves": "allocated after the forward, from the allocator" if on_gpu else "exact count of saved tensors",
     }
-    if device.type != "cuda":
-        info["note"] = "functional run on CPU: these are not performance figures"
+    if cases_planned is not None:
+        info["cases_planned"] = cases_planned
     return info
+
+
+def is_performance(env):
+    return env.get("timings") == PERFORMANCE
 
 
 def _version(module):
@@ -51,36 +68,41 @@ def _nvidia_smi(field):
         return "unknown"
     try:
         out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
+                             capture_output=True, text=True, timeout=10)
         return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
 
 def _git_commit():
+    """$REMAT_COMMIT (for a copy of the tree without its git folder), else git's, "-dirty" when
+    tracked files differ from it."""
+    if os.environ.get("REMAT_COMMIT"):
+        return os.environ["REMAT_COMMIT"]
     here = os.path.dirname(os.path.abspath(__file__))
     try:
-        out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"],
+        out = subprocess.run(["git", "-C", here, "describe", "--always", "--dirty", "--abbrev=7"],
                              capture_output=True, text=True, timeout=10)
         return out.stdout.strip() if out.returncode == 0 else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
 
-def rows(results_by_case):
-    """One dict per (case, implementation), with the ratio of ours to the best peer."""
+def rows(results_by_case, with_ratios=True):
+    """One dict per (case, implementation), with the ratio of ours to the best peer when
+    `with_ratios` (a performance run)."""
     table = []
     for results in results_by_case:
-        ratios = best_peer_ratio(results)
+        ratios = best_peer_ratio(results) if with_ratios else {}
         for r in results:
             c = r.case
             table.append({
                 "op": c.op, "mode": c.mode, "dtype": str(c.dtype).replace("torch.", ""),
-                "shape": c.shape, "implementation": r.implementation,
+                "shape": c.shape, "implementation": r.implementation, "check": r.check or "-",
                 "p20_ms": r.p20_ms, "p50_ms": r.p50_ms, "p80_ms": r.p80_ms,
                 "unit": c.unit, "rate": r.rate,
-                "ratio_to_best_peer": ratios[r.implementation],
-                "peak_mb": r.peak_mb, "retained_mb": r.retained_mb,
+                "ratio_to_best_peer": ratios.get(r.implementation, math.nan),
+                "peak_mb": r.peak_mb, "fwd_saves_bytes": r.saved_bytes,
                 "saved_sbh_per_layer": r.saved_sbh_per_layer, "error": r.error, "size": c.size,
             })
     return table
@@ -94,26 +116,56 @@ def _fmt(value, digits=3):
     return str(value)
 
 
-TABLE_HEADER = ["op", "mode", "dtype", "shape", "implementation", "p50 ms", "rate", "vs best peer",
-                "peak MB", "fwd saves MB", "sbh/layer"]
+def _fmt_bytes(size):
+    """Bytes as people read them: "0 B", "2 KiB", "1.5 MiB", "3.2 GiB"."""
+    if size is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB"):
+        if abs(size) < 1024:
+            return f"{size:.3g} {unit}"
+        size /= 1024
+    return f"{size:.3g} GiB"
 
 
-def _table_cells(r):
+def _columns(env, table):
+    """(header, cell(row)) of the printed and markdown tables: no rate or peer ratio on CPU."""
+    columns = [(name, lambda r, name=name: r[name]) for name in ("op", "mode", "dtype", "shape", "implementation", "check")]
+    columns.append(("p50 ms", lambda r: _fmt(r["p50_ms"])))
+    if is_performance(env):
+        columns += [("rate", _rate_cell),
+                    ("vs best peer", lambda r: "-" if math.isnan(r["ratio_to_best_peer"]) else f"{r['ratio_to_best_peer']:.2f}x"),
+                    ("peak MB", lambda r: _fmt(r["peak_mb"], 4))]
+    columns += [("fwd saves", lambda r: _fmt_bytes(r["fwd_saves_bytes"])), ("sbh/layer", lambda r: _fmt(r["saved_sbh_per_layer"], 3))]
+    if not is_performance(env) and any(_untimed(r) for r in table):  # no rate column to say why
+        columns.append(("not timed", _untimed))
+    return columns
+
+
+def _untimed(r):
+    """Why a row has no timing ("" when it has one)."""
     if not math.isnan(r["rate"]):  # timed (a later memory error, if any, is in the CSV's error column)
-        rate = f"{_fmt(r['rate'], 4)} {r['unit']}"
-    else:
-        rate = f"error: {r['error'][:60]}" if r["error"] else "not measured (interrupted)"
-    ratio = r["ratio_to_best_peer"]
-    return [r["op"], r["mode"], r["dtype"], r["shape"], r["implementation"], _fmt(r["p50_ms"]), rate,
-            "-" if math.isnan(ratio) else f"{ratio:.2f}x", _fmt(r["peak_mb"], 4), _fmt(r["retained_mb"], 4),
-            _fmt(r["saved_sbh_per_layer"], 3)]
+        return ""
+    if r["check"] == "wrong":
+        return r["error"][:70]
+    return f"error: {r['error'][:60]}" if r["error"] else "not measured (interrupted)"
+
+
+def _rate_cell(r):
+    return _untimed(r) or f"{_fmt(r['rate'], 4)} {r['unit']}"
+
+
+def _header_lines(env):
+    lines = [" | ".join(f"{k}: {v}" for k, v in env.items())]
+    return lines if is_performance(env) else lines + CPU_BANNER.splitlines()
 
 
 def text_table(table, env):
-    lines = [_table_cells(r) for r in table]
-    widths = [max([len(h)] + [len(line[i]) for line in lines]) for i, h in enumerate(TABLE_HEADER)]
-    out = [" | ".join(f"{k}: {v}" for k, v in env.items())]
-    out += ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)) for line in [TABLE_HEADER, *lines]]
+    columns = _columns(env, table)
+    lines = [[cell(r) for _, cell in columns] for r in table]
+    header = [name for name, _ in columns]
+    widths = [max([len(h)] + [len(line[i]) for line in lines]) for i, h in enumerate(header)]
+    out = _header_lines(env)
+    out += ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in [header, *lines]]
     return "\n".join(out)
 
 
@@ -126,12 +178,14 @@ def write_csv(table, env, path):
 
 
 def write_markdown(table, env, path):
-    header = TABLE_HEADER[:5] + ["p20 / p50 / p80 ms"] + TABLE_HEADER[6:]
-    lines = ["# remat benchmark", "", *[f"- {k}: {v}" for k, v in env.items()], "",
+    columns = _columns(env, table)
+    header = [name if name != "p50 ms" else "p20 / p50 / p80 ms" for name, _ in columns]
+    banner = [] if is_performance(env) else ["", *(f"> {line}" for line in CPU_BANNER.splitlines())]
+    lines = ["# remat benchmark", "", *[f"- {k}: {v}" for k, v in env.items()], *banner, "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in table:
-        cells = _table_cells(r)
-        cells[5] = f"{_fmt(r['p20_ms'])} / {_fmt(r['p50_ms'])} / {_fmt(r['p80_ms'])}"
+        cells = [cell(r) for _, cell in columns]
+        cells[header.index("p20 / p50 / p80 ms")] = f"{_fmt(r['p20_ms'])} / {_fmt(r['p50_ms'])} / {_fmt(r['p80_ms'])}"
         lines.append("| " + " | ".join(cells) + " |")
     with open(path, "w") as handle:
         handle.write("\n".join(lines) + "\n")
@@ -170,8 +224,8 @@ def write_plots(table, env, out_dir):
     return paths
 
 
-def write_all(table, env, out_dir, stem="bench"):
+def write_tables(table, env, out_dir, stem="bench"):
+    """CSV and markdown: cheap, so rewritten after every case."""
     os.makedirs(out_dir, exist_ok=True)
     write_csv(table, env, os.path.join(out_dir, f"{stem}.csv"))
     write_markdown(table, env, os.path.join(out_dir, f"{stem}.md"))
-    return write_plots(table, env, out_dir)
