@@ -21,7 +21,7 @@ from numerics import rel_error, saved_bytes
 
 # remat.convert is also the name of the function remat/__init__.py exports: import the module by path.
 conv = importlib.import_module("remat.convert")
-from remat import hf  # noqa: E402
+from remat.convert import hf  # noqa: E402
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_same_loss_gradients_and_state_dict(target, family):
