@@ -251,8 +251,8 @@ def test_attention_falls_back_to_torch_where_remat_does_not_apply():
     assert set(ours.__dict__["remat_fallbacks"]) == {  # the calls that ran stock, each counted
         "not self-attention", "need_weights=True", "key_padding_mask", "attn_mask other than the causal mask"}
     dropped = conv.convert(nn.MultiheadAttention(32, 2, dropout=0.5, batch_first=True))
-    assert dropped.remat_path(x, x, x, None, False, None, False) == "attention dropout"
-    assert dropped.eval().remat_path(x, x, x, None, False, None, False) is None
+    assert dropped.remat_fallback_reason(x, x, x, None, False, None, False) == "attention dropout"
+    assert dropped.eval().remat_fallback_reason(x, x, x, None, False, None, False) is None
 
 
 def test_attention_under_autocast_stays_on_remat():

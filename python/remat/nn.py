@@ -5,6 +5,8 @@ so their state_dict is that of the unfused stack with those names, and `from_mod
 one from existing modules, copying the weights.
 """
 
+import copy
+
 import torch
 import torch.nn.functional as F
 
@@ -43,12 +45,22 @@ class LayerNorm(torch.nn.LayerNorm):
         new.weight, new.bias = module.weight, module.bias
         return new
 
+    def remat_revert(self):
+        """torch.nn.LayerNorm holding the same parameters (remat.revert)."""
+        stock = copy.copy(self)
+        stock.__class__ = torch.nn.LayerNorm
+        return stock
+
 
 class GELU(torch.nn.GELU):
     """torch.nn.GELU on remat's kernel (exact or tanh). Autograd keeps the input only."""
 
     def forward(self, x):
         return gelu(x, self.approximate)
+
+    def remat_revert(self):
+        """torch.nn.GELU with the same approximation (remat.revert)."""
+        return torch.nn.GELU(self.approximate)
 
 
 def _copy_parameters(target, source):

@@ -23,7 +23,7 @@ What is swapped (each only where it is provably the same computation):
                                          MLP blocks fused, pre-LN LayerNorms fused into the
                                          projection after them
 
-The fusions are where the memory goes (design.md §1): a lone LayerNorm or GELU that recomputes
+The fusions are where the memory goes (docs/memory.md): a lone LayerNorm or GELU that recomputes
 saves nothing, because the Linear after it keeps its output anyway.
 
 The package, one job a module: patterns (what is fused, and the one check that a run is fusable),
@@ -78,7 +78,7 @@ from .patterns import fused_module
 from .report import ConversionReport, ReportRow
 from .sequential import RematSequential, revert_sequential, sequential_runs
 from .swap import is_converted, join
-from .torch_modules import RematMultiheadAttention, leaf_revert, leaf_swap
+from .torch_modules import RematMultiheadAttention, leaf_swap
 
 LAYERS = frozenset({"layernorm", "gelu", "attention", "mlp"})
 
@@ -199,9 +199,6 @@ def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False):
 def _revert_module(module):
     for name in ("remat_fallbacks", "remat_verified"):  # left on stock modules by fallbacks and LoRA checks
         module.__dict__.pop(name, None)
-    stock = leaf_revert(module)
-    if stock is not None:
-        return stock
     if "remat_fx" in vars(module):
         fx_revert(module)
     revert_fn = getattr(module, "remat_revert", None)

@@ -48,7 +48,7 @@ class RematMultiheadAttention(nn.MultiheadAttention):
     Autograd then keeps q, k, v, the output and fp32 log-sum-exps, never seq x seq.
     """
 
-    def remat_path(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal):
+    def remat_fallback_reason(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal):
         """None when the remat path applies to this call, else the reason it does not."""
         if key is not query or value is not query:
             return "not self-attention"
@@ -76,7 +76,7 @@ class RematMultiheadAttention(nn.MultiheadAttention):
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
-        reason = self.remat_path(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
+        reason = self.remat_fallback_reason(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
         if reason is not None:
             fallback(self, reason)
             return super().forward(query, key, value, key_padding_mask=key_padding_mask,
@@ -88,6 +88,9 @@ class RematMultiheadAttention(nn.MultiheadAttention):
             self.num_heads, self.num_heads, attn_mask is not None,
         )
         return (out if self.batch_first else out.transpose(0, 1)), None
+
+    def remat_revert(self):
+        return with_class(self, nn.MultiheadAttention)
 
 
 def leaf_swap(module, layers, path, report):
@@ -119,15 +122,4 @@ def leaf_swap(module, layers, path, report):
         report.add(path, module, "skipped", "subclass of a stock layer (its forward may differ)")
     elif unsupported_reason(module):
         report.add(path, module, "skipped", unsupported_reason(module))
-    return None
-
-
-def leaf_revert(module):
-    """The stock module for a leaf swap, or None when `module` is not one."""
-    if type(module) is remat_nn.LayerNorm:
-        return with_class(module, nn.LayerNorm)
-    if type(module) is remat_nn.GELU:
-        return nn.GELU(module.approximate)
-    if type(module) is RematMultiheadAttention:
-        return with_class(module, nn.MultiheadAttention)
     return None

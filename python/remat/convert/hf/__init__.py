@@ -27,7 +27,7 @@ order) and isinstance checks still hold.
     CLIP             CLIPMLP -> RematCLIPMLP, with a GELU only       none
                        (CLIP's default quick_gelu is not one)
 
-Memory (design.md §1), per layer and token, in bytes of the activation dtype: the fused MLPs keep
+Memory (docs/memory.md), per layer and token, in bytes of the activation dtype: the fused MLPs keep
 the fc1 output, never the GELU output (ffn less); a fused pre-LN LayerNorm keeps its input x and
 fp32 mean/rstd, never its output, because the projection(s) after it rebuild LN(x) for their
 weight gradients (hidden less per LayerNorm, two per pre-LN layer; ViT's three q/k/v Linears read
@@ -103,8 +103,6 @@ from . import bert, clip, gpt2, gpt_neox, vit  # noqa: F401  (each registers its
 from .modules import Handoff, RematFusedLayerNorm
 from .registry import FAMILIES, memory_models
 from .rules import convert_children
-
-TESTED_TRANSFORMERS = ">=5.24,<6"
 
 __all__ = ["FAMILIES", "Handoff", "RematFusedLayerNorm", "convert_children", "is_hf_model", "memory_models"]
 
