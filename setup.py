@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
 
 PACKAGE_DIR = {"remat": "python/remat", "remat.triton_kernels": "triton_kernels"}
-PACKAGES = ["remat", "remat.ops", "remat.bench", "remat.triton_kernels"]
+PACKAGES = ["remat", "remat.ops", "remat.bench", "remat.convert", "remat.convert.hf", "remat.triton_kernels"]
 
 
 def say(message):

@@ -14,6 +14,13 @@ from numerics import assert_compiled_matches_eager, rel_error, saved_bytes
 
 # remat.convert is also the name of the function remat/__init__.py exports: import the module by path.
 conv = importlib.import_module("remat.convert")
+conv_fx = importlib.import_module("remat.convert.fx")
+torch_modules = importlib.import_module("remat.convert.torch_modules")
+
+
+def spy_on(module, name):
+    """mock.patch of module.name that still calls it: the calls are counted."""
+    return mock.patch.object(module, name, wraps=getattr(module, name))
 
 GRAD_TOL = 1e-4  # fp32, converted vs stock
 
@@ -77,7 +84,7 @@ def test_block_same_loss_and_gradients(target):
     assert isinstance(converted.head[0], remat.nn.LayerNormLinear)
     x = torch.randn(2, 11, 32, device=device)
     target_ = torch.randint(0, 10, (2, 11), device=device)
-    with mock.patch.object(conv, "multihead_self_attention", wraps=conv.multihead_self_attention) as spy:
+    with spy_on(torch_modules, "multihead_self_attention") as spy:
         assert_same_training_step(stock, converted, x, target_)
     assert spy.call_count == 1  # the attention really ran on remat.attention
 
@@ -234,7 +241,7 @@ def test_attention_falls_back_to_torch_where_remat_does_not_apply():
         dict(query=x, key=x, value=x, need_weights=False, attn_mask=causal, is_causal=True),
         dict(query=x, key=x, value=x, need_weights=False, attn_mask=causal),  # causal, without the hint
     ]
-    with mock.patch.object(conv, "multihead_self_attention", wraps=conv.multihead_self_attention) as spy:
+    with spy_on(torch_modules, "multihead_self_attention") as spy:
         for kwargs in calls:
             want, got = stock(**kwargs), ours(**kwargs)
             torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
@@ -244,8 +251,8 @@ def test_attention_falls_back_to_torch_where_remat_does_not_apply():
     assert set(ours.__dict__["remat_fallbacks"]) == {  # the calls that ran stock, each counted
         "not self-attention", "need_weights=True", "key_padding_mask", "attn_mask other than the causal mask"}
     dropped = conv.convert(nn.MultiheadAttention(32, 2, dropout=0.5, batch_first=True))
-    assert dropped.remat_path(x, x, x, None, False, None, False) == "attention dropout"
-    assert dropped.eval().remat_path(x, x, x, None, False, None, False) is None
+    assert dropped.remat_fallback_reason(x, x, x, None, False, None, False) == "attention dropout"
+    assert dropped.eval().remat_fallback_reason(x, x, x, None, False, None, False) is None
 
 
 def test_attention_under_autocast_stays_on_remat():
@@ -254,7 +261,7 @@ def test_attention_under_autocast_stays_on_remat():
     ours = conv.convert(stock)
     x = torch.randn(2, 6, 32)
     with torch.autocast("cpu", dtype=torch.bfloat16), \
-            mock.patch.object(conv, "multihead_self_attention", wraps=conv.multihead_self_attention) as spy:
+            spy_on(torch_modules, "multihead_self_attention") as spy:
         got, want = ours(x, x, x, need_weights=False)[0], stock(x, x, x, need_weights=False)[0]
     assert spy.call_count == 1 and got.dtype == want.dtype == torch.bfloat16
     assert rel_error(got, want) < 2e-2
@@ -334,8 +341,8 @@ def test_fx_block_same_loss_and_gradients(target):
         ("LayerNormMLP", ("ln2", "fc1", "act", "fc2")), ("LayerNormLinear", ("ln_f", "head"))]
     x = torch.randn(2, 11, 32, device=device)
     target_ = torch.randint(0, 10, (2, 11), device=device)
-    with mock.patch.object(conv, "mlp", wraps=conv.mlp) as mlp_spy, \
-            mock.patch.object(conv, "layer_norm_linear", wraps=conv.layer_norm_linear) as linear_spy:
+    with mock.patch.object(conv_fx, "fused_mlp", wraps=conv_fx.fused_mlp) as mlp_spy, \
+            mock.patch.object(conv_fx, "norm_linears", wraps=conv_fx.norm_linears) as linear_spy:
         assert_same_training_step(stock, converted, x, target_)
     assert mlp_spy.call_count == 1 and linear_spy.call_count == 1  # the fused functions really ran
 
@@ -385,7 +392,7 @@ def test_fx_convert_twice_and_deepcopy():
     twice, report = conv.convert(once, report=True)
     assert not report.swapped and [f[:2] for f in twice.remat_fx.fusions] == [f[:2] for f in once.remat_fx.fusions]
     x = torch.randn(2, 5, 32)
-    with mock.patch.object(conv, "mlp", wraps=conv.mlp) as spy:
+    with mock.patch.object(conv_fx, "fused_mlp", wraps=conv_fx.fused_mlp) as spy:
         torch.testing.assert_close(twice(x), once(x), rtol=0, atol=0)
     assert spy.call_count == 2  # the copy's forward is bound to the copy and still fused
 
@@ -515,7 +522,7 @@ def test_fx_runs_the_original_forward_for_calls_it_did_not_trace():
     assert converted.remat_fx.fusions == (("LayerNormLinear", ("ln", "fc"), True),)
     x, shift = torch.randn(3, 16), torch.randn(16)
     calls = [((x,), {}), ((x,), {"shift": None}), ((x, shift), {}), ((x,), {"shift": shift})]
-    with mock.patch.object(conv, "layer_norm_linear", wraps=conv.layer_norm_linear) as spy:
+    with mock.patch.object(conv_fx, "norm_linears", wraps=conv_fx.norm_linears) as spy:
         for args, kwargs in calls:
             torch.testing.assert_close(converted(*args, **kwargs), stock(*args, **kwargs), rtol=1e-5, atol=1e-6)
         assert spy.call_count == 2  # shift=None only: a tensor shift runs the original forward
@@ -541,9 +548,9 @@ def test_fx_layers_and_recompute_options():
     assert type(only_norm.act) is nn.GELU  # "gelu" not asked for
     assert "remat_fx" not in vars(conv.convert(AttrBlock(), layers={"gelu", "attention"}))
     kept = conv.convert(AttrBlock(), recompute=False)
-    with mock.patch.object(conv, "mlp", wraps=conv.mlp) as spy:
+    with mock.patch.object(conv_fx, "fused_mlp", wraps=conv_fx.fused_mlp) as spy:
         kept(torch.randn(2, 3, 32))
-    assert spy.call_args.args[6] is False  # recompute reaches the fused function
+    assert spy.call_args.args[5] is False  # recompute reaches fused_mlp(x, fc1, act, fc2, norm, recompute)
 
 
 def test_fx_functional_gelu():

@@ -15,7 +15,8 @@ import torch
 import remat
 from numerics import REL_TOL, rel_error, saved_bytes
 from remat._linears import fused_saved_bytes
-from remat.ops.fused import LoRA, Linear, layer_norm_linears
+from remat.ops.fused import norm_linears
+from remat.specs import Linear, LoRA, Norm
 
 peft = pytest.importorskip("peft")
 
@@ -144,21 +145,21 @@ def test_several_active_adapters_add_up_as_in_peft():
         assert rel_error(got, want_grads[name if name == "x" else _stock_name("LayerNormLinear", name)]) < 1e-5
 
 
-def test_layer_norm_linears_computes_the_layer_norm_once():
+def test_norm_linears_computes_the_layer_norm_once():
     """Three Linears reading one LayerNorm (ViT's q, k, v): the outputs and gradients of three
     separate fused calls, keeping x and one mean/rstd pair instead of three."""
     x = torch.randn(5, 16, requires_grad=True)
     norm_w, norm_b = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
     weights = [torch.randn(8, 16, requires_grad=True) for _ in range(3)]
     linears = [Linear(w, None) for w in weights]
-    outs = layer_norm_linears(x, norm_w, norm_b, linears)
+    outs = norm_linears(x, Norm(norm_w, norm_b), linears)
     separate = [remat.layer_norm_linear(x, norm_w, norm_b, w) for w in weights]
     dys = [torch.randn(5, 8) for _ in range(3)]
     together = torch.autograd.grad(outs, [x, norm_w, norm_b, *weights], dys)
     apart = torch.autograd.grad(separate, [x, norm_w, norm_b, *weights], dys)
     for a, b in zip(together, apart):
         assert rel_error(a, b) < 1e-6
-    kept = saved_bytes(lambda: layer_norm_linears(x, norm_w, norm_b, linears), exclude=[norm_w, norm_b, *weights])
+    kept = saved_bytes(lambda: norm_linears(x, Norm(norm_w, norm_b), linears), exclude=[norm_w, norm_b, *weights])
     assert kept == 5 * 16 * 4 + 2 * 5 * 4  # x, and one fp32 mean and rstd per row
 
 

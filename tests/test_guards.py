@@ -19,6 +19,7 @@ from numerics import rel_error
 from remat._guards import RematFallbackWarning
 
 conv = importlib.import_module("remat.convert")
+patterns = importlib.import_module("remat.convert.patterns")
 
 
 def double_output(module, args, output):
@@ -54,8 +55,9 @@ def stack(kind):
     """(remat fused module, a stock Sequential of the same layers sharing their parameters)."""
     norm, fc1, act, fc2 = nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)
     if kind == "LayerNormLinear":
-        return conv.fused_layer_norm_linear(norm, fc1, True), nn.Sequential(norm, fc1)
-    return conv.fused_mlp(norm, fc1, act, fc2, True), nn.Sequential(norm, fc1, act, fc2)
+        return patterns.fused_module(patterns.LAYER_NORM_LINEAR, [norm, fc1], True), nn.Sequential(norm, fc1)
+    return patterns.fused_module(patterns.LAYER_NORM_MLP, [norm, fc1, act, fc2], True), \
+        nn.Sequential(norm, fc1, act, fc2)
 
 
 @pytest.mark.parametrize("change", CHANGES)

@@ -21,7 +21,7 @@ from numerics import rel_error, saved_bytes
 
 # remat.convert is also the name of the function remat/__init__.py exports: import the module by path.
 conv = importlib.import_module("remat.convert")
-from remat import hf  # noqa: E402
+from remat.convert import hf  # noqa: E402
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_same_loss_gradients_and_state_dict(target, family):
@@ -63,7 +63,7 @@ def attention_output_copy(family, device):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_saved_bytes_per_layer(target, family):
-    """Per layer and token, in fp32 (4 bytes), the converted model no longer keeps (design.md §1):
+    """Per layer and token, in fp32 (4 bytes), the converted model no longer keeps (docs/memory.md):
     the GELU output (ffn), the outputs of the two pre-LN LayerNorms (hidden each: the fused
     projections keep x and mean/rstd instead; ViT's three q/k/v Linears read one LayerNorm, computed
     once), and the stock copy of the attention output (see attention_output_copy). The report's

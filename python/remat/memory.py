@@ -40,6 +40,7 @@ from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 from .bench.block import _Checkpointed, _save_matmuls_and_attention
 from .bench.cases import short_error
 from .bench.timing import Timer, quantiles
+from .convert.hf import memory_models as hf_memory_models
 from .gpt import GPTConfig, remat_stack, torch_stack
 
 MODELS = {
@@ -247,14 +248,10 @@ def _timed_step(module, x, dy, offload, timer):
     return quantiles(times)[1], peak / 2**30
 
 
-# Hugging Face models, built from a config with random weights (no download): model_type and
-# the config fields that differ from transformers' defaults.
-HF_MODELS = {
-    "bert-base": ("bert", {}),
-    "vit-base": ("vit", {"image_size": 384}),
-    "hf-gpt2-small": ("gpt2", {}),
-    "hf-gpt2-medium": ("gpt2", {"n_embd": 1024, "n_layer": 24, "n_head": 16}),
-}
+# Hugging Face models, built from a config with random weights (no download): {name: (model_type,
+# the config fields that differ from transformers' defaults)}, as each family file of
+# remat.convert.hf gives them.
+HF_MODELS = hf_memory_models()
 
 
 class _LastHidden(torch.nn.Module):

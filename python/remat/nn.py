@@ -5,6 +5,8 @@ so their state_dict is that of the unfused stack with those names, and `from_mod
 one from existing modules, copying the weights.
 """
 
+import copy
+
 import torch
 import torch.nn.functional as F
 
@@ -12,11 +14,12 @@ from ._guards import fallback, plain_reason
 from ._linears import fused_saved_bytes, projection
 from ._validate import check_self_attention_input, check_float_tensor
 from .ops.attention import multihead_self_attention
-from .ops.fused import check_input_width, layer_norm_linear, mlp
+from .ops.fused import check_input_width, fused_mlp, norm_linears
 from .ops.gelu import gelu
 from .ops.layer_norm import layer_norm
+from .specs import GELU_APPROXIMATE, Activation, norm_of
 
-ACTIVATIONS = {"gelu": "none", "gelu_tanh": "tanh"}
+ACTIVATIONS = GELU_APPROXIMATE  # the activation names remat.nn.MLP takes
 
 
 class LayerNorm(torch.nn.LayerNorm):
@@ -42,12 +45,22 @@ class LayerNorm(torch.nn.LayerNorm):
         new.weight, new.bias = module.weight, module.bias
         return new
 
+    def remat_revert(self):
+        """torch.nn.LayerNorm holding the same parameters (remat.revert)."""
+        stock = copy.copy(self)
+        stock.__class__ = torch.nn.LayerNorm
+        return stock
+
 
 class GELU(torch.nn.GELU):
     """torch.nn.GELU on remat's kernel (exact or tanh). Autograd keeps the input only."""
 
     def forward(self, x):
         return gelu(x, self.approximate)
+
+    def remat_revert(self):
+        """torch.nn.GELU with the same approximation (remat.revert)."""
+        return torch.nn.GELU(self.approximate)
 
 
 def _copy_parameters(target, source):
@@ -95,6 +108,8 @@ class LayerNormLinear(torch.nn.Module):
     RematFallbackWarning once.
     """
 
+    remat_fused = True  # remat.convert leaves it as it is
+
     def __init__(self, in_features, out_features, bias=True, eps=1e-5, norm_bias=True,
                  recompute=True, device=None, dtype=None):
         super().__init__()
@@ -109,8 +124,7 @@ class LayerNormLinear(torch.nn.Module):
             fallback(self, reason)
             return self.linear(self.norm(x))
         _input_checked(x, self.norm.normalized_shape[0], self)
-        return layer_norm_linear(x, self.norm.weight, self.norm.bias, linear.weight, linear.bias, self.norm.eps,
-                                 self.recompute, linear.adapters)
+        return norm_linears(x, norm_of(self.norm), [linear], self.recompute)[0]
 
     def saved_bytes_per_token(self):
         """Activation bytes per token this layer keeps less than LayerNorm then Linear (LN(x), where the
@@ -143,6 +157,8 @@ class MLP(torch.nn.Module):
     layers one after the other, with a RematFallbackWarning once.
     """
 
+    remat_fused = True  # remat.convert leaves it as it is
+
     def __init__(self, hidden, ffn_hidden, activation="gelu", bias=True, recompute=True,
                  device=None, dtype=None):
         super().__init__()
@@ -168,10 +184,8 @@ class MLP(torch.nn.Module):
             act = self.__dict__.get("remat_activation")  # the GELU module convert fused, if any
             return self.fc2(act(h) if act is not None else F.gelu(h, approximate=approximate))
         _input_checked(x, fc1.weight.shape[1], self)
-        norm_args = {} if norm is None else dict(norm_weight=norm.weight, norm_bias=norm.bias, eps=norm.eps,
-                                                 layer_norm=True)
-        return mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, approximate, self.recompute,
-                   fc1_adapters=fc1.adapters, fc2_adapters=fc2.adapters, **norm_args)
+        return fused_mlp(x, fc1, Activation(self.activation), fc2, norm_of(norm) if norm is not None else None,
+                         self.recompute)
 
     def saved_bytes_per_token(self):
         """Activation bytes per token kept less than the unfused stack (the GELU output where fc2

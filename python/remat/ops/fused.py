@@ -26,14 +26,15 @@ import torch.nn.functional as F
 
 from .._validate import (autocast_dtype, cast_for_autocast, check_eps, check_float_tensor, check_optional_param,
                          check_same_device, rows_with_unit_stride)
+from ..specs import Activation, Linear, LoRA, Norm, check_activation, check_norm, gelu
 from .gelu import check_approximate, gelu_bwd, gelu_fwd
 from .layer_norm import layer_norm_bwd, layer_norm_fwd
 
-# One LoRA adapter on a Linear: out += F.linear(F.linear(x, a), b, b_bias) * scale, x cast to a's dtype
-# first (peft's order). a: (rank, in_features), b: (out_features, rank), b_bias: (out_features,) or None.
-LoRA = collections.namedtuple("LoRA", "a b b_bias scale")
-# One Linear as a fused op computes it: F.linear(x, weight, bias) plus its LoRA adapters.
-Linear = collections.namedtuple("Linear", "weight bias adapters", defaults=(None, ()))
+__all__ = ["Activation", "Linear", "LoRA", "Norm", "layer_norm_linear", "mlp", "norm_linears", "fused_mlp"]
+
+# A LoRA adapter on a Linear (remat.specs.LoRA): out += F.linear(F.linear(x, a), b, b_bias) * scale, x
+# cast to a's dtype first (peft's order). a: (rank, in_features), b: (out_features, rank), b_bias:
+# (out_features,) or None. A Linear (remat.specs.Linear): F.linear(x, weight, bias) plus its adapters.
 _PER_ADAPTER = 3  # tensors per adapter in the flat argument lists of the autograd functions
 
 
@@ -186,6 +187,13 @@ def _unpack_needs(needs, layout):
     return out
 
 
+# The tensors _MLP.apply takes after its layout, before the adapters': x, norm weight and bias, w1, b1, w2, b2.
+_MLP_TENSORS = 7
+# What _MLP computes besides its tensors: a LayerNorm in front or not, its eps, the GELU's approximate,
+# the recompute switch, and each Linear's adapters' scales.
+_MLPLayout = collections.namedtuple("_MLPLayout", "has_norm eps approximate recompute fc1_scales fc2_scales")
+
+
 class _MLP(torch.autograd.Function):
     """out = fc2(gelu(fc1(LayerNorm(x)))) on rows x (M, K); the LayerNorm is optional, and fc1 and fc2
     may carry LoRA adapters.
@@ -196,15 +204,14 @@ class _MLP(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, norm_weight, norm_bias, eps, has_norm, w1, b1, w2, b2, approximate, recompute,
-                fc1_scales, fc2_scales, *lora_tensors):
+    def forward(ctx, layout, x, norm_weight, norm_bias, w1, b1, w2, b2, *lora_tensors):
+        has_norm, eps, approximate, recompute, fc1_scales, fc2_scales = layout
         split = len(fc1_scales) * _PER_ADAPTER
         fc1_adapters, fc2_adapters = _unflatten(lora_tensors[:split], fc1_scales), \
             _unflatten(lora_tensors[split:], fc2_scales)
-        needs = ctx.needs_input_grad
-        need_x, need_nw, need_nb, need_w1, need_b1, need_w2 = needs[0], needs[1], needs[2], needs[5], needs[6], needs[7]
-        fc1_needs = _adapter_needs(needs[13:13 + split], len(fc1_adapters))
-        fc2_needs = _adapter_needs(needs[13 + split:], len(fc2_adapters))
+        need_x, need_nw, need_nb, need_w1, need_b1, need_w2, _ = ctx.needs_input_grad[1:_MLP_TENSORS + 1]
+        fc1_needs = _adapter_needs(ctx.needs_input_grad[_MLP_TENSORS + 1:_MLP_TENSORS + 1 + split], len(fc1_adapters))
+        fc2_needs = _adapter_needs(ctx.needs_input_grad[_MLP_TENSORS + 1 + split:], len(fc2_adapters))
         need_norm_grad = has_norm and (need_x or need_nw or need_nb)
         need_fc1_input = need_w1 or any(n[0] for n in fc1_needs)  # for dW1 and fc1's dA
         need_dh = need_x or need_norm_grad or need_fc1_input or need_b1 or any(n[1] or n[2] for n in fc1_needs)
@@ -247,7 +254,7 @@ class _MLP(torch.autograd.Function):
         fc1_adapters = _unflatten(tensors[:split], ctx.fc1_scales)
         fc2_adapters = _unflatten(tensors[split:], ctx.fc2_scales)
         fc1_intermediates, fc2_intermediates = intermediates[:len(fc1_adapters)], intermediates[len(fc1_adapters):]
-        need_x, need_nw, need_nb, _, _, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:9]
+        need_x, need_nw, need_nb, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[1:_MLP_TENSORS + 1]
 
         # fc2 and its adapters; gelu(h) is rebuilt in the GELU backward's pass when dW2 or fc2's dA needs it
         fc2_grads, fc2_d_ts = _adapter_grads(d_out, fc2_adapters, fc2_intermediates, ctx.fc2_needs, ctx.need_dh)
@@ -286,13 +293,13 @@ class _MLP(torch.autograd.Function):
             d_w1 = dh.t().matmul(fc1_input) if need_w1 else None
             fc1_flat = _finish_adapter_grads(fc1_grads, fc1_adapters, fc1_d_ts, fc1_input, ctx.fc1_needs)
         return (
+            None,  # the layout
             dx if need_x else None,
             d_norm_weight if need_nw and norm_weight is not None else None,
             d_norm_bias if need_nb and norm_bias is not None else None,
-            None, None,
             d_w1,
             d_b1 if need_b1 and b1 is not None else None,
-            d_w2, d_b2, None, None, None, None,
+            d_w2, d_b2,
             *fc1_flat, *fc2_flat,
         )
 
@@ -321,7 +328,7 @@ def _check_adapters(name, adapters, weight, x):
     """Each adapter of the Linear `weight` (out, in): a LoRA of matching shapes on x's device, its
     a, b and b_bias in one floating dtype (peft may keep adapters in float32 beside half weights)."""
     if not isinstance(adapters, (tuple, list)) or not all(isinstance(a, LoRA) for a in adapters):
-        raise TypeError(f"{name} must be a tuple of remat.ops.fused.LoRA(a, b, b_bias, scale), got {adapters!r}")
+        raise TypeError(f"{name} must be a tuple of remat.specs.LoRA(a, b, b_bias, scale), got {adapters!r}")
     out_features, in_features = weight.shape
     for i, lora in enumerate(adapters):
         label = f"{name}[{i}]"
@@ -391,49 +398,32 @@ def _cast_adapters(dtype, adapters):
                  for a in adapters)
 
 
-def _under_autocast(fn, x, *tensors, adapter_lists=(), **kwargs):
-    """Under autocast, run `fn` on inputs cast to the autocast dtype with autocast off inside.
-
-    The Linears would autocast anyway; casting up front keeps every tensor of the fused layer in
-    one dtype, so the outputs have the dtypes PyTorch's own layers give under autocast.
-    `adapter_lists`: {keyword: adapters} passed on, cast likewise.
-    """
-    dtype = autocast_dtype(x.device.type)
-    casted = {name: _cast_adapters(dtype, adapters) for name, adapters in dict(adapter_lists).items()}
-    with torch.autocast(x.device.type, enabled=False):
-        return fn(*cast_for_autocast(dtype, x, *tensors), **kwargs, **casted)
-
-
 def _cast_linears(dtype, linears):
     return [Linear(*cast_for_autocast(dtype, lin.weight, lin.bias), _cast_adapters(dtype, lin.adapters))
             if isinstance(lin, Linear) else lin for lin in linears]
 
 
-def layer_norm_linears(x, norm_weight, norm_bias, linears, eps=1e-5, recompute=True):
-    """[Linear_i(LayerNorm(x)) + its LoRA adapters] for each remat.ops.fused.Linear(weight, bias, adapters)
-    in `linears`, all reading one LayerNorm (as ViT's q, k and v do).
+def norm_linears(x, norm, linears, recompute=True):
+    """[Linear_i(norm(x)) + its LoRA adapters] for each remat.specs.Linear(weight, bias, adapters) in
+    `linears`, all reading one remat.specs.Norm (as ViT's q, k and v do).
 
-    LayerNorm(x) is computed once; autograd keeps x and one fp32 mean/rstd pair (and each adapter's
-    rank-r A(LN(x))), and rebuilds LayerNorm(x) for every dW and dA.
+    The norm is computed once; autograd keeps x and one fp32 mean/rstd pair (and each adapter's
+    rank-r A(norm(x))), and rebuilds norm(x) for every dW and dA.
     """
     check_float_tensor("x", x)
+    check_norm(norm)
     if not isinstance(linears, (tuple, list)) or not linears or not all(isinstance(lin, Linear) for lin in linears):
-        raise TypeError(f"linears must be a non-empty list of remat.ops.fused.Linear(weight, bias, adapters), "
+        raise TypeError(f"linears must be a non-empty list of remat.specs.Linear(weight, bias, adapters), "
                         f"got {linears!r}")
     if autocast_dtype(x.device.type) is not None:
         dtype = autocast_dtype(x.device.type)
         with torch.autocast(x.device.type, enabled=False):
-            return layer_norm_linears(cast_for_autocast(dtype, x)[0], norm_weight, norm_bias,
-                                      _cast_linears(dtype, linears), eps=eps, recompute=recompute)
+            return norm_linears(cast_for_autocast(dtype, x)[0], norm, _cast_linears(dtype, linears), recompute)
     names = [("weight", "bias", "adapters")] if len(linears) == 1 else \
         [(f"linears[{i}].weight", f"linears[{i}].bias", f"linears[{i}].adapters") for i in range(len(linears))]
-    return _layer_norm_linears(x, norm_weight, norm_bias, linears, eps, recompute, names)
-
-
-def _layer_norm_linears(x, norm_weight, norm_bias, linears, eps, recompute, names):
     rows = _rows(x)
-    _check_width_against_norm(x, norm_weight, linears[0].weight)
-    _check_norm_params(norm_weight, norm_bias, x.shape[-1], x, eps)
+    _check_width_against_norm(x, norm.weight, linears[0].weight)
+    _check_norm_params(norm.weight, norm.bias, x.shape[-1], x, norm.eps)
     tensors, layout = [], []
     for linear, (weight_name, bias_name, adapters_name) in zip(linears, names):
         _check_linear(weight_name, linear.weight, bias_name, linear.bias, x.shape[-1], x)
@@ -441,44 +431,71 @@ def _layer_norm_linears(x, norm_weight, norm_bias, linears, eps, recompute, name
         flat, scales = _flatten(linear.adapters)
         tensors += [linear.weight, linear.bias, *flat]
         layout.append(scales)
-    norm_weight, norm_bias = _contiguous(norm_weight, norm_bias)
-    outs = _LayerNormLinears.apply(rows, norm_weight, norm_bias, float(eps), bool(recompute), tuple(layout), *tensors)
+    norm_weight, norm_bias = _contiguous(norm.weight, norm.bias)
+    outs = _LayerNormLinears.apply(rows, norm_weight, norm_bias, float(norm.eps), bool(recompute), tuple(layout),
+                                   *tensors)
     return [out.view(*x.shape[:-1], linear.weight.shape[0]) for out, linear in zip(outs, linears)]
+
+
+def fused_mlp(x, fc1, act, fc2, norm=None, recompute=True):
+    """fc2(act(fc1(x))), with `norm` (a remat.specs.Norm) applied to x first when given; fc1 and fc2 are
+    remat.specs.Linear, with their LoRA adapters; act a remat.specs.Activation (a GELU).
+
+    Autograd keeps x, the fc1 output h (and fp32 mean/rstd with the norm, and each adapter's rank-r
+    intermediate), and rebuilds act(h) (and norm(x)) in the backward.
+    """
+    check_float_tensor("x", x)
+    approximate = check_activation(act)
+    for name, linear in (("fc1", fc1), ("fc2", fc2)):
+        if not isinstance(linear, Linear):
+            raise TypeError(f"{name} must be a remat.specs.Linear(weight, bias, adapters), got {type(linear).__name__}")
+    if norm is not None:
+        check_norm(norm)
+    if autocast_dtype(x.device.type) is not None:
+        dtype = autocast_dtype(x.device.type)
+        with torch.autocast(x.device.type, enabled=False):
+            fc1, fc2 = _cast_linears(dtype, [fc1, fc2])
+            return fused_mlp(cast_for_autocast(dtype, x)[0], fc1, act, fc2, norm, recompute)
+    rows = _rows(x)
+    (w1, b1, fc1_adapters), (w2, b2, fc2_adapters) = fc1, fc2
+    if norm is not None:
+        _check_width_against_norm(x, norm.weight, w1)
+        _check_norm_params(norm.weight, norm.bias, x.shape[-1], x, norm.eps)
+    _check_linear("w1", w1, "b1", b1, x.shape[-1], x)
+    _check_linear("w2", w2, "b2", b2, w1.shape[0], x)
+    _check_adapters("fc1_adapters", fc1_adapters, w1, x)
+    _check_adapters("fc2_adapters", fc2_adapters, w2, x)
+    norm_weight, norm_bias, b1 = _contiguous(norm.weight if norm else None, norm.bias if norm else None, b1)
+    fc1_flat, fc1_scales = _flatten(fc1_adapters)
+    fc2_flat, fc2_scales = _flatten(fc2_adapters)
+    layout = _MLPLayout(norm is not None, float(norm.eps if norm else 0.0), approximate, bool(recompute),
+                        fc1_scales, fc2_scales)
+    out = _MLP.apply(layout, rows, norm_weight, norm_bias, w1, b1, w2, b2, *fc1_flat, *fc2_flat)
+    return out.view(*x.shape[:-1], w2.shape[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# The functions in loose arguments, as remat exports them
+# ---------------------------------------------------------------------------------------------
 
 
 def layer_norm_linear(x, norm_weight, norm_bias, weight, bias=None, eps=1e-5, recompute=True, adapters=()):
     """Linear(LayerNorm(x)) [+ LoRA adapters]: autograd keeps x and fp32 mean/rstd (and each adapter's
     rank-r A(LN(x))), and rebuilds LayerNorm(x) for dW and each dA."""
     check_float_tensor("x", x)
-    return layer_norm_linears(x, norm_weight, norm_bias, [Linear(weight, bias, adapters)], eps, recompute)[0]
+    return norm_linears(x, Norm(norm_weight, norm_bias, eps), [Linear(weight, bias, adapters)], recompute)[0]
 
 
 def mlp(x, w1, b1, w2, b2=None, approximate="none", recompute=True,
         norm_weight=None, norm_bias=None, eps=1e-5, layer_norm=False, fc1_adapters=(), fc2_adapters=()):
-    """fc2(gelu(fc1(x))), with LayerNorm(x) in front when layer_norm=True, and LoRA adapters on fc1/fc2.
-
-    Autograd keeps x, the fc1 output h (and fp32 mean/rstd with the LayerNorm, and each adapter's
-    rank-r intermediate), and rebuilds gelu(h) (and LayerNorm(x)) in the backward.
-    """
+    """fc2(gelu(fc1(x))), with LayerNorm(x) in front when layer_norm=True, and LoRA adapters on fc1/fc2
+    (fused_mlp in loose arguments)."""
     check_float_tensor("x", x)
-    if autocast_dtype(x.device.type) is not None:
-        return _under_autocast(mlp, x, w1, b1, w2, b2, approximate=approximate, recompute=recompute,
-                               norm_weight=norm_weight, norm_bias=norm_bias, eps=eps, layer_norm=layer_norm,
-                               adapter_lists={"fc1_adapters": fc1_adapters, "fc2_adapters": fc2_adapters})
-    rows = _rows(x)
     check_approximate(approximate)
-    if layer_norm:
-        _check_width_against_norm(x, norm_weight, w1)
-        _check_norm_params(norm_weight, norm_bias, x.shape[-1], x, eps)
-    elif norm_weight is not None or norm_bias is not None:
+    if not layer_norm and (norm_weight is not None or norm_bias is not None):
         raise ValueError("norm_weight and norm_bias need layer_norm=True")
-    _check_linear("w1", w1, "b1", b1, x.shape[-1], x)
-    _check_linear("w2", w2, "b2", b2, w1.shape[0], x)
-    _check_adapters("fc1_adapters", fc1_adapters, w1, x)
-    _check_adapters("fc2_adapters", fc2_adapters, w2, x)
-    norm_weight, norm_bias, b1 = _contiguous(norm_weight, norm_bias, b1)
-    fc1_flat, fc1_scales = _flatten(fc1_adapters)
-    fc2_flat, fc2_scales = _flatten(fc2_adapters)
-    out = _MLP.apply(rows, norm_weight, norm_bias, float(eps), bool(layer_norm),
-                     w1, b1, w2, b2, approximate, bool(recompute), fc1_scales, fc2_scales, *fc1_flat, *fc2_flat)
-    return out.view(*x.shape[:-1], w2.shape[0])
+    if layer_norm:
+        check_eps(eps)
+    norm = Norm(norm_weight, norm_bias, eps) if layer_norm else None
+    return fused_mlp(x, Linear(w1, b1, fc1_adapters), gelu(approximate), Linear(w2, b2, fc2_adapters), norm,
+                     recompute)

@@ -1,0 +1,217 @@
+"""Model surgery: swap stock layers for remat's, keeping weights and state_dict keys.
+
+    model = remat.convert(model)                     # a converted copy; inplace=True converts model itself
+    model, report = remat.convert(model, report=True)
+    print(report)                                    # one row per candidate: swapped, or skipped and why
+    model = remat.revert(model)                      # stock modules again, same parameters
+
+What is swapped (each only where it is provably the same computation):
+
+    nn.LayerNorm                      -> remat.nn.LayerNorm (shares the parameters)           "layernorm"
+    nn.GELU                           -> remat.nn.GELU                                         "gelu"
+    nn.MultiheadAttention             -> RematMultiheadAttention: self-attention on            "attention"
+                                         remat.attention, the stock computation otherwise
+    in an nn.Sequential, consecutive
+      (LayerNorm, Linear)             -> remat.nn.LayerNormLinear                              "layernorm"
+      (Linear, GELU, Linear)          -> remat.nn.MLP                                          "mlp"
+      (LayerNorm, Linear, GELU, Linear) -> remat.nn.LayerNormMLP                               "mlp" + "layernorm"
+    in any other module's forward     -> the same three fusions, found by a torch.fx trace     as above
+      (ln -> fc, fc1 -> GELU -> fc2,     of that forward: its rewritten forward calls remat's
+       ln -> fc1 -> GELU -> fc2)         fused functions on the same submodules
+    Hugging Face models (convert.hf)  -> attention classes on remat.attention (the stock       "attention", "mlp",
+                                         forward for padding masks, KV caches, output_attentions), "layernorm"
+                                         MLP blocks fused, pre-LN LayerNorms fused into the
+                                         projection after them
+
+The fusions are where the memory goes (docs/memory.md): a lone LayerNorm or GELU that recomputes
+saves nothing, because the Linear after it keeps its output anyway.
+
+The package, one job a module: patterns (what is fused, and the one check that a run is fusable),
+swap (the one swap / revert / converted-marker mechanism), report, torch_modules (torch's own
+layers one by one), sequential and fx (the fusions inside nn.Sequential and inside any other
+module's forward), hf (Hugging Face families, one file each); this module walks the model.
+
+Parameters are shared, never copied: the converted modules hold the very nn.Parameter objects
+(and, for fusions, the very nn.LayerNorm/nn.Linear submodules) of the original, so an optimizer
+built before conversion still works with inplace=True, and revert() gives the same parameters
+back.
+
+state_dict: unchanged keys, in the same order, and the original checkpoint loads (strict). A
+fused run inside an nn.Sequential becomes the fused module at the run's first index and
+nn.Identity at the others (len() and indices stay), and the Sequential becomes a
+RematSequential whose state_dict()/load_state_dict() translate between the fused module's
+names (`0.norm.weight`, `0.linear.weight`) and the original ones (`0.weight`, `1.weight`).
+named_parameters() shows the fused names.
+
+The torch.fx path (modules other than torch's, transformers' and remat's own, holding a
+LayerNorm and a Linear or two Linears): the module's forward is traced with every submodule
+call kept as one node, once per training mode. A run is fused where its graph shows each
+layer's output going to the next layer and nowhere else (a dropout or anything else in
+between stops it), the layers are the exact stock classes without hooks, and widths, devices
+and dtypes chain. The module keeps its class, submodules, parameters and state_dict; an
+instance attribute `forward` runs the rewritten graph for calls like the traced one (arguments
+that have defaults left at them, the module's scalar attributes unchanged, the fused
+submodules in place without hooks) and the class's forward for any other call. A forward
+that does not trace (data-dependent control flow, *args), sets its own attributes or switches
+grad or autocast mode is reported and left alone. What a trace cannot see stays the user's
+promise: Python state other than the module's own scalar attributes and training flag
+(globals, config objects) is read once, at conversion. A rewritten module does not pickle
+whole (torch.save(model)): save its state_dict, or revert() first.
+
+Never swapped: subclasses of the stock classes (they may override forward), modules with
+forward/backward hooks or parametrizations, nn.Sequential subclasses, LayerNorms over more than
+the last dimension or without affine parameters (for fusion), Linear pairs whose widths do not
+chain back (MLP needs fc2: ffn -> hidden), mixed bias/no-bias pairs, modules on different
+devices or dtypes. The report says which rule stopped each one.
+"""
+
+import copy
+import warnings
+import weakref
+
+from torch import nn
+
+from .._guards import hook_reason
+from . import hf
+from .fx import fx_candidate, fx_consumed, fx_convert, fx_revert
+from .patterns import fused_module
+from .report import ConversionReport, ReportRow
+from .sequential import RematSequential, revert_sequential, sequential_runs
+from .swap import is_converted, join
+from .torch_modules import RematMultiheadAttention, leaf_swap
+
+LAYERS = frozenset({"layernorm", "gelu", "attention", "mlp"})
+
+__all__ = ["ConversionReport", "RematMultiheadAttention", "RematSequential", "RematWarning", "ReportRow", "convert",
+           "fused_module", "revert"]
+
+
+def _convert_children(parent, layers, recompute, path, report, hf_rules, consumed):
+    """Convert below `parent`. consumed: ids of modules that fx rewrites call no more (left alone)."""
+    handled = set()
+    if hf_rules is not None:
+        handled |= hf_rules.convert_children(parent, layers, recompute, path, report)
+    if fx_candidate(parent) and ("mlp" in layers or "layernorm" in layers):
+        consumed |= fx_convert(parent, layers, recompute, path, report)
+    consumed |= fx_consumed(parent)
+    if type(parent) is nn.Sequential and ("mlp" in layers or "layernorm" in layers):
+        if hook_reason(parent) is not None:
+            report.add(path, parent, "skipped", f"Sequential {hook_reason(parent)}: no fusion inside")
+        elif any(id(child) in consumed for child in parent):
+            report.add(path, parent, "skipped", "a forward rewritten by torch.fx calls its layers: no fusion inside")
+        else:
+            handled |= sequential_runs(parent, layers, recompute, path, report)
+    elif isinstance(parent, nn.Sequential) and not isinstance(parent, RematSequential):
+        report.add(path, parent, "skipped", "nn.Sequential subclass: no fusion inside (forward may differ)")
+    for name, child in list(parent._modules.items()):
+        if child is None or name in handled or id(child) in consumed:
+            continue
+        child_path = join(path, name)
+        if is_converted(child):
+            continue
+        new = leaf_swap(child, layers, child_path, report)
+        if new is not None:
+            parent._modules[name] = new
+        else:
+            _convert_children(child, layers, recompute, child_path, report, hf_rules, consumed)
+
+
+class RematWarning(UserWarning):
+    """remat.convert found nothing to fuse: the converted model keeps as many activation bytes as before."""
+
+
+def _peft_inner(model):
+    """(the model a peft PeftModel and its tuner wrap, and its path in `model`), or (model, "").
+
+    peft's wrappers are not transformers models and their forwards take *args: the family rules
+    apply to the model inside, whose modules keep their names under base_model.model.
+    """
+    path = ""
+    while type(model).__module__.startswith("peft."):
+        name = next((n for n in ("base_model", "model") if isinstance(model._modules.get(n), nn.Module)), None)
+        if name is None:
+            break
+        model, path = model._modules[name], join(path, name)
+    return model, path
+
+
+def _layer_set(layers):
+    if isinstance(layers, str):  # a single name, not its letters
+        layers = (layers,)
+    try:
+        layers = frozenset(layers)
+    except TypeError:
+        raise TypeError(f"layers must be a name or a collection of names from {sorted(LAYERS)}, "
+                        f"got {layers!r}") from None
+    unknown = layers - LAYERS
+    if unknown:
+        raise ValueError(f"layers must be a subset of {sorted(LAYERS)}, got unknown {sorted(map(str, unknown))}")
+    return layers
+
+
+def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False):
+    """Swap `model`'s layers for remat's where that is provably the same computation.
+
+    inplace: convert `model` itself (its parameters stay the same objects) instead of a deep
+    copy. layers: which rules to apply, one of or a subset of {"layernorm", "gelu", "attention",
+    "mlp"} ("layernorm" also fuses LayerNorm -> Linear; LayerNorm -> MLP needs "mlp" and
+    "layernorm"). recompute: the fused layers' switch (False keeps what eager keeps, to compare).
+    report: also return a ConversionReport (print it for a table, with the bytes each swap saves).
+
+    Returns the converted model, or (model, report). state_dict keys are unchanged and the
+    original checkpoint loads into the result. Hugging Face models (transformers
+    PreTrainedModel, also inside a peft PeftModel) also get the family rules of remat.hf. Warns
+    (RematWarning) when the conversion saves no activation memory at all.
+    """
+    layers = _layer_set(layers)
+    if not isinstance(recompute, bool):
+        raise TypeError(f"recompute must be True or False, got {recompute!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not inplace:
+        model = copy.deepcopy(model)
+    rows = ConversionReport()
+    inner, inner_path = _peft_inner(model)
+    hf_rules = hf if hf.is_hf_model(inner) else None
+    order = {path or "(root)": i for i, (path, _) in enumerate(model.named_modules())}
+    root = leaf_swap(model, layers, "", rows) if inner is model else None
+    if root is not None:
+        model = root
+    else:
+        _convert_children(inner, layers, recompute, inner_path, rows, hf_rules, set())
+    rows.sort(key=lambda row: order.get(row.path, len(order)))  # rows in the model's module order
+    rows.model = weakref.ref(model)
+    if rows.saved_bytes_per_token() == 0:
+        fused = "no fusion applies" if not rows.swapped else \
+            f"{len(rows.swapped)} modules swapped, none of them keeping less than stock"
+        warnings.warn(f"remat.convert saves no activation memory on this {type(inner).__name__}: {fused} "
+                      "(convert(model, report=True) says why for each module)", RematWarning, stacklevel=2)
+    return (model, rows) if report else model
+
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Revert
+# ---------------------------------------------------------------------------------------------
+
+
+def _revert_module(module):
+    for name in ("remat_fallbacks", "remat_verified"):  # left on stock modules by fallbacks and LoRA checks
+        module.__dict__.pop(name, None)
+    if "remat_fx" in vars(module):
+        fx_revert(module)
+    revert_fn = getattr(module, "remat_revert", None)
+    if revert_fn is not None:
+        module = revert_fn()
+    if isinstance(module, RematSequential):
+        revert_sequential(module, _revert_module)
+    for name, child in list(module._modules.items()):
+        if child is not None:
+            module._modules[name] = _revert_module(child)
+    return module
+
+
+def revert(model):
+    """Undo remat.convert in place: stock modules again, holding the same parameters. Returns the model."""
+    return _revert_module(model)
