@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ._guards import hook_reason, plain_reason, tensor_reason
-from .ops.fused import Linear, LoRA
+from .specs import Linear, LoRA
 
 
 def is_conv1d(module):
