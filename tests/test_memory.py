@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from remat import memory
-from remat.bench.block import _Checkpointed
+from remat.policies import Checkpointed
 
 POLICIES = memory.policies  # the real table, before a test swaps it
 
@@ -159,7 +159,7 @@ def _forward_allocations(module, x):
     (to replay dropout in the recompute), which is not an activation: taken out."""
     from torch.profiler import ProfilerActivity, profile
 
-    checkpoints = sum(isinstance(m, _Checkpointed) for m in module.modules())
+    checkpoints = sum(isinstance(m, Checkpointed) for m in module.modules())
     gc.collect()  # no unrelated frees during the forward
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = module(x)

@@ -37,11 +37,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
-from .bench.block import _Checkpointed, _save_matmuls_and_attention
 from .bench.cases import short_error
 from .bench.timing import Timer, quantiles
 from .convert.hf import memory_models as hf_memory_models
-from .gpt import GPTConfig, remat_stack, torch_stack
+from .gpt import GPTConfig, torch_stack
+from .policies import Checkpointed
+from .policies import policies as policy_table
 
 MODELS = {
     "gpt2-small": GPTConfig(hidden=768, heads=12, layers=12),
@@ -62,22 +63,12 @@ class PolicyResult:
     error: str = ""  # why the policy could not be measured; its numbers are then nan
 
 
-def _checkpoint_first(stack, count):
-    return torch.nn.Sequential(*(_Checkpointed(b) if i < count else b for i, b in enumerate(stack)))
-
-
 def policies(layers):
-    """(name, make(stock stack) -> (module, offload)) for every policy."""
-    table = [
-        ("eager", lambda s: (s, False)),
-        ("remat", lambda s: (remat_stack(s), False)),
-        ("selective checkpoint", lambda s: (torch.nn.Sequential(*(_Checkpointed(b, _save_matmuls_and_attention) for b in s)), False)),
-        ("full checkpoint", lambda s: (torch.nn.Sequential(*(_Checkpointed(b) for b in s)), False)),
-        ("offload to host", lambda s: (s, True)),
-    ]
-    for k in sorted({layers // 4, layers // 2, (3 * layers) // 4} - {0, layers}):
-        table.append((f"remat + checkpoint {k}/{layers}", lambda s, k=k: (_checkpoint_first(remat_stack(s), k), False)))
-    return table
+    """(name, make(stock stack) -> (module, offload)) for every policy remat memory measures: the
+    eager-mode ones of remat.policies, with remat + full checkpointing of a quarter, half and three
+    quarters of the blocks. Offloading is counted by the measurement itself (offload=True)."""
+    return [(p.name, lambda s, p=p: (s, True) if p.offloads else (p.make(s), False))
+            for p in policy_table(layers, checkpointed_fractions=(0.25, 0.5, 0.75), compiled=False)]
 
 
 class _SavedStorages:
@@ -151,7 +142,7 @@ def count_saved_bytes(module, x, offload):
         return tensor
 
     held = []
-    checkpointed = [m for m in module.modules() if isinstance(m, _Checkpointed)]
+    checkpointed = [m for m in module.modules() if isinstance(m, Checkpointed)]
     hooks = [m.register_forward_pre_hook(lambda m, args: held.append(args[0])) for m in checkpointed]
     selective = [m for m in checkpointed if m.policy is not None]
     recorder = _SelectiveSaves(saved) if selective else contextlib.nullcontext()
@@ -391,7 +382,7 @@ def _measure(name, make, x, layers, sbh, device, timer):
         device_bytes, host_bytes = _allocated_by_forward(module, x, offload, device)
     elif "(HF)" in name:
         # Hugging Face's gradient checkpointing keeps what it keeps out of reach of saved-tensor
-        # hooks, and is not a _Checkpointed block that count_saved_bytes knows how to count:
+        # hooks, and is not a Checkpointed block that count_saved_bytes knows how to count:
         # without a GPU's allocator to read, not counted.
         device_bytes = host_bytes = math.nan
     else:

@@ -15,12 +15,12 @@ torch.compile first), so a run cut short by Ctrl-C still has those. Each is chec
 eager stack: the output and the gradients of the input and of every weight.
 """
 
-import functools
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
-from ..gpt import GPTConfig, RematGPTBlock, TorchGPTBlock, remat_stack, torch_stack
+from ..gpt import GPTConfig, RematGPTBlock, TorchGPTBlock, torch_stack
+from ..policies import Offloaded
+from ..policies import policies as policy_table
 from .cases import Case, Variant, check_against, module_built
 from .check import randomize_norms
 
@@ -29,85 +29,12 @@ QUICK_LAYERS = 2
 CPU_SHAPE = {"batch": 2, "seq": 64, "hidden": 128, "heads": 4, "layers": 2}
 
 
-class _Checkpointed(torch.nn.Module):
-    """Runs `block` under torch.utils.checkpoint (non-reentrant), optionally selective."""
-
-    def __init__(self, block, policy=None):
-        super().__init__()
-        self.block, self.policy = block, policy
-
-    def forward(self, x):
-        if self.policy is None:
-            return checkpoint(self.block, x, use_reentrant=False)
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-        context = functools.partial(create_selective_checkpoint_contexts, self.policy)
-        return checkpoint(self.block, x, use_reentrant=False, context_fn=context)
-
-
-def _save_matmuls_and_attention(ctx, op, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    saved = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-             torch.ops.aten._scaled_dot_product_flash_attention.default,
-             torch.ops.aten._scaled_dot_product_efficient_attention.default,
-             torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
-    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _budget_backend(budget, graph, example_inputs):
-    """Inductor with the activation memory budget in force while the graph is partitioned."""
-    from torch._inductor.compile_fx import compile_fx
-
-    with torch._functorch.config.patch(activation_memory_budget=budget):
-        return compile_fx(graph, example_inputs)
-
-
-def _compiled_with_budget(stack, budget):
-    """torch.compile of the stack under an activation memory budget.
-
-    The budget goes through a backend of its own, not a config patch around the call: Dynamo
-    caches compiled code on the stack's forward and does not guard on functorch's config, so a
-    patch around a second torch.compile(stack) would silently reuse the plain compile's graph.
-    A distinct backend is part of the cache key (tests/test_bench_block.py).
-    """
-    return torch.compile(stack, backend=functools.partial(_budget_backend, budget))
-
-
-class _Offloaded(torch.nn.Module):
-    """Runs `stack` with its saved activations offloaded to host memory."""
-
-    def __init__(self, stack):
-        super().__init__()
-        self.stack = stack
-
-    def forward(self, x):
-        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
-            return self.stack(x)
-
-
-def policies(device):
-    """A Variant for every policy: make(stock stack) -> the module to run."""
-    half = lambda stack: len(stack) // 2  # noqa: E731
-    table = [
-        Variant("eager", False, lambda s: s),
-        Variant("remat", True, remat_stack),
-        Variant("compile", False, torch.compile, compiles=True),
-        Variant("remat + compile", True, lambda s: torch.compile(remat_stack(s)), compiles=True),
-        Variant("full checkpoint", False, lambda s: torch.nn.Sequential(*(_Checkpointed(b) for b in s))),
-        Variant("selective checkpoint", False,
-                lambda s: torch.nn.Sequential(*(_Checkpointed(b, _save_matmuls_and_attention) for b in s))),
-        Variant("remat + checkpoint half", True,
-                lambda s: torch.nn.Sequential(*(_Checkpointed(b) if i < half(s) else b
-                                                for i, b in enumerate(remat_stack(s))))),
-        Variant("compile, budget 0.5", False, lambda s: _compiled_with_budget(s, 0.5), compiles=True),
-        Variant("compile, budget 0.3", False, lambda s: _compiled_with_budget(s, 0.3), compiles=True),
-        Variant("offload to host", False, _Offloaded),
-        Variant("compile (each block)", False, lambda s: torch.nn.Sequential(*(torch.compile(b) for b in s)),
-                compiles=True),
-    ]
-    if device.type != "cuda":  # functional run: skip the slow compiles of the budget variants
+def policies(device, layers=QUICK_LAYERS):
+    """A Variant for every policy of remat.policies: make(stock stack) -> the module to run. On CPU
+    (a functional run) without the slow compiles of the budget policies."""
+    table = [Variant(p.name, p.ours, p.make if not p.offloads else Offloaded, compiles=p.compiles)
+             for p in policy_table(layers)]
+    if device.type != "cuda":
         table = [policy for policy in table if "budget" not in policy.name]
     return table
 
@@ -160,7 +87,7 @@ def cases(device, dtypes, quick, sizes=None):
             op="gpt_block", mode="fwd+bwd", dtype=dtype,
             shape=f"L={layers} b={b} s={s} h={h} heads={shape['heads']}", size=s,
             unit="TFLOP/s", work=flops, make_inputs=_make_inputs(shape, dtype, device),
-            implementations=[policy.implementation(_step) for policy in policies(device)],
+            implementations=[policy.implementation(_step) for policy in policies(device, layers)],
             sbh_per_layer=layers * s * b * h, check=check_against(_step(lambda stack: stack)),
         )
 
