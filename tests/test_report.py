@@ -6,7 +6,6 @@ import importlib
 import warnings
 
 import pytest
-import torch
 from torch import nn
 
 from hf_models import transformers
