@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from remat.saved import saved_bytes
+
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -55,18 +57,7 @@ def batches(args):
 
 def saved_activation_bytes(model, ids):
     """Bytes of the unique storages autograd keeps for one forward (parameters left out)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            storages[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, labels=ids)
-    return sum(storages.values())
+    return saved_bytes(lambda: model(input_ids=ids, labels=ids), exclude=list(model.parameters()))
 
 
 def train(model, args):

@@ -5,6 +5,8 @@ import functools
 
 import torch
 
+from remat import saved as remat_saved
+
 # Bound on ‖out − ref‖ / ‖ref‖ against a float64 reference. Each is a few times the rounding of
 # the output dtype itself (unit roundoff: fp32 6e-8, fp16 4.9e-4, bf16 3.9e-3), leaving room for
 # fp32 accumulation over up to ~1e5 terms.
@@ -33,22 +35,10 @@ def assert_close_to_ref(name, out, ref, dtype):
 
 
 def saved_bytes(fn, exclude=()):
-    """Bytes of the unique storages autograd saves while running fn(), leaving out those of `exclude`.
-
-    Pass a model's parameters as `exclude` to count activations only.
-    """
-    skipped = {t.untyped_storage().data_ptr() for t in exclude}
-    storages = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in skipped:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(storages.values())
+    """Bytes of the unique storages autograd saves while running fn(), leaving out those of `exclude`
+    (remat.saved's counter, which remat memory and the benchmarks use too). Pass a model's
+    parameters as `exclude` to count activations only."""
+    return remat_saved.saved_bytes(fn, exclude)
 
 
 def assert_compiled_matches_eager(model, x, tol=1e-5):

@@ -104,7 +104,7 @@ def test_offloaded_bytes_are_counted_as_saved_bytes_are():
     # What _allocated_by_forward does on a GPU: each saved tensor copied off the device (a clone
     # here), so the device tensor is freed after the forward; the host count must not change.
     module, x = _SavesAWeightAndATensorTwice(), torch.randn(4, 8, requires_grad=True)
-    offloaded = memory._SavedStorages(module)
+    offloaded = memory.SavedStorages(module.parameters())
 
     def to_host(tensor):
         offloaded.add(tensor)
@@ -120,7 +120,7 @@ def test_a_freed_storage_is_counted_though_another_reuses_its_address():
     # two storages at one address, both copied to the host. Built here on one buffer, so the
     # address is the same for certain.
     buffer = bytearray(64)
-    saved = memory._SavedStorages(torch.nn.Linear(1, 1))
+    saved = memory.SavedStorages(torch.nn.Linear(1, 1).parameters())
     first = torch.frombuffer(buffer, dtype=torch.float32)
     saved.add(first)
     address = first.untyped_storage().data_ptr()

@@ -29,20 +29,15 @@ import json
 import math
 import os
 import re
-import warnings
 
 import torch
-import torch.utils._pytree as pytree
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from .bench.cases import short_error
 from .bench.timing import Timer, quantiles
 from .convert.hf import memory_models as hf_memory_models
 from .gpt import GPTConfig, torch_stack
-from .policies import Checkpointed
 from .policies import policies as policy_table
+from .saved import SavedStorages, count_saved_bytes
 
 MODELS = {
     "gpt2-small": GPTConfig(hidden=768, heads=12, layers=12),
@@ -71,105 +66,6 @@ def policies(layers):
             for p in policy_table(layers, checkpointed_fractions=(0.25, 0.5, 0.75), compiled=False)]
 
 
-class _SavedStorages:
-    """The storages a forward saves for the backward, each counted once, parameters left out.
-
-    A tensor saved by two ops costs its storage once, and a weight saved by a matmul's backward
-    is not an activation. When offloading, a saved device tensor is freed once copied to the host
-    and a later one may get its address: a weak reference tells them apart, so both are counted.
-    """
-
-    def __init__(self, module):
-        self._parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        self._saved = {}  # address -> (weak reference to the storage, bytes)
-        self._freed_bytes = 0  # saved, then freed on the device: their host copies still count
-
-    def add(self, tensor):
-        storage = tensor.untyped_storage()
-        address = storage.data_ptr()
-        if address in self._parameters:
-            return
-        previous = self._saved.get(address)
-        if previous is not None and previous[0].expired():
-            self._freed_bytes += previous[1]
-        self._saved[address] = (StorageWeakRef(storage), storage.nbytes())
-
-    def total_bytes(self, *excluded):
-        """All the bytes saved, but the storages of `excluded` (the caller's input, the output)."""
-        skip = {tensor.untyped_storage().data_ptr() for tensor in excluded}
-        return self._freed_bytes + sum(size for address, (ref, size) in self._saved.items()
-                                       if address not in skip or ref.expired())
-
-
-class _SelectiveSaves(TorchDispatchMode):
-    """Adds to `saved` the outputs of the ops that selective checkpointing keeps.
-
-    Selective checkpointing keeps the outputs of the ops its policy saves in a cache of its own,
-    which saved-tensor hooks do not see. This mode sits below checkpoint's own dispatch modes, so
-    every op they run reaches it too, and asks the running block's own policy, as they do.
-    """
-
-    def __init__(self, saved):
-        super().__init__()
-        self.saved = saved
-        self.policies = []  # of the selectively checkpointed blocks running now, innermost last
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if self.policies:
-            context = SelectiveCheckpointContext(is_recompute=False, op_output=out)
-            policy = self.policies[-1](context, func, *args, **kwargs)
-            if policy is True or policy in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
-                for tensor in pytree.tree_leaves(out):  # all its outputs: SDPA's logsumexp too
-                    if isinstance(tensor, torch.Tensor):
-                        self.saved.add(tensor)
-        return out
-
-
-def count_saved_bytes(module, x, offload):
-    """(device bytes, host bytes) that one forward keeps for the backward, by unique storage.
-
-    Saved-tensor hooks see what autograd saves; inside a non-reentrant checkpoint they see only
-    the checkpoint's handles, which cost nothing. The checkpoint instead holds its block's input,
-    and a selective one also the outputs of the ops its policy saves: both are counted as well.
-    Parameters are not activations and are left out.
-    """
-    saved = _SavedStorages(module)
-
-    def pack(tensor):
-        saved.add(tensor)
-        return tensor
-
-    held = []
-    checkpointed = [m for m in module.modules() if isinstance(m, Checkpointed)]
-    hooks = [m.register_forward_pre_hook(lambda m, args: held.append(args[0])) for m in checkpointed]
-    selective = [m for m in checkpointed if m.policy is not None]
-    recorder = _SelectiveSaves(saved) if selective else contextlib.nullcontext()
-
-    def enter(m, args):
-        recorder.policies.append(m.policy)
-
-    def leave(m, args, out):  # returns None: a forward hook's result would replace the output
-        recorder.policies.pop()
-
-    for m in selective:  # the recorder counts ops only while such a block runs
-        hooks += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
-    try:
-        with warnings.catch_warnings(), recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            # torch warns that selective checkpointing's cache will go through these hooks one
-            # day: pack would then see tensors the recorder sees, and each storage counts once.
-            warnings.filterwarnings("ignore", "A saved_tensors_hooks context", FutureWarning)
-            out = module(x)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    for tensor in held:
-        saved.add(tensor)
-    total = saved.total_bytes(out, x)  # the input belongs to the caller
-    return (0, total) if offload else (total, 0)
-
-
 def _allocated_by_forward(module, x, offload, device):
     """(device bytes, host bytes) one forward keeps for the backward on a GPU.
 
@@ -178,7 +74,7 @@ def _allocated_by_forward(module, x, offload, device):
     """
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
-    offloaded = _SavedStorages(module)
+    offloaded = SavedStorages(module.parameters())
 
     def to_host(tensor):
         offloaded.add(tensor)

@@ -8,6 +8,7 @@ from typing import Callable, Optional
 import torch
 
 from .._backend import use_backend as remat_backend
+from ..saved import count_saved_bytes
 from .check import Check, compare, outputs_and_grads
 from .timing import QUANTILES, Timer, quantiles
 
@@ -65,7 +66,7 @@ class Variant:
 class Forward:
     """An implementation's forward pass alone, module(x).
 
-    On a GPU the timer reads what it leaves allocated; on any device memory.count_saved_bytes
+    On a GPU the timer reads what it leaves allocated; on any device remat.saved.count_saved_bytes
     counts what it saves for the backward, exactly: each storage once, leaving out the module's
     parameters, its input and its output (the caller holds those anyway).
     """
@@ -308,8 +309,7 @@ def _measure_memory(result, timer, run):
 
 
 def saved_bytes(forward):
-    """Exact bytes a Forward keeps for the backward (memory.count_saved_bytes on its module)."""
-    from ..memory import count_saved_bytes  # memory imports the bench: not at the top
+    """Exact bytes a Forward keeps for the backward (remat.saved.count_saved_bytes on its module)."""
 
     return count_saved_bytes(forward.module, forward.x, offload=False)[0]
 
