@@ -420,9 +420,9 @@ def test_bad_input_names_the_argument(call, error, words):
 # --- ahead-of-time GPU compile -------------------------------------------------------------------
 
 try:  # tests/ on sys.path (pytest's default rootdir-relative import)
-    from triton_aot import compile_module_cases, format_results, spilling
+    from triton_aot import compile_module_cases, failing, format_results
 except ImportError:  # tests/ imported as a package
-    from tests.triton_aot import compile_module_cases, format_results, spilling
+    from tests.triton_aot import compile_module_cases, failing, format_results
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -436,12 +436,15 @@ def _kernel_module():
 
 
 # The full list (3 dtypes x 6 head dims x causal/non-causal x every autotuning candidate of the
-# 3 kernels, plus the preprocess: 358 cases per arch, 716 compiles, ~20 min on two cores) is
-# too slow for CI: CI compiles a representative subset, every candidate of every kernel for each
-# padded head-dim class with a half dtype (64; 96 -> 128; 256), causal, in bf16 (fp16 shares its
-# tables), plus fp32 at d 64 and d 256 (the fp32 tiles with the least register headroom).
+# 3 kernels, plus the preprocess, each at a 16-divisible and a ragged shape: 716 cases per arch,
+# ~40 min on two cores) is too slow for CI. CI compiles, at the 16-divisible shape (the variant
+# the benchmarks and most training runs launch), every candidate of every kernel at the
+# benchmarks' head dims (64, 128) in bf16 (fp16 shares its tables), causal and not, and causal at
+# the padded head dim 96 and at 256; fp32 causal at d 64 and d 256 (the fp32 tiles with the least
+# register headroom); and the fixed-table entries of all of these at the ragged shape.
 # REMAT_AOT_FULL=1 compiles every case.
-_AOT_SUBSET = [dict(dtypes=(torch.bfloat16,), head_dims=(64, 96, 256), causals=(True,)),
+_AOT_SUBSET = [dict(dtypes=(torch.bfloat16,), head_dims=(64, 128)),
+               dict(dtypes=(torch.bfloat16,), head_dims=(96, 256), causals=(True,)),
                dict(dtypes=(torch.float32,), head_dims=(64, 256), causals=(True,))]
 
 
@@ -455,7 +458,8 @@ def aot_cases():
     if os.environ.get("REMAT_AOT_FULL", "0") == "1":
         cases = kernels.aot_cases()
     else:
-        cases = [case for subset in _AOT_SUBSET for case in kernels.aot_cases(**subset)]
+        cases = [case for subset in _AOT_SUBSET for case in kernels.aot_cases(**subset)
+                 if case["shape"] == "div16" or case["table"]]
     only = os.environ.get("REMAT_AOT_ONLY")
     return [case for case in cases if re.search(only, case["name"])] if only else cases
 
@@ -467,9 +471,8 @@ def test_attention_compiles_without_spills(arch):
     # A compile takes 1-5 s on one core: the full list needs more than the default limit.
     paths = [REPO, os.path.dirname(os.path.abspath(__file__))]
     results = compile_module_cases(module, archs=(arch,), extra_paths=paths, timeout=max(900, 10 * len(expected)))
-    assert results, "aot_cases() returned no cases"
-    assert sorted(r["name"] for r in results) == sorted(expected)
-    bad = spilling(results)
+    assert sorted(r["case"] for r in results) == sorted(expected), "each case launches one kernel"
+    bad = failing(results)
     assert not bad, f"{len(bad)} of {len(results)} attention kernels fail to compile or spill on sm_{arch}:\n" + format_results(bad)
 
 
