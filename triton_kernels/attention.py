@@ -96,17 +96,23 @@ _HALF_CANDIDATES = {
     "dq": {32: [(64, 64, 4, 3), (128, 64, 8, 3)], 64: [(64, 64, 4, 3), (128, 64, 8, 2)],
            128: [(128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 3)], 256: [(32, 32, 4, 2)]},
 }
-# Hopper (sm_90) only: its warpgroup MMA keeps larger tiles in registers than sm_80's mma does.
-# These spill on sm_80 and compile without on sm_90 (the 128 x 128 forward tile of
-# FlashAttention-3; with 2 stages instead of 3 it spills at head dims 80 and 96 in fp16); they
-# are timed there after the candidates above.
+# Hopper (sm_90) only, by exact head dim: its warpgroup MMA keeps larger tiles in registers than
+# sm_80's mma does, and issues them as wide instructions (the d128 backward tables' 16- and
+# 32-wide key/query blocks give skinny HGMMA.64x16x16 / 64x32x16; 64 x 128 and 128 x 128 tiles
+# give 64x64x16 and 64x128x16 ones). Every one compiles without
+# spills on sm_90 at both shapes of aot_cases() (several spill on sm_80; the 128 x 128 forward
+# tile is FlashAttention-3's). Head dims 80 and 96, padded to 128, have fewer: the masked
+# head-dim columns cost registers, and the 128 x 128 tiles spill there. They are timed after the
+# candidates above.
 _HOPPER_HALF_CANDIDATES = {
-    "fwd": {128: [(128, 128, 8, 3)]},
-    "dkdv": {128: [(32, 128, 8, 2)]},
-    "dq": {128: [(128, 64, 8, 2)]},
+    "fwd": {64: [(128, 64, 4, 3)], 128: [(128, 128, 8, 3), (128, 128, 8, 2)]},
+    "dkdv": {64: [(64, 128, 8, 3)], 80: [(32, 128, 8, 2)], 96: [(32, 128, 8, 2)], 128: [(32, 128, 8, 2)]},
+    "dq": {64: [(128, 64, 8, 3), (128, 128, 8, 2)], 80: [(128, 64, 8, 2)], 96: [(128, 64, 8, 2)],
+           128: [(128, 64, 8, 2), (128, 128, 8, 2)]},
 }
-# Hopper only, and for non-causal attention only (none yet).
-_HOPPER_HALF_NONCAUSAL_CANDIDATES = {"fwd": {}, "dkdv": {}, "dq": {}}
+# ... and for non-causal attention only: with the causal dK/dV kernel's masked diagonal steps this
+# tile spills (48 bytes of stack on sm_90).
+_HOPPER_HALF_NONCAUSAL_CANDIDATES = {"fwd": {}, "dkdv": {128: [(64, 128, 8, 2)]}, "dq": {}}
 _FP32_CANDIDATES = {
     "fwd": {32: [(32, 64, 4, 2)], 64: [(32, 32, 4, 3)],
             128: [(16, 16, 4, 2)], 256: [(16, 16, 4, 1), (16, 16, 8, 1), (16, 16, 4, 2)]},
@@ -139,9 +145,9 @@ def candidates(kind, head_dim, dtype, hopper=False, causal=None):
     table = (_HALF_CONFIGS if half else _FP32_CONFIGS)[kind][d_pad]
     extra = (_HALF_CANDIDATES if half else _FP32_CANDIDATES)[kind][d_pad]
     if hopper and half:
-        extra = extra + _HOPPER_HALF_CANDIDATES[kind].get(d_pad, [])
+        extra = extra + _HOPPER_HALF_CANDIDATES[kind].get(head_dim, [])
         if not causal:
-            extra = extra + _HOPPER_HALF_NONCAUSAL_CANDIDATES[kind].get(d_pad, [])
+            extra = extra + _HOPPER_HALF_NONCAUSAL_CANDIDATES[kind].get(head_dim, [])
     return list(dict.fromkeys([table] + extra))
 
 
