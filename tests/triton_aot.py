@@ -90,16 +90,20 @@ def failing(results):
 
 
 def sass_loops(sass):
-    """The loops of a kernel's SASS (cuobjdump -sass text): for each backward branch, the
-    instructions from its target to the branch, in order, without addresses or encodings."""
+    """The loops of a kernel's SASS (cuobjdump -sass text): for each backward branch whose range
+    holds no EXIT, the instructions from its target to the branch, in order, without addresses
+    or encodings. (A backward branch over an EXIT is no loop: it returns from out-of-line code
+    placed after the kernel's end, such as the divergent-warp path of a shuffle.)"""
     import re
 
     code = [(int(addr, 16), text.strip()) for addr, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     loops = []
     for addr, text in code:
-        branch = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
-        if branch and int(branch.group(1), 16) <= addr:
-            loops.append([t for a, t in code if int(branch.group(1), 16) <= a <= addr])
+        branch = re.match(r"(@!?U?P\d+\s+)?BRA\s+(0x[0-9a-f]+)", text)
+        if branch and int(branch.group(2), 16) <= addr:
+            body = [t for a, t in code if int(branch.group(2), 16) <= a <= addr]
+            if not any(re.search(r"\bEXIT\b", t) for t in body):
+                loops.append(body)
     return loops
 
 
