@@ -120,6 +120,10 @@ def _fused_block_ns(limit: int):
 # ---------------------------------------------------------------------------------------------
 # 2. Forward
 # ---------------------------------------------------------------------------------------------
+# Row counts (M, rows_per_program, G) are not specialised (do_not_specialize): they only bound
+# loops and mask rows, so one compiled variant serves every M (no recompile for M == 1 or a
+# multiple of 16), and the ahead-of-time checks compile the variant any M runs. N and the row
+# strides are: their divisibility by 16 is what lets Triton use 16-byte accesses.
 @triton.jit
 def _affine(xhat, w, b, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
     # y = xhat * w + b. Shared by the forward and by the backward's RECOMPUTE_OUTPUT so both
@@ -606,13 +610,26 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd, recompute_output):
     # Second step: reduce the G partial rows, in a fixed order (G depends only on (M, N, device)).
     dw = torch.empty((N,) if has_w else (0,), dtype=weight.dtype if has_w else x.dtype, device=device)
     db = torch.empty((N,) if has_b else (0,), dtype=bias.dtype if has_b else x.dtype, device=device)
-    if has_w or has_b:
-        _layer_norm_param_grads_kernel[(cdiv(N, PARAM_GRADS_BLOCK_N),)](
-            dw_partial if has_w else db_partial, db_partial if has_b else dw_partial, dw if has_w else db,
-            db if has_b else dw, groups, N, HAS_WEIGHT=has_w, HAS_BIAS=has_b,
-            BLOCK_G=PARAM_GRADS_BLOCK_G, BLOCK_N=PARAM_GRADS_BLOCK_N, num_warps=PARAM_GRADS_WARPS,
-        )
+    _sum_partials(dw_partial if has_w else None, db_partial if has_b else None, dw, db)
     return dx, dw, db, y
+
+
+def _sum_partials(dw_partial, db_partial, dw, db):
+    """dw, db = the column sums of the (G, N) fp32 partials, cast to their own dtype, in one launch
+    (a partial buffer that is None has no output)."""
+    has_w, has_b = dw_partial is not None, db_partial is not None
+    if not (has_w or has_b):
+        return
+    # An absent output is compiled out (HAS_WEIGHT/HAS_BIAS): the present one's tensors stand in.
+    if not has_w:
+        dw_partial, dw = db_partial, db
+    if not has_b:
+        db_partial, db = dw_partial, dw
+    groups, n = dw_partial.shape
+    _layer_norm_param_grads_kernel[(cdiv(n, PARAM_GRADS_BLOCK_N),)](
+        dw_partial, db_partial, dw, db, groups, n, HAS_WEIGHT=has_w, HAS_BIAS=has_b,
+        BLOCK_G=PARAM_GRADS_BLOCK_G, BLOCK_N=PARAM_GRADS_BLOCK_N, num_warps=PARAM_GRADS_WARPS,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
