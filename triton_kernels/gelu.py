@@ -42,10 +42,12 @@ from ._common import cdiv, num_sms, on_input_device, unit_last_stride
 FLAT_BLOCK = 4096
 FLAT_WARPS = 8
 # Tiled path (a bias to broadcast over rows, or rows with a stride != N): [BLOCK_M, BLOCK_N]
-# tiles of TILE elements, 16 a thread at TILE_WARPS warps (32 bytes of bf16: two 16-byte
-# accesses per tensor). The tile size is fixed, so registers a thread do not depend on the
-# shape: BLOCK_N only trades rows for columns.
-TILE = 4096
+# tiles of TILE_BYTES of input, 32 bytes a thread at TILE_WARPS warps (16 bf16 or 8 fp32
+# elements: two 16-byte accesses per tensor; 16 fp32 elements spilled on sm_80 where the width
+# is not a multiple of 16, each element then having its own predicate). The tile size is fixed
+# per dtype, so registers a thread do not depend on the shape: BLOCK_N only trades rows for
+# columns.
+TILE_BYTES = 8192
 TILE_WARPS = 8
 # BLOCK_N: WIDE_BLOCK_N (16 rows of 512 bytes of bf16: whole 128-byte lines, one bias load per
 # 16 rows), or NARROW_BLOCK_N where that pads the row much less (rows up to ~200 wide, or just
@@ -63,8 +65,8 @@ PADDING_SLACK = 1.125
 BWD_PROGRAMS_PER_SM = 2
 
 
-def _tile_config(n: int, has_bias: bool = True):
-    """(BLOCK_M, BLOCK_N, num_warps) of the tiled kernels for rows of n elements.
+def _tile_config(n: int, dtype: torch.dtype, has_bias: bool = True):
+    """(BLOCK_M, BLOCK_N, num_warps) of the tiled kernels for rows of n elements of dtype.
 
     Without a bias the tiled kernels serve only rows with a stride != N (dense rows take the
     flat kernels): a rare case, given the wide block whatever n, to keep compiled variants few.
@@ -72,7 +74,8 @@ def _tile_config(n: int, has_bias: bool = True):
     block_n = WIDE_BLOCK_N
     if has_bias and cdiv(n, WIDE_BLOCK_N) * WIDE_BLOCK_N > PADDING_SLACK * cdiv(n, NARROW_BLOCK_N) * NARROW_BLOCK_N:
         block_n = NARROW_BLOCK_N
-    return TILE // block_n, block_n, TILE_WARPS
+    tile = TILE_BYTES // torch.empty(0, dtype=dtype).element_size()
+    return tile // block_n, block_n, TILE_WARPS
 
 
 def _bwd_groups(m: int, block_m: int, col_blocks: int, device) -> int:
@@ -321,7 +324,7 @@ def gelu_fwd(x, bias, approximate):
             x, y, M, N, APPROXIMATE_TANH=tanh, BLOCK=FLAT_BLOCK, num_warps=FLAT_WARPS,
         )
         return y
-    block_m, block_n, warps = _tile_config(N, bias is not None)
+    block_m, block_n, warps = _tile_config(N, x.dtype, bias is not None)
     # An absent bias is compiled out (HAS_BIAS); pass x as a placeholder pointer.
     b = bias.contiguous() if bias is not None else x
     _gelu_fwd_kernel[(cdiv(M, block_m) * cdiv(N, block_n),)](
@@ -359,7 +362,7 @@ def gelu_bwd(dy, x, bias, approximate, recompute_output):
         )
         return dx, no_dbias, y
 
-    block_m, block_n, warps = _tile_config(N, has_bias)
+    block_m, block_n, warps = _tile_config(N, x.dtype, has_bias)
     col_blocks = cdiv(N, block_n)
     groups = _bwd_groups(M, block_m, col_blocks, device)
     b = bias.contiguous() if has_bias else x

@@ -60,8 +60,9 @@ CHUNK_WARPS = 8
 # The fused backward's loop is software pipelined: the copies of the next two row blocks (cp.async
 # into shared memory) are in flight while a block is computed. Pipelined only where those two
 # blocks of x and dy take at most BWD_PIPELINE_BYTES (every width in bf16/fp16, up to 4096 in
-# fp32), so that two programs still share an sm_90 SM (with the bias re-read each step for
-# recompute_output, up to 96 KiB a program) and every buffer fits an sm_80 block (163 KiB).
+# fp32), so that two programs still share an sm_90 SM and every buffer fits an sm_80 block
+# (163 KiB). recompute_output re-reads the bias each step, which is pipelined too: up to 96 KiB a
+# program with a bias in x's dtype, 128 KiB with an fp32 one (one program an SM then).
 # With two stages Triton issues the next block's copies only after this block's reductions,
 # which hides nothing: the 8192-wide fp32 rows load directly instead.
 BWD_PIPELINE_BYTES = 65536
