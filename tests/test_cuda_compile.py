@@ -18,6 +18,11 @@ import tempfile
 
 import pytest
 
+try:  # tests/ on sys.path (pytest's default rootdir-relative import)
+    from triton_aot import cuda_binary_tool, sass_loops
+except ImportError:  # tests/ imported as a package
+    from tests.triton_aot import cuda_binary_tool, sass_loops
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
 CUDA_SOURCES = sorted(glob.glob(os.path.join(CSRC, "*.cu")))
@@ -152,11 +157,7 @@ def test_compiles_without_spills(source):
 
 def sass_functions(obj, arch):
     """{demangled function name: its SASS} of the sm_<arch> code in an object file."""
-    try:
-        from triton_aot import _triton_tool
-    except ImportError:
-        from tests.triton_aot import _triton_tool
-    text = subprocess.run([_triton_tool("cuobjdump"), "-sass", "-arch", f"sm_{arch}", obj], capture_output=True,
+    text = subprocess.run([cuda_binary_tool("cuobjdump"), "-sass", "-arch", f"sm_{arch}", obj], capture_output=True,
                           text=True, check=True).stdout
     bodies = dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s+Function : |\Z)", text, flags=re.S))
     names = demangle(sorted(bodies))
@@ -175,10 +176,6 @@ def test_layer_norm_backward_loads_the_next_row_before_its_reductions(arch):
     (LDGSTS) of the next row before this row's first warp shuffle, and the wait before that
     shuffle leaves one copy group in flight (DEPBAR.LE SB0, 0x1): the next row's loads overlap
     this row's reductions."""
-    try:
-        from triton_aot import sass_loops
-    except ImportError:
-        from tests.triton_aot import sass_loops
     _, obj = compile_source(os.path.join(CSRC, "layer_norm.cu"))
     kernels = {name: body for name, body in sass_functions(obj, arch).items() if PREFETCHING_BACKWARD.search(name)}
     # 5 (x, parameter) dtype pairs x 4 (elements a thread, warp or block per row) x recompute or not

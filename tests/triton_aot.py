@@ -124,7 +124,7 @@ def format_results(results):
 # ------------------------------------------------------------------------------------------------
 # Worker side: runs in a subprocess without TRITON_INTERPRET.
 # ------------------------------------------------------------------------------------------------
-def _triton_tool(name):
+def cuda_binary_tool(name):
     """A CUDA binary tool bundled with Triton (cuobjdump, nvdisasm), else the one on PATH."""
     import shutil
 
@@ -146,7 +146,7 @@ def _cuobjdump(cubin, *flags):
         f.write(cubin)
         path = f.name
     try:
-        return subprocess.run([_triton_tool("cuobjdump"), *flags, path], capture_output=True, text=True,
+        return subprocess.run([cuda_binary_tool("cuobjdump"), *flags, path], capture_output=True, text=True,
                               check=True).stdout
     finally:
         os.unlink(path)

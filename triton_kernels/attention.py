@@ -99,11 +99,10 @@ _HALF_CANDIDATES = {
 # Hopper (sm_90) only, by exact head dim: its warpgroup MMA keeps larger tiles in registers than
 # sm_80's mma does, and issues them as wide instructions (the d128 backward tables' 16- and
 # 32-wide key/query blocks give skinny HGMMA.64x16x16 / 64x32x16; 64 x 128 and 128 x 128 tiles
-# give 64x64x16 and 64x128x16 ones). Every one compiles without
-# spills on sm_90 at both shapes of aot_cases() (several spill on sm_80; the 128 x 128 forward
-# tile is FlashAttention-3's). Head dims 80 and 96, padded to 128, have fewer: the masked
-# head-dim columns cost registers, and the 128 x 128 tiles spill there. They are timed after the
-# candidates above.
+# give 64x64x16 and 64x128x16 ones). Every one compiles without spills on sm_90 at both shapes
+# of aot_cases() (several spill on sm_80; the 128 x 128 forward tile is FlashAttention-3's).
+# Head dims 80 and 96, padded to 128, have fewer: the masked head-dim columns cost registers, and
+# the 128 x 128 tiles spill there. They are timed after the candidates above.
 _HOPPER_HALF_CANDIDATES = {
     "fwd": {64: [(128, 64, 4, 3)], 128: [(128, 128, 8, 3), (128, 128, 8, 2)]},
     "dkdv": {64: [(64, 128, 8, 3)], 80: [(32, 128, 8, 2)], 96: [(32, 128, 8, 2)], 128: [(32, 128, 8, 2)]},

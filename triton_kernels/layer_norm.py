@@ -655,18 +655,15 @@ def _aot_widths(fused_limit, unaligned_limit):
     yield "looped", fused_limit + 1, False
 
 
-def _aot_inputs(width, divisible, x_dtype, p_dtype, affine):
+def _aot_launch(width, divisible, x_dtype, p_dtype, affine, recompute):
+    """The forward (recompute None) or the backward on CPU tensors of `width` columns."""
     rows = 64 if divisible else 67
     x = torch.empty((rows, width), dtype=x_dtype)
     w, b = (torch.empty((width,), dtype=p_dtype) if affine else None for _ in range(2))
-    return x, w, b, torch.empty((rows,)), torch.empty((rows,))
-
-
-def _aot_case(direction, block, width, divisible, x_dtype, p_dtype, affine, recompute, launch):
-    params = _TYPE_NAMES[p_dtype] if affine else "none"
-    rec = "" if recompute is None else f"_rec{int(recompute)}"
-    return dict(name=f"{direction}_x{_TYPE_NAMES[x_dtype]}_w{params}{rec}_BN{block}_N{width}", launch=launch,
-                divisible=divisible, block_n=block)
+    if recompute is None:
+        layer_norm_fwd(x, w, b, 1e-5)
+    else:
+        layer_norm_bwd(torch.empty_like(x), x, w, b, torch.empty((rows,)), torch.empty((rows,)), recompute)
 
 
 def aot_cases():
@@ -677,19 +674,15 @@ def aot_cases():
     cases = []
     for x_dtype, p_dtype in _DTYPE_PAIRS:
         for affine in (True, False) if p_dtype == x_dtype else (True,):
-            def fwd(width, divisible, x_dtype=x_dtype, p_dtype=p_dtype, affine=affine):
-                x, w, b, _, _ = _aot_inputs(width, divisible, x_dtype, p_dtype, affine)
-                layer_norm_fwd(x, w, b, 1e-5)
-
-            def bwd(width, divisible, recompute, x_dtype=x_dtype, p_dtype=p_dtype, affine=affine):
-                x, w, b, mean, rstd = _aot_inputs(width, divisible, x_dtype, p_dtype, affine)
-                layer_norm_bwd(torch.empty_like(x), x, w, b, mean, rstd, recompute)
-
-            for block, width, divisible in _aot_widths(max_fused_n_fwd(x_dtype), max_fused_n_fwd(x_dtype)):
-                cases.append(_aot_case("fwd", block, width, divisible, x_dtype, p_dtype, affine, None,
-                                       functools.partial(fwd, width, divisible)))
-            for block, width, divisible in _aot_widths(MAX_FUSED_N_BWD, MAX_FUSED_N_BWD_UNALIGNED):
-                for recompute in (False, True):
-                    cases.append(_aot_case("bwd", block, width, divisible, x_dtype, p_dtype, affine, recompute,
-                                           functools.partial(bwd, width, divisible, recompute)))
+            variants = [("fwd", None, _aot_widths(max_fused_n_fwd(x_dtype), max_fused_n_fwd(x_dtype)))]
+            variants += [("bwd", rec, _aot_widths(MAX_FUSED_N_BWD, MAX_FUSED_N_BWD_UNALIGNED)) for rec in (False, True)]
+            for direction, recompute, widths in variants:
+                for block, width, divisible in widths:
+                    params = _TYPE_NAMES[p_dtype] if affine else "none"
+                    rec = "" if recompute is None else f"_rec{int(recompute)}"
+                    cases.append(dict(
+                        name=f"{direction}_x{_TYPE_NAMES[x_dtype]}_w{params}{rec}_BN{block}_N{width}",
+                        launch=functools.partial(_aot_launch, width, divisible, x_dtype, p_dtype, affine, recompute),
+                        divisible=divisible, block_n=block,
+                    ))
     return cases
