@@ -49,7 +49,7 @@ import triton.language as tl
 
 from remat import _autotune
 
-from ._common import cdiv, next_power_of_2, on_input_device, unit_last_stride
+from ._common import TYPE_NAMES, cdiv, next_power_of_2, on_input_device, unit_last_stride
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # ln(2): log(x) = log2(x) * LN2
@@ -771,7 +771,6 @@ def attention_bwd(do, q, k, v, o, lse, causal, softmax_scale):
 # launches for a GPU, specialised by Triton on the real arguments. Two shapes: "div16", whose
 # head count, sequence lengths and strides are multiples of 16 (the variant the benchmarks and
 # most training runs launch), and "ragged", whose head count and lengths are not.
-_TYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 # (heads, seqlen) per shape. GQA group sizes are constexprs too; production launches any, but the
 # group only changes the trip count of an outer loop, so one value (1: heads == kv_heads) is compiled.
 AOT_SHAPES = {"div16": (16, 256), "ragged": (3, 255)}
@@ -810,7 +809,7 @@ def aot_cases(dtypes=(torch.float16, torch.bfloat16, torch.float32), head_dims=H
     """
     cases = []
     for dtype, head_dim, shape in ((t, d, s) for t in dtypes for d in head_dims for s in shapes):
-        tag = f"{_TYPE_NAMES[dtype]}_d{head_dim}"
+        tag = f"{TYPE_NAMES[dtype]}_d{head_dim}"
         for causal in causals:
             for kind in KINDS:
                 everywhere = candidates(kind, head_dim, dtype, causal=causal)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, num_sms, on_input_device, unit_last_stride
+from ._common import TYPE_NAMES, cdiv, num_sms, on_input_device, unit_last_stride
 
 # ---------------------------------------------------------------------------------------------
 # 1. Configuration
@@ -385,7 +385,6 @@ def gelu_bwd(dy, x, bias, approximate, recompute_output):
 # launches for a GPU, specialised by Triton on the real arguments. Every path is met at a shape
 # whose sizes and row strides are multiples of 16 (the variant production shapes run) and at a
 # ragged one.
-_TYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 # (rows, width) per BLOCK_N that _tile_config picks, 16-divisible and ragged.
 _AOT_SHAPES = {WIDE_BLOCK_N: ((64, 1024), (67, 1000)), NARROW_BLOCK_N: ((64, 96), (67, 100))}
 
@@ -416,9 +415,9 @@ def aot_cases():
                 # Without a bias: the flat kernels (dense rows) and the tiled ones (strided rows).
                 for strided in (False, True) if bias_dtype is None else (False,):
                     kind = "tiled" if bias_dtype is not None or strided else "flat"
-                    bias = _TYPE_NAMES[bias_dtype] if bias_dtype is not None else "none"
+                    bias = TYPE_NAMES[bias_dtype] if bias_dtype is not None else "none"
                     blocks = f"_BN{block_n}" if kind == "tiled" else ""
-                    tag = f"{kind}_x{_TYPE_NAMES[x_dtype]}_b{bias}_{approximate}{blocks}_{shape[0]}x{shape[1]}"
+                    tag = f"{kind}_x{TYPE_NAMES[x_dtype]}_b{bias}_{approximate}{blocks}_{shape[0]}x{shape[1]}"
                     for backward, recompute in ((False, False), (True, False), (True, True)):
                         name = f"{'bwd' if backward else 'fwd'}_{tag}" + (f"_rec{int(recompute)}" if backward else "")
                         launch = functools.partial(_aot_launch, x_dtype, bias_dtype, approximate, shape, strided,

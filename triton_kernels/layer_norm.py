@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, next_power_of_2, num_sms, on_input_device, unit_last_stride
+from ._common import TYPE_NAMES, cdiv, next_power_of_2, num_sms, on_input_device, unit_last_stride
 
 # ---------------------------------------------------------------------------------------------
 # 1. Configuration
@@ -641,7 +641,6 @@ def _sum_partials(dw_partial, db_partial, dw, db):
 # two widths: a multiple of 16 (Triton marks N and the row strides 16-divisible, the variant
 # production widths run) and one that is not (N - 1: same blocks, no divisibility).
 _DTYPE_PAIRS = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32)]
-_TYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def _aot_widths(fused_limit, unaligned_limit):
@@ -678,10 +677,10 @@ def aot_cases():
             variants += [("bwd", rec, _aot_widths(MAX_FUSED_N_BWD, MAX_FUSED_N_BWD_UNALIGNED)) for rec in (False, True)]
             for direction, recompute, widths in variants:
                 for block, width, divisible in widths:
-                    params = _TYPE_NAMES[p_dtype] if affine else "none"
+                    params = TYPE_NAMES[p_dtype] if affine else "none"
                     rec = "" if recompute is None else f"_rec{int(recompute)}"
                     cases.append(dict(
-                        name=f"{direction}_x{_TYPE_NAMES[x_dtype]}_w{params}{rec}_BN{block}_N{width}",
+                        name=f"{direction}_x{TYPE_NAMES[x_dtype]}_w{params}{rec}_BN{block}_N{width}",
                         launch=functools.partial(_aot_launch, width, divisible, x_dtype, p_dtype, affine, recompute),
                         divisible=divisible, block_n=block,
                     ))
