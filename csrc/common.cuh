@@ -122,20 +122,56 @@ __device__ __forceinline__ V block_sum(V v, V* buf) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Asynchronous 16-byte copies from global to shared memory (cp.async, sm_80+), for kernels that
+// prefetch the next rows while computing on the current ones. Each thread waits only for its
+// own copies, so a thread that reads back only what it copied needs no barrier. Older archs
+// copy synchronously (same results).
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(gmem));
+#else
+  *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
+#endif
+}
+
+// Closes the group of copies issued since the last commit (an empty group is allowed).
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+// Waits until at most PENDING of this thread's committed groups are still in flight.
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
 // Second step of a deterministic column reduction: OUT[c] = sum_g P[g, c] over the G rows of
 // fp32 partials that the first step's blocks wrote (one row each), in a fixed order: thread
 // (x, y) sums rows g = y, y + kPartialSumRows, ..., then row y == 0 adds the kPartialSumRows
-// thread sums in y order. Block (kPartialSumCols, kPartialSumRows), grid ceil(N / kPartialSumCols).
+// thread sums in y order. Up to two (P, OUT) pairs in one launch (blockIdx.y picks the pair: dw
+// and db of a LayerNorm). Block (kPartialSumCols, kPartialSumRows), grid (ceil(N /
+// kPartialSumCols), pairs).
 // ---------------------------------------------------------------------------------------------
 constexpr int kPartialSumCols = 32;
 constexpr int kPartialSumRows = 8;
 
 template <typename Out>
 __global__ void __launch_bounds__(kPartialSumCols * kPartialSumRows) sum_partial_rows_kernel(
-    const float* __restrict__ P,  // (G, N) fp32 partials
-    Out* __restrict__ OUT,        // (N,)
+    const float* __restrict__ P0,  // (G, N) fp32 partials of the first output
+    Out* __restrict__ OUT0,        // (N,)
+    const float* __restrict__ P1,  // (G, N) fp32 partials of the second output, or unused
+    Out* __restrict__ OUT1,        // (N,), or unused
     int G, int N) {
   __shared__ float buf[kPartialSumRows][kPartialSumCols];
+  const float* P = blockIdx.y == 0 ? P0 : P1;
+  Out* OUT = blockIdx.y == 0 ? OUT0 : OUT1;
   const int col = blockIdx.x * kPartialSumCols + threadIdx.x;
   float s = 0.f;
   if (col < N) {
@@ -151,17 +187,33 @@ __global__ void __launch_bounds__(kPartialSumCols * kPartialSumRows) sum_partial
   }
 }
 
-// OUT (N,), in its own dtype, = the column sums of the (G, N) fp32 PARTIALS, in a fixed order.
-inline void sum_partial_rows(const at::Tensor& partials, at::Tensor& out, cudaStream_t stream) {
-  const int G = static_cast<int>(partials.size(0));
-  const int N = static_cast<int>(partials.size(1));
+// OUT_i (N,), in its own dtype, = the column sums of the (G, N) fp32 PARTIALS_i, in a fixed
+// order, for each pair whose tensors are defined; one launch for both. Both outputs share a dtype.
+inline void sum_partial_rows(const at::Tensor& partials0, at::Tensor& out0, const at::Tensor& partials1,
+                             at::Tensor& out1, cudaStream_t stream) {
+  const bool has0 = partials0.defined(), has1 = partials1.defined();
+  if (!has0 && !has1) return;
+  const at::Tensor& first_partials = has0 ? partials0 : partials1;
+  at::Tensor& first_out = has0 ? out0 : out1;
+  TORCH_CHECK(!(has0 && has1) || out0.scalar_type() == out1.scalar_type(),
+              "sum_partial_rows: outputs of different dtypes");
+  const int G = static_cast<int>(first_partials.size(0));
+  const int N = static_cast<int>(first_partials.size(1));
   const dim3 block(kPartialSumCols, kPartialSumRows);
-  const dim3 grid(static_cast<unsigned>((N + kPartialSumCols - 1) / kPartialSumCols));
-  REMAT_DISPATCH_FLOAT_TYPES(out.scalar_type(), "remat_sum_partial_rows", [&] {
-    sum_partial_rows_kernel<scalar_t>
-        <<<grid, block, 0, stream>>>(partials.data_ptr<float>(), out.data_ptr<scalar_t>(), G, N);
+  const dim3 grid(static_cast<unsigned>((N + kPartialSumCols - 1) / kPartialSumCols), has0 && has1 ? 2 : 1);
+  REMAT_DISPATCH_FLOAT_TYPES(first_out.scalar_type(), "remat_sum_partial_rows", [&] {
+    scalar_t* second_out = has0 && has1 ? out1.data_ptr<scalar_t>() : nullptr;
+    sum_partial_rows_kernel<scalar_t><<<grid, block, 0, stream>>>(
+        first_partials.data_ptr<float>(), first_out.data_ptr<scalar_t>(),
+        has0 && has1 ? partials1.data_ptr<float>() : nullptr, second_out, G, N);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+}
+
+// The same for one (PARTIALS, OUT) pair.
+inline void sum_partial_rows(const at::Tensor& partials, at::Tensor& out, cudaStream_t stream) {
+  at::Tensor none;
+  sum_partial_rows(partials, out, at::Tensor(), none, stream);
 }
 
 }  // namespace remat

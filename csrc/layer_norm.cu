@@ -6,13 +6,14 @@
 //   layer_norm_fwd_looped_kernel    any N: re-reads the row from global memory
 //   layer_norm_bwd_kernel           row cached in registers (N <= kMaxRegisterWidthBwd)
 //   layer_norm_bwd_looped_kernel    any N
-//   sum_partial_rows_kernel         (common.cuh) (G, N) fp32 partials -> (N,) dw or db
+//   sum_partial_rows_kernel         (common.cuh) (G, N) fp32 partials -> (N,) dw and db, one launch
 // Register kernels run one warp per row (kRowsPerWarpBlock rows per block) for narrow rows and
 // one block per row otherwise; the host picks the elements per thread (EPT) and block size.
 
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -55,11 +56,12 @@ __device__ __forceinline__ float corrected_var(float2 dev, float inv_n) {
 // y = xhat * w + b; a missing weight is w = 1, a missing bias b = 0 (exact).
 __device__ __forceinline__ float affine(float xhat, float w, float b) { return __fmaf_rn(xhat, w, b); }
 
-// Loads VEC fp32 parameters at P + col0, or VALUE when P is null (weight/bias absent).
-template <int VEC>
-__device__ __forceinline__ void load_param(const float* __restrict__ P, int col0, float value, float* out) {
+// Loads VEC parameters at P + col0 (stored as PT: fp32 or x's dtype) as fp32, or VALUE when P is
+// null (weight/bias absent).
+template <typename PT, int VEC>
+__device__ __forceinline__ void load_param(const PT* __restrict__ P, int col0, float value, float* out) {
   if (P != nullptr) {
-    load_pack<float, VEC>(P + col0, out);
+    load_pack<PT, VEC>(P + col0, out);
   } else {
     fill<VEC>(out, value);
   }
@@ -109,11 +111,11 @@ __device__ __forceinline__ void load_row(const T* __restrict__ row, int nvalid, 
 // Launch: warp mode block (32, kRowsPerWarpBlock), grid ceil(M / kRowsPerWarpBlock);
 //         block mode block (threads, 1) with threads * EPT >= N, grid M.
 // ---------------------------------------------------------------------------------------------
-template <typename T, int VEC, int EPT, bool kWarpPerRow>
+template <typename T, typename PT, int VEC, int EPT, bool kWarpPerRow>
 __global__ void __launch_bounds__(kMaxThreads, 1) layer_norm_fwd_kernel(
-    const T* __restrict__ X,      // (M, N), row stride x_stride, unit column stride
-    const float* __restrict__ W,  // (N,) or null
-    const float* __restrict__ B,  // (N,) or null
+    const T* __restrict__ X,   // (M, N), row stride x_stride, unit column stride
+    const PT* __restrict__ W,  // (N,) or null
+    const PT* __restrict__ B,  // (N,) or null
     T* __restrict__ Y,            // (M, N) contiguous
     float* __restrict__ Mean,     // (M,)
     float* __restrict__ Rstd,     // (M,)
@@ -164,8 +166,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1) layer_norm_fwd_kernel(
     const int col0 = chunk_col<VEC>(i, t, threads);
     if (i < nvalid) {
       float w[VEC], b[VEC], out[VEC];
-      load_param<VEC>(W, col0, 1.f, w);
-      load_param<VEC>(B, col0, 0.f, b);
+      load_param<PT, VEC>(W, col0, 1.f, w);
+      load_param<PT, VEC>(B, col0, 0.f, b);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) out[j] = affine(normalize(v[i * VEC + j], mean, rstd), w[j], b[j]);
       store_pack<T, VEC>(y_row + col0, out);
@@ -177,11 +179,11 @@ __global__ void __launch_bounds__(kMaxThreads, 1) layer_norm_fwd_kernel(
 // Forward, any N: one block (kLoopedThreads) per row, three passes over the row in global
 // memory (sum, deviations and their squares, output). Grid M.
 // ---------------------------------------------------------------------------------------------
-template <typename T, int VEC>
+template <typename T, typename PT, int VEC>
 __global__ void __launch_bounds__(kLoopedThreads, 1) layer_norm_fwd_looped_kernel(
-    const T* __restrict__ X,      // (M, N), row stride x_stride
-    const float* __restrict__ W,  // (N,) or null
-    const float* __restrict__ B,  // (N,) or null
+    const T* __restrict__ X,   // (M, N), row stride x_stride
+    const PT* __restrict__ W,  // (N,) or null
+    const PT* __restrict__ B,  // (N,) or null
     T* __restrict__ Y,            // (M, N) contiguous
     float* __restrict__ Mean,     // (M,)
     float* __restrict__ Rstd,     // (M,)
@@ -225,13 +227,84 @@ __global__ void __launch_bounds__(kLoopedThreads, 1) layer_norm_fwd_looped_kerne
   for (int col0 = first; col0 < N; col0 += step) {
     float v[VEC], w[VEC], b[VEC];
     load_pack<T, VEC>(x_row + col0, v);
-    load_param<VEC>(W, col0, 1.f, w);
-    load_param<VEC>(B, col0, 0.f, b);
+    load_param<PT, VEC>(W, col0, 1.f, w);
+    load_param<PT, VEC>(B, col0, 0.f, b);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) v[j] = affine(normalize(v[j], mean, rstd), w[j], b[j]);
     store_pack<T, VEC>(y_row + col0, v);
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Prefetch of the backward's rows: while a thread computes on one row, cp.async copies its
+// chunks of the next row's x and dy into shared memory (two stages, alternating). Each thread
+// copies and later reads only its own chunks (slot (stage, tensor, chunk) at
+// ((stage * 2 + tensor) * ITERS + chunk) * block threads + thread: consecutive threads,
+// consecutive 16 bytes), so no barrier is needed, only a wait for its own copies. Vectorised
+// rows only (cp.async moves 16-byte chunks here); the kernel then takes kPrefetchBytes<ITERS> x
+// block threads of dynamic shared memory.
+// ---------------------------------------------------------------------------------------------
+template <typename T, int VEC>
+constexpr bool kPrefetch = VEC * static_cast<int>(sizeof(T)) == kMaxVecBytes;
+
+template <int ITERS>
+constexpr int kPrefetchBytes = 2 * 2 * ITERS * kMaxVecBytes;  // a thread's: 2 stages x (x, dy) x chunks
+
+template <typename T, int VEC, int ITERS>
+struct RowPrefetch {
+  uint4* slots;  // this thread's first slot
+  int stride;    // slots between a thread's consecutive chunks (the block's thread count)
+  int nvalid, t, threads, stage = 0;
+  float mean = 0.f, rstd = 0.f;            // statistics of the row take() returns
+  float next_mean = 0.f, next_rstd = 0.f;  // ... of the row issued last (plain loads, in flight too)
+
+  __device__ RowPrefetch(int nvalid_, int t_, int threads_) : nvalid(nvalid_), t(t_), threads(threads_) {
+    extern __shared__ uint4 prefetch_buffer[];
+    stride = static_cast<int>(blockDim.x * blockDim.y);
+    slots = prefetch_buffer + threadIdx.y * blockDim.x + threadIdx.x;
+  }
+
+  __device__ uint4* slot(int s, int tensor, int i) const { return slots + ((s * 2 + tensor) * ITERS + i) * stride; }
+
+  // Starts copying row ROW (nothing when ROW >= M) into the stage not being read, as one group,
+  // and loading its mean and rstd.
+  __device__ void issue(const T* X, const T* DY, const float* Mean, const float* Rstd, int64_t row, int64_t M,
+                        int64_t x_stride, int64_t dy_stride) {
+    const int s = stage ^ 1;
+    mean = next_mean;
+    rstd = next_rstd;
+    if (row < M) {
+      next_mean = Mean[row];
+      next_rstd = Rstd[row];
+#pragma unroll
+      for (int i = 0; i < ITERS; ++i) {
+        if (i < nvalid) {
+          const int col0 = chunk_col<VEC>(i, t, threads);
+          cp_async_16(slot(s, 0, i), X + row * x_stride + col0);
+          cp_async_16(slot(s, 1, i), DY + row * dy_stride + col0);
+        }
+      }
+    }
+    cp_async_commit();
+    stage = s;
+  }
+
+  // The row issued before the last one, as fp32 (zeros past the valid chunks): waits for its copies.
+  __device__ void take(float* xv, float* gv) const {
+    cp_async_wait<1>();
+    const int s = stage ^ 1;
+#pragma unroll
+    for (int i = 0; i < ITERS; ++i) {
+      if (i < nvalid) {
+        load_pack<T, VEC>(reinterpret_cast<const T*>(slot(s, 0, i)), xv + i * VEC);
+        load_pack<T, VEC>(reinterpret_cast<const T*>(slot(s, 1, i)), gv + i * VEC);
+      } else {
+        fill<VEC>(xv + i * VEC, 0.f);
+        fill<VEC>(gv + i * VEC, 0.f);
+      }
+    }
+  }
+};
 
 // ---------------------------------------------------------------------------------------------
 // Backward. Per row, with xhat_i = (x_i - mean) * rstd and y_i = xhat_i * w_i + b_i:
@@ -251,12 +324,12 @@ __global__ void __launch_bounds__(kLoopedThreads, 1) layer_norm_fwd_looped_kerne
 // Register kernel launch: warp mode block (32, kRowsPerWarpBlock), block mode (threads, 1) with
 // threads * EPT >= N; grid G <= rows / rows_per_block, so every block owns at least one row group.
 // ---------------------------------------------------------------------------------------------
-template <typename T, int VEC, int EPT, bool kWarpPerRow, bool RECOMPUTE_OUTPUT>
+template <typename T, typename PT, int VEC, int EPT, bool kWarpPerRow, bool RECOMPUTE_OUTPUT>
 __global__ void __launch_bounds__(kMaxThreads, 1) layer_norm_bwd_kernel(
     const T* __restrict__ DY,        // (M, N), row stride dy_stride
     const T* __restrict__ X,         // (M, N), row stride x_stride
-    const float* __restrict__ W,     // (N,) or null
-    const float* __restrict__ B,     // (N,) or null (read only when RECOMPUTE_OUTPUT)
+    const PT* __restrict__ W,        // (N,) or null
+    const PT* __restrict__ B,        // (N,) or null (read only when RECOMPUTE_OUTPUT)
     const float* __restrict__ Mean,  // (M,)
     const float* __restrict__ Rstd,  // (M,)
     T* __restrict__ DX,              // (M, N) contiguous
@@ -272,6 +345,10 @@ __global__ void __launch_bounds__(kMaxThreads, 1) layer_norm_bwd_kernel(
   const int t = threadIdx.x;
   const int threads = kWarpPerRow ? kWarpSize : static_cast<int>(blockDim.x);
   const int nvalid = valid_chunks<VEC>(N, t, threads);
+  const int64_t row_step = static_cast<int64_t>(gridDim.x) * kRows;
+  const int64_t first_row = static_cast<int64_t>(blockIdx.x) * kRows + (kWarpPerRow ? threadIdx.y : 0);
+  RowPrefetch<T, VEC, ITERS> prefetch(nvalid, t, threads);
+  if constexpr (kPrefetch<T, VEC>) prefetch.issue(X, DY, Mean, Rstd, first_row, M, x_stride, dy_stride);
 
   float dw_acc[EPT], db_acc[EPT];
 #pragma unroll
@@ -279,13 +356,21 @@ __global__ void __launch_bounds__(kMaxThreads, 1) layer_norm_bwd_kernel(
 
   // Grid-stride over row groups; in block mode `row` is uniform over the block, so the
   // __syncthreads inside row_sum is reached by all threads or none.
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kRows + (kWarpPerRow ? threadIdx.y : 0); row < M;
-       row += static_cast<int64_t>(gridDim.x) * kRows) {
+  for (int64_t row = first_row; row < M; row += row_step) {
     float xv[EPT], gv[EPT];  // x then xhat; dy then wdy
-    load_row<T, VEC, ITERS>(X + row * x_stride, nvalid, t, threads, xv);
-    load_row<T, VEC, ITERS>(DY + row * dy_stride, nvalid, t, threads, gv);
-    const float mean = Mean[row];
-    const float rstd = Rstd[row];
+    float mean, rstd;
+    if constexpr (kPrefetch<T, VEC>) {
+      // The loads of the next row start now, before this row's reductions; this row's landed.
+      prefetch.issue(X, DY, Mean, Rstd, row + row_step, M, x_stride, dy_stride);
+      prefetch.take(xv, gv);
+      mean = prefetch.mean;
+      rstd = prefetch.rstd;
+    } else {
+      load_row<T, VEC, ITERS>(X + row * x_stride, nvalid, t, threads, xv);
+      load_row<T, VEC, ITERS>(DY + row * dy_stride, nvalid, t, threads, gv);
+      mean = Mean[row];
+      rstd = Rstd[row];
+    }
 
     float2 sums = make_float2(0.f, 0.f);  // (sum wdy * xhat, sum wdy)
 #pragma unroll
@@ -294,7 +379,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) layer_norm_bwd_kernel(
       const bool valid = i < nvalid;
       float w[VEC];
       if (valid) {
-        load_param<VEC>(W, col0, 1.f, w);
+        load_param<PT, VEC>(W, col0, 1.f, w);
       } else {
         fill<VEC>(w, 0.f);
       }
@@ -331,8 +416,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1) layer_norm_bwd_kernel(
         store_pack<T, VEC>(dx_row + col0, out);
         if constexpr (RECOMPUTE_OUTPUT) {
           float w[VEC], b[VEC];
-          load_param<VEC>(W, col0, 1.f, w);
-          load_param<VEC>(B, col0, 0.f, b);
+          load_param<PT, VEC>(W, col0, 1.f, w);
+          load_param<PT, VEC>(B, col0, 0.f, b);
 #pragma unroll
           for (int j = 0; j < VEC; ++j) out[j] = affine(xv[i * VEC + j], w[j], b[j]);
           store_pack<T, VEC>(Y + row * static_cast<int64_t>(N) + col0, out);
@@ -385,12 +470,12 @@ __global__ void __launch_bounds__(kMaxThreads, 1) layer_norm_bwd_kernel(
 // memory (each column always belongs to the same thread: no races, fixed order; DWp/DBp must
 // be zero-initialised). Pass 2 re-reads x, dy and writes dx (and y).
 // ---------------------------------------------------------------------------------------------
-template <typename T, int VEC, bool RECOMPUTE_OUTPUT>
+template <typename T, typename PT, int VEC, bool RECOMPUTE_OUTPUT>
 __global__ void __launch_bounds__(kLoopedThreads, 1) layer_norm_bwd_looped_kernel(
     const T* __restrict__ DY,        // (M, N), row stride dy_stride
     const T* __restrict__ X,         // (M, N), row stride x_stride
-    const float* __restrict__ W,     // (N,) or null
-    const float* __restrict__ B,     // (N,) or null (read only when RECOMPUTE_OUTPUT)
+    const PT* __restrict__ W,        // (N,) or null
+    const PT* __restrict__ B,        // (N,) or null (read only when RECOMPUTE_OUTPUT)
     const float* __restrict__ Mean,  // (M,)
     const float* __restrict__ Rstd,  // (M,)
     T* __restrict__ DX,              // (M, N) contiguous
@@ -414,7 +499,7 @@ __global__ void __launch_bounds__(kLoopedThreads, 1) layer_norm_bwd_looped_kerne
       float x[VEC], dy[VEC], w[VEC], dw[VEC], db[VEC];
       load_pack<T, VEC>(x_row + col0, x);
       load_pack<T, VEC>(dy_row + col0, dy);
-      load_param<VEC>(W, col0, 1.f, w);
+      load_param<PT, VEC>(W, col0, 1.f, w);
       if (DWp != nullptr) load_pack<float, VEC>(DWp + part + col0, dw);
       if (DBp != nullptr) load_pack<float, VEC>(DBp + part + col0, db);
 #pragma unroll
@@ -439,7 +524,7 @@ __global__ void __launch_bounds__(kLoopedThreads, 1) layer_norm_bwd_looped_kerne
       float x[VEC], dy[VEC], w[VEC], out[VEC];
       load_pack<T, VEC>(x_row + col0, x);
       load_pack<T, VEC>(dy_row + col0, dy);
-      load_param<VEC>(W, col0, 1.f, w);
+      load_param<PT, VEC>(W, col0, 1.f, w);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         x[j] = normalize(x[j], mean, rstd);  // xhat
@@ -448,7 +533,7 @@ __global__ void __launch_bounds__(kLoopedThreads, 1) layer_norm_bwd_looped_kerne
       store_pack<T, VEC>(dx_row + col0, out);
       if constexpr (RECOMPUTE_OUTPUT) {
         float b[VEC];
-        load_param<VEC>(B, col0, 0.f, b);
+        load_param<PT, VEC>(B, col0, 0.f, b);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) out[j] = affine(x[j], w[j], b[j]);
         store_pack<T, VEC>(Y + row * static_cast<int64_t>(N) + col0, out);
@@ -498,9 +583,9 @@ int sm_count(int device) {
 // Fixed backward grid: as many blocks as fit on the device at once (grid-stride needs all of
 // them resident, or the last wave would run alone), and no more than there are row groups.
 template <typename Kernel>
-int backward_grid(Kernel kernel, int threads_per_block, int64_t row_groups, int device) {
+int backward_grid(Kernel kernel, int threads_per_block, int dynamic_shared, int64_t row_groups, int device) {
   int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads_per_block, 0));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads_per_block, dynamic_shared));
   const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * sm_count(device);
   return static_cast<int>(std::min(row_groups, resident));
 }
@@ -551,22 +636,56 @@ void check_stat(const at::Tensor& s, const char* name, const at::Tensor& x) {
 
 bool present(const std::optional<at::Tensor>& p) { return p.has_value() && p->defined(); }
 
-// weight/bias as a 16-byte-aligned contiguous fp32 (N,) tensor, or undefined.
-at::Tensor param_as_float(const std::optional<at::Tensor>& p) {
-  if (!present(p)) return at::Tensor();
-  at::Tensor f = p->to(at::kFloat).contiguous();
-  if (!is_aligned(f.data_ptr(), kMaxVecBytes)) f = f.clone(at::MemoryFormat::Contiguous);
-  return f;
+// The kernels read weight and bias in their own dtype, fp32 or x's (no conversion per call), both
+// the same.
+void check_param_dtypes(const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                        const at::Tensor& x) {
+  for (const auto* p : {&weight, &bias}) {
+    TORCH_CHECK(!present(*p) || (*p)->scalar_type() == at::kFloat || (*p)->scalar_type() == x.scalar_type(),
+                "layer_norm: weight and bias must be float32 or x's dtype ", x.scalar_type(), ", got ",
+                (*p)->scalar_type());
+  }
+  TORCH_CHECK(!present(weight) || !present(bias) || weight->scalar_type() == bias->scalar_type(),
+              "layer_norm: weight and bias must have the same dtype, got ", weight->scalar_type(), " and ",
+              bias->scalar_type());
 }
 
+// The dtype the kernels read the parameters as: theirs, or x's when there are none.
+at::ScalarType param_type(const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                          const at::Tensor& x) {
+  if (present(weight)) return weight->scalar_type();
+  return present(bias) ? bias->scalar_type() : x.scalar_type();
+}
+
+// weight/bias for the vector loads: itself when 16-byte aligned (a fresh allocation always is),
+// else an aligned copy; undefined when absent.
+at::Tensor aligned_param(const std::optional<at::Tensor>& p) {
+  if (!present(p)) return at::Tensor();
+  return is_aligned(p->data_ptr(), kMaxVecBytes) ? *p : p->clone(at::MemoryFormat::Contiguous);
+}
+
+const void* ptr_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
+
 float* float_ptr_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+
+// Calls f(PT{}) with PT the parameters' storage type: float, or T (x's) when they are in x's dtype.
+template <typename T, typename F>
+void dispatch_param_type(at::ScalarType type, F&& f) {
+  if constexpr (std::is_same_v<T, float>) {
+    f(float{});
+  } else if (type == at::kFloat) {
+    f(float{});
+  } else {
+    f(T{});
+  }
+}
 
 // ----------------------------------------- forward -----------------------------------------
 
 struct FwdArgs {
   const void* x;
-  const float* w;
-  const float* b;
+  const void* w;  // in PT, or null
+  const void* b;
   void* y;
   float* mean;
   float* rstd;
@@ -577,12 +696,14 @@ struct FwdArgs {
   float eps;
 };
 
-template <typename T, int VEC>
+template <typename T, typename PT, int VEC>
 void launch_fwd(const FwdArgs& a, const RowConfig& cfg, cudaStream_t stream) {
   const T* x = static_cast<const T*>(a.x);
+  const PT* w = static_cast<const PT*>(a.w);
+  const PT* b = static_cast<const PT*>(a.b);
   T* y = static_cast<T*>(a.y);
   auto run = [&](auto kernel, dim3 grid, dim3 block) {
-    kernel<<<grid, block, 0, stream>>>(x, a.w, a.b, y, a.mean, a.rstd, a.M, a.N, a.inv_n, a.x_stride, a.eps);
+    kernel<<<grid, block, 0, stream>>>(x, w, b, y, a.mean, a.rstd, a.M, a.N, a.inv_n, a.x_stride, a.eps);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   const dim3 warp_block(kWarpSize, kRowsPerWarpBlock);
@@ -590,17 +711,17 @@ void launch_fwd(const FwdArgs& a, const RowConfig& cfg, cudaStream_t stream) {
   const dim3 row_grid(static_cast<unsigned>(a.M));
   const dim3 row_block(cfg.threads);
   if (cfg.ept == 0) {
-    layer_norm_fwd_looped_kernel<T, VEC><<<row_grid, row_block, 0, stream>>>(x, a.w, a.b, y, a.mean, a.rstd, a.N,
-                                                                          a.inv_n, a.x_stride, a.eps);
+    layer_norm_fwd_looped_kernel<T, PT, VEC><<<row_grid, row_block, 0, stream>>>(x, w, b, y, a.mean, a.rstd, a.N,
+                                                                              a.inv_n, a.x_stride, a.eps);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   } else if (cfg.warp_per_row) {
-    if (cfg.ept == 8) run(layer_norm_fwd_kernel<T, VEC, 8, true>, warp_grid, warp_block);
-    else run(layer_norm_fwd_kernel<T, VEC, 16, true>, warp_grid, warp_block);
+    if (cfg.ept == 8) run(layer_norm_fwd_kernel<T, PT, VEC, 8, true>, warp_grid, warp_block);
+    else run(layer_norm_fwd_kernel<T, PT, VEC, 16, true>, warp_grid, warp_block);
   } else if (cfg.ept == 8) {
-    run(layer_norm_fwd_kernel<T, VEC, 8, false>, row_grid, row_block);
+    run(layer_norm_fwd_kernel<T, PT, VEC, 8, false>, row_grid, row_block);
   } else if constexpr (VEC > 1) {  // pick_config: EPT 16/32 only for vectorised rows
-    if (cfg.ept == 16) run(layer_norm_fwd_kernel<T, VEC, 16, false>, row_grid, row_block);
-    else run(layer_norm_fwd_kernel<T, VEC, 32, false>, row_grid, row_block);
+    if (cfg.ept == 16) run(layer_norm_fwd_kernel<T, PT, VEC, 16, false>, row_grid, row_block);
+    else run(layer_norm_fwd_kernel<T, PT, VEC, 32, false>, row_grid, row_block);
   } else {
     TORCH_CHECK(false, "layer_norm: internal error, no forward kernel for EPT ", cfg.ept);
   }
@@ -611,8 +732,8 @@ void launch_fwd(const FwdArgs& a, const RowConfig& cfg, cudaStream_t stream) {
 struct BwdArgs {
   const void* dy;
   const void* x;
-  const float* w;
-  const float* b;
+  const void* w;  // in PT, or null
+  const void* b;
   const float* mean;
   const float* rstd;
   void* dx;
@@ -631,48 +752,66 @@ struct Partials {
 };
 
 // Launches the backward kernel for CFG; returns the partial dw/db buffers it filled.
-template <typename T, int VEC, bool RECOMPUTE_OUTPUT>
+template <typename T, typename PT, int VEC, bool RECOMPUTE_OUTPUT>
 Partials launch_bwd(const BwdArgs& a, const RowConfig& cfg, bool need_dw, bool need_db,
                     const at::TensorOptions& float_opts, int device, cudaStream_t stream) {
   const T* dy = static_cast<const T*>(a.dy);
   const T* x = static_cast<const T*>(a.x);
+  const PT* w = static_cast<const PT*>(a.w);
+  const PT* b = static_cast<const PT*>(a.b);
   T* dx = static_cast<T*>(a.dx);
   T* y = static_cast<T*>(a.y);
   Partials parts{};
   // G is sized with the RECOMPUTE_OUTPUT variant of each kernel (the one with more registers, so
   // the fewest resident blocks) whichever variant runs: the order of the dw/db sums, and so their
   // bits, must not depend on whether y is rebuilt. The other variant fits at least as many blocks.
-  auto run = [&](auto kernel, auto sizing_kernel, dim3 block, int rows_per_block, bool zero_init) {
+  // prefetch_bytes: a thread's dynamic shared memory (the register kernels' row prefetch).
+  auto run = [&](auto kernel, auto sizing_kernel, dim3 block, int rows_per_block, bool zero_init,
+                 int prefetch_bytes) {
+    const int threads = static_cast<int>(block.x * block.y);
+    const int shared = prefetch_bytes * threads;
+    for (const void* k : {reinterpret_cast<const void*>(kernel), reinterpret_cast<const void*>(sizing_kernel)}) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
+    }
     const int64_t row_groups = (a.M + rows_per_block - 1) / rows_per_block;
-    parts.G = backward_grid(sizing_kernel, static_cast<int>(block.x * block.y), row_groups, device);
+    parts.G = backward_grid(sizing_kernel, threads, shared, row_groups, device);
     auto make = [&](bool need) {
       if (!need) return at::Tensor();
       return zero_init ? at::zeros({parts.G, a.N}, float_opts) : at::empty({parts.G, a.N}, float_opts);
     };
     parts.dw = make(need_dw);
     parts.db = make(need_db);
-    kernel<<<dim3(parts.G), block, 0, stream>>>(dy, x, a.w, a.b, a.mean, a.rstd, dx, y,
-                                                float_ptr_or_null(parts.dw), float_ptr_or_null(parts.db), a.M,
-                                                a.N, a.inv_n, a.dy_stride, a.x_stride);
+    kernel<<<dim3(parts.G), block, shared, stream>>>(dy, x, w, b, a.mean, a.rstd, dx, y,
+                                                     float_ptr_or_null(parts.dw), float_ptr_or_null(parts.db), a.M,
+                                                     a.N, a.inv_n, a.dy_stride, a.x_stride);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  const dim3 warp_block(kWarpSize, kRowsPerWarpBlock);
-  const dim3 row_block(cfg.threads);
+  // The register kernel at EPT elements a thread, one warp or one block per row.
+  auto run_register = [&](auto ept, auto warp_per_row) {
+    constexpr int kEpt = decltype(ept)::value;
+    constexpr bool kWarp = decltype(warp_per_row)::value;
+    const dim3 block = kWarp ? dim3(kWarpSize, kRowsPerWarpBlock) : dim3(cfg.threads);
+    run(layer_norm_bwd_kernel<T, PT, VEC, kEpt, kWarp, RECOMPUTE_OUTPUT>,
+        layer_norm_bwd_kernel<T, PT, VEC, kEpt, kWarp, true>, block, kWarp ? kRowsPerWarpBlock : 1, false,
+        kPrefetch<T, VEC> ? kPrefetchBytes<kEpt / VEC> : 0);
+  };
+  using Ept8 = std::integral_constant<int, 8>;
+  using Ept16 = std::integral_constant<int, 16>;
   if (cfg.ept == 0) {
-    run(layer_norm_bwd_looped_kernel<T, VEC, RECOMPUTE_OUTPUT>, layer_norm_bwd_looped_kernel<T, VEC, true>, row_block, 1, true);
+    run(layer_norm_bwd_looped_kernel<T, PT, VEC, RECOMPUTE_OUTPUT>, layer_norm_bwd_looped_kernel<T, PT, VEC, true>,
+        dim3(cfg.threads), 1, true, 0);
   } else if (cfg.warp_per_row) {
-    if (cfg.ept == 8) run(layer_norm_bwd_kernel<T, VEC, 8, true, RECOMPUTE_OUTPUT>, layer_norm_bwd_kernel<T, VEC, 8, true, true>, warp_block, kRowsPerWarpBlock, false);
-    else run(layer_norm_bwd_kernel<T, VEC, 16, true, RECOMPUTE_OUTPUT>, layer_norm_bwd_kernel<T, VEC, 16, true, true>, warp_block, kRowsPerWarpBlock, false);
+    if (cfg.ept == 8) run_register(Ept8{}, std::true_type{});
+    else run_register(Ept16{}, std::true_type{});
   } else if (cfg.ept == 8) {
-    run(layer_norm_bwd_kernel<T, VEC, 8, false, RECOMPUTE_OUTPUT>, layer_norm_bwd_kernel<T, VEC, 8, false, true>, row_block, 1, false);
+    run_register(Ept8{}, std::false_type{});
   } else if constexpr (VEC > 1) {  // pick_config: EPT 16 only for vectorised rows
-    run(layer_norm_bwd_kernel<T, VEC, 16, false, RECOMPUTE_OUTPUT>, layer_norm_bwd_kernel<T, VEC, 16, false, true>, row_block, 1, false);
+    run_register(Ept16{}, std::false_type{});
   } else {
     TORCH_CHECK(false, "layer_norm: internal error, no backward kernel for EPT ", cfg.ept);
   }
   return parts;
 }
-
 
 }  // namespace
 
@@ -686,6 +825,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
   check_input(x, "x");
   check_param(weight, "weight", x);
   check_param(bias, "bias", x);
+  check_param_dtypes(weight, bias, x);
   const int64_t M = x.size(0);
   const int64_t N = x.size(1);
   const c10::cuda::CUDAGuard guard(x.device());
@@ -694,19 +834,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
   at::Tensor rstd = at::empty({M}, x.options().dtype(at::kFloat));
   if (M == 0) return {y, mean, rstd};
 
-  const at::Tensor w = param_as_float(weight);
-  const at::Tensor b = param_as_float(bias);
-  const FwdArgs args{x.data_ptr(), float_ptr_or_null(w), float_ptr_or_null(b), y.data_ptr(),
+  const at::Tensor w = aligned_param(weight);
+  const at::Tensor b = aligned_param(bias);
+  const FwdArgs args{x.data_ptr(), ptr_or_null(w), ptr_or_null(b), y.data_ptr(),
                      mean.data_ptr<float>(), rstd.data_ptr<float>(), M, static_cast<int>(N),
                      1.f / static_cast<float>(N), x.stride(0), static_cast<float>(eps)};
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
   REMAT_DISPATCH_FLOAT_TYPES(x.scalar_type(), "remat_layer_norm_fwd", [&] {
     constexpr int kVec = max_vec<scalar_t>();
-    if (vectorizable(x, x.stride(0), M, N, kVec)) {
-      launch_fwd<scalar_t, kVec>(args, pick_config(N, /*forward=*/true, /*vectorized=*/true), stream);
-    } else {
-      launch_fwd<scalar_t, 1>(args, pick_config(N, /*forward=*/true, /*vectorized=*/false), stream);
-    }
+    dispatch_param_type<scalar_t>(param_type(weight, bias, x), [&](auto param) {
+      using PT = decltype(param);
+      if (vectorizable(x, x.stride(0), M, N, kVec)) {
+        launch_fwd<scalar_t, PT, kVec>(args, pick_config(N, /*forward=*/true, /*vectorized=*/true), stream);
+      } else {
+        launch_fwd<scalar_t, PT, 1>(args, pick_config(N, /*forward=*/true, /*vectorized=*/false), stream);
+      }
+    });
   });
   return {y, mean, rstd};
 }
@@ -725,6 +868,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
   check_param(bias, "bias", x);
   check_stat(mean, "mean", x);
   check_stat(rstd, "rstd", x);
+  check_param_dtypes(weight, bias, x);
 
   const int64_t M = x.size(0);
   const int64_t N = x.size(1);
@@ -743,9 +887,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
     return {dx, dw, db, y};
   }
 
-  const at::Tensor w = param_as_float(weight);
-  const at::Tensor b = param_as_float(bias);
-  const BwdArgs args{dy.data_ptr(), x.data_ptr(), float_ptr_or_null(w), float_ptr_or_null(b),
+  const at::Tensor w = aligned_param(weight);
+  const at::Tensor b = aligned_param(bias);
+  const BwdArgs args{dy.data_ptr(), x.data_ptr(), ptr_or_null(w), ptr_or_null(b),
                      mean.data_ptr<float>(), rstd.data_ptr<float>(), dx.data_ptr(),
                      recompute_output ? y.data_ptr() : nullptr, M, static_cast<int>(N),
                      1.f / static_cast<float>(N), dy.stride(0), x.stride(0)};
@@ -757,18 +901,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
     constexpr int kVec = max_vec<scalar_t>();
     const bool vec = vectorizable(x, x.stride(0), M, N, kVec) && vectorizable(dy, dy.stride(0), M, N, kVec);
     const RowConfig cfg = pick_config(N, /*forward=*/false, vec);
-    if (vec && recompute_output) {
-      parts = launch_bwd<scalar_t, kVec, true>(args, cfg, has_w, has_b, float_opts, device, stream);
-    } else if (vec) {
-      parts = launch_bwd<scalar_t, kVec, false>(args, cfg, has_w, has_b, float_opts, device, stream);
-    } else if (recompute_output) {
-      parts = launch_bwd<scalar_t, 1, true>(args, cfg, has_w, has_b, float_opts, device, stream);
-    } else {
-      parts = launch_bwd<scalar_t, 1, false>(args, cfg, has_w, has_b, float_opts, device, stream);
-    }
+    dispatch_param_type<scalar_t>(param_type(weight, bias, x), [&](auto param) {
+      using PT = decltype(param);
+      if (vec && recompute_output) {
+        parts = launch_bwd<scalar_t, PT, kVec, true>(args, cfg, has_w, has_b, float_opts, device, stream);
+      } else if (vec) {
+        parts = launch_bwd<scalar_t, PT, kVec, false>(args, cfg, has_w, has_b, float_opts, device, stream);
+      } else if (recompute_output) {
+        parts = launch_bwd<scalar_t, PT, 1, true>(args, cfg, has_w, has_b, float_opts, device, stream);
+      } else {
+        parts = launch_bwd<scalar_t, PT, 1, false>(args, cfg, has_w, has_b, float_opts, device, stream);
+      }
+    });
   });
-  if (has_w) sum_partial_rows(parts.dw, dw, stream);
-  if (has_b) sum_partial_rows(parts.db, db, stream);
+  sum_partial_rows(parts.dw, dw, parts.db, db, stream);  // dw and db in one launch
   return {dx, dw, db, y};
 }
 

@@ -9,7 +9,8 @@
 
 namespace remat {
 
-// x (M, N) float32/float16/bfloat16 with stride(1) == 1; weight, bias: None or (N,).
+// x (M, N) float32/float16/bfloat16 with stride(1) == 1; weight, bias: None or (N,), float32 or
+// x's dtype (both the same), read in that dtype.
 // Returns y (M, N) contiguous in x.dtype, mean (M,) and rstd (M,) in float32.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
     const at::Tensor& x, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,

@@ -14,8 +14,14 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 
 import pytest
+
+try:  # tests/ on sys.path (pytest's default rootdir-relative import)
+    from triton_aot import cuda_binary_tool, sass_loops
+except ImportError:  # tests/ imported as a package
+    from tests.triton_aot import cuda_binary_tool, sass_loops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
@@ -119,15 +125,23 @@ def parse_ptxas(log):
 requires_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found (set CUDA_HOME or add it to PATH)")
 
 
-@requires_nvcc
-@pytest.mark.parametrize("source", CUDA_SOURCES, ids=os.path.basename)
-def test_compiles_without_spills(source, tmp_path):
-    pytest.importorskip("torch")
+@functools.lru_cache(maxsize=None)
+def compile_source(source):
+    """(ptxas log, object file) of one nvcc compile of `source` for ARCHS, shared by the tests."""
     nvcc = find_nvcc()
-    command = nvcc_command(nvcc, source, str(tmp_path / "out.o"))
+    output = os.path.join(tempfile.mkdtemp(prefix="remat-nvcc-"), "out.o")
+    command = nvcc_command(nvcc, source, output)
     result = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
     log = result.stdout + result.stderr
     assert result.returncode == 0, f"nvcc failed on {os.path.basename(source)}:\n{' '.join(command)}\n{log[-6000:]}"
+    return log, output
+
+
+@requires_nvcc
+@pytest.mark.parametrize("source", CUDA_SOURCES, ids=os.path.basename)
+def test_compiles_without_spills(source):
+    pytest.importorskip("torch")
+    log, _ = compile_source(source)
 
     functions = parse_ptxas(log)
     assert functions, f"no ptxas report parsed for {os.path.basename(source)}:\n{log[-3000:]}"
@@ -139,6 +153,40 @@ def test_compiles_without_spills(source, tmp_path):
         for arch, name, regs, stores, loads in spilling
     )
     assert not spilling, f"register spills in {os.path.basename(source)}:\n{report}"
+
+
+def sass_functions(obj, arch):
+    """{demangled function name: its SASS} of the sm_<arch> code in an object file."""
+    text = subprocess.run([cuda_binary_tool("cuobjdump"), "-sass", "-arch", f"sm_{arch}", obj], capture_output=True,
+                          text=True, check=True).stdout
+    bodies = dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s+Function : |\Z)", text, flags=re.S))
+    names = demangle(sorted(bodies))
+    return {names[mangled]: body for mangled, body in bodies.items()}
+
+
+# The register backward kernels on vectorised rows (16-byte packs: VEC 8 for 16-bit x, 4 for fp32).
+PREFETCHING_BACKWARD = re.compile(r"layer_norm_bwd_kernel<(c10::BFloat16|c10::Half), [^,]+, 8, |"
+                                  r"layer_norm_bwd_kernel<float, float, 4, ")
+
+
+@requires_nvcc
+@pytest.mark.parametrize("arch", ARCHS)
+def test_layer_norm_backward_loads_the_next_row_before_its_reductions(arch):
+    """In each register backward kernel on vectorised rows: the row loop issues cp.async copies
+    (LDGSTS) of the next row before this row's first warp shuffle, and the wait before that
+    shuffle leaves one copy group in flight (DEPBAR.LE SB0, 0x1): the next row's loads overlap
+    this row's reductions."""
+    _, obj = compile_source(os.path.join(CSRC, "layer_norm.cu"))
+    kernels = {name: body for name, body in sass_functions(obj, arch).items() if PREFETCHING_BACKWARD.search(name)}
+    # 5 (x, parameter) dtype pairs x 4 (elements a thread, warp or block per row) x recompute or not
+    assert len(kernels) == 5 * 4 * 2, sorted(kernels)
+    for name, body in kernels.items():
+        (loop,) = [loop for loop in sass_loops(body) if any(t.startswith("SHFL.BFLY") for t in loop)]
+        first_shuffle = next(i for i, t in enumerate(loop) if t.startswith("SHFL.BFLY"))
+        before = loop[:first_shuffle]
+        assert any(t.startswith("LDGSTS") for t in before), f"{name}: no cp.async before the reductions"
+        waits = [t for t in before if t.startswith("DEPBAR.LE SB0")]
+        assert waits and waits[-1] == "DEPBAR.LE SB0, 0x1", f"{name}: waits {waits}"
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no host C++ compiler")

@@ -158,6 +158,67 @@ def test_backward_is_deterministic(target):
         assert torch.equal(a, c)
 
 
+# The backward's parameter-gradient path: persistent programs that each loop over several row
+# blocks (the last one partial), then one kernel summing the (G, N) partials and casting them.
+# Under the interpreter 1 x 97 is one program, 257 x 97 six programs of three 16-row steps, 700 x
+# 33 eight programs of four 32-row steps.
+PARAM_GRAD_SHAPES = [(1, 97), (257, 97), (700, 33)]
+
+
+@pytest.mark.parametrize("param_dtype", ["same", torch.float32], ids=["same-params", "fp32-params"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", PARAM_GRAD_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_parameter_gradients_over_many_row_blocks(target, shape, dtype, param_dtype):
+    device, _ = target
+    param_dtype = dtype if param_dtype == "same" else param_dtype
+    for weight, bias in AFFINE:
+        check_against_float64(*make_inputs(shape, dtype, device, weight, bias, param_dtype=param_dtype))
+
+
+@pytest.mark.parametrize("dtype, param_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
+                                                (torch.float32, torch.float32)], ids=str)
+def test_parameter_gradients_are_bitwise_reproducible(target, dtype, param_dtype):
+    device, _ = target
+    x, w, b = (t.detach() for t in make_inputs((257, 97), dtype, device, param_dtype=param_dtype))
+    _, mean, rstd = ln_ops.layer_norm_fwd(x, w, b, 1e-5)
+    dy = torch.randn_like(x)
+    first = ln_ops.layer_norm_bwd(dy, x, w, b, mean, rstd, False)
+    for _ in range(2):
+        again = ln_ops.layer_norm_bwd(dy, x, w, b, mean, rstd, False)
+        assert all(torch.equal(a, c) for a, c in zip(first, again))
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=str)
+def test_partial_sums_reduce_in_one_kernel(target, out_dtype):
+    """The second step on its own, with more partial rows than one pass of its loop takes (G = 70
+    is two full 32-row chunks and a partial one) and a ragged width: fp32 sums, cast to the output
+    dtype, each output present or absent."""
+    device, backend = target
+    if backend != "triton":
+        pytest.skip("a Triton launcher")
+    from remat.triton_kernels import layer_norm as kernels
+
+    dw_partial, db_partial = (torch.randn(70, 45, device=device) for _ in range(2))
+    for with_dw, with_db in ((True, True), (True, False), (False, True)):
+        dw, db = (torch.full((45,), float("nan"), device=device, dtype=out_dtype) for _ in range(2))
+        kernels._sum_partials(dw_partial if with_dw else None, db_partial if with_db else None, dw, db)
+        for wanted, out, partial in ((with_dw, dw, dw_partial), (with_db, db, db_partial)):
+            if wanted:
+                assert_close_to_ref("sum", out, partial.double().sum(0), out_dtype)
+            else:
+                assert out.isnan().all(), "an absent output was written"
+
+
+@pytest.mark.parametrize("row_stride", [4112, 4120], ids=["aligned-rows", "unaligned-rows"])
+def test_rows_between_4096_and_8192_wide(target, row_stride):
+    """4112 columns: fused on rows Triton vectorises (row stride a multiple of 16), the looped path
+    on the others (their per-element predicates spill in the fused kernel); both exact."""
+    device, _ = target
+    storage = torch.randn(3, row_stride, device=device).to(torch.bfloat16)
+    x = storage[:, :4112].detach().requires_grad_()
+    check_against_float64(x, *make_inputs((4112,), torch.bfloat16, device)[1:])
+
+
 def test_backends_agree_with_reference_path(target):
     """The kernel and the PyTorch reference (the CPU fallback) give the same numbers."""
     device, backend = target

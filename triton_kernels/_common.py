@@ -4,6 +4,9 @@ import functools
 
 import torch
 
+# Short dtype names for the ahead-of-time cases' names (aot_cases() in each op module).
+TYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
 # Stand-in for the SM count when kernels run on CPU tensors under the Triton
 # interpreter (TRITON_INTERPRET=1): a few programs, so persistent loops and the
 # (G, N) partial-sum buffers are exercised with G > 1 without making tests slow.

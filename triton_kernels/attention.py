@@ -49,7 +49,7 @@ import triton.language as tl
 
 from remat import _autotune
 
-from ._common import cdiv, next_power_of_2, on_input_device, unit_last_stride
+from ._common import TYPE_NAMES, cdiv, next_power_of_2, on_input_device, unit_last_stride
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # ln(2): log(x) = log2(x) * LN2
@@ -96,15 +96,22 @@ _HALF_CANDIDATES = {
     "dq": {32: [(64, 64, 4, 3), (128, 64, 8, 3)], 64: [(64, 64, 4, 3), (128, 64, 8, 2)],
            128: [(128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 3)], 256: [(32, 32, 4, 2)]},
 }
-# Hopper (sm_90) only: its warpgroup MMA keeps larger tiles in registers than sm_80's mma does.
-# These spill on sm_80 and compile without on sm_90 (the 128 x 128 forward tile of
-# FlashAttention-3; with 2 stages instead of 3 it spills at head dims 80 and 96 in fp16); they
-# are timed there after the candidates above.
+# Hopper (sm_90) only, by exact head dim: its warpgroup MMA keeps larger tiles in registers than
+# sm_80's mma does, and issues them as wide instructions (the d128 backward tables' 16- and
+# 32-wide key/query blocks give skinny HGMMA.64x16x16 / 64x32x16; 64 x 128 and 128 x 128 tiles
+# give 64x64x16 and 64x128x16 ones). Every one compiles without spills on sm_90 at both shapes
+# of aot_cases() (several spill on sm_80; the 128 x 128 forward tile is FlashAttention-3's).
+# Head dims 80 and 96, padded to 128, have fewer: the masked head-dim columns cost registers, and
+# the 128 x 128 tiles spill there. They are timed after the candidates above.
 _HOPPER_HALF_CANDIDATES = {
-    "fwd": {128: [(128, 128, 8, 3)]},
-    "dkdv": {128: [(32, 128, 8, 2)]},
-    "dq": {128: [(128, 64, 8, 2)]},
+    "fwd": {64: [(128, 64, 4, 3)], 128: [(128, 128, 8, 3), (128, 128, 8, 2)]},
+    "dkdv": {64: [(64, 128, 8, 3)], 80: [(32, 128, 8, 2)], 96: [(32, 128, 8, 2)], 128: [(32, 128, 8, 2)]},
+    "dq": {64: [(128, 64, 8, 3), (128, 128, 8, 2)], 80: [(128, 64, 8, 2)], 96: [(128, 64, 8, 2)],
+           128: [(128, 64, 8, 2), (128, 128, 8, 2)]},
 }
+# ... and for non-causal attention only: with the causal dK/dV kernel's masked diagonal steps this
+# tile spills (48 bytes of stack on sm_90).
+_HOPPER_HALF_NONCAUSAL_CANDIDATES = {"fwd": {}, "dkdv": {128: [(64, 128, 8, 2)]}, "dq": {}}
 _FP32_CANDIDATES = {
     "fwd": {32: [(32, 64, 4, 2)], 64: [(32, 32, 4, 3)],
             128: [(16, 16, 4, 2)], 256: [(16, 16, 4, 1), (16, 16, 8, 1), (16, 16, 4, 2)]},
@@ -128,16 +135,19 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
-def candidates(kind, head_dim, dtype, hopper=False):
+def candidates(kind, head_dim, dtype, hopper=False, causal=None):
     """The (BLOCK_M, BLOCK_N, num_warps, num_stages) configurations of kernel `kind` ("fwd",
-    "dkdv", "dq") on a GPU, the fixed-table one first; hopper: on sm_90, with its own extras."""
+    "dkdv", "dq") on a GPU, the fixed-table one first; hopper: on sm_90, with its own extras;
+    causal: those of causal (True) or non-causal (False) attention, None for either."""
     half = dtype != torch.float32
     d_pad = padded_head_dim(head_dim)
     table = (_HALF_CONFIGS if half else _FP32_CONFIGS)[kind][d_pad]
     extra = (_HALF_CANDIDATES if half else _FP32_CANDIDATES)[kind][d_pad]
     if hopper and half:
-        extra = extra + _HOPPER_HALF_CANDIDATES[kind].get(d_pad, [])
-    return [table] + [c for c in extra if c != table]
+        extra = extra + _HOPPER_HALF_CANDIDATES[kind].get(head_dim, [])
+        if not causal:
+            extra = extra + _HOPPER_HALF_NONCAUSAL_CANDIDATES[kind].get(head_dim, [])
+    return list(dict.fromkeys([table] + extra))
 
 
 # Autotuning: the best configuration depends on the kernel, the head dim, causal or not, the
@@ -188,7 +198,7 @@ def _config_for(kind, head_dim, dtype, causal, seqlen_q, seqlen_k, device, may_t
     if not _autotune.enabled():
         return candidates(kind, head_dim, dtype)[0]
     gpu = _gpu_signature(device)
-    options = candidates(kind, head_dim, dtype, hopper=gpu.endswith(" sm_90"))
+    options = candidates(kind, head_dim, dtype, hopper=gpu.endswith(" sm_90"), causal=causal)
     key = tuning_key(kind, head_dim, causal, dtype, gpu, seqlen_q, seqlen_k)
     return _TUNER.best(key, options, run, may_time=may_time)
 
@@ -723,6 +733,14 @@ def _launch_dq(q, k, v, do, lse, delta, dq, causal, softmax_scale, config):
     )
 
 
+def _launch_preprocess(o, do, delta, block_m):
+    batch, heads, seqlen_q, head_dim = o.shape
+    _attn_bwd_preprocess_kernel[(cdiv(seqlen_q, block_m) * heads * batch,)](
+        o, do, delta, *o.stride()[:3], *do.stride()[:3], *delta.stride()[:2], heads, seqlen_q,
+        HEAD_DIM=head_dim, D_PAD=padded_head_dim(head_dim), BLOCK_M=block_m, num_warps=_PRE_WARPS,
+    )
+
+
 @on_input_device
 def attention_bwd(do, q, k, v, o, lse, causal, softmax_scale):
     """(dq, dk, dv), contiguous, in the shapes and dtypes of q, k, v."""
@@ -737,11 +755,7 @@ def attention_bwd(do, q, k, v, o, lse, causal, softmax_scale):
         return dq.zero_(), dk.zero_(), dv.zero_()
 
     delta = torch.empty_like(lse)
-    pre_block = _PRE_BLOCK_M if q.device.type == "cuda" else _PRE_BLOCK_M_INTERPRETER
-    _attn_bwd_preprocess_kernel[(cdiv(seqlen_q, pre_block) * heads * batch,)](
-        o, do, delta, *o.stride()[:3], *do.stride()[:3], *lse.stride()[:2], heads, seqlen_q,
-        HEAD_DIM=head_dim, D_PAD=padded_head_dim(head_dim), BLOCK_M=pre_block, num_warps=_PRE_WARPS,
-    )
+    _launch_preprocess(o, do, delta, _PRE_BLOCK_M if q.device.type == "cuda" else _PRE_BLOCK_M_INTERPRETER)
 
     launch = functools.partial(_launch_dkdv, q, k, v, do, lse, delta, dk, dv, causal, softmax_scale)
     launch(_select_config("dkdv", q, k, causal, launch))
@@ -753,75 +767,60 @@ def attention_bwd(do, q, k, v, o, lse, causal, softmax_scale):
 # ---------------------------------------------------------------------------------------------
 # 5. Ahead-of-time compile cases
 # ---------------------------------------------------------------------------------------------
-_TYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-# GQA group sizes are constexprs too; production launches any, but the group only changes the
-# trip count of an outer loop, so one value (1) is compiled here.
-_AOT_GROUP = 1
-_FLAG_NAMES = ("GROUP", "HEAD_DIM", "D_PAD", "CAUSAL", "IEEE_FP32", "BLOCK_M", "BLOCK_N")
+# Each case calls a launcher above on CPU tensors; tests/triton_aot.py compiles the kernel it
+# launches for a GPU, specialised by Triton on the real arguments. Two shapes: "div16", whose
+# head count, sequence lengths and strides are multiples of 16 (the variant the benchmarks and
+# most training runs launch), and "ragged", whose head count and lengths are not.
+# (heads, seqlen) per shape. GQA group sizes are constexprs too; production launches any, but the
+# group only changes the trip count of an outer loop, so one value (1: heads == kv_heads) is compiled.
+AOT_SHAPES = {"div16": (16, 256), "ragged": (3, 255)}
 
 
-def _strides(*prefixes):
-    return {f"stride_{p}{s}": "i32" for p in prefixes for s in ("b", "h", "m" if p in ("q", "o", "do", "dq") else "n")}
+def _aot_tensors(dtype, head_dim, shape):
+    heads, seqlen = AOT_SHAPES[shape]
+    q, k, v, do = (torch.empty(1, heads, seqlen, head_dim, dtype=dtype) for _ in range(4))
+    o = torch.empty(1, seqlen, heads, head_dim, dtype=dtype).transpose(1, 2)  # as attention_fwd's
+    lse, delta = (torch.empty(1, heads, seqlen) for _ in range(2))
+    return q, k, v, do, o, lse, delta
 
 
-def _kernel_signatures(t):
-    """{kind: (kernel, signature, arguments Triton would specialise as divisible by 16)}."""
-    flags = {name: "constexpr" for name in _FLAG_NAMES}
-    lse_strides = {"stride_lb": "i32", "stride_lh": "i32"}
-    fwd = {"Q": f"*{t}", "K": f"*{t}", "V": f"*{t}", "O": f"*{t}", "LSE": "*fp32", **_strides("q", "k", "v", "o"),
-           **lse_strides, "heads": "i32", "seqlen_q": "i32", "seqlen_k": "i32", "qk_scale": "fp32", **flags}
-    fwd_div = ["Q", "K", "V", "O", "LSE", *_strides("q", "k", "v", "o")]
-    inputs = {"Q": f"*{t}", "K": f"*{t}", "V": f"*{t}", "DO": f"*{t}", "LSE": "*fp32", "Delta": "*fp32"}
-    in_strides = {**_strides("q", "k", "v", "do"), **lse_strides}
-    scalars = {"seqlen_q": "i32", "seqlen_k": "i32", "qk_scale": "fp32", "softmax_scale": "fp32"}
-    in_div = ["Q", "K", "V", "DO", "LSE", "Delta", *_strides("q", "k", "v", "do")]
-    dkdv = {**inputs, "DK": f"*{t}", "DV": f"*{t}", **in_strides, **_strides("dk", "dv"), "kv_heads": "i32",
-            **scalars, **flags}
-    dq = {**inputs, "DQ": f"*{t}", **in_strides, **_strides("dq"), "heads": "i32", **scalars, **flags}
-    return {
-        "fwd": (_attn_fwd_kernel, fwd, fwd_div),
-        "dkdv": (_attn_bwd_dkdv_kernel, dkdv, in_div + ["DK", "DV", *_strides("dk", "dv")]),
-        "dq": (_attn_bwd_dq_kernel, dq, in_div + ["DQ", *_strides("dq")]),
-    }
+def _aot_launch(kind, dtype, head_dim, causal, shape, config):
+    q, k, v, do, o, lse, delta = _aot_tensors(dtype, head_dim, shape)
+    scale = head_dim**-0.5
+    if kind == "fwd":
+        _launch_fwd(q, k, v, o, lse, causal, scale, config)
+    elif kind == "dkdv":
+        _launch_dkdv(q, k, v, do, lse, delta, torch.empty_like(k), torch.empty_like(v), causal, scale, config)
+    elif kind == "dq":
+        _launch_dq(q, k, v, do, lse, delta, torch.empty_like(q), causal, scale, config)
+    else:  # the backward's preprocess
+        _launch_preprocess(o, do, delta, _PRE_BLOCK_M)
 
 
-def aot_cases(dtypes=(torch.float16, torch.bfloat16, torch.float32), head_dims=HEAD_DIMS, causals=(False, True)):
-    """Every (kernel, signature, constexprs, num_warps, num_stages) the launchers above can launch
-    on a GPU: each autotuning candidate (the table entry among them) and the preprocess. The
-    Hopper-only candidates carry archs=(90,): they are launched, and compiled, on sm_90 only.
+def aot_cases(dtypes=(torch.float16, torch.bfloat16, torch.float32), head_dims=HEAD_DIMS, causals=(False, True),
+              shapes=tuple(AOT_SHAPES)):
+    """Launches of every configuration the launchers above can use on a GPU: each autotuning
+    candidate (the table entry among them) of each kernel, and the preprocess, at each shape.
+    The Hopper-only candidates carry archs=(90,): they are launched, and compiled, on sm_90 only.
+    Keys: name, launch, archs, kind, table (True for the fixed-table entry), shape.
 
     Distinct configurations only: head dims 80 and 96 compile separately from 128 (HEAD_DIM is
-    a constexpr) although they share its block sizes. The strides are typed i32 (the common
-    case; Triton specialises to i64 only for huge tensors).
+    a constexpr) although they share its block sizes.
     """
     cases = []
-    for dtype in dtypes:
-        t = _TYPE_NAMES[dtype]
-        signatures = _kernel_signatures(t)
-        for head_dim in head_dims:
-            d_pad = padded_head_dim(head_dim)
-            for causal in causals:
-                flags = dict(GROUP=_AOT_GROUP, HEAD_DIM=head_dim, D_PAD=d_pad, CAUSAL=causal,
-                             IEEE_FP32=dtype == torch.float32)
-                tag = f"{t}_d{head_dim}_{'causal' if causal else 'full'}"
-                for kind in KINDS:
-                    kernel, signature, divisible = signatures[kind]
-                    everywhere = candidates(kind, head_dim, dtype)
-                    for config in candidates(kind, head_dim, dtype, hopper=True):
-                        bm, bn, w, st = config
-                        cases.append(dict(
-                            name=f"{kind}_{tag}_BM{bm}_BN{bn}_w{w}_s{st}", kernel=kernel, signature=signature,
-                            constexprs=dict(flags, BLOCK_M=bm, BLOCK_N=bn), num_warps=w, num_stages=st,
-                            divisible_by_16=divisible, archs=None if config in everywhere else (90,),
-                        ))
-            cases.append(dict(
-                name=f"pre_{t}_d{head_dim}_BM{_PRE_BLOCK_M}",
-                kernel=_attn_bwd_preprocess_kernel,
-                signature={"O": f"*{t}", "DO": f"*{t}", "Delta": "*fp32", **_strides("o", "do"),
-                           "stride_lb": "i32", "stride_lh": "i32", "heads": "i32", "seqlen_q": "i32",
-                           "HEAD_DIM": "constexpr", "D_PAD": "constexpr", "BLOCK_M": "constexpr"},
-                constexprs=dict(HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=_PRE_BLOCK_M),
-                num_warps=_PRE_WARPS,
-                divisible_by_16=["O", "DO", "Delta", *_strides("o", "do")],
-            ))
+    for dtype, head_dim, shape in ((t, d, s) for t in dtypes for d in head_dims for s in shapes):
+        tag = f"{TYPE_NAMES[dtype]}_d{head_dim}"
+        for causal in causals:
+            for kind in KINDS:
+                everywhere = candidates(kind, head_dim, dtype, causal=causal)
+                for config in candidates(kind, head_dim, dtype, hopper=True, causal=causal):
+                    bm, bn, w, st = config
+                    cases.append(dict(
+                        name=f"{kind}_{tag}_{'causal' if causal else 'full'}_BM{bm}_BN{bn}_w{w}_s{st}_{shape}",
+                        launch=functools.partial(_aot_launch, kind, dtype, head_dim, causal, shape, config),
+                        archs=None if config in everywhere else (90,), kind=kind, table=config == everywhere[0],
+                        shape=shape,
+                    ))
+        cases.append(dict(name=f"pre_{tag}_BM{_PRE_BLOCK_M}_{shape}", archs=None, kind="pre", table=True, shape=shape,
+                          launch=functools.partial(_aot_launch, "pre", dtype, head_dim, False, shape, None)))
     return cases

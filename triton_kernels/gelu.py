@@ -21,13 +21,14 @@ Tensor contract (shared with the CUDA extension):
   dx is rounded to x.dtype). All arithmetic is fp32.
 """
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, num_sms, on_input_device, unit_last_stride
+from ._common import TYPE_NAMES, cdiv, num_sms, on_input_device, unit_last_stride
 
 # ---------------------------------------------------------------------------------------------
 # 1. Configuration
@@ -41,10 +42,12 @@ from ._common import cdiv, num_sms, on_input_device, unit_last_stride
 FLAT_BLOCK = 4096
 FLAT_WARPS = 8
 # Tiled path (a bias to broadcast over rows, or rows with a stride != N): [BLOCK_M, BLOCK_N]
-# tiles of TILE elements, 16 a thread at TILE_WARPS warps (32 bytes of bf16: two 16-byte
-# accesses per tensor). The tile size is fixed, so registers a thread do not depend on the
-# shape: BLOCK_N only trades rows for columns.
-TILE = 4096
+# tiles of TILE_BYTES of input, 32 bytes a thread at TILE_WARPS warps (16 bf16 or 8 fp32
+# elements: two 16-byte accesses per tensor; 16 fp32 elements spilled on sm_80 where the width
+# is not a multiple of 16, each element then having its own predicate). The tile size is fixed
+# per dtype, so registers a thread do not depend on the shape: BLOCK_N only trades rows for
+# columns.
+TILE_BYTES = 8192
 TILE_WARPS = 8
 # BLOCK_N: WIDE_BLOCK_N (16 rows of 512 bytes of bf16: whole 128-byte lines, one bias load per
 # 16 rows), or NARROW_BLOCK_N where that pads the row much less (rows up to ~200 wide, or just
@@ -62,8 +65,8 @@ PADDING_SLACK = 1.125
 BWD_PROGRAMS_PER_SM = 2
 
 
-def _tile_config(n: int, has_bias: bool = True):
-    """(BLOCK_M, BLOCK_N, num_warps) of the tiled kernels for rows of n elements.
+def _tile_config(n: int, dtype: torch.dtype, has_bias: bool = True):
+    """(BLOCK_M, BLOCK_N, num_warps) of the tiled kernels for rows of n elements of dtype.
 
     Without a bias the tiled kernels serve only rows with a stride != N (dense rows take the
     flat kernels): a rare case, given the wide block whatever n, to keep compiled variants few.
@@ -71,7 +74,8 @@ def _tile_config(n: int, has_bias: bool = True):
     block_n = WIDE_BLOCK_N
     if has_bias and cdiv(n, WIDE_BLOCK_N) * WIDE_BLOCK_N > PADDING_SLACK * cdiv(n, NARROW_BLOCK_N) * NARROW_BLOCK_N:
         block_n = NARROW_BLOCK_N
-    return TILE // block_n, block_n, TILE_WARPS
+    tile = TILE_BYTES // torch.empty(0, dtype=dtype).element_size()
+    return tile // block_n, block_n, TILE_WARPS
 
 
 def _bwd_groups(m: int, block_m: int, col_blocks: int, device) -> int:
@@ -320,7 +324,7 @@ def gelu_fwd(x, bias, approximate):
             x, y, M, N, APPROXIMATE_TANH=tanh, BLOCK=FLAT_BLOCK, num_warps=FLAT_WARPS,
         )
         return y
-    block_m, block_n, warps = _tile_config(N, bias is not None)
+    block_m, block_n, warps = _tile_config(N, x.dtype, bias is not None)
     # An absent bias is compiled out (HAS_BIAS); pass x as a placeholder pointer.
     b = bias.contiguous() if bias is not None else x
     _gelu_fwd_kernel[(cdiv(M, block_m) * cdiv(N, block_n),)](
@@ -358,7 +362,7 @@ def gelu_bwd(dy, x, bias, approximate, recompute_output):
         )
         return dx, no_dbias, y
 
-    block_m, block_n, warps = _tile_config(N, has_bias)
+    block_m, block_n, warps = _tile_config(N, x.dtype, has_bias)
     col_blocks = cdiv(N, block_n)
     groups = _bwd_groups(M, block_m, col_blocks, device)
     b = bias.contiguous() if has_bias else x
@@ -377,71 +381,46 @@ def gelu_bwd(dy, x, bias, approximate, recompute_output):
 # ---------------------------------------------------------------------------------------------
 # 6. Ahead-of-time compile cases
 # ---------------------------------------------------------------------------------------------
-def _bias_variants():
-    """(x dtype, bias pointer dtype or None): bf16 stands for fp16 too (same code shape)."""
-    return [("bf16", None), ("bf16", "bf16"), ("bf16", "fp32"), ("fp32", None), ("fp32", "fp32")]
+# Each case calls a launcher above on CPU tensors; tests/triton_aot.py compiles the kernels it
+# launches for a GPU, specialised by Triton on the real arguments. Every path is met at a shape
+# whose sizes and row strides are multiples of 16 (the variant production shapes run) and at a
+# ragged one.
+# (rows, width) per BLOCK_N that _tile_config picks, 16-divisible and ragged.
+_AOT_SHAPES = {WIDE_BLOCK_N: ((64, 1024), (67, 1000)), NARROW_BLOCK_N: ((64, 96), (67, 100))}
+
+
+def _aot_launch(x_dtype, bias_dtype, approximate, shape, strided, backward, recompute):
+    rows, width = shape
+    # Strided rows (a slice of wider ones) take the tiled kernels even without a bias.
+    x = torch.empty((rows, width + 16), dtype=x_dtype)[:, :width] if strided else torch.empty(shape, dtype=x_dtype)
+    bias = torch.empty((width,), dtype=bias_dtype) if bias_dtype is not None else None
+    if backward:
+        gelu_bwd(torch.empty_like(x), x, bias, approximate, recompute)
+    else:
+        gelu_fwd(x, bias, approximate)
 
 
 def aot_cases():
-    """Every (kernel, signature, constexprs, num_warps) the launchers above can launch on a GPU.
-
-    Each case: {"name", "kernel", "signature", "constexprs", "num_warps", "divisible_by_16"}.
-    "divisible_by_16" names the arguments Triton would mark 16-divisible for typical tensors
-    (pointers from the caching allocator, N and row strides that are multiples of 16).
-    """
+    """Launches covering every kernel variant the launchers above can run on a GPU: the flat kernels
+    (no bias, dense rows) and the tiled ones (a bias of x's dtype or fp32, or strided rows) at each
+    BLOCK_N they use, both approximations, x in bf16 (standing for fp16 too) and fp32, forward and
+    backward with and without recompute, each at a 16-divisible and a ragged shape.
+    Keys: name, launch, divisible."""
     cases = []
-    for approx in ("none", "tanh"):
-        tanh = approx == "tanh"
-        for x in ("bf16", "fp32"):
-            cases.append(dict(
-                name=f"fwd_flat_x{x}_{approx}",
-                kernel=_gelu_fwd_flat_kernel,
-                signature={"X": f"*{x}", "Y": f"*{x}", "M": "i32", "N": "i32",
-                           "APPROXIMATE_TANH": "constexpr", "BLOCK": "constexpr"},
-                constexprs=dict(APPROXIMATE_TANH=tanh, BLOCK=FLAT_BLOCK),
-                num_warps=FLAT_WARPS,
-                divisible_by_16=["X", "Y", "N"],
-            ))
-            for rec in (False, True):
-                cases.append(dict(
-                    name=f"bwd_flat_x{x}_{approx}_rec{int(rec)}",
-                    kernel=_gelu_bwd_flat_kernel,
-                    signature={"X": f"*{x}", "DY": f"*{x}", "DX": f"*{x}", "Y": f"*{x}", "M": "i32", "N": "i32",
-                               "APPROXIMATE_TANH": "constexpr", "RECOMPUTE_OUTPUT": "constexpr",
-                               "BLOCK": "constexpr"},
-                    constexprs=dict(APPROXIMATE_TANH=tanh, RECOMPUTE_OUTPUT=rec, BLOCK=FLAT_BLOCK),
-                    num_warps=FLAT_WARPS,
-                    divisible_by_16=["X", "DY", "DX", "Y", "N"],
-                ))
-        for x, bt in _bias_variants():
-            tag = f"x{x}_b{bt or 'none'}_{approx}"
-            # _tile_config: both block widths with a bias, the wide one without.
-            for block_n in (WIDE_BLOCK_N, NARROW_BLOCK_N) if bt is not None else (WIDE_BLOCK_N,):
-                block_m, warps = TILE // block_n, TILE_WARPS
-                cases.append(dict(
-                    name=f"fwd_{tag}_BM{block_m}_BN{block_n}",
-                    kernel=_gelu_fwd_kernel,
-                    signature={"X": f"*{x}", "B": f"*{bt or x}", "Y": f"*{x}", "stride_x_row": "i32",
-                               "M": "i32", "N": "i32", "HAS_BIAS": "constexpr", "APPROXIMATE_TANH": "constexpr",
-                               "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"},
-                    constexprs=dict(HAS_BIAS=bt is not None, APPROXIMATE_TANH=tanh, BLOCK_M=block_m,
-                                    BLOCK_N=block_n),
-                    num_warps=warps,
-                    divisible_by_16=["X", "B", "Y", "stride_x_row", "N"],
-                ))
-                for rec in (False, True):
-                    cases.append(dict(
-                        name=f"bwd_{tag}_rec{int(rec)}_BM{block_m}_BN{block_n}",
-                        kernel=_gelu_bwd_kernel,
-                        signature={"X": f"*{x}", "DY": f"*{x}", "B": f"*{bt or x}", "DX": f"*{x}", "Y": f"*{x}",
-                                   "DB_partial": "*fp32", "stride_x_row": "i32", "stride_dy_row": "i32",
-                                   "M": "i32", "N": "i32", "HAS_BIAS": "constexpr",
-                                   "APPROXIMATE_TANH": "constexpr", "RECOMPUTE_OUTPUT": "constexpr",
-                                   "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"},
-                        constexprs=dict(HAS_BIAS=bt is not None, APPROXIMATE_TANH=tanh,
-                                        RECOMPUTE_OUTPUT=rec, BLOCK_M=block_m, BLOCK_N=block_n),
-                        num_warps=warps,
-                        divisible_by_16=["X", "DY", "B", "DX", "Y", "DB_partial", "stride_x_row",
-                                         "stride_dy_row", "N"],
-                    ))
+    variants = [(x, b, block_n) for x in (torch.bfloat16, torch.float32) for b in (None, x, torch.float32)
+                for block_n in ((WIDE_BLOCK_N, NARROW_BLOCK_N) if b is not None else (WIDE_BLOCK_N,))]
+    for approximate in ("none", "tanh"):
+        for x_dtype, bias_dtype, block_n in dict.fromkeys(variants):
+            for divisible, shape in zip((True, False), _AOT_SHAPES[block_n]):
+                # Without a bias: the flat kernels (dense rows) and the tiled ones (strided rows).
+                for strided in (False, True) if bias_dtype is None else (False,):
+                    kind = "tiled" if bias_dtype is not None or strided else "flat"
+                    bias = TYPE_NAMES[bias_dtype] if bias_dtype is not None else "none"
+                    blocks = f"_BN{block_n}" if kind == "tiled" else ""
+                    tag = f"{kind}_x{TYPE_NAMES[x_dtype]}_b{bias}_{approximate}{blocks}_{shape[0]}x{shape[1]}"
+                    for backward, recompute in ((False, False), (True, False), (True, True)):
+                        name = f"{'bwd' if backward else 'fwd'}_{tag}" + (f"_rec{int(recompute)}" if backward else "")
+                        launch = functools.partial(_aot_launch, x_dtype, bias_dtype, approximate, shape, strided,
+                                                   backward, recompute)
+                        cases.append(dict(name=name, launch=launch, divisible=divisible))
     return cases

@@ -8,7 +8,9 @@ same pass that computes dx, and can also rebuild y = xhat * w + b for a consumer
 Layout of this file, top to bottom:
   1. configuration heuristics: (N, dtype) -> block sizes and warps, no autotuning
   2. forward kernels: rows held in registers (N <= max_fused_n_fwd(x.dtype)), or looped over column chunks
-  3. backward kernels: one fused pass per row (N <= MAX_FUSED_N_BWD), or two kernels over chunks
+  3. backward kernels: one fused, software-pipelined pass per row (N <= MAX_FUSED_N_BWD for rows
+     Triton vectorises, MAX_FUSED_N_BWD_UNALIGNED for others), or two kernels over chunks;
+     a last kernel sums the dw/db partials and casts them to the parameters' dtype
   4. launchers: layer_norm_fwd, layer_norm_bwd
   5. aot_cases(): every launch configuration above, for the ahead-of-time compile test
 
@@ -18,11 +20,13 @@ Tensor contract (shared with the CUDA extension):
   All arithmetic is fp32.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, next_power_of_2, num_sms, on_input_device, unit_last_stride
+from ._common import TYPE_NAMES, cdiv, next_power_of_2, num_sms, on_input_device, unit_last_stride
 
 # ---------------------------------------------------------------------------------------------
 # 1. Configuration
@@ -33,6 +37,11 @@ from ._common import cdiv, next_power_of_2, num_sms, on_input_device, unit_last_
 # elements. The backward holds x, dy, the weight and two fp32 gradient accumulators.
 MAX_FUSED_BYTES_FWD = 32768
 MAX_FUSED_N_BWD = 8192
+# ... for rows that Triton can load as 16-byte vectors (N and every row stride a multiple of 16,
+# 16-byte aligned base pointers: what it specialises on). Other rows are loaded element by
+# element, each with its own predicate, and from 4097 elements on those spill: they take the
+# looped path instead.
+MAX_FUSED_N_BWD_UNALIGNED = 4096
 # Elements one program handles at once for narrow rows: BLOCK_M = tile // BLOCK_N rows per
 # program, so a 1024-wide row still gives each program several rows and enough bytes in flight.
 # Forward: about 32 bytes of input a thread (16 bf16 or 8 fp32 elements), up to 32 warps; the
@@ -48,6 +57,18 @@ MIN_BLOCK_N = 16
 # Column chunk of the looped paths for rows wider than the fused limits.
 CHUNK_N = 4096
 CHUNK_WARPS = 8
+# The fused backward's loop is software pipelined: the copies of the next two row blocks (cp.async
+# into shared memory) are in flight while a block is computed. Pipelined only where those two
+# blocks of x and dy take at most BWD_PIPELINE_BYTES (every width in bf16/fp16, up to 4096 in
+# fp32), so that two programs still share an sm_90 SM and every buffer fits an sm_80 block
+# (163 KiB). recompute_output re-reads the bias each step, which is pipelined too: up to 96 KiB a
+# program with a bias in x's dtype, 128 KiB with an fp32 one (one program an SM then).
+# With two stages Triton issues the next block's copies only after this block's reductions,
+# which hides nothing: the 8192-wide fp32 rows load directly instead.
+BWD_PIPELINE_BYTES = 65536
+# dw/db's second step: (BLOCK_G, BLOCK_N) fp32 tiles of the (G, N) partials, 16 a thread, one
+# program per BLOCK_N columns (N = 1024 already gives 16 programs; G is a few hundred rows).
+PARAM_GRADS_BLOCK_G, PARAM_GRADS_BLOCK_N, PARAM_GRADS_WARPS = 32, 64, 4
 # Resident warps per SM the backward's persistent grid aims for: the fused backward's programs
 # use 16 warps at up to ~64 registers a thread (more for 8192-wide rows), so about two fit an
 # SM; a bigger grid would only add rows to the (G, N) partial buffers.
@@ -81,6 +102,13 @@ def _bwd_config(n: int):
     return _fused_config(n, BWD_TILE, BWD_ELEMENTS_PER_THREAD, BWD_MAX_WARPS)
 
 
+def _bwd_pipeline_stages(block_m: int, block_n: int, dtype: torch.dtype) -> int:
+    """Row blocks in flight in the fused backward's loop, the one being computed included: 3 (two
+    buffered) where two steps of x and dy fit in BWD_PIPELINE_BYTES, else 1 (no pipelining)."""
+    step_bytes = 2 * block_m * block_n * _element_size(dtype)
+    return 3 if 2 * step_bytes <= BWD_PIPELINE_BYTES else 1
+
+
 def _fused_block_ns(limit: int):
     """Every BLOCK_N the fused path can choose up to `limit`, for aot_cases()."""
     out, b = [], MIN_BLOCK_N
@@ -93,6 +121,10 @@ def _fused_block_ns(limit: int):
 # ---------------------------------------------------------------------------------------------
 # 2. Forward
 # ---------------------------------------------------------------------------------------------
+# Row counts (M, rows_per_program, G) are not specialised (do_not_specialize): they only bound
+# loops and mask rows, so one compiled variant serves every M (no recompile for M == 1 or a
+# multiple of 16), and the ahead-of-time checks compile the variant any M runs. N and the row
+# strides are: their divisibility by 16 is what lets Triton use 16-byte accesses.
 @triton.jit
 def _affine(xhat, w, b, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
     # y = xhat * w + b. Shared by the forward and by the backward's RECOMPUTE_OUTPUT so both
@@ -105,7 +137,7 @@ def _affine(xhat, w, b, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
     return y
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _layer_norm_fwd_kernel(
     X,  # (M, N) input, row stride stride_x_row, column stride 1
     Y,  # (M, N) output, row stride stride_y_row
@@ -237,7 +269,7 @@ def _layer_norm_fwd_looped_kernel(
 # registers. dw and db sum over rows: each program accumulates the rows it owns in fp32 and
 # writes one row of a (G, N) partial buffer; a second step sums the G rows (deterministic, no
 # atomics).
-@triton.jit
+@triton.jit(do_not_specialize=["M", "rows_per_program"])
 def _layer_norm_bwd_kernel(
     X,  # (M, N) forward input, row stride stride_x_row
     DY,  # (M, N) gradient of y, row stride stride_dy_row
@@ -261,6 +293,7 @@ def _layer_norm_bwd_kernel(
     RECOMPUTE_OUTPUT: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows per step
     BLOCK_N: tl.constexpr,  # >= N
+    PIPELINE_STAGES: tl.constexpr,  # row blocks in flight, the one being computed included
 ):
     # Persistent: program g owns rows [g * rows_per_program, (g + 1) * rows_per_program).
     pid = tl.program_id(0)
@@ -275,7 +308,11 @@ def _layer_norm_bwd_kernel(
 
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
-    for first in range(row_start, row_end, BLOCK_M):
+    # Software pipelined: Triton's pipeliner issues the loads of the next PIPELINE_STAGES - 1 row
+    # blocks (cp.async into shared memory) before this block's two row reductions, whose shuffles
+    # and block barrier would otherwise leave the memory system idle between blocks. The buffer
+    # costs shared memory, not registers (a register double buffer spilled for 8192-wide rows).
+    for first in tl.range(row_start, row_end, BLOCK_M, num_stages=PIPELINE_STAGES):
         rows = first + tl.arange(0, BLOCK_M)
         row_mask = rows < row_end
         mask = row_mask[:, None] & col_mask[None, :]
@@ -314,6 +351,40 @@ def _layer_norm_bwd_kernel(
         tl.store(DW_partial + partial_offsets, tl.sum(dw_acc, axis=0), mask=col_mask)
     if HAS_BIAS:
         tl.store(DB_partial + partial_offsets, tl.sum(db_acc, axis=0), mask=col_mask)
+
+
+@triton.jit(do_not_specialize=["G"])
+def _layer_norm_param_grads_kernel(
+    DW_partial,  # (G, N) fp32, from a backward kernel
+    DB_partial,  # (G, N) fp32
+    DW,  # (N,) output in the weight's dtype, written when HAS_WEIGHT
+    DB,  # (N,) output in the bias's dtype, written when HAS_BIAS
+    G,
+    N,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # Second step of dw and db, both in one launch: program j sums columns [j * BLOCK_N, ...) of
+    # the G partial rows in fp32, BLOCK_G rows at a time in a fixed order (bitwise the same every
+    # run for a given G), and writes them cast to the parameters' dtype.
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    dw_acc = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
+    for start in range(0, G, BLOCK_G):
+        rows = start + tl.arange(0, BLOCK_G)
+        mask = (rows < G)[:, None] & col_mask[None, :]
+        offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        if HAS_WEIGHT:
+            dw_acc += tl.load(DW_partial + offsets, mask=mask, other=0.0)
+        if HAS_BIAS:
+            db_acc += tl.load(DB_partial + offsets, mask=mask, other=0.0)
+    if HAS_WEIGHT:
+        tl.store(DW + cols, tl.sum(dw_acc, axis=0).to(DW.dtype.element_ty), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB + cols, tl.sum(db_acc, axis=0).to(DB.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
@@ -355,7 +426,7 @@ def _layer_norm_bwd_row_sums_kernel(
     tl.store(C2 + row, tl.sum(c2_acc, axis=0) / N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "rows_per_program"])
 def _layer_norm_bwd_chunked_kernel(
     X,  # (M, N) forward input, row stride stride_x_row
     DY,  # (M, N) gradient of y, row stride stride_dy_row
@@ -464,6 +535,12 @@ def layer_norm_fwd(x, weight, bias, eps):
     return y, mean, rstd
 
 
+def _rows_vectorize(n, *tensors):
+    """True when Triton specialises these rows for 16-byte vector access: N and every row stride a
+    multiple of 16 elements, every base pointer 16-byte aligned (fresh outputs have stride N)."""
+    return n % 16 == 0 and all(t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in tensors)
+
+
 def _persistent_groups(M, block_m, programs):
     """(G, rows_per_program): at most `programs` groups of a multiple of block_m rows each."""
     rows_per_program = cdiv(cdiv(M, programs), block_m) * block_m
@@ -498,7 +575,7 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd, recompute_output):
     common = dict(HAS_WEIGHT=has_w, HAS_BIAS=has_b, RECOMPUTE_OUTPUT=bool(recompute_output))
     sms = num_sms(device)
 
-    if N <= MAX_FUSED_N_BWD:
+    if N <= MAX_FUSED_N_BWD_UNALIGNED or (N <= MAX_FUSED_N_BWD and _rows_vectorize(N, x, dy)):
         block_m, block_n, warps = _bwd_config(N)
         groups, rows_per_program = _persistent_groups(M, block_m, sms * max(1, BWD_WARPS_PER_SM // warps))
         dw_partial = torch.empty((groups, N) if has_w else (0,), dtype=torch.float32, device=device)
@@ -508,7 +585,8 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd, recompute_output):
             dw_partial if has_w else dx, db_partial if has_b else dx,
             x.stride(0), dy.stride(0), dx.stride(0), y_arg.stride(0) if recompute_output else N,
             M, N, rows_per_program,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **common,
+            BLOCK_M=block_m, BLOCK_N=block_n, PIPELINE_STAGES=_bwd_pipeline_stages(block_m, block_n, x.dtype),
+            num_warps=warps, **common,
         )
     else:
         c1 = torch.empty((M,), dtype=torch.float32, device=device)
@@ -530,113 +608,80 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd, recompute_output):
             BLOCK_N=CHUNK_N, num_warps=CHUNK_WARPS, **common,
         )
 
-    # Second step: reduce the G partial rows. torch.sum is deterministic for a fixed G, and G
-    # depends only on (M, N, device).
-    dw = dw_partial.sum(0).to(weight.dtype) if has_w else torch.empty(0, dtype=x.dtype, device=device)
-    db = db_partial.sum(0).to(bias.dtype) if has_b else torch.empty(0, dtype=x.dtype, device=device)
+    # Second step: reduce the G partial rows, in a fixed order (G depends only on (M, N, device)).
+    dw = torch.empty((N,) if has_w else (0,), dtype=weight.dtype if has_w else x.dtype, device=device)
+    db = torch.empty((N,) if has_b else (0,), dtype=bias.dtype if has_b else x.dtype, device=device)
+    _sum_partials(dw_partial if has_w else None, db_partial if has_b else None, dw, db)
     return dx, dw, db, y
+
+
+def _sum_partials(dw_partial, db_partial, dw, db):
+    """dw, db = the column sums of the (G, N) fp32 partials, cast to their own dtype, in one launch
+    (a partial buffer that is None has no output)."""
+    has_w, has_b = dw_partial is not None, db_partial is not None
+    if not (has_w or has_b):
+        return
+    # An absent output is compiled out (HAS_WEIGHT/HAS_BIAS): the present one's tensors stand in.
+    if not has_w:
+        dw_partial, dw = db_partial, db
+    if not has_b:
+        db_partial, db = dw_partial, dw
+    groups, n = dw_partial.shape
+    _layer_norm_param_grads_kernel[(cdiv(n, PARAM_GRADS_BLOCK_N),)](
+        dw_partial, db_partial, dw, db, groups, n, HAS_WEIGHT=has_w, HAS_BIAS=has_b,
+        BLOCK_G=PARAM_GRADS_BLOCK_G, BLOCK_N=PARAM_GRADS_BLOCK_N, num_warps=PARAM_GRADS_WARPS,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # 5. Ahead-of-time compile cases
 # ---------------------------------------------------------------------------------------------
-_TORCH_TYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# Each case calls a launcher above on CPU tensors; tests/triton_aot.py compiles the kernels it
+# launches for a GPU, specialised by Triton on the real arguments. Every configuration is met at
+# two widths: a multiple of 16 (Triton marks N and the row strides 16-divisible, the variant
+# production widths run) and one that is not (N - 1: same blocks, no divisibility).
+_DTYPE_PAIRS = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32)]
 
 
-def _dtype_variants():
-    """(x dtype, parameter dtype) pairs: bf16 stands for fp16 too (same code shape)."""
-    return [("bf16", "bf16"), ("bf16", "fp32"), ("fp32", "fp32")]
+def _aot_widths(fused_limit, unaligned_limit):
+    """(BLOCK_N or "looped", width, divisible) covering every configuration of a path whose fused
+    kernel takes rows up to fused_limit wide, unaligned ones up to unaligned_limit."""
+    for block_n in _fused_block_ns(fused_limit):
+        yield block_n, block_n, True
+        if block_n <= unaligned_limit:
+            yield block_n, block_n - 1, False
+    yield "looped", fused_limit + 16, True
+    yield "looped", fused_limit + 1, False
 
 
-def _flag_variants(x, p, with_recompute):
-    """(HAS_WEIGHT, HAS_BIAS, RECOMPUTE_OUTPUT, W/B pointer dtype) combinations worth compiling.
-
-    With the weight and bias present the kernels do the most work (most registers), so that case
-    is compiled for every parameter dtype; with both absent the W/B pointers are dead, so once per
-    x dtype. Mixed cases (only one present) compile to a subset of the all-present code.
-    """
-    out = []
-    recompute = (True, False) if with_recompute else (False,)
-    for r in recompute:
-        out.append((True, True, r, p))
-        if p == x:
-            out.append((False, False, r, x))
-    return out
+def _aot_launch(width, divisible, x_dtype, p_dtype, affine, recompute):
+    """The forward (recompute None) or the backward on CPU tensors of `width` columns."""
+    rows = 64 if divisible else 67
+    x = torch.empty((rows, width), dtype=x_dtype)
+    w, b = (torch.empty((width,), dtype=p_dtype) if affine else None for _ in range(2))
+    if recompute is None:
+        layer_norm_fwd(x, w, b, 1e-5)
+    else:
+        layer_norm_bwd(torch.empty_like(x), x, w, b, torch.empty((rows,)), torch.empty((rows,)), recompute)
 
 
 def aot_cases():
-    """Every (kernel, signature, constexprs, num_warps) the launchers above can launch on a GPU.
-
-    Each case: {"name", "kernel", "signature", "constexprs", "num_warps", "divisible_by_16"}.
-    "divisible_by_16" names the arguments Triton would mark 16-divisible for typical tensors
-    (pointers from the caching allocator, row strides that are multiples of 16), the common fast
-    path; the AOT helper may ignore it.
-    """
+    """Launches covering every kernel variant the launchers above can run on a GPU: each dtype pair
+    (bf16 stands for fp16, same code), weight and bias both present (the most registers) or both
+    absent, recompute or not, every BLOCK_N and the looped paths, each at a 16-divisible and a
+    ragged width. Keys: name, launch, divisible, block_n (an int, or "looped")."""
     cases = []
-    for x, p in _dtype_variants():
-        for has_w, has_b, _, wt in _flag_variants(x, p, with_recompute=False):
-            tag = f"x{x}_w{wt if has_w else 'none'}_b{wt if has_b else 'none'}"
-            flags = dict(HAS_WEIGHT=has_w, HAS_BIAS=has_b)
-            fwd_sig = {"X": f"*{x}", "Y": f"*{x}", "W": f"*{wt}", "B": f"*{wt}", "Mean": "*fp32", "Rstd": "*fp32",
-                       "stride_x_row": "i32", "stride_y_row": "i32"}
-            for block_n in _fused_block_ns(max_fused_n_fwd(_TORCH_TYPE[x])):
-                block_m, _, warps = _fwd_config(block_n, _TORCH_TYPE[x])
-                cases.append(dict(
-                    name=f"fwd_{tag}_BM{block_m}_BN{block_n}",
-                    kernel=_layer_norm_fwd_kernel,
-                    signature={**fwd_sig, "M": "i32", "N": "i32", "eps": "fp32", "HAS_WEIGHT": "constexpr",
-                               "HAS_BIAS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"},
-                    constexprs=dict(flags, BLOCK_M=block_m, BLOCK_N=block_n),
-                    num_warps=warps,
-                    divisible_by_16=["X", "Y", "W", "B", "Mean", "Rstd", "stride_x_row", "stride_y_row"],
-                ))
-            cases.append(dict(
-                name=f"fwd_looped_{tag}_BN{CHUNK_N}",
-                kernel=_layer_norm_fwd_looped_kernel,
-                signature={**fwd_sig, "N": "i32", "eps": "fp32", "HAS_WEIGHT": "constexpr", "HAS_BIAS": "constexpr",
-                           "BLOCK_N": "constexpr"},
-                constexprs=dict(flags, BLOCK_N=CHUNK_N),
-                num_warps=CHUNK_WARPS,
-                divisible_by_16=["X", "Y", "W", "B", "Mean", "Rstd", "stride_x_row", "stride_y_row"],
-            ))
-
-        for has_w, has_b, rec, wt in _flag_variants(x, p, with_recompute=True):
-            tag = f"x{x}_w{wt if has_w else 'none'}_b{wt if has_b else 'none'}_rec{int(rec)}"
-            flags = dict(HAS_WEIGHT=has_w, HAS_BIAS=has_b, RECOMPUTE_OUTPUT=rec)
-            ptrs = {"X": f"*{x}", "DY": f"*{x}", "W": f"*{wt}", "B": f"*{wt}", "Mean": "*fp32", "Rstd": "*fp32"}
-            outs = {"DX": f"*{x}", "Y": f"*{x}", "DW_partial": "*fp32", "DB_partial": "*fp32",
-                    "stride_x_row": "i32", "stride_dy_row": "i32", "stride_dx_row": "i32", "stride_y_row": "i32",
-                    "M": "i32", "N": "i32", "rows_per_program": "i32"}
-            consts = {"HAS_WEIGHT": "constexpr", "HAS_BIAS": "constexpr", "RECOMPUTE_OUTPUT": "constexpr"}
-            div16 = ["X", "DY", "W", "B", "Mean", "Rstd", "DX", "Y", "DW_partial", "DB_partial",
-                     "stride_x_row", "stride_dy_row", "stride_dx_row", "stride_y_row"]
-            for block_n in _fused_block_ns(MAX_FUSED_N_BWD):
-                block_m, _, warps = _bwd_config(block_n)
-                cases.append(dict(
-                    name=f"bwd_{tag}_BM{block_m}_BN{block_n}",
-                    kernel=_layer_norm_bwd_kernel,
-                    signature={**ptrs, **outs, **consts, "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"},
-                    constexprs=dict(flags, BLOCK_M=block_m, BLOCK_N=block_n),
-                    num_warps=warps,
-                    divisible_by_16=div16,
-                ))
-            cases.append(dict(
-                name=f"bwd_chunked_{tag}_BN{CHUNK_N}",
-                kernel=_layer_norm_bwd_chunked_kernel,
-                signature={**ptrs, "C1": "*fp32", "C2": "*fp32", **outs, **consts, "BLOCK_N": "constexpr"},
-                constexprs=dict(flags, BLOCK_N=CHUNK_N),
-                num_warps=CHUNK_WARPS,
-                divisible_by_16=div16 + ["C1", "C2"],
-            ))
-            if not rec and has_b == has_w:
-                cases.append(dict(
-                    name=f"bwd_row_sums_x{x}_w{wt if has_w else 'none'}_BN{CHUNK_N}",
-                    kernel=_layer_norm_bwd_row_sums_kernel,
-                    signature={"X": f"*{x}", "DY": f"*{x}", "W": f"*{wt}", "Mean": "*fp32", "Rstd": "*fp32",
-                               "C1": "*fp32", "C2": "*fp32", "stride_x_row": "i32", "stride_dy_row": "i32",
-                               "N": "i32", "HAS_WEIGHT": "constexpr", "BLOCK_N": "constexpr"},
-                    constexprs=dict(HAS_WEIGHT=has_w, BLOCK_N=CHUNK_N),
-                    num_warps=CHUNK_WARPS,
-                    divisible_by_16=["X", "DY", "W", "Mean", "Rstd", "C1", "C2", "stride_x_row", "stride_dy_row"],
-                ))
+    for x_dtype, p_dtype in _DTYPE_PAIRS:
+        for affine in (True, False) if p_dtype == x_dtype else (True,):
+            variants = [("fwd", None, _aot_widths(max_fused_n_fwd(x_dtype), max_fused_n_fwd(x_dtype)))]
+            variants += [("bwd", rec, _aot_widths(MAX_FUSED_N_BWD, MAX_FUSED_N_BWD_UNALIGNED)) for rec in (False, True)]
+            for direction, recompute, widths in variants:
+                for block, width, divisible in widths:
+                    params = TYPE_NAMES[p_dtype] if affine else "none"
+                    rec = "" if recompute is None else f"_rec{int(recompute)}"
+                    cases.append(dict(
+                        name=f"{direction}_x{TYPE_NAMES[x_dtype]}_w{params}{rec}_BN{block}_N{width}",
+                        launch=functools.partial(_aot_launch, width, divisible, x_dtype, p_dtype, affine, recompute),
+                        divisible=divisible, block_n=block,
+                    ))
     return cases
