@@ -12,7 +12,7 @@ import torch
 
 import remat
 from numerics import REL_TOL, rel_error
-from remat import _autotune
+from remat.triton_kernels import _autotune
 from remat.ops.attention import attention_ref
 from remat.triton_kernels import attention as kernels
 

@@ -4,6 +4,7 @@ tensors run the interpreter or the reference whatever the backend."""
 import warnings
 
 import pytest
+import torch
 
 import remat
 from remat import _backend
@@ -53,3 +54,21 @@ def test_triton_not_importable_says_cpu_tensors_do_not_need_it(monkeypatch, back
                                            r"\(pretend\)\. It is for CUDA tensors; CPU tensors run the PyTorch "
                                            r"reference whatever the backend"):
         remat.set_backend("triton")
+
+
+def test_a_backend_means_the_same_for_every_op(monkeypatch, backend_restored):
+    """"cuda" for attention, which has no CUDA-extension kernel: its Triton kernel runs, and the user
+    is told once; ops with a CUDA kernel run it."""
+    monkeypatch.setattr(_backend, "_triton_status", lambda: (True, "triton (pretend)"))
+    monkeypatch.setattr(_backend, "_cuda_extension_status", lambda: (True, "remat._C (pretend)"))
+    _backend._warn_missing_kernel_once.cache_clear()
+    _backend._chosen = "cuda"
+    gpu = torch.device("cuda")
+    assert _backend.choose("layer_norm", gpu) == "cuda"
+    with pytest.warns(UserWarning, match=r"remat backend 'cuda' has no attention kernel: attention runs its "
+                                         r"triton kernel"):
+        assert _backend.choose("attention", gpu, kernels=("triton",)) == "triton"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        assert _backend.choose("attention", gpu, kernels=("triton",)) == "triton"
+    _backend._warn_missing_kernel_once.cache_clear()

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from remat import _autotune
+from . import _autotune
 
 from ._common import TYPE_NAMES, cdiv, next_power_of_2, on_input_device, unit_last_stride
 

@@ -151,18 +151,33 @@ def _warn_reference_once(op):
     )
 
 
-def choose(op, device):
-    """The implementation for `op` on `device`: "triton", "cuda" or "reference"."""
+@functools.cache
+def _warn_missing_kernel_once(op, backend, instead):
+    warnings.warn(
+        f"remat backend {backend!r} has no {op} kernel: {op} runs {instead} (see remat.backends())",
+        stacklevel=4,
+    )
+
+
+def choose(op, device, kernels=("triton", "cuda")):
+    """The implementation for `op` on `device`: "triton", "cuda" or "reference". `kernels`: the
+    backends `op` has kernels for. A backend chosen by name means the same for every op: one an op
+    has no kernel for runs that op's other kernel, and says so once."""
     backend = get_backend()
     if backend == "reference":
         return "reference"
     if device.type != "cuda":
-        return "triton" if _interpreter_runs_cpu_tensors() else "reference"
+        return "triton" if _interpreter_runs_cpu_tensors() and "triton" in kernels else "reference"
     if backend != "auto":
-        return backend
-    if _triton_status()[0]:
+        if backend in kernels:
+            return backend
+        instead = next((k for k in kernels if (_triton_status if k == "triton" else _cuda_extension_status)()[0]),
+                       "reference")
+        _warn_missing_kernel_once(op, backend, f"its {instead} kernel" if instead != "reference" else "the reference")
+        return instead
+    if "triton" in kernels and _triton_status()[0]:
         return "triton"
-    if _cuda_extension_status()[0]:
+    if "cuda" in kernels and _cuda_extension_status()[0]:
         return "cuda"
     _warn_reference_once(op)
     return "reference"

@@ -66,7 +66,7 @@ def _sdpa_default(q, k, v, causal):
 
 def implementations(device):
     """A Variant (a function of q, k, v, causal) for every implementation."""
-    impls = [Variant(f"remat-{remat._backend.choose('attention', device)}", True, _remat)]
+    impls = [Variant(f"remat-{remat._backend.choose('attention', device, kernels=('triton',))}", True, _remat)]
     if device.type == "cuda":
         impls += [Variant(f"sdpa-{name}", False, _sdpa(backend)) for name, backend in
                   (("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION"), ("efficient", "EFFICIENT_ATTENTION"))]

@@ -11,7 +11,7 @@ import subprocess
 import torch
 
 import remat
-from remat import _autotune
+from remat.triton_kernels import _autotune
 
 from .cases import best_peer_ratio
 

@@ -128,9 +128,9 @@ def _attention_bwd_ref(do, q, k, v, o, lse, causal, softmax_scale):
 
 
 def _implementation(device, head_dim):
-    backend = _backend.choose("attention", device)
-    # "cuda" also runs the Triton kernel: there is no CUDA-extension attention.
-    if backend in ("triton", "cuda") and head_dim in HEAD_DIMS:
+    # Triton only: set_backend("cuda") runs the Triton kernel for attention, and says so once.
+    backend = _backend.choose("attention", device, kernels=("triton",))
+    if backend == "triton" and head_dim in HEAD_DIMS:
         from ..triton_kernels import attention as triton_attention
 
         return triton_attention.attention_fwd, triton_attention.attention_bwd
