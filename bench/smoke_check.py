@@ -51,8 +51,9 @@ def _check_group(suite, dtype_name, device):
         start = time.perf_counter()
         results = check_case(case)
         seconds = (time.perf_counter() - start) / max(len(results), 1)
-        rows += [{"suite": suite, "op": case.op, "dtype": dtype_name, "shape": case.shape, "implementation": r.implementation,
-                  "check": r.check or "did not run", "error": r.error, "seconds": f"{seconds:.1f}"} for r in results]
+        rows += [{"suite": suite, "op": case.op, "dtype": dtype_name, "shape": case.shape,
+                  "implementation": r.implementation, "check": r.check or "did not run", "error": r.error,
+                  "seconds": f"{seconds:.1f}"} for r in results]
     return rows
 
 
@@ -70,7 +71,8 @@ def _write(rows, pending, env, out_dir):
     good = sum(passed(row) for row in rows)
     lines = ["# remat smoke check: remat against float64, at most twice PyTorch's error", "",
              *[f"- {k}: {v}" for k, v in env.items()], "",
-             f"{good} of {len(rows)} ok" + (f"; not finished: {', '.join(f'{s} {d}' for s, d in pending)}" if pending else ""), "",
+             f"{good} of {len(rows)} ok"
+             + (f"; not finished: {', '.join(f'{s} {d}' for s, d in pending)}" if pending else ""), "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(str(row.get(c, "")) for c in COLUMNS) + " |" for row in rows]
     with open(os.path.join(out_dir, "smoke.md"), "w") as handle:
@@ -107,8 +109,8 @@ def main():
         for group, found in done:
             pending.remove(group)
             for row in found:
-                print(f"{row['dtype']} {row.get('op', row['suite'])} {row.get('shape', '')} {row.get('implementation', '')}: "
-                      f"{row['check']} {row['error']}".rstrip(), flush=True)
+                print(f"{row['dtype']} {row.get('op', row['suite'])} {row.get('shape', '')} "
+                      f"{row.get('implementation', '')}: {row['check']} {row['error']}".rstrip(), flush=True)
             rows += found
             _write(rows, pending, env, args.out)
     except KeyboardInterrupt:
@@ -117,7 +119,8 @@ def main():
         pool.terminate()  # no worker outlives this process, busy or not (they hold GPU memory)
         _write(rows, pending, env, args.out)
     good = sum(passed(row) for row in rows)
-    print(f"smoke: {good} of {len(rows)} checks ok, {len(pending)} groups not finished; {args.out}/smoke.md", flush=True)
+    print(f"smoke: {good} of {len(rows)} checks ok, {len(pending)} groups not finished; {args.out}/smoke.md",
+          flush=True)
     return 0 if good == len(rows) and not pending else 1
 
 

@@ -56,8 +56,8 @@ def smoke_lines(out_dir):
     dtypes = ", ".join(sorted({row["dtype"] for row in rows}))
     lines = [f"smoke ({dtypes}; remat against float64, at most twice PyTorch's error): "
              f"{len(rows) - len(bad)} of {len(rows)} ok   smoke/smoke.md"]
-    lines += [f"  {row['check'].upper()}: {row['dtype']} {row['op'] or row['suite']} {row['shape']} {row['implementation']} "
-              f"{row['error']}".rstrip() for row in bad]
+    lines += [f"  {row['check'].upper()}: {row['dtype']} {row['op'] or row['suite']} {row['shape']} "
+              f"{row['implementation']} {row['error']}".rstrip() for row in bad]
     return lines
 
 
@@ -168,14 +168,16 @@ def headline_lines(out_dir, suites):
             peer = f"best peer {best['implementation']} {_number(best['rate']):.4g}" if best else "no peer timed"
             shown = in_case if suite == "block" else [r for r in in_case if r["implementation"].startswith("remat")]
             for r in shown:
-                lines.append(f"  {case[0]:<16} {case[1]:<7} {case[3]:<28} {r['implementation']:<24} {r['check']:<11} "
-                             f"{_result(r):<30} saves {_saves(r, suite)}" + ("" if suite == "block" else f"   ({peer})"))
+                lines.append(f"  {case[0]:<16} {case[1]:<7} {case[3]:<28} {r['implementation']:<24} "
+                             f"{r['check']:<11} {_result(r):<30} saves {_saves(r, suite)}"
+                             + ("" if suite == "block" else f"   ({peer})"))
     return lines
 
 
 def memory_lines(out_dir, step):
     """`remat memory`'s status and the end of its log (its table and the budget's verdict)."""
-    lines = [f"memory policies (remat memory, gpt2-medium): {step['status'] if step else 'not run'}   memory.log, memory/"]
+    lines = [f"memory policies (remat memory, gpt2-medium): {step['status'] if step else 'not run'}"
+             "   memory.log, memory/"]
     try:
         with open(os.path.join(out_dir, "memory.log"), errors="replace") as handle:
             lines += ["  " + line.rstrip() for line in handle.readlines()[-12:]]

@@ -68,12 +68,13 @@ def main():
     work = [(suite, name) for suite in args.suites for name in compiled_implementations(suite, args.dtype, args.device)]
     context = multiprocessing.get_context("spawn")  # CUDA cannot be used in forked children
     with concurrent.futures.ProcessPoolExecutor(args.jobs or len(work), mp_context=context) as pool:
-        futures = {pool.submit(compile_one, suite, name, args.dtype, args.device): (suite, name) for suite, name in work}
+        futures = {pool.submit(compile_one, suite, name, args.dtype, args.device): (suite, name)
+                   for suite, name in work}
         for future in concurrent.futures.as_completed(futures):
             suite, name = futures[future]
             seconds, errors = future.result()
-            print(f"{suite} {name}: compiled in {seconds:.0f} s" + (f"; {len(errors)} failed: " + "; ".join(errors) if errors else ""),
-                  flush=True)
+            print(f"{suite} {name}: compiled in {seconds:.0f} s"
+                  + (f"; {len(errors)} failed: " + "; ".join(errors) if errors else ""), flush=True)
 
 
 if __name__ == "__main__":

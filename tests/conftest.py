@@ -24,8 +24,9 @@ os.environ.setdefault("REMAT_AUTOTUNE", "0")
 import pytest  # noqa: E402
 
 import remat  # noqa: E402
-from numerics import round_interpreter_bf16_casts_to_nearest  # noqa: E402
 from remat import _backend  # noqa: E402
+
+from numerics import round_interpreter_bf16_casts_to_nearest  # noqa: E402
 
 # Under the interpreter, fp32 -> bf16 casts round to nearest even, as on the GPU (see numerics.py).
 BF16_CASTS_PATCHED = _backend.interpreter_enabled() and _backend.backends()["triton"][0] and (

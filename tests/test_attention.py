@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import remat
 from remat.ops import attention as attn_ops
+
 from numerics import REL_TOL, assert_compiled_matches_eager, rel_error, saved_bytes
 
 HAS_GPU = torch.cuda.is_available()
@@ -182,7 +183,8 @@ def test_rectangular_blocks_match_float64(target, monkeypatch, config, shape):
     for name, got, want in zip(("o", "lse", "dq", "dk", "dv"), ours, ref):
         seen = torch.isfinite(want)  # lse is -inf on rows that see no key
         assert torch.equal(torch.isfinite(got), seen), name
-        assert rel_error(got[seen], want[seen]) <= REL_TOL[torch.float32], f"{name}: {rel_error(got[seen], want[seen]):.3g}"
+        assert rel_error(got[seen], want[seen]) <= REL_TOL[torch.float32], \
+            f"{name}: {rel_error(got[seen], want[seen]):.3g}"
 
 
 def test_rows_without_visible_keys_are_zero(target):
@@ -443,7 +445,8 @@ def _kernel_module():
 # fixed-table entries at the ragged one; and the fixed-table entries, 16-divisible, of causal
 # bf16 at the padded head dim 96 and at 256 and of causal fp32 at 64 and 256 (the fp32 tiles with
 # the least register headroom). REMAT_AOT_FULL=1 compiles every case.
-_AOT_SUBSET = [(dict(dtypes=(torch.bfloat16,), head_dims=(64, 128)), lambda case: case["shape"] == "div16" or case["table"]),
+_AOT_SUBSET = [(dict(dtypes=(torch.bfloat16,), head_dims=(64, 128)),
+                lambda case: case["shape"] == "div16" or case["table"]),
                (dict(dtypes=(torch.bfloat16,), head_dims=(96, 256), causals=(True,), shapes=("div16",)),
                 lambda case: case["table"]),
                (dict(dtypes=(torch.float32,), head_dims=(64, 256), causals=(True,), shapes=("div16",)),
@@ -474,7 +477,8 @@ def test_attention_compiles_without_spills(arch):
     results = compile_module_cases(module, archs=(arch,), extra_paths=paths, timeout=max(900, 10 * len(expected)))
     assert sorted(r["case"] for r in results) == sorted(expected), "each case launches one kernel"
     bad = failing(results)
-    assert not bad, f"{len(bad)} of {len(results)} attention kernels fail to compile or spill on sm_{arch}:\n" + format_results(bad)
+    assert not bad, (f"{len(bad)} of {len(results)} attention kernels fail to compile or spill on sm_{arch}:\n"
+                     + format_results(bad))
 
 
 def test_hopper_candidates_only_where_they_compiled_without_spills():

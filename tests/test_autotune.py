@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import remat
-from numerics import REL_TOL, rel_error
-from remat.triton_kernels import _autotune
 from remat.ops.attention import attention_ref
+from remat.triton_kernels import _autotune
 from remat.triton_kernels import attention as kernels
+
+from numerics import REL_TOL, rel_error
 
 HAS_GPU = torch.cuda.is_available()
 
@@ -268,7 +269,7 @@ def test_every_candidate_matches_the_reference(monkeypatch, head_dim, dtype):
     options = {kind: kernels.candidates(kind, head_dim, dtype, hopper) for kind in kernels.KINDS}
     for index in range(max(len(o) for o in options.values())):
         chosen = {kind: o[min(index, len(o) - 1)] for kind, o in options.items()}
-        monkeypatch.setattr(kernels, "_select_config", lambda kind, q, k, causal, run: chosen[kind])
+        monkeypatch.setattr(kernels, "_select_config", lambda kind, q, k, causal, run, chosen=chosen: chosen[kind])
         o = remat.ops.attention.attention(q, k, v, causal=True)
         ours = (o, *torch.autograd.grad(o, (q, k, v), do))
         for name, got, want in zip(("o", "dq", "dk", "dv"), ours, ref):

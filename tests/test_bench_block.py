@@ -3,6 +3,7 @@
 import torch
 
 from remat.policies import compiled_with_budget
+
 from numerics import saved_bytes
 
 

@@ -10,8 +10,7 @@ import torch
 
 import remat
 from remat import _backend, bench
-from remat.bench.cases import (Built, Case, CaseInterrupted, Implementation, Timer, check_against, measure_case,
-                               op_built)
+from remat.bench.cases import Built, Case, CaseInterrupted, Implementation, Timer, check_against, measure_case, op_built
 
 
 def _case(implementations, make_inputs=lambda: None, check=None):
@@ -28,7 +27,8 @@ def test_backend_is_in_force_for_the_backward_too(monkeypatch):
     the implementation's backend, not whatever is set after its forward returned."""
     seen = []
     choose = _backend.choose
-    monkeypatch.setattr(_backend, "choose", lambda op, device: seen.append(_backend.get_backend()) or choose(op, device))
+    monkeypatch.setattr(_backend, "choose",
+                        lambda op, device: seen.append(_backend.get_backend()) or choose(op, device))
     x = torch.randn(8, 16, requires_grad=True)
 
     def step():
@@ -141,7 +141,8 @@ def _layer_norm_case(implementations, dtype=torch.bfloat16):
         return x, w, b, dy
 
     torch_layer_norm = lambda x, w, b: torch.nn.functional.layer_norm(x, (48,), w, b)  # noqa: E731
-    impls = [Implementation(name, name != "torch", build(fn)) for name, fn in [("torch", torch_layer_norm), *implementations]]
+    impls = [Implementation(name, name != "torch", build(fn))
+             for name, fn in [("torch", torch_layer_norm), *implementations]]
     return Case(op="layernorm", mode="fwd+bwd", dtype=dtype, shape="M=64 N=48", size=48, unit="GB/s", work=1e6,
                 make_inputs=make_inputs, implementations=impls, check=check_against(build(torch_layer_norm)))
 

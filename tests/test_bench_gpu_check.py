@@ -116,7 +116,8 @@ def test_summary_reads_a_real_bench_csv(tmp_path):
                     make_inputs=lambda: None, implementations=implementations)
 
     results = measure_case(case([Implementation("remat-triton", True, lambda inputs: Built(lambda: None)),
-                                 Implementation("torch", False, lambda inputs: Built(lambda: None))]), Timer("cpu", reps=2))
+                                 Implementation("torch", False, lambda inputs: Built(lambda: None))]),
+                           Timer("cpu", reps=2))
     # as the runner leaves a wrong implementation: marked, not timed
     results[1].check, results[1].error = "wrong", "wrong output: dx error 1e-1 > 2x PyTorch's 1e-3"
     results[1].p20_ms = results[1].p50_ms = results[1].p80_ms = math.nan
@@ -156,12 +157,13 @@ def test_smoke_check_runs_each_group_and_writes_every_check(tmp_path):
 
 def test_smoke_check_writes_unfinished_groups_as_such(tmp_path):
     smoke = _load("smoke_check")
-    rows = [{"suite": "layernorm", "op": "layernorm", "dtype": "bf16", "shape": "M=1 N=1", "implementation": "remat-triton",
-             "check": "ok (1.00x)", "error": "", "seconds": "1.0"}]
+    rows = [{"suite": "layernorm", "op": "layernorm", "dtype": "bf16", "shape": "M=1 N=1",
+             "implementation": "remat-triton", "check": "ok (1.00x)", "error": "", "seconds": "1.0"}]
     smoke._write(rows, [("attention", "fp16")], {"commit": "abc"}, str(tmp_path))
     with open(tmp_path / "smoke.csv", newline="") as handle:
         written = list(csv.DictReader(handle))
-    assert [(row["suite"], row["check"]) for row in written] == [("layernorm", "ok (1.00x)"), ("attention", "not finished")]
+    assert [(row["suite"], row["check"]) for row in written] == [
+        ("layernorm", "ok (1.00x)"), ("attention", "not finished")]
     assert "1 of 2 ok; not finished: attention fp16" in (tmp_path / "smoke.md").read_text()
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from remat.cli import main
-from remat.memory import cheapest_fitting, model_names, run as memory_run
+from remat.memory import cheapest_fitting, model_names
+from remat.memory import run as memory_run
 
 
 def test_bench_on_cpu_says_functional_checks_every_row_and_counts_memory_exactly(tmp_path, capsys):

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import remat
+
 from numerics import assert_compiled_matches_eager, rel_error, saved_bytes
 
 # remat.convert is also the name of the function remat/__init__.py exports: import the module by path.

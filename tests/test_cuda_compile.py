@@ -30,7 +30,7 @@ ARCHS = ("80", "90")
 COMPILE_TIMEOUT_S = 900
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def find_nvcc():
     """nvcc from CUDA_HOME, torch's CUDA_HOME, or PATH; None when absent."""
     homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
@@ -125,7 +125,7 @@ def parse_ptxas(log):
 requires_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found (set CUDA_HOME or add it to PATH)")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compile_source(source):
     """(ptxas log, object file) of one nvcc compile of `source` for ARCHS, shared by the tests."""
     nvcc = find_nvcc()

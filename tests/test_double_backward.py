@@ -12,6 +12,7 @@ import remat
 from remat.ops import attention as attn_ops
 from remat.ops import gelu as gelu_ops
 from remat.ops import layer_norm as ln_ops
+
 from numerics import REL_TOL, rel_error
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import remat
+
 from numerics import assert_close_to_ref, assert_compiled_matches_eager, rel_error, saved_bytes
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -67,7 +68,8 @@ def test_matches_float64_stock_stack(target, kind, dtype, recompute):
     assert_close_to_ref("y", y, want_y, dtype)
     assert_close_to_ref("dx", x.grad, want_dx, dtype)
     for name, p in ours.named_parameters():
-        assert_close_to_ref(name, p.grad, want_grads[STOCK_INDEX[kind][name.split(".")[0]] + "." + name.split(".")[1]], dtype)
+        stock_name = STOCK_INDEX[kind][name.split(".")[0]] + "." + name.split(".")[1]
+        assert_close_to_ref(name, p.grad, want_grads[stock_name], dtype)
 
 
 # Where each of our submodules sits in the stock nn.Sequential that build() makes.
@@ -173,7 +175,8 @@ def test_torch_compile_fullgraph(target):
 def test_state_dict_is_the_unfused_stack():
     ours = remat.nn.LayerNormMLP(16, 64)
     assert set(ours.state_dict()) == {"norm.weight", "norm.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
-    assert set(remat.nn.LayerNormLinear(16, 8).state_dict()) == {"norm.weight", "norm.bias", "linear.weight", "linear.bias"}
+    assert set(remat.nn.LayerNormLinear(16, 8).state_dict()) == {
+        "norm.weight", "norm.bias", "linear.weight", "linear.bias"}
 
 
 @pytest.mark.parametrize(
@@ -187,7 +190,8 @@ def test_state_dict_is_the_unfused_stack():
          ValueError, "fc2 must map 16 back to 8"),
         (lambda: remat.nn.MLP(8, 16)(torch.randn(2, 9)), ValueError,
          "x must have 8 features in its last dimension (the in_features of MLP), got shape (2, 9)"),
-        (lambda: remat.nn.MLP(8, 16)(torch.randn(2, 8, dtype=torch.float16)), TypeError, "w1 has dtype torch.float32 but x"),
+        (lambda: remat.nn.MLP(8, 16)(torch.randn(2, 8, dtype=torch.float16)), TypeError,
+         "w1 has dtype torch.float32 but x"),
         (lambda: remat.nn.LayerNormLinear(64, 192)(torch.randn(2, 32)), ValueError,
          "x must have 64 features in its last dimension (the in_features of LayerNormLinear), got shape (2, 32)"),
         (lambda: remat.mlp(torch.randn(2, 8), torch.randn(16, 8), None, torch.randn(8, 16), None, "exact"),

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import remat
-from numerics import REL_TOL, rel_error, saved_bytes
 from remat._linears import fused_saved_bytes
 from remat.ops.fused import norm_linears
 from remat.specs import Linear, LoRA, Norm
+
+from numerics import REL_TOL, rel_error, saved_bytes
 
 peft = pytest.importorskip("peft")
 

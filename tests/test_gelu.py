@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import remat
 from remat.ops import gelu as gelu_ops
+
 from numerics import REL_TOL, assert_close_to_ref, assert_compiled_matches_eager, rel_error, saved_bytes
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

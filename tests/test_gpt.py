@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from remat.gpt import GPTConfig, remat_stack, torch_stack
+
 from numerics import assert_close_to_ref, assert_compiled_matches_eager, saved_bytes
 
 
@@ -27,8 +28,10 @@ def test_same_outputs_and_gradients(target):
     stock_grads = dict(stock.named_parameters())
     for block, (ours_block, stock_block) in enumerate(zip(ours, stock)):
         pairs = [
-            (ours_block.attn_qkv.norm.weight, stock_block.ln_1.weight), (ours_block.attn_qkv.linear.weight, stock_block.attn_qkv.weight),
-            (ours_block.attn_out.weight, stock_block.attn_out.weight), (ours_block.mlp.norm.bias, stock_block.ln_2.bias),
+            (ours_block.attn_qkv.norm.weight, stock_block.ln_1.weight),
+            (ours_block.attn_qkv.linear.weight, stock_block.attn_qkv.weight),
+            (ours_block.attn_out.weight, stock_block.attn_out.weight),
+            (ours_block.mlp.norm.bias, stock_block.ln_2.bias),
             (ours_block.mlp.fc1.weight, stock_block.fc1.weight), (ours_block.mlp.fc2.bias, stock_block.fc2.bias),
         ]
         for got, expected in pairs:

@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 import remat
+from remat._guards import RematFallbackWarning
+
 from hf_models import LAYERS, build, inputs, remat_attention_calls
 from numerics import rel_error
-from remat._guards import RematFallbackWarning
 
 conv = importlib.import_module("remat.convert")
 patterns = importlib.import_module("remat.convert.patterns")
@@ -163,7 +164,7 @@ def test_deepcopy_and_pickle_keep_the_fusions():
     for model in copies:
         with warnings.catch_warnings():
             warnings.simplefilter("error", RematFallbackWarning)
-            loss, calls = remat_attention_calls(lambda: model(**batch).loss)
+            loss, calls = remat_attention_calls(lambda model=model: model(**batch).loss)
         assert calls == LAYERS and rel_error(loss, want) < 1e-5
         # the copy's handoffs are the copy's: changing the original leaves it fused
         assert model.vit.layers[0].layernorm_before.remat_handoff is not \

@@ -14,14 +14,33 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_models import (ATTENTION, BATCH, DECODERS, FAMILIES, FUSED, GRAD_TOL, HEADS, HIDDEN, LAYERS, PRE_LN, SEQ,
-                       OpCounter, assert_same_step, build, inputs, loss_and_grads, remat_attention_calls, tokens,
-                       transformers)
+from hf_models import (
+    ATTENTION,
+    BATCH,
+    DECODERS,
+    FAMILIES,
+    FUSED,
+    GRAD_TOL,
+    HEADS,
+    HIDDEN,
+    LAYERS,
+    PRE_LN,
+    SEQ,
+    OpCounter,
+    assert_same_step,
+    build,
+    inputs,
+    loss_and_grads,
+    remat_attention_calls,
+    tokens,
+    transformers,
+)
 from numerics import rel_error, saved_bytes
 
 # remat.convert is also the name of the function remat/__init__.py exports: import the module by path.
 conv = importlib.import_module("remat.convert")
 from remat.convert import hf  # noqa: E402
+
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_same_loss_gradients_and_state_dict(target, family):

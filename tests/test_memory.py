@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+
 from remat import memory
 from remat.policies import Checkpointed
 

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 import remat
 from remat.gpt import GPTConfig, remat_stack, torch_stack
+
 from numerics import REL_TOL, rel_error
 
 # --- autocast: the same output dtypes as PyTorch's own layers ----------------------------------

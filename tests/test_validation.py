@@ -21,6 +21,7 @@ from torch.func import functional_call
 
 import remat
 from remat.ops.attention import multihead_self_attention
+
 from numerics import REL_TOL, rel_error
 
 HAS_GPU = torch.cuda.is_available()
@@ -197,7 +198,8 @@ MLP_ERRORS = [
     case("mlp", "eps-negative", lambda: remat.mlp(**mlp_args(), eps=-0.5, layer_norm=True),
          ValueError, "eps", r"eps must be a non-negative float, got -0\.5"),
     case("nn.MLP", "x-width", lambda: remat.nn.MLP(8, 16)(rand(2, 9)),
-         ValueError, "x", r"x must have 8 features in its last dimension \(the in_features of MLP\), got shape \(2, 9\)"),
+         ValueError, "x",
+         r"x must have 8 features in its last dimension \(the in_features of MLP\), got shape \(2, 9\)"),
     case("nn.MLP", "activation", lambda: remat.nn.MLP(8, 16, activation="relu"),
          ValueError, "activation", r"activation must be one of \('gelu', 'gelu_tanh'\), got 'relu'"),
     case("nn.LayerNormMLP", "x-width", lambda: remat.nn.LayerNormMLP(8, 16)(rand(2, 9)),

@@ -48,7 +48,6 @@ import triton
 import triton.language as tl
 
 from . import _autotune
-
 from ._common import TYPE_NAMES, cdiv, next_power_of_2, on_input_device, unit_last_stride
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)

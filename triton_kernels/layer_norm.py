@@ -563,8 +563,10 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd, recompute_output):
     y = torch.empty((M, N) if recompute_output else (0,), dtype=x.dtype, device=device)
     has_w, has_b = weight is not None, bias is not None
     if M == 0 or N == 0:
-        dw = torch.zeros((N,), dtype=weight.dtype, device=device) if has_w else torch.empty(0, dtype=x.dtype, device=device)
-        db = torch.zeros((N,), dtype=bias.dtype, device=device) if has_b else torch.empty(0, dtype=x.dtype, device=device)
+        dw = (torch.zeros((N,), dtype=weight.dtype, device=device) if has_w
+              else torch.empty(0, dtype=x.dtype, device=device))
+        db = (torch.zeros((N,), dtype=bias.dtype, device=device) if has_b
+              else torch.empty(0, dtype=x.dtype, device=device))
         return dx, dw, db, y
 
     mean = mean.contiguous()

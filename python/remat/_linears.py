@@ -7,9 +7,10 @@
 `projection(module)` says what a fused op must compute for `module` (a remat.ops.fused.Linear:
 weight (out, in), bias and LoRA adapters, read at the time of the call), or why it cannot:
 anything else (another wrapper, a LoRA variant such as DoRA, LoRA dropout in training, hooks,
-parametrizations, quantised or subclassed weights) runs the module's own forward instead. A LoRA layer's forward is checked
-against that formula once, on a small random input, the first time it is met (peft's own forward
-is the reference), so a peft release that computes something else is never silently fused.
+parametrizations, quantised or subclassed weights) runs the module's own forward instead. A LoRA
+layer's forward is checked against that formula once, on a small random input, the first time it
+is met (peft's own forward is the reference), so a peft release that computes something else is
+never silently fused.
 """
 
 import torch

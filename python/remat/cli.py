@@ -21,7 +21,8 @@ def _memory(args):
     from . import memory
 
     memory.run(args.model, batch=args.batch, seq=args.seq, budget_gb=args.budget, out_dir=args.out,
-               device=args.device, dtype={"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype])
+               device=args.device,
+               dtype={"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype])
 
 
 def _info(_args):

@@ -241,7 +241,8 @@ def _gpt_setup(name, batch, seq, device, dtype):
     return table, x, config.layers, config.hidden, seq
 
 
-def run(model="gpt2-small", batch=8, seq=1024, budget_gb=None, out_dir="bench/out/memory", device=None, dtype=torch.bfloat16):
+def run(model="gpt2-small", batch=8, seq=1024, budget_gb=None, out_dir="bench/out/memory", device=None,
+        dtype=torch.bfloat16):
     check_model(model)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = device.type == "cuda"
@@ -329,7 +330,8 @@ def _print_header(model, layers, hidden, batch, seq, dtype, device):
         print("saved bytes are exact; step time and peak memory need a GPU")
     print("saved: what the forward keeps for the backward; sbh/layer: per layer, in bytes per s·b·h")
     print("peak: absolute peak of one training step: weights, input, gradients, activations; not optimizer state")
-    print(f"{'policy':28s} {'saved GB':>9s} {'host GB':>8s} {'sbh/layer':>9s} {'step ms':>8s} {'peak GB':>8s}", flush=True)
+    print(f"{'policy':28s} {'saved GB':>9s} {'host GB':>8s} {'sbh/layer':>9s} {'step ms':>8s} {'peak GB':>8s}",
+          flush=True)
 
 
 def _print_row(r):

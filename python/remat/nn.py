@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ._guards import fallback, plain_reason
 from ._linears import fused_saved_bytes, projection
-from ._validate import check_self_attention_input, check_float_tensor
+from ._validate import check_float_tensor, check_self_attention_input
 from .ops.attention import multihead_self_attention
 from .ops.fused import check_input_width, fused_mlp, norm_linears
 from .ops.gelu import gelu

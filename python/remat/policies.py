@@ -10,7 +10,7 @@ memory.
 
 import dataclasses
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint

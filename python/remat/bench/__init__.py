@@ -22,7 +22,8 @@ def run(ops, dtypes, quick=False, out_dir="bench/out", device=None, progress=Tru
     all_cases = [case for op in ops for case in SUITES[op].cases(device, dtypes, quick, sizes)]
     on_gpu = device.type == "cuda"
     # On CPU the times only show that each implementation runs: one round of a few calls.
-    timer = Timer(device, warmup=2 if quick else 5, reps=6 if quick else 30) if on_gpu else Timer(device, warmup=1, reps=3)
+    timer = (Timer(device, warmup=2 if quick else 5, reps=6 if quick else 30) if on_gpu
+             else Timer(device, warmup=1, reps=3))
     rounds = 3 if on_gpu else 1
     # Read once, before measuring: nvidia-smi can take seconds, which a killed run may not have.
     env = report.environment(device, cases_planned=len(all_cases))

@@ -103,7 +103,8 @@ def _float64_reference(causal):
         for start in range(0, batch * heads, per_chunk):
             q_c, k_c, v_c, do_c = (t[start:start + per_chunk] for t in flat)
             leaves = {"q": q_c.requires_grad_(), "k": k_c.requires_grad_(), "v": v_c.requires_grad_()}
-            found = outputs_and_grads(lambda: _sdpa_default(q_c, k_c, v_c, causal), leaves, do_c)
+            found = outputs_and_grads(lambda q_c=q_c, k_c=k_c, v_c=v_c: _sdpa_default(q_c, k_c, v_c, causal),
+                                      leaves, do_c)
             for name, tensor in found.items():
                 parts[name].append(tensor)
         return {name: torch.cat(tensors).view(batch, heads, -1, dim) for name, tensors in parts.items()}

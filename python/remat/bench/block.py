@@ -44,7 +44,8 @@ def _block_parameters(block):
     layer into its fused counterpart: ln_1 -> attn_qkv.norm, attn_qkv -> attn_qkv.linear,
     attn_out, ln_2 -> mlp.norm, fc1 -> mlp.fc1, fc2 -> mlp.fc2."""
     if isinstance(block, RematGPTBlock):
-        block = [block.attn_qkv.norm, block.attn_qkv.linear, block.attn_out, block.mlp.norm, block.mlp.fc1, block.mlp.fc2]
+        block = [block.attn_qkv.norm, block.attn_qkv.linear, block.attn_out,
+                 block.mlp.norm, block.mlp.fc1, block.mlp.fc2]
         return [p for layer in block for p in layer.parameters()]
     return list(block.parameters())
 

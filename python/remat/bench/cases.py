@@ -3,7 +3,8 @@
 import dataclasses
 import math
 import sys
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 
@@ -26,7 +27,7 @@ class Implementation:
     name: str
     ours: bool
     build: Callable
-    backend: Optional[str] = None
+    backend: str | None = None
     compiles: bool = False
 
 
@@ -41,9 +42,9 @@ class Built:
     """
 
     step: Callable
-    reset: Optional[Callable] = None
+    reset: Callable | None = None
     forward: Optional["Forward"] = None
-    outputs: Optional[Callable] = None
+    outputs: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +55,7 @@ class Variant:
     name: str
     ours: bool
     fn: Callable
-    backend: Optional[str] = None
+    backend: str | None = None
     compiles: bool = False
 
     def implementation(self, wrap):
@@ -147,8 +148,8 @@ class Case:
     work: float  # bytes moved or FLOPs per call, by the op's explicit model
     make_inputs: Callable
     implementations: list
-    sbh_per_layer: Optional[int] = None  # layers·s·b·h, to report saved bytes per layer in sbh units
-    check: Optional[Check] = None  # what every implementation's outputs are compared with before timing
+    sbh_per_layer: int | None = None  # layers·s·b·h, to report saved bytes per layer in sbh units
+    check: Check | None = None  # what every implementation's outputs are compared with before timing
 
 
 @dataclasses.dataclass
@@ -159,8 +160,8 @@ class Result:
     p20_ms: float = math.nan
     p50_ms: float = math.nan
     p80_ms: float = math.nan
-    peak_mb: Optional[float] = None
-    saved_bytes: Optional[int] = None  # what the forward keeps for the backward (see Forward)
+    peak_mb: float | None = None
+    saved_bytes: int | None = None  # what the forward keeps for the backward (see Forward)
     check: str = ""  # "ok (1.02x)", "wrong", "unchecked"; "" when the case has no Check
     error: str = ""
 
@@ -348,5 +349,6 @@ class Progress:
             sys.stderr.write("\n")
 
 
-__all__ = ["Built", "Case", "CaseInterrupted", "Check", "Forward", "Implementation", "Result", "Variant", "measure_case",
-           "check_against", "check_case", "module_built", "op_built", "best_peer_ratio", "Progress", "QUANTILES", "Timer"]
+__all__ = ["Built", "Case", "CaseInterrupted", "Check", "Forward", "Implementation", "Result", "Variant",
+           "measure_case", "check_against", "check_case", "module_built", "op_built", "best_peer_ratio", "Progress",
+           "QUANTILES", "Timer"]

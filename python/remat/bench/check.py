@@ -9,7 +9,7 @@ timed; its row says why.
 
 import copy
 import dataclasses
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -44,7 +44,7 @@ class Check:
     """
 
     pytorch: Callable
-    reference: Optional[Callable] = None
+    reference: Callable | None = None
 
     def expected(self, inputs):
         """(float64 reference, PyTorch's own) outputs for `inputs`.

@@ -42,7 +42,8 @@ def _compiled(stack):
 
 def implementations(device, with_norm):
     """A Variant for every implementation: make(stack) -> (module, its parameters in the stack's order)."""
-    impls = [Variant(name, True, lambda stack: _ours(stack, with_norm), backend) for name, backend in ours_by_backend(device)]
+    impls = [Variant(name, True, lambda stack: _ours(stack, with_norm), backend)
+             for name, backend in ours_by_backend(device)]
     impls += [Variant("torch", False, _eager), Variant("torch.compile", False, _compiled, compiles=True)]
     return impls
 

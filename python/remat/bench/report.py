@@ -34,7 +34,8 @@ def environment(device, cases_planned=None):
     on_gpu = device.type == "cuda"
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "device": torch.cuda.get_device_name(device) if on_gpu else f"CPU ({platform.processor() or platform.machine()})",
+        "device": (torch.cuda.get_device_name(device) if on_gpu
+                   else f"CPU ({platform.processor() or platform.machine()})"),
         "driver": _nvidia_smi("driver_version") if on_gpu else "",
         "cuda": torch.version.cuda or "",
         "torch": torch.__version__,
@@ -129,13 +130,16 @@ def _fmt_bytes(size):
 
 def _columns(env, table):
     """(header, cell(row)) of the printed and markdown tables: no rate or peer ratio on CPU."""
-    columns = [(name, lambda r, name=name: r[name]) for name in ("op", "mode", "dtype", "shape", "implementation", "check")]
+    columns = [(name, lambda r, name=name: r[name])
+               for name in ("op", "mode", "dtype", "shape", "implementation", "check")]
     columns.append(("p50 ms", lambda r: _fmt(r["p50_ms"])))
     if is_performance(env):
         columns += [("rate", _rate_cell),
-                    ("vs best peer", lambda r: "-" if math.isnan(r["ratio_to_best_peer"]) else f"{r['ratio_to_best_peer']:.2f}x"),
+                    ("vs best peer",
+                     lambda r: "-" if math.isnan(r["ratio_to_best_peer"]) else f"{r['ratio_to_best_peer']:.2f}x"),
                     ("peak MB", lambda r: _fmt(r["peak_mb"], 4))]
-    columns += [("fwd saves", lambda r: _fmt_bytes(r["fwd_saves_bytes"])), ("sbh/layer", lambda r: _fmt(r["saved_sbh_per_layer"], 3))]
+    columns += [("fwd saves", lambda r: _fmt_bytes(r["fwd_saves_bytes"])),
+                ("sbh/layer", lambda r: _fmt(r["saved_sbh_per_layer"], 3))]
     if not is_performance(env) and any(_untimed(r) for r in table):  # no rate column to say why
         columns.append(("not timed", _untimed))
     return columns

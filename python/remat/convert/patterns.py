@@ -98,7 +98,7 @@ def fusable(pattern, modules, labels=None):
         reason = _linear_reason(module, label)
         if reason:
             return reason
-    for module, role, label in zip(modules, roles, labels):
+    for module, role in zip(modules, roles):
         if role == "activation":
             reason = activation_reason(module)
             if reason:

@@ -36,8 +36,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _backend
-from .._validate import (autocast_dtype, cast_for_autocast, check_float_tensor, check_same_device,
-                         check_self_attention_input)
+from .._validate import (
+    autocast_dtype,
+    cast_for_autocast,
+    check_float_tensor,
+    check_same_device,
+    check_self_attention_input,
+)
 
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the Triton kernels' head dims (see triton_kernels/attention.py)
 

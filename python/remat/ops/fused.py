@@ -24,8 +24,15 @@ import collections
 import torch
 import torch.nn.functional as F
 
-from .._validate import (autocast_dtype, cast_for_autocast, check_eps, check_float_tensor, check_optional_param,
-                         check_same_device, rows_with_unit_stride)
+from .._validate import (
+    autocast_dtype,
+    cast_for_autocast,
+    check_eps,
+    check_float_tensor,
+    check_optional_param,
+    check_same_device,
+    rows_with_unit_stride,
+)
 from ..specs import Activation, Linear, LoRA, Norm, check_activation, check_norm, gelu
 from .gelu import check_approximate, gelu_bwd, gelu_fwd
 from .layer_norm import layer_norm_bwd, layer_norm_fwd

@@ -7,7 +7,6 @@ activation that the next Linear needs for its weight gradient.
 """
 
 import math
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -79,7 +78,7 @@ def _implementation(device):
 
 
 @torch.library.custom_op("remat::gelu_fwd", mutates_args=())
-def gelu_fwd(x: Tensor, bias: Optional[Tensor], approximate: str) -> Tensor:
+def gelu_fwd(x: Tensor, bias: Tensor | None, approximate: str) -> Tensor:
     """gelu(x + bias) of x (M, N), last dim of stride 1."""
     forward, _ = _implementation(x.device)
     return forward(x, bias, approximate)
@@ -92,7 +91,7 @@ def _gelu_fwd_fake(x, bias, approximate):
 
 @torch.library.custom_op("remat::gelu_bwd", mutates_args=())
 def gelu_bwd(
-    dy: Tensor, x: Tensor, bias: Optional[Tensor], approximate: str, recompute_output: bool
+    dy: Tensor, x: Tensor, bias: Tensor | None, approximate: str, recompute_output: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dbias, y): the gradient of gelu_fwd, and its output rebuilt when recompute_output.
 

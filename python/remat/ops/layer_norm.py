@@ -7,14 +7,19 @@ that needs LN(x) for its weight gradient.
 """
 
 import math
-from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .. import _backend
-from .._validate import (autocast_dtype, cast_for_autocast, check_eps, check_float_tensor, check_optional_param,
-                         rows_with_unit_stride)
+from .._validate import (
+    autocast_dtype,
+    cast_for_autocast,
+    check_eps,
+    check_float_tensor,
+    check_optional_param,
+    rows_with_unit_stride,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Reference: plain PyTorch, in fp32 (or float64 when given float64, as the tests do).
@@ -96,7 +101,7 @@ def _implementation(device):
 
 @torch.library.custom_op("remat::layer_norm_fwd", mutates_args=())
 def layer_norm_fwd(
-    x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     """y, fp32 mean and fp32 rstd of x (M, N), last dim of stride 1."""
     forward, _ = _implementation(x.device)
@@ -115,8 +120,8 @@ def _layer_norm_fwd_fake(x, weight, bias, eps):
 def layer_norm_bwd(
     dy: Tensor,
     x: Tensor,
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
+    weight: Tensor | None,
+    bias: Tensor | None,
     mean: Tensor,
     rstd: Tensor,
     recompute_output: bool,

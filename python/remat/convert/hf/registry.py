@@ -3,7 +3,7 @@ registers one Family: its classes, the submodule names its rules read, the remat
 attention, what a probe call of its modules needs, and the configs `remat memory` builds."""
 
 import dataclasses
-from typing import Callable, Mapping, Optional
+from collections.abc import Callable, Mapping
 
 # Pre-LN layer: ((LayerNorm, attention), (LayerNorm, MLP)) child names; each LayerNorm's output feeds
 # only the module after it (checked by the probe, which runs the whole layer).
@@ -18,7 +18,7 @@ class Family:
     mlps: Mapping[str, tuple] = dataclasses.field(default_factory=dict)  # stock class name -> MLPParts
     layers: Mapping[str, tuple] = dataclasses.field(default_factory=dict)  # layer class name -> pre-LN pairs
     pairs: Mapping[str, tuple] = dataclasses.field(default_factory=dict)  # layer class name -> FFN pair
-    probe_kwargs: Optional[Callable] = None  # (module, param) -> keyword arguments a probe call needs
+    probe_kwargs: Callable | None = None  # (module, param) -> keyword arguments a probe call needs
     memory_models: Mapping[str, tuple] = dataclasses.field(default_factory=dict)  # name -> (model_type, fields)
 
     def classes(self):

@@ -13,7 +13,7 @@ from ..._linears import fused_saved_bytes, projection, widths
 from ...ops.attention import HEAD_DIMS
 from ..patterns import MLP, fusable, layer_norm_fusable
 from ..swap import join, with_class
-from .modules import (RematFusedLayerNorm, _link, _RematIntermediate, _RematMLP, _RematOutput, remat_class)
+from .modules import RematFusedLayerNorm, _link, _RematIntermediate, _RematMLP, _RematOutput, remat_class
 from .registry import attention_mixin, family_of, layer_rule, mlp_parts, pair_rule
 
 ATTENTION_SUFFIXES = ("Attention",)
