@@ -16,7 +16,7 @@ never silently fused.
 import torch
 from torch import nn
 
-from ._guards import hook_reason, plain_reason, tensor_reason
+from ._guards import hook_reason, plain_reason
 from .specs import Linear, LoRA
 
 
@@ -50,14 +50,8 @@ def base_layer(module):
 def _plain_base(module, label):
     """(Linear without adapters, None) for a plain nn.Linear or Conv1D, or (None, why not)."""
     if is_conv1d(module):
-        reason = hook_reason(module)
-        if reason:
-            return None, f"{label} {reason}"
-        for name in ("weight", "bias"):
-            reason = tensor_reason(f"{label}.{name}", getattr(module, name, None))
-            if reason:
-                return None, reason
-        return Linear(module.weight.t(), module.bias), None
+        reason = plain_reason(module, (type(module),), label)
+        return (None, reason) if reason else (Linear(module.weight.t(), module.bias), None)
     reason = plain_reason(module, (nn.Linear,), label)
     if reason:
         return None, reason
@@ -82,6 +76,18 @@ def projection(module, label="projection"):
     if reason:
         return None, reason
     return Linear(base.weight, base.bias, adapters), None
+
+
+def projections(modules, labels):
+    """([remat.ops.fused.Linear] for each of the Linear-like `modules`, None), or (None, the first
+    reason one of them cannot be computed at this call; `labels` name them)."""
+    linears = []
+    for module, label in zip(modules, labels, strict=True):
+        linear, reason = projection(module, label)
+        if reason:
+            return None, reason
+        linears.append(linear)
+    return linears, None
 
 
 def _active(module):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ._guards import fallback, plain_reason
-from ._linears import fused_saved_bytes, projection
+from ._linears import fused_saved_bytes, projection, projections
 from ._validate import check_float_tensor, check_self_attention_input
 from .ops.attention import multihead_self_attention
 from .ops.fused import check_input_width, fused_mlp, norm_linears
@@ -174,15 +174,15 @@ class MLP(torch.nn.Module):
 
     def _forward(self, x, norm):
         """The fused MLP, with `norm` (a LayerNorm) in front when given; unfused where it must be."""
-        fc1, reason = projection(self.fc1, "fc1")
-        fc2, reason2 = projection(self.fc2, "fc2")
-        reason = (norm_reason(norm) if norm is not None else None) or reason or reason2
+        linears, reason = projections([self.fc1, self.fc2], ["fc1", "fc2"])
+        reason = (norm_reason(norm) if norm is not None else None) or reason
         approximate = ACTIVATIONS[self.activation]
         if reason:
             fallback(self, reason)
             h = self.fc1(norm(x) if norm is not None else x)
             act = self.__dict__.get("remat_activation")  # the GELU module convert fused, if any
             return self.fc2(act(h) if act is not None else F.gelu(h, approximate=approximate))
+        fc1, fc2 = linears
         _input_checked(x, fc1.weight.shape[1], self)
         return fused_mlp(x, fc1, Activation(self.activation), fc2, norm_of(norm) if norm is not None else None,
                          self.recompute)

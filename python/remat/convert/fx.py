@@ -28,11 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import nn as remat_nn
-from .._guards import fallback, hook_reason
-from .._linears import fused_saved_bytes, projection
+from .._guards import fallback
+from .._linears import fused_saved_bytes, projection, projections
 from ..ops.fused import fused_mlp, norm_linears
 from ..specs import gelu, norm_of
-from .patterns import LAYER_NORM_LINEAR, LAYER_NORM_MLP, MLP, fusable, gelu_approximate
+from .patterns import LAYER_NORM_LINEAR, LAYER_NORM_MLP, MLP, activation_reason, fusable, gelu_approximate
 from .swap import is_converted, join
 
 
@@ -134,16 +134,16 @@ def fx_layer_norm_linear(x, norm, linear, recompute, label):
 
 def fx_mlp(x, norm, fc1, act, fc2, approximate, recompute, label):
     """fc2(gelu(fc1(norm(x)))) on remat.ops.fused; norm None for fc2(gelu(fc1(x))), act None for F.gelu."""
-    first, reason = projection(fc1, "fc1")
-    second, reason2 = projection(fc2, "fc2")
-    reason = reason or reason2 or (remat_nn.norm_reason(norm, "the LayerNorm") if norm is not None else None)
-    if reason is None and act is not None and gelu_approximate(act) != approximate:
-        reason = f"the activation is now {type(act).__name__}"
-    reason = reason or (f"the activation {hook_reason(act)}" if act is not None and hook_reason(act) else None)
+    linears, reason = projections([fc1, fc2], ["fc1", "fc2"])
+    reason = reason or (remat_nn.norm_reason(norm, "the LayerNorm") if norm is not None else None)
+    if reason is None and act is not None:
+        reason = activation_reason(act, "the activation") or (
+            None if gelu_approximate(act) == approximate else f"the activation is now {type(act).__name__}")
     if reason:
         fallback(norm if norm is not None else fc1, reason, where=label)
         h = fc1(norm(x) if norm is not None else x)
         return fc2(act(h) if act is not None else F.gelu(h, approximate=approximate))
+    first, second = linears
     return fused_mlp(x, first, gelu(approximate), second, norm_of(norm) if norm is not None else None, recompute)
 
 

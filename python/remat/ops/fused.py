@@ -501,8 +501,6 @@ def mlp(x, w1, b1, w2, b2=None, approximate="none", recompute=True,
     check_approximate(approximate)
     if not layer_norm and (norm_weight is not None or norm_bias is not None):
         raise ValueError("norm_weight and norm_bias need layer_norm=True")
-    if layer_norm:
-        check_eps(eps)
     norm = Norm(norm_weight, norm_bias, eps) if layer_norm else None
     return fused_mlp(x, Linear(w1, b1, fc1_adapters), gelu(approximate), Linear(w2, b2, fc2_adapters), norm,
                      recompute)

@@ -15,8 +15,8 @@ import weakref
 import torch
 from torch import nn
 
-from ..._guards import fallback, hook_reason, tensor_reason
-from ..._linears import fused_saved_bytes, projection
+from ..._guards import fallback, hook_reason, plain_reason
+from ..._linears import fused_saved_bytes, projections
 from ...ops.attention import attention
 from ...ops.fused import fused_mlp, norm_linears
 from ...specs import gelu, norm_of
@@ -151,11 +151,7 @@ class RematFusedLayerNorm(_RematModule, nn.LayerNorm):
 
 def _layer_norm_reason(norm):
     """Why a RematFusedLayerNorm's parameters cannot be read by a fused op at this call, or None."""
-    for name in ("weight", "bias"):
-        reason = tensor_reason(name, getattr(norm, name, None))
-        if reason:
-            return reason
-    return None
+    return plain_reason(norm, (RematFusedLayerNorm,), "the fused LayerNorm")
 
 
 def _normed_outputs(x, norm, modules, recompute, labels):
@@ -163,13 +159,8 @@ def _normed_outputs(x, norm, modules, recompute, labels):
     `norm` is given, or (None, why they cannot be fused at this call)."""
     if norm is None:
         return [m(x) for m in modules], None
-    linears = []
-    for module, label in zip(modules, labels):
-        linear, reason = projection(module, label)
-        if reason:
-            return None, reason
-        linears.append(linear)
-    reason = _layer_norm_reason(norm)
+    linears, reason = projections(modules, labels)
+    reason = reason or _layer_norm_reason(norm)
     if reason:
         return None, reason
     return norm_linears(x, norm_of(norm), linears, recompute), None
@@ -190,9 +181,8 @@ class _RematMLP(_RematModule):
     def forward(self, hidden_states):
         parts = self.remat_parts
         norm, norm_reason = _handed_over(self)
-        fc1, reason = projection(self._modules[parts.fc1], parts.fc1)
-        fc2, reason2 = projection(self._modules[parts.fc2], parts.fc2)
-        reason = reason or reason2 or activation_reason(self._modules[parts.act], parts.act) \
+        linears, reason = projections([self._modules[parts.fc1], self._modules[parts.fc2]], [parts.fc1, parts.fc2])
+        reason = reason or activation_reason(self._modules[parts.act], parts.act) \
             or (_layer_norm_reason(norm) if norm is not None else None)
         if reason:
             self._remat_fallback(reason)
@@ -201,6 +191,7 @@ class _RematMLP(_RematModule):
             return self.remat_stock.forward(self, hidden_states)
         self._remat_fallback(norm_reason)
         act = gelu(gelu_approximate(self._modules[parts.act]))
+        fc1, fc2 = linears
         out = fused_mlp(hidden_states, fc1, act, fc2, norm_of(norm) if norm is not None else None,
                         self.remat_recompute)
         return self._modules[parts.dropout](out) if parts.dropout else out
@@ -233,15 +224,15 @@ class _RematOutput(_RematModule):
         if intermediate is None:  # the intermediate computed itself
             self._remat_fallback(reason)
             return self.remat_stock.forward(self, hidden_states, input_tensor)
-        fc1, reason = projection(intermediate.dense, "intermediate.dense")
-        fc2, reason2 = projection(self.dense, "dense")
+        linears, reason = projections([intermediate.dense, self.dense], ["intermediate.dense", "dense"])
         act = intermediate.intermediate_act_fn
-        reason = reason or reason2 or activation_reason(act, "intermediate.intermediate_act_fn")
+        reason = reason or activation_reason(act, "intermediate.intermediate_act_fn")
         if reason:
             self._remat_fallback(reason)
             hidden_states = intermediate.remat_stock.forward(intermediate, hidden_states)
             return self.remat_stock.forward(self, hidden_states, input_tensor)
         self._remat_fallback(None)
+        fc1, fc2 = linears
         out = fused_mlp(hidden_states, fc1, gelu(gelu_approximate(act)), fc2, recompute=self.remat_recompute)
         return self.LayerNorm(self.dropout(out) + input_tensor)
 

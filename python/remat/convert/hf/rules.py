@@ -117,51 +117,58 @@ def _first_output(output):
     return output[0] if isinstance(output, tuple) else output
 
 
-def _swap_probe(owner, swaps, width, param, traced=None, call=None):
-    """None when owner(x) (or call(owner, x)) is unchanged with `swaps` ({child name: new module})
-    in place, and the remat path of `traced` (a swapped module, when given) is what ran; else why not."""
+@contextlib.contextmanager
+def _tracing(module):
+    """Inside: `module` records, per call, why it ran stock (None: its remat path ran)."""
+    trace = []
+    module.__dict__["remat_trace"] = trace
+    try:
+        yield trace
+    finally:
+        del module.__dict__["remat_trace"]
+
+
+def _traced_probe(before, after, traced, width, param, modules):
+    """_probe, and then why not when the calls of `traced` inside after(x) were not one remat path."""
     if param.is_meta:
         return None  # nothing to run on: not probed, as _probe
-    originals = {name: owner._modules[name] for name in swaps}
-    extra = _probe_kwargs(owner, param)
-    call = call or (lambda module, x: _first_output(module(x, **extra)))
     trace = []
+
+    def traced_after(x):
+        with _tracing(traced) as calls:
+            try:
+                return after(x)
+            finally:
+                trace.extend(calls)
+
+    reason = _probe(before, traced_after, width, param, modules)
+    if reason is None and trace != [None]:
+        reason = f"the probe call did not take the remat path ({trace[0] if trace else 'not called'})"
+    return reason
+
+
+def _swap_probe(owner, swaps, width, param, traced, call=None):
+    """None when owner(x) (or call(owner, x)) is unchanged with `swaps` ({child name: new module})
+    in place, and the remat path of `traced` (one of the swapped modules) is what ran; else why not."""
+    originals = {name: owner._modules[name] for name in swaps}
+    extra = _probe_kwargs(owner, param) if not param.is_meta else {}
+    call = call or (lambda module, x: _first_output(module(x, **extra)))
 
     def after(x):
         owner._modules.update(swaps)
-        if traced is not None:
-            traced.__dict__["remat_trace"] = trace
         try:
             return call(owner, x)
         finally:
             owner._modules.update(originals)
-            if traced is not None:
-                del traced.__dict__["remat_trace"]
 
-    reason = _probe(lambda x: call(owner, x), after, width, param, [owner, *swaps.values()])
-    if reason is None and traced is not None and trace != [None]:
-        reason = f"the probe call did not take the remat path ({trace[0] if trace else 'not called'})"
-    return reason
+    return _traced_probe(lambda x: call(owner, x), after, traced, width, param, [owner, *swaps.values()])
 
 
 def _self_probe(module, new, width, param):
     """Probe of a swapped module on its own: its remat path against the stock forward."""
-    if param.is_meta:
-        return None
-    extra = _probe_kwargs(module, param)
-    trace = []
-
-    def after(x):
-        new.__dict__["remat_trace"] = trace
-        try:
-            return _first_output(new(x, **extra))
-        finally:
-            del new.__dict__["remat_trace"]
-
-    reason = _probe(lambda x: _first_output(module(x, **extra)), after, width, param, [module])
-    if reason is None and trace != [None]:
-        reason = f"the probe call did not take the remat path ({trace[0] if trace else 'not called'})"
-    return reason
+    extra = _probe_kwargs(module, param) if not param.is_meta else {}
+    return _traced_probe(lambda x: _first_output(module(x, **extra)), lambda x: _first_output(new(x, **extra)),
+                         new, width, param, [module])
 
 
 def _attention_width(module):
