@@ -120,7 +120,7 @@ pytest_group() {
     tail -n 1 "$OUT_DIR/pytest_$name.log"
 }
 
-KERNEL_TESTS=(tests/test_layer_norm.py tests/test_gelu.py tests/test_attention.py tests/test_fused.py)
+KERNEL_TESTS=(tests/ops/test_layer_norm.py tests/ops/test_gelu.py tests/ops/test_attention.py tests/fused/test_fused.py)
 KERNEL_SELECTION="cuda and not opcheck and not torch_compile"  # the GPU targets' numerics, bf16 attention included
 EXHAUSTIVE="every_candidate_matches_the_reference"  # ~200 compiles: only with time left
 
@@ -165,7 +165,7 @@ main() {
     fi
     # The ahead-of-time compile checks need no GPU and run in CI: left out here for time.
     pytest_group kernels $L_TESTS_KERNELS 30 "${KERNEL_TESTS[@]}" -k "$KERNEL_SELECTION"
-    pytest_group rest $L_TESTS_REST 20 tests --ignore tests/test_cuda_compile.py --ignore tests/test_triton_aot.py \
+    pytest_group rest $L_TESTS_REST 20 tests --ignore tests/build/test_cuda_compile.py --ignore tests/build/test_triton_aot.py \
         -k "not ($KERNEL_SELECTION) and not $EXHAUSTIVE and not compiles_without_spills"
     if [ -n "${BACKGROUND[memcheck]:-}" ]; then
         finish_background memcheck $tests_end || FAILED=1
@@ -181,7 +181,7 @@ main() {
     done
 
     # Only with the time left, most useful first.
-    pytest_group exhaustive 90 60 tests/test_autotune.py -k "$EXHAUSTIVE"
+    pytest_group exhaustive 90 60 tests/ops/test_autotune.py -k "$EXHAUSTIVE"
     run_step "memory" 40 "$OUT_DIR/memory.log" "$PYTHON" -m remat memory --model gpt2-medium --batch 8 --seq 1024 \
         --budget 20 --out "$OUT_DIR/memory"
     if [ "${GPU_CHECK_RACECHECK:-0}" = 1 ] && command -v compute-sanitizer > /dev/null; then
@@ -194,7 +194,7 @@ main() {
     return $FAILED
 }
 
-# Run, unless sourced (tests/test_bench_gpu_check.py sources it to test run_step's budget).
+# Run, unless sourced (tests/tools/test_bench_gpu_check.py sources it to test run_step's budget).
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then
     cd "$(dirname "$0")/.."
     OUT_DIR=${1:-bench/out/gpu_check}

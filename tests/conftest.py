@@ -5,11 +5,15 @@ decoration time), so this runs first, before the tests import remat.
 """
 
 import os
+import sys
 import tempfile
 import warnings
 import zlib
 
 import torch
+
+# The tests' shared helpers (numerics, hf_models, triton_aot) are imported by name from every folder.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_helpers"))
 
 HAS_GPU = torch.cuda.is_available()
 if not HAS_GPU:
@@ -18,7 +22,7 @@ if not HAS_GPU:
 # the Python source of our fake kernels, so a cache from an older checkout could hide a change.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="remat-inductor-"))
 # Fixed attention block sizes: on a GPU, tuning every shape class the tests meet would add
-# minutes; tests/test_autotune.py turns tuning on where it tests it.
+# minutes; tests/ops/test_autotune.py turns tuning on where it tests it.
 os.environ.setdefault("REMAT_AUTOTUNE", "0")
 
 import pytest  # noqa: E402

@@ -61,7 +61,7 @@ def compiled_with_budget(stack, budget):
     The budget goes through a backend of its own, not a config patch around the call: Dynamo
     caches compiled code on the stack's forward and does not guard on functorch's config, so a
     patch around a second torch.compile(stack) would silently reuse the plain compile's graph.
-    A distinct backend is part of the cache key (tests/test_bench_block.py).
+    A distinct backend is part of the cache key (tests/tools/test_bench_block.py).
     """
     return torch.compile(stack, backend=functools.partial(_budget_backend, budget))
 

@@ -15,6 +15,7 @@ import remat
 from remat.ops import attention as attn_ops
 
 from numerics import REL_TOL, assert_compiled_matches_eager, rel_error, saved_bytes
+from triton_aot import compile_module_cases, failing, format_results
 
 HAS_GPU = torch.cuda.is_available()
 # bf16 tl.dot is wrong under the Triton interpreter (triton issue 11584): bf16 on GPU only.
@@ -27,7 +28,7 @@ DTYPES = [torch.float16, torch.float32, pytest.param(torch.bfloat16, marks=pytes
 def fixed_block_sizes(monkeypatch):
     """The fixed table on a GPU: tuning every (head dim, causal, dtype) class met here would add
     minutes of timing. Every candidate's numerics and the tuning path are tested in
-    tests/test_autotune.py."""
+    tests/ops/test_autotune.py."""
     monkeypatch.setenv("REMAT_AUTOTUNE", "0")
 
 
@@ -421,12 +422,7 @@ def test_bad_input_names_the_argument(call, error, words):
 
 # --- ahead-of-time GPU compile -------------------------------------------------------------------
 
-try:  # tests/ on sys.path (pytest's default rootdir-relative import)
-    from triton_aot import compile_module_cases, failing, format_results
-except ImportError:  # tests/ imported as a package
-    from tests.triton_aot import compile_module_cases, failing, format_results
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _kernel_module():

@@ -41,6 +41,11 @@ def saved_bytes(fn, exclude=()):
     return remat_saved.saved_bytes(fn, exclude)
 
 
+def activation_bytes(module, *inputs):
+    """Bytes autograd saves for module(*inputs), its parameters left out."""
+    return saved_bytes(lambda: module(*inputs), exclude=list(module.parameters()))
+
+
 def assert_compiled_matches_eager(model, x, tol=1e-5):
     """torch.compile(fullgraph=True) of model runs without a graph break and gives eager's output and gradients."""
     torch._dynamo.reset()
@@ -116,7 +121,7 @@ def round_interpreter_bf16_casts_to_nearest():
     truncating = getattr(interpreter, "_convert_float", None)
     if truncating is None:
         raise RuntimeError("the Triton interpreter truncates fp32 -> bf16 casts, and "
-                           "triton.runtime.interpreter._convert_float, which tests/numerics.py patches, is gone")
+                           "triton.runtime.interpreter._convert_float, which numerics.py patches, is gone")
     toward_zero = ir.ROUNDING_MODE.RTZ  # an explicit fp_downcast_rounding="rtz" keeps truncating
 
     def convert(values, input_dtype, output_dtype, rounding_mode):

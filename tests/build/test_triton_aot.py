@@ -3,7 +3,7 @@
 Catches what the interpreter accepts but the GPU compiler rejects, register spills and shared
 memory beyond a block's limit, for the kernels the launchers really launch (each module's
 aot_cases() calls them; Triton specialises the arguments as on a GPU), at widths that are
-multiples of 16 and at ragged ones. Attention's cases are compiled in tests/test_attention.py.
+multiples of 16 and at ragged ones. Attention's cases are compiled in tests/ops/test_attention.py.
 """
 
 import functools
@@ -17,12 +17,9 @@ import torch
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-try:  # tests/ on sys.path (pytest's default rootdir-relative import)
-    from triton_aot import compile_module_cases, failing, format_results, sass_loops
-except ImportError:  # tests/ imported as a package
-    from tests.triton_aot import compile_module_cases, failing, format_results, sass_loops
+from triton_aot import compile_module_cases, failing, format_results, sass_loops
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 

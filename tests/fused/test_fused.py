@@ -7,7 +7,7 @@ import torch
 
 import remat
 
-from numerics import assert_close_to_ref, assert_compiled_matches_eager, rel_error, saved_bytes
+from numerics import activation_bytes, assert_close_to_ref, assert_compiled_matches_eager, rel_error
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -121,10 +121,6 @@ def test_frozen_weights_and_input_without_grad(target):
 
 
 # --- memory: exact byte counts -----------------------------------------------------------------
-
-
-def activation_bytes(module, x):
-    return saved_bytes(lambda: module(x), exclude=list(module.parameters()))
 
 
 @pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "keep"])

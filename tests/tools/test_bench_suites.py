@@ -1,6 +1,6 @@
 """The benchmark suites' cases: every implementation passes its check, the float64 references are
 right, and the memory column is the exact saved-byte count (CPU shapes, no torch.compile peers:
-those are checked by the CLI run in tests/test_cli.py and on the GPU)."""
+those are checked by the CLI run in tests/tools/test_cli.py and on the GPU)."""
 
 import pytest
 import torch

@@ -17,7 +17,7 @@ from remat._linears import fused_saved_bytes
 from remat.ops.fused import norm_linears
 from remat.specs import Linear, LoRA, Norm
 
-from numerics import REL_TOL, rel_error, saved_bytes
+from numerics import REL_TOL, activation_bytes, rel_error, saved_bytes
 
 peft = pytest.importorskip("peft")
 
@@ -165,10 +165,6 @@ def test_norm_linears_computes_the_layer_norm_once():
 
 
 # --- what is kept, under every combination of trained parameters --------------------------------
-
-def activation_bytes(module, x):
-    return saved_bytes(lambda: module(x), exclude=list(module.parameters()))
-
 
 @pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
 @pytest.mark.parametrize("kind", STOCK_NAMES)

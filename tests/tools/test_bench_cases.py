@@ -102,7 +102,7 @@ def test_triton_cache_warmer_launches_every_kernel_kind(monkeypatch):
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).parents[1] / "bench" / "warm_triton_cache.py"
+    path = pathlib.Path(__file__).parents[2] / "bench" / "warm_triton_cache.py"
     spec = importlib.util.spec_from_file_location("warm_triton_cache", path)
     warmer = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(warmer)

@@ -4,7 +4,7 @@ a lazy import only hides a cycle), and the Triton kernels depend on nothing of r
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "python" / "remat"
 KERNELS = ROOT / "triton_kernels"
 

@@ -18,12 +18,9 @@ import tempfile
 
 import pytest
 
-try:  # tests/ on sys.path (pytest's default rootdir-relative import)
-    from triton_aot import cuda_binary_tool, sass_loops
-except ImportError:  # tests/ imported as a package
-    from tests.triton_aot import cuda_binary_tool, sass_loops
+from triton_aot import cuda_binary_tool, sass_loops
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CSRC = os.path.join(ROOT, "csrc")
 CUDA_SOURCES = sorted(glob.glob(os.path.join(CSRC, "*.cu")))
 ARCHS = ("80", "90")

@@ -17,7 +17,7 @@ import torch
 from remat.bench import report
 from remat.bench.cases import Built, Case, Implementation, Timer, measure_case
 
-BENCH = pathlib.Path(__file__).parents[1] / "bench"
+BENCH = pathlib.Path(__file__).parents[2] / "bench"
 SUITES = ("layernorm", "gelu", "mlp", "attention", "block")
 ALWAYS_RUN = {"environment", "install (Triton only)", "build (CUDA extension)", "reinstall (Triton only)", "smoke",
               "tests: kernels", "tests: rest", *(f"bench: {suite}" for suite in SUITES)}
