@@ -14,10 +14,10 @@ import re
 import pytest
 import torch
 
+from triton_aot import compile_module_cases, failing, format_results, sass_loops
+
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
-
-from triton_aot import compile_module_cases, failing, format_results, sass_loops
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TESTS = os.path.dirname(os.path.abspath(__file__))
