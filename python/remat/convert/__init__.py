@@ -2,67 +2,14 @@
 
     model = remat.convert(model)                     # a converted copy; inplace=True converts model itself
     model, report = remat.convert(model, report=True)
-    print(report)                                    # one row per candidate: swapped, or skipped and why
     model = remat.revert(model)                      # stock modules again, same parameters
 
-What is swapped (each only where it is provably the same computation):
-
-    nn.LayerNorm                      -> remat.nn.LayerNorm (shares the parameters)           "layernorm"
-    nn.GELU                           -> remat.nn.GELU                                         "gelu"
-    nn.MultiheadAttention             -> RematMultiheadAttention: self-attention on            "attention"
-                                         remat.attention, the stock computation otherwise
-    in an nn.Sequential, consecutive
-      (LayerNorm, Linear)             -> remat.nn.LayerNormLinear                              "layernorm"
-      (Linear, GELU, Linear)          -> remat.nn.MLP                                          "mlp"
-      (LayerNorm, Linear, GELU, Linear) -> remat.nn.LayerNormMLP                               "mlp" + "layernorm"
-    in any other module's forward     -> the same three fusions, found by a torch.fx trace     as above
-      (ln -> fc, fc1 -> GELU -> fc2,     of that forward: its rewritten forward calls remat's
-       ln -> fc1 -> GELU -> fc2)         fused functions on the same submodules
-    Hugging Face models (convert.hf)  -> attention classes on remat.attention (the stock       "attention", "mlp",
-                                         forward for padding masks, KV caches, output_attentions), "layernorm"
-                                         MLP blocks fused, pre-LN LayerNorms fused into the
-                                         projection after them
-
-The fusions are where the memory goes (docs/memory.md): a lone LayerNorm or GELU that recomputes
-saves nothing, because the Linear after it keeps its output anyway.
-
-The package, one job a module: patterns (what is fused, and the one check that a run is fusable),
-swap (the one swap / revert / converted-marker mechanism), report, torch_modules (torch's own
-layers one by one), sequential and fx (the fusions inside nn.Sequential and inside any other
-module's forward), hf (Hugging Face families, one file each); this module walks the model.
-
-Parameters are shared, never copied: the converted modules hold the very nn.Parameter objects
-(and, for fusions, the very nn.LayerNorm/nn.Linear submodules) of the original, so an optimizer
-built before conversion still works with inplace=True, and revert() gives the same parameters
-back.
-
-state_dict: unchanged keys, in the same order, and the original checkpoint loads (strict). A
-fused run inside an nn.Sequential becomes the fused module at the run's first index and
-nn.Identity at the others (len() and indices stay), and the Sequential becomes a
-RematSequential whose state_dict()/load_state_dict() translate between the fused module's
-names (`0.norm.weight`, `0.linear.weight`) and the original ones (`0.weight`, `1.weight`).
-named_parameters() shows the fused names.
-
-The torch.fx path (modules other than torch's, transformers' and remat's own, holding a
-LayerNorm and a Linear or two Linears): the module's forward is traced with every submodule
-call kept as one node, once per training mode. A run is fused where its graph shows each
-layer's output going to the next layer and nowhere else (a dropout or anything else in
-between stops it), the layers are the exact stock classes without hooks, and widths, devices
-and dtypes chain. The module keeps its class, submodules, parameters and state_dict; an
-instance attribute `forward` runs the rewritten graph for calls like the traced one (arguments
-that have defaults left at them, the module's scalar attributes unchanged, the fused
-submodules in place without hooks) and the class's forward for any other call. A forward
-that does not trace (data-dependent control flow, *args), sets its own attributes or switches
-grad or autocast mode is reported and left alone. What a trace cannot see stays the user's
-promise: Python state other than the module's own scalar attributes and training flag
-(globals, config objects) is read once, at conversion. A rewritten module does not pickle
-whole (torch.save(model)): save its state_dict, or revert() first.
-
-Never swapped: subclasses of the stock classes (they may override forward), modules with
-forward/backward hooks or parametrizations, nn.Sequential subclasses, LayerNorms over more than
-the last dimension or without affine parameters (for fusion), Linear pairs whose widths do not
-chain back (MLP needs fc2: ffn -> hidden), mixed bias/no-bias pairs, modules on different
-devices or dtypes. The report says which rule stopped each one.
+What is swapped, the rules that keep a swap the same computation, state_dict and the fx path:
+docs/conversion.md. The package, one job a module: patterns (what is fused, and the one check that
+a run is fusable), swap (the one swap / revert / converted-marker mechanism), report,
+torch_modules (torch's own layers one by one), sequential and fx (the fusions inside nn.Sequential
+and inside any other module's forward), hf (Hugging Face families, one file each); this module
+walks the model.
 """
 
 import copy
