@@ -33,7 +33,7 @@ from .._validate import (
     check_same_device,
     rows_with_unit_stride,
 )
-from ..specs import Activation, Linear, LoRA, Norm, check_activation, check_norm, gelu
+from ..specs import GELU_APPROXIMATE, Activation, Linear, LoRA, Norm, check_activation, check_norm, gelu
 from .gelu import check_approximate, gelu_bwd, gelu_fwd
 from .layer_norm import layer_norm_bwd, layer_norm_fwd
 
@@ -103,6 +103,26 @@ def _finish_adapter_grads(grads, adapters, d_ts, inp, needs):
     return flat
 
 
+# What the fused ops compute of a remat.specs.Norm besides its tensors.
+_NormLayout = collections.namedtuple("_NormLayout", "kind eps")
+
+
+def _norm_layout(norm):
+    return _NormLayout(norm.kind, float(norm.eps))
+
+
+def _norm_forward(layout, x, weight, bias):
+    """(norm(x), its fp32 row statistics: (mean, rstd) for a LayerNorm)."""
+    y, mean, rstd = layer_norm_fwd(x, weight, bias, layout.eps)
+    return y, (mean, rstd)
+
+
+def _norm_backward(layout, dy, x, weight, bias, stats, rebuild):
+    """(dx, d weight, d bias, norm(x) rebuilt when `rebuild`, else None) from x and its statistics."""
+    dx, d_weight, d_bias, rebuilt = layer_norm_bwd(dy, x, weight, bias, *stats, rebuild)
+    return dx, d_weight, d_bias, rebuilt if rebuild else None
+
+
 def _kept(keep, *tensors):
     """The tensors when `keep`, else Nones of the same count (save_for_backward takes None)."""
     return tensors if keep else (None,) * len(tensors)
@@ -117,7 +137,7 @@ class _LayerNormLinears(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, norm_weight, norm_bias, eps, recompute, layout, *tensors):
+    def forward(ctx, x, norm_weight, norm_bias, norm_layout, recompute, layout, *tensors):
         linears = _unpack_linears(tensors, layout)
         needs = _unpack_needs(ctx.needs_input_grad[6:], layout)
         need_norm_grad = any(ctx.needs_input_grad[:3])  # the LayerNorm's backward runs
@@ -125,22 +145,23 @@ class _LayerNormLinears(torch.autograd.Function):
         # Rebuilding LN(x) pays only where x is kept anyway, for the LayerNorm's own backward;
         # otherwise LN(x) is kept as eager keeps it (it is smaller than x and its statistics).
         rebuild = recompute and need_norm_grad
-        normed, mean, rstd = layer_norm_fwd(x, norm_weight, norm_bias, eps)
+        normed, stats = _norm_forward(norm_layout, x, norm_weight, norm_bias)
         outs, intermediates = [], []
         for linear in linears:
             out, ts = _add_adapters(F.linear(normed, linear.weight, linear.bias), normed, linear.adapters)
             outs.append(out)
             intermediates.extend(ts)
         kept = [t if n[1] else None for t, n in zip(intermediates, [a for n in needs for a in n.adapters])]
-        ctx.save_for_backward(*_kept(need_norm_grad or (need_normed and rebuild), x, mean, rstd),
+        ctx.save_for_backward(*_kept(need_norm_grad or (need_normed and rebuild), x, *stats),
                               *_kept(need_normed and not rebuild, normed), norm_weight, norm_bias, *tensors, *kept)
-        ctx.eps, ctx.layout, ctx.needs = eps, layout, needs
+        ctx.norm_layout, ctx.statistics, ctx.layout, ctx.needs = norm_layout, len(stats), layout, needs
         ctx.need_norm_grad, ctx.need_normed = need_norm_grad, need_normed
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *d_outs):
-        x, mean, rstd, normed, norm_weight, norm_bias, *rest = ctx.saved_tensors
+        x, *rest = ctx.saved_tensors
+        stats, (normed, norm_weight, norm_bias, *rest) = rest[:ctx.statistics], rest[ctx.statistics:]
         count = sum(2 + _PER_ADAPTER * len(scales) for scales in ctx.layout)
         linears = _unpack_linears(rest[:count], ctx.layout)
         intermediates = iter(rest[count:])
@@ -155,8 +176,8 @@ class _LayerNormLinears(torch.autograd.Function):
         dx = d_norm_weight = d_norm_bias = None
         if ctx.need_norm_grad:
             rebuild = ctx.need_normed and normed is None
-            dx, d_norm_weight, d_norm_bias, rebuilt = layer_norm_bwd(
-                d_normed, x, norm_weight, norm_bias, mean, rstd, rebuild)
+            dx, d_norm_weight, d_norm_bias, rebuilt = _norm_backward(
+                ctx.norm_layout, d_normed, x, norm_weight, norm_bias, stats, rebuild)
             normed = rebuilt if rebuild else normed
         flat = []
         for linear, need, (d_out, adapter_grads, d_ts) in zip(linears, ctx.needs, grads):
@@ -194,120 +215,143 @@ def _unpack_needs(needs, layout):
     return out
 
 
-# The tensors _MLP.apply takes after its layout, before the adapters': x, norm weight and bias, w1, b1, w2, b2.
-_MLP_TENSORS = 7
-# What _MLP computes besides its tensors: a LayerNorm in front or not, its eps, the GELU's approximate,
-# the recompute switch, and each Linear's adapters' scales.
-_MLPLayout = collections.namedtuple("_MLPLayout", "has_norm eps approximate recompute fc1_scales fc2_scales")
+# What _MLP computes besides its tensors: the norm in front (a _NormLayout, or None), the Activation,
+# the recompute switch, and per Linear (the up projections, then the down projection) its adapters' scales.
+_MLPLayout = collections.namedtuple("_MLPLayout", "norm act recompute linears")
+
+
+def _bias_in_kernel(act, ups):
+    """The up projection's bias when the GELU kernel adds it (one up projection without adapters): its
+    gradient then comes out of the pass that computes dh, and h = x·W1ᵀ without bias is what is kept."""
+    return ups[0].bias if not act.gated and not ups[0].adapters else None
+
+
+def _activation_forward(act, hs, bias):
+    """act over the up projections' outputs hs ([h]: gelu(h + bias))."""
+    return gelu_fwd(hs[0], bias, GELU_APPROXIMATE[act.name])
+
+
+def _activation_backward(act, d_activation, hs, bias, rebuild):
+    """([d h] per up projection output, d bias (None without it), the rebuilt activation or None)."""
+    dh, d_bias, rebuilt = gelu_bwd(d_activation, hs[0], bias, GELU_APPROXIMATE[act.name], rebuild)
+    return [dh], d_bias if bias is not None else None, rebuilt if rebuild else None
 
 
 class _MLP(torch.autograd.Function):
-    """out = fc2(gelu(fc1(LayerNorm(x)))) on rows x (M, K); the LayerNorm is optional, and fc1 and fc2
-    may carry LoRA adapters.
+    """out = down(act(up(norm(x)))) on rows x (M, K); the norm is optional, and each Linear may carry
+    LoRA adapters. tensors: per Linear (the up projection, then the down one) its weight, bias and flat
+    adapters.
 
-    Without adapters on fc1, its bias is added inside the GELU kernel, so its gradient comes out
-    of the same pass that computes dh, and h = x·W1ᵀ (without bias) is what is kept. With adapters
-    on fc1, h = fc1(x) + its adapters' terms, bias included in peft's order, and dh sums to db1.
+    Without adapters on the up projection, its bias is added inside the GELU kernel (_bias_in_kernel).
+    With adapters, h = fc1(x) + its adapters' terms, bias included in peft's order, and dh sums to db1.
     """
 
     @staticmethod
-    def forward(ctx, layout, x, norm_weight, norm_bias, w1, b1, w2, b2, *lora_tensors):
-        has_norm, eps, approximate, recompute, fc1_scales, fc2_scales = layout
-        split = len(fc1_scales) * _PER_ADAPTER
-        fc1_adapters, fc2_adapters = _unflatten(lora_tensors[:split], fc1_scales), \
-            _unflatten(lora_tensors[split:], fc2_scales)
-        need_x, need_nw, need_nb, need_w1, need_b1, need_w2, _ = ctx.needs_input_grad[1:_MLP_TENSORS + 1]
-        fc1_needs = _adapter_needs(ctx.needs_input_grad[_MLP_TENSORS + 1:_MLP_TENSORS + 1 + split], len(fc1_adapters))
-        fc2_needs = _adapter_needs(ctx.needs_input_grad[_MLP_TENSORS + 1 + split:], len(fc2_adapters))
-        need_norm_grad = has_norm and (need_x or need_nw or need_nb)
-        need_fc1_input = need_w1 or any(n[0] for n in fc1_needs)  # for dW1 and fc1's dA
-        need_dh = need_x or need_norm_grad or need_fc1_input or need_b1 or any(n[1] or n[2] for n in fc1_needs)
-        need_activation = need_w2 or any(n[0] for n in fc2_needs)  # gelu(h), for dW2 and fc2's dA
+    def forward(ctx, layout, x, norm_weight, norm_bias, *tensors):
+        linears = _unpack_linears(tensors, layout.linears)
+        needs = _unpack_needs(ctx.needs_input_grad[4:], layout.linears)
+        ups, down, up_needs, down_needs = linears[:-1], linears[-1], needs[:-1], needs[-1]
+        has_norm = layout.norm is not None
+        need_norm_grad = has_norm and any(ctx.needs_input_grad[1:4])
+        need_up_input = any(n.weight or any(a[0] for a in n.adapters) for n in up_needs)  # for dW and dA
+        need_dh = (ctx.needs_input_grad[1] or need_norm_grad or need_up_input
+                   or any(n.bias or any(a[1] or a[2] for a in n.adapters) for n in up_needs))
+        need_activation = down_needs.weight or any(a[0] for a in down_needs.adapters)  # for dW2 and down's dA
         if has_norm:
-            fc1_input, mean, rstd = layer_norm_fwd(x, norm_weight, norm_bias, eps)
+            up_input, stats = _norm_forward(layout.norm, x, norm_weight, norm_bias)
         else:
-            fc1_input, mean, rstd = x, None, None
-        if fc1_adapters:
-            h, fc1_intermediates = _add_adapters(F.linear(fc1_input, w1, b1), fc1_input, fc1_adapters)
-            activation = gelu_fwd(h, None, approximate)
-        else:
-            h, fc1_intermediates = fc1_input.matmul(w1.t()), []
-            activation = gelu_fwd(h, b1, approximate)
-        out, fc2_intermediates = _add_adapters(F.linear(activation, w2, b2), activation, fc2_adapters)
-        # As for the LayerNorm: rebuilding pays only where the backward runs that pass anyway (the
-        # LayerNorm's for LN(x), the GELU's for gelu(h)); else the tensor is kept, as eager does.
-        rebuild_fc1_input = recompute and need_norm_grad
-        rebuild_activation = recompute and need_dh
-        keep_x = need_norm_grad or (need_fc1_input and not has_norm)
-        keep_fc1_input = has_norm and need_fc1_input and not rebuild_fc1_input
-        kept = [t if n[1] else None for t, n in zip([*fc1_intermediates, *fc2_intermediates], fc1_needs + fc2_needs)]
+            up_input, stats = x, ()
+        kernel_bias = _bias_in_kernel(layout.act, ups)
+        hs, intermediates = [], []
+        for up in ups:
+            if kernel_bias is not None:
+                h, ts = up_input.matmul(up.weight.t()), []
+            else:
+                h, ts = _add_adapters(F.linear(up_input, up.weight, up.bias), up_input, up.adapters)
+            hs.append(h)
+            intermediates += ts
+        activation = _activation_forward(layout.act, hs, kernel_bias)
+        out, ts = _add_adapters(F.linear(activation, down.weight, down.bias), activation, down.adapters)
+        intermediates += ts
+        # As for the norm: rebuilding pays only where the backward runs that pass anyway (the norm's
+        # for norm(x), the activation's for act(h)); else the tensor is kept, as eager does.
+        rebuild_up_input = layout.recompute and need_norm_grad
+        rebuild_activation = layout.recompute and need_dh
+        keep_x = need_norm_grad or (need_up_input and not has_norm)
+        keep_up_input = has_norm and need_up_input and not rebuild_up_input
+        kept = [t if a[1] else None for t, a in zip(intermediates, [a for n in needs for a in n.adapters])]
         ctx.save_for_backward(
-            *_kept(keep_x, x), *_kept(keep_x and has_norm, mean, rstd), *_kept(keep_fc1_input, fc1_input),
-            *_kept(need_dh, h), *_kept(need_activation and not rebuild_activation, activation),
-            norm_weight, norm_bias, w1, b1, w2, *lora_tensors, *kept)
-        ctx.has_norm, ctx.approximate = has_norm, approximate
-        ctx.has_b2, ctx.fc1_scales, ctx.fc2_scales = b2 is not None, fc1_scales, fc2_scales
-        ctx.fc1_needs, ctx.fc2_needs = fc1_needs, fc2_needs
-        ctx.need_norm_grad, ctx.need_fc1_input, ctx.need_dh = need_norm_grad, need_fc1_input, need_dh
+            *_kept(keep_x, x), *_kept(keep_x and has_norm, *stats), *_kept(keep_up_input, up_input),
+            *_kept(need_dh, *hs), *_kept(need_activation and not rebuild_activation, activation),
+            norm_weight, norm_bias, *tensors, *kept)
+        ctx.layout, ctx.needs, ctx.statistics, ctx.tensors = layout, needs, len(stats), len(tensors)
+        ctx.need_norm_grad, ctx.need_up_input, ctx.need_dh = need_norm_grad, need_up_input, need_dh
         ctx.need_activation = need_activation
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        x, mean, rstd, fc1_input, h, activation, norm_weight, norm_bias, w1, b1, w2, *rest = ctx.saved_tensors
-        split = len(ctx.fc1_scales) * _PER_ADAPTER
-        tensors = rest[:split + len(ctx.fc2_scales) * _PER_ADAPTER]
-        intermediates = rest[len(tensors):]
-        fc1_adapters = _unflatten(tensors[:split], ctx.fc1_scales)
-        fc2_adapters = _unflatten(tensors[split:], ctx.fc2_scales)
-        fc1_intermediates, fc2_intermediates = intermediates[:len(fc1_adapters)], intermediates[len(fc1_adapters):]
-        need_x, need_nw, need_nb, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[1:_MLP_TENSORS + 1]
+        layout, needs = ctx.layout, ctx.needs
+        saved = iter(ctx.saved_tensors)
+        x = next(saved)
+        stats = tuple(next(saved) for _ in range(ctx.statistics))
+        up_input = next(saved)
+        hs = [next(saved) for _ in layout.linears[:-1]]
+        activation, norm_weight, norm_bias = next(saved), next(saved), next(saved)
+        linears = _unpack_linears([next(saved) for _ in range(ctx.tensors)], layout.linears)
+        intermediates = [[next(saved) for _ in linear.adapters] for linear in linears]
+        ups, down, up_needs, down_needs = linears[:-1], linears[-1], needs[:-1], needs[-1]
+        need_x = ctx.needs_input_grad[1]
+        kernel_bias = _bias_in_kernel(layout.act, ups)
 
-        # fc2 and its adapters; gelu(h) is rebuilt in the GELU backward's pass when dW2 or fc2's dA needs it
-        fc2_grads, fc2_d_ts = _adapter_grads(d_out, fc2_adapters, fc2_intermediates, ctx.fc2_needs, ctx.need_dh)
-        dh = d_b1 = None
+        # The down projection and its adapters; act(h) is rebuilt in the activation backward's pass
+        # when dW2 or the down projection's dA needs it
+        down_grads, down_d_ts = _adapter_grads(d_out, down.adapters, intermediates[-1], down_needs.adapters,
+                                               ctx.need_dh)
+        d_hs, d_kernel_bias = [None] * len(ups), None
         rebuild_activation = ctx.need_activation and activation is None
-        fc1_bias_in_kernel = not fc1_adapters
         if ctx.need_dh:
-            d_activation = _input_grad_from_adapters(d_out.matmul(w2), fc2_adapters, fc2_d_ts)
-            dh, d_b1, rebuilt = gelu_bwd(d_activation, h, b1 if fc1_bias_in_kernel else None, ctx.approximate,
-                                         rebuild_activation)
+            d_activation = _input_grad_from_adapters(d_out.matmul(down.weight), down.adapters, down_d_ts)
+            d_hs, d_kernel_bias, rebuilt = _activation_backward(layout.act, d_activation, hs, kernel_bias,
+                                                                rebuild_activation)
             activation = rebuilt if rebuild_activation else activation
             d_activation = None
-            if not fc1_bias_in_kernel and need_b1 and b1 is not None:
-                d_b1 = dh.sum(0)
-        d_w2 = d_out.t().matmul(activation) if need_w2 else None
-        d_b2 = d_out.sum(0) if need_b2 and ctx.has_b2 else None
-        fc2_flat = _finish_adapter_grads(fc2_grads, fc2_adapters, fc2_d_ts, activation, ctx.fc2_needs)
-        activation = None  # the rebuilt gelu(h) lives only for dW2 and fc2's dA
+        flat_down = [d_out.t().matmul(activation) if down_needs.weight else None,
+                     d_out.sum(0) if down_needs.bias and down.bias is not None else None,
+                     *_finish_adapter_grads(down_grads, down.adapters, down_d_ts, activation, down_needs.adapters)]
+        activation = None  # the rebuilt act(h) lives only for dW2 and the down projection's dA
 
-        # fc1 and its adapters, then the LayerNorm; LN(x) is rebuilt in its backward's pass when needed
-        need_d_fc1_input = need_x or ctx.need_norm_grad
-        fc1_flat, d_w1, dx, d_norm_weight, d_norm_bias = [None] * (3 * len(fc1_adapters)), None, None, None, None
+        # The up projections and their adapters, then the norm; norm(x) is rebuilt in its backward's pass
+        need_d_up_input = need_x or ctx.need_norm_grad
+        flat_ups = [None] * sum(2 + _PER_ADAPTER * len(up.adapters) for up in ups)
+        dx = d_norm_weight = d_norm_bias = None
         if ctx.need_dh:
-            fc1_grads, fc1_d_ts = _adapter_grads(dh, fc1_adapters, fc1_intermediates, ctx.fc1_needs,
-                                                 need_d_fc1_input)
-            d_fc1_input = _input_grad_from_adapters(dh.matmul(w1), fc1_adapters, fc1_d_ts) \
-                if need_d_fc1_input else None
-            if ctx.has_norm:
-                if ctx.need_norm_grad:
-                    rebuild = ctx.need_fc1_input and fc1_input is None
-                    dx, d_norm_weight, d_norm_bias, rebuilt = layer_norm_bwd(
-                        d_fc1_input, x, norm_weight, norm_bias, mean, rstd, rebuild)
-                    fc1_input = rebuilt if rebuild else fc1_input
-            else:
-                dx, fc1_input = d_fc1_input, x
-            d_w1 = dh.t().matmul(fc1_input) if need_w1 else None
-            fc1_flat = _finish_adapter_grads(fc1_grads, fc1_adapters, fc1_d_ts, fc1_input, ctx.fc1_needs)
+            d_up_input, pending = None, []
+            for up, need, dh, ts in zip(ups, up_needs, d_hs, intermediates):
+                grads, d_ts = _adapter_grads(dh, up.adapters, ts, need.adapters, need_d_up_input)
+                if need_d_up_input:
+                    part = _input_grad_from_adapters(dh.matmul(up.weight), up.adapters, d_ts)
+                    d_up_input = part if d_up_input is None else d_up_input + part
+                pending.append((grads, d_ts))
+            if layout.norm is None:
+                dx, up_input = d_up_input, x
+            elif ctx.need_norm_grad:
+                rebuild = ctx.need_up_input and up_input is None
+                dx, d_norm_weight, d_norm_bias, rebuilt = _norm_backward(
+                    layout.norm, d_up_input, x, norm_weight, norm_bias, stats, rebuild)
+                up_input = rebuilt if rebuild else up_input
+            flat_ups = []
+            for up, need, dh, (grads, d_ts) in zip(ups, up_needs, d_hs, pending):
+                d_bias = d_kernel_bias if kernel_bias is not None else dh.sum(0) if up.bias is not None else None
+                flat_ups += [dh.t().matmul(up_input) if need.weight else None, d_bias if need.bias else None,
+                             *_finish_adapter_grads(grads, up.adapters, d_ts, up_input, need.adapters)]
+        need_nw, need_nb = ctx.needs_input_grad[2:4]
         return (
             None,  # the layout
             dx if need_x else None,
             d_norm_weight if need_nw and norm_weight is not None else None,
             d_norm_bias if need_nb and norm_bias is not None else None,
-            d_w1,
-            d_b1 if need_b1 and b1 is not None else None,
-            d_w2, d_b2,
-            *fc1_flat, *fc2_flat,
+            *flat_ups, *flat_down,
         )
 
 
@@ -439,7 +483,7 @@ def norm_linears(x, norm, linears, recompute=True):
         tensors += [linear.weight, linear.bias, *flat]
         layout.append(scales)
     norm_weight, norm_bias = _contiguous(norm.weight, norm.bias)
-    outs = _LayerNormLinears.apply(rows, norm_weight, norm_bias, float(norm.eps), bool(recompute), tuple(layout),
+    outs = _LayerNormLinears.apply(rows, norm_weight, norm_bias, _norm_layout(norm), bool(recompute), tuple(layout),
                                    *tensors)
     return [out.view(*x.shape[:-1], linear.weight.shape[0]) for out, linear in zip(outs, linears)]
 
@@ -452,7 +496,7 @@ def fused_mlp(x, fc1, act, fc2, norm=None, recompute=True):
     intermediate), and rebuilds act(h) (and norm(x)) in the backward.
     """
     check_float_tensor("x", x)
-    approximate = check_activation(act)
+    check_activation(act)
     for name, linear in (("fc1", fc1), ("fc2", fc2)):
         if not isinstance(linear, Linear):
             raise TypeError(f"{name} must be a remat.specs.Linear(weight, bias, adapters), got {type(linear).__name__}")
@@ -475,9 +519,9 @@ def fused_mlp(x, fc1, act, fc2, norm=None, recompute=True):
     norm_weight, norm_bias, b1 = _contiguous(norm.weight if norm else None, norm.bias if norm else None, b1)
     fc1_flat, fc1_scales = _flatten(fc1_adapters)
     fc2_flat, fc2_scales = _flatten(fc2_adapters)
-    layout = _MLPLayout(norm is not None, float(norm.eps if norm else 0.0), approximate, bool(recompute),
-                        fc1_scales, fc2_scales)
-    out = _MLP.apply(layout, rows, norm_weight, norm_bias, w1, b1, w2, b2, *fc1_flat, *fc2_flat)
+    layout = _MLPLayout(_norm_layout(norm) if norm is not None else None, act, bool(recompute),
+                        (fc1_scales, fc2_scales))
+    out = _MLP.apply(layout, rows, norm_weight, norm_bias, w1, b1, *fc1_flat, w2, b2, *fc2_flat)
     return out.view(*x.shape[:-1], w2.shape[0])
 
 
