@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ._guards import hook_reason, plain_reason
+from ._numerics import rel_error
 from .specs import Linear, LoRA
 
 
@@ -155,7 +156,7 @@ def _verified(module, base, adapters, label):
             got = got + torch.nn.functional.linear(torch.nn.functional.linear(x.to(lora.a.dtype), lora.a),
                                                    lora.b, lora.b_bias) * lora.scale
         got = got.to(want.dtype)
-    error = ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-12)).item()
+    error = rel_error(got, want)
     tolerance = 1e-5 if weight.dtype in (torch.float32, torch.float64) else 1e-2
     reason = None if error <= tolerance else \
         f"{label}: this peft version's LoRA forward differs from base + B(A(x))·scale (relative error {error:.2g})"

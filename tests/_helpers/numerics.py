@@ -6,25 +6,12 @@ import functools
 import torch
 
 from remat import saved as remat_saved
+from remat._numerics import rel_error  # noqa: F401 - the tests' error measure is remat's
 
 # Bound on ‖out − ref‖ / ‖ref‖ against a float64 reference. Each is a few times the rounding of
 # the output dtype itself (unit roundoff: fp32 6e-8, fp16 4.9e-4, bf16 3.9e-3), leaving room for
 # fp32 accumulation over up to ~1e5 terms.
 REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-
-
-def rel_error(out, ref):
-    """‖out − ref‖ / ‖ref‖ in float64 (0 when both are empty).
-
-    Where the exact result is zero (dx of a LayerNorm over one element), the float64 reference
-    holds only rounding noise (~1e-14), so the scale has a floor of 1e-6 per element: the error
-    is then measured absolutely, at a level far below any real gradient.
-    """
-    if ref.numel() == 0:
-        return 0.0
-    out, ref = out.double(), ref.double()
-    scale = max(ref.norm().item(), 1e-6 * ref.numel() ** 0.5)
-    return (out - ref).norm().item() / scale
 
 
 def assert_close_to_ref(name, out, ref, dtype):

@@ -13,25 +13,13 @@ from collections.abc import Callable
 
 import torch
 
+from .._numerics import rel_error
+
 # The floor under "at most twice PyTorch's own error". In fp32 both errors are ~1e-7, rounding
 # noise of the summation order, where a factor of 2 means nothing; in fp16 and bf16 every output
 # is rounded to the dtype (relative error >= ~1e-4), so the floor changes nothing there and only
 # keeps an output that both compute exactly (error 0) from failing on a 1e-9.
 ERROR_FLOOR = 1e-6
-
-
-def rel_error(out, ref):
-    """||out - ref|| / ||ref|| in float64 (0 when both are empty).
-
-    Where the exact result is zero, the float64 reference holds only rounding noise, so the scale
-    has a floor of 1e-6 per element: the error is then measured absolutely, far below any real
-    gradient.
-    """
-    if ref.numel() == 0:
-        return 0.0
-    out, ref = out.double(), ref.double()
-    scale = max(ref.norm().item(), 1e-6 * ref.numel() ** 0.5)
-    return (out - ref).norm().item() / scale
 
 
 @dataclasses.dataclass

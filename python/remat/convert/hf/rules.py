@@ -10,6 +10,7 @@ from torch import nn
 
 from ..._guards import hook_reason
 from ..._linears import fused_saved_bytes, projection, widths
+from ..._numerics import rel_error
 from ...ops.attention import HEAD_DIMS
 from ..patterns import MLP, fusable, layer_norm_fusable
 from ..swap import join, with_class
@@ -52,7 +53,7 @@ def _probe(before, after, width, param, modules):
             want, got = before(x), after(x)
     except Exception as error:  # noqa: BLE001 - a forward this rule does not know how to call: leave it alone
         return f"probe failed ({type(error).__name__}: {error})"
-    error = ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-12)).item()
+    error = rel_error(got, want)
     tolerance = 1e-4 if param.dtype in (torch.float32, torch.float64) else 3e-2
     if not error <= tolerance:
         return f"probe mismatch (relative error {error:.2g}): this transformers version's forward differs"
