@@ -77,11 +77,6 @@ __device__ __forceinline__ void fill(float* out, float value) {
   for (int j = 0; j < VEC; ++j) out[j] = value;
 }
 
-// True when P is aligned to BYTES.
-inline bool is_aligned(const void* p, int bytes) {
-  return reinterpret_cast<std::uintptr_t>(p) % static_cast<std::uintptr_t>(bytes) == 0;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Deterministic sums. The xor butterfly gives every lane the same bitwise result (each step
 // adds the same two values, and fp32 addition is commutative), independent of scheduling.

@@ -7,6 +7,7 @@
 //   gelu_fwd_kernel           y = gelu(x + bias)
 //   gelu_bwd_kernel           dx = dy * gelu'(x + bias), dbias partials (G, N), y on request
 //   sum_partial_rows_kernel   (common.cuh) (G, N) fp32 partials -> dbias (N,)
+// then the launchers, the entry points and their registration as torch.ops.remat_C.gelu_fwd/_bwd.
 //
 // Layout: both kernels see x as rows (M, N) with a row stride and unit column stride. A block of
 // kThreads threads is (BX, BY): thread (tx, ty) owns one pack of VEC columns, pack
@@ -19,17 +20,19 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <limits>
+#include <optional>
 #include <string>
+#include <tuple>
 
+#include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
+#include <c10/util/string_view.h>
+#include <torch/library.h>
 
 #include "common.cuh"
-#include "gelu.h"
+#include "host.h"
 
 namespace remat {
 namespace {
@@ -255,58 +258,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) gelu_bwd_kernel(
 // Host side
 // =============================================================================================
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-bool is_float_type(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
-
-bool present(const std::optional<at::Tensor>& p) { return p.has_value() && p->defined(); }
-
-int sm_count(int device) {
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return std::max(sms, 1);
-}
+constexpr const char* kOp = "gelu";  // the op family every error message starts with
 
 // "none" -> false, "tanh" -> true; anything else is an error naming the argument.
 bool parse_approximate(c10::string_view approximate) {
   if (approximate == c10::string_view("tanh")) return true;
-  TORCH_CHECK(approximate == c10::string_view("none"), "gelu: approximate must be 'none' or 'tanh', got '",
+  TORCH_CHECK(approximate == c10::string_view("none"), kOp, ": approximate must be 'none' or 'tanh', got '",
               std::string(approximate.data(), approximate.size()), "'");
   return false;
-}
-
-void check_input(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda(), "gelu: ", name, " must be a CUDA tensor, got device ", t.device());
-  TORCH_CHECK(t.dim() == 2, "gelu: ", name, " must be 2-D (M, N), got shape ", t.sizes());
-  TORCH_CHECK(is_float_type(t.scalar_type()), "gelu: ", name, " must be float32, float16 or bfloat16, got ",
-              t.scalar_type());
-  TORCH_CHECK(t.stride(1) == 1 || t.size(1) <= 1, "gelu: ", name,
-              " must have a unit stride in its last dim, got strides ", t.strides());
-  TORCH_CHECK(t.stride(0) >= 0, "gelu: ", name, " has a negative row stride");
-  TORCH_CHECK(t.size(1) <= std::numeric_limits<int>::max() / 2, "gelu: ", name, " is too wide: N = ", t.size(1));
-}
-
-void check_bias(const std::optional<at::Tensor>& bias, const at::Tensor& x) {
-  if (!present(bias)) return;
-  TORCH_CHECK(bias->device() == x.device(), "gelu: bias is on ", bias->device(), " but x is on ", x.device());
-  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == x.size(1), "gelu: bias must have shape (", x.size(1),
-              ",), got ", bias->sizes());
-  TORCH_CHECK(bias->is_contiguous(), "gelu: bias must be contiguous");
-  TORCH_CHECK(is_float_type(bias->scalar_type()), "gelu: bias must be float32, float16 or bfloat16, got ",
-              bias->scalar_type());
-}
-
-// The bias as a 16-byte-aligned contiguous fp32 (N,) tensor (converted once), or undefined.
-at::Tensor bias_as_float(const std::optional<at::Tensor>& bias) {
-  if (!present(bias)) return at::Tensor();
-  at::Tensor f = bias->to(at::kFloat).contiguous();
-  if (!is_aligned(f.data_ptr(), kMaxVecBytes)) f = f.clone(at::MemoryFormat::Contiguous);
-  return f;
-}
-
-// Rows of VEC-element packs need an aligned base and every row start to stay aligned.
-bool vectorizable(const void* ptr, int64_t row_stride, int64_t M, int64_t N, int vec) {
-  return is_aligned(ptr, kMaxVecBytes) && N % vec == 0 && (M <= 1 || row_stride % vec == 0);
 }
 
 // True when the rows of a 2-D tensor are back to back (one flat array).
@@ -420,30 +379,34 @@ at::Tensor launch_bwd(const BwdPointers& p, const Rows& r, bool tanh, bool recom
   return partials;
 }
 
-}  // namespace
+// =============================================================================================
+// Entry points (the CUDA kernels of the ops registered at the end of this file)
+// =============================================================================================
 
+// x (M, N) float32/float16/bfloat16 with stride(1) == 1 and any row stride; bias None or (N,)
+// float32/float16/bfloat16; approximate "none" (erf) or "tanh".
+// Returns y = gelu(x + bias), (M, N) contiguous in x.dtype.
 at::Tensor gelu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias, c10::string_view approximate) {
   const bool tanh = parse_approximate(approximate);
-  check_input(x, "x");
-  check_bias(bias, x);
+  check_rows(kOp, x, "x");
+  check_param(kOp, bias, "bias", x);
 
   const int64_t M = x.size(0);
   const int64_t N = x.size(1);
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor y = at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor y = empty_rows(x);
   if (M == 0 || N == 0) return y;
 
-  const at::Tensor b = bias_as_float(bias);
+  const at::Tensor b = param_as_float(bias);
   // Without a bias, a dense x is one flat array (y always is): any N gets vector loads.
   const Rows r = (!present(bias) && dense_rows(x)) ? flat_rows(M, N) : Rows{M, static_cast<int>(N), x.stride(0), N};
-  const int device = x.device().index();
-  const int sms = sm_count(device);
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  const int sms = sm_count(x.device().index());
+  cudaStream_t stream = current_stream(x);
   REMAT_DISPATCH_FLOAT_TYPES(x.scalar_type(), "remat_gelu_fwd", [&] {
     constexpr int kVec = max_vec<scalar_t>();
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
-    const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+    const float* bp = float_ptr_or_null(b);
     if (vectorizable(xp, r.x_stride, r.M, r.N, kVec) && is_aligned(yp, kMaxVecBytes)) {
       launch_fwd<scalar_t, kVec>(xp, bp, yp, r, tanh, sms, stream);
     } else {
@@ -453,41 +416,36 @@ at::Tensor gelu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias, 
   return y;
 }
 
+// dy (M, N) in x.dtype, stride(1) == 1, its own row stride; x, bias, approximate as gelu_fwd.
+// Returns dx (M, N) contiguous in x.dtype; dbias (N,) in bias.dtype (empty(0) of x.dtype without
+// bias), summed over rows in fp32 from dy * gelu'(x + bias) before rounding; y (M, N) bitwise as
+// gelu_fwd wrote it when recompute_output (else empty(0) of x.dtype).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gelu_bwd(const at::Tensor& dy, const at::Tensor& x,
                                                         const std::optional<at::Tensor>& bias,
                                                         c10::string_view approximate, bool recompute_output) {
   const bool tanh = parse_approximate(approximate);
-  check_input(x, "x");
-  check_input(dy, "dy");
-  TORCH_CHECK(dy.device() == x.device(), "gelu: dy is on ", dy.device(), " but x is on ", x.device());
-  TORCH_CHECK(dy.sizes() == x.sizes(), "gelu: dy must have x's shape ", x.sizes(), ", got ", dy.sizes());
-  TORCH_CHECK(dy.scalar_type() == x.scalar_type(), "gelu: dy must have x's dtype ", x.scalar_type(), ", got ",
-              dy.scalar_type());
-  check_bias(bias, x);
+  check_rows(kOp, x, "x");
+  check_rows(kOp, dy, "dy");
+  check_like_x(kOp, dy, "dy", x);
+  check_param(kOp, bias, "bias", x);
 
   const int64_t M = x.size(0);
   const int64_t N = x.size(1);
   const bool has_bias = present(bias);
   const c10::cuda::CUDAGuard guard(x.device());
-  const auto empty0 = [&] { return at::empty({0}, x.options()); };
-  at::Tensor dx = at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor y = recompute_output ? at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous))
-                                  : empty0();
-  at::Tensor dbias = has_bias ? at::empty({N}, bias->options()) : empty0();
-  if (M == 0 || N == 0) {
-    if (has_bias) dbias.zero_();
-    return {dx, dbias, y};
-  }
+  at::Tensor dx = empty_rows(x);
+  at::Tensor y = recomputed_output(recompute_output, x);
+  at::Tensor dbias = param_grad(bias, x);
+  if (M == 0 || N == 0) return {dx, dbias, y};
 
-  const at::Tensor b = bias_as_float(bias);
-  const BwdPointers p{dy.data_ptr(), x.data_ptr(), b.defined() ? b.data_ptr<float>() : nullptr, dx.data_ptr(),
+  const at::Tensor b = param_as_float(bias);
+  const BwdPointers p{dy.data_ptr(), x.data_ptr(), float_ptr_or_null(b), dx.data_ptr(),
                       recompute_output ? y.data_ptr() : nullptr};
   const Rows r = (!has_bias && dense_rows(x) && dense_rows(dy))
                      ? flat_rows(M, N)
                      : Rows{M, static_cast<int>(N), x.stride(0), dy.stride(0)};
-  const int device = x.device().index();
-  const int sms = sm_count(device);
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  const int sms = sm_count(x.device().index());
+  cudaStream_t stream = current_stream(x);
   const at::TensorOptions float_opts = x.options().dtype(at::kFloat);
   at::Tensor partials;
   REMAT_DISPATCH_FLOAT_TYPES(x.scalar_type(), "remat_gelu_bwd", [&] {
@@ -505,4 +463,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gelu_bwd(const at::Tensor& dy, co
   return {dx, dbias, y};
 }
 
+}  // namespace
 }  // namespace remat
+
+// =============================================================================================
+// Registration: the schemas (torch.ops.remat_C.gelu_*; tensor contract above and in
+// remat/ops/gelu.py: gelu_fwd_ref, gelu_bwd_ref) and their CUDA kernels. The fake kernels and
+// autograd are registered from Python.
+// =============================================================================================
+
+TORCH_LIBRARY_FRAGMENT(remat_C, m) {
+  m.def("gelu_fwd(Tensor x, Tensor? bias, str approximate) -> Tensor");
+  m.def(
+      "gelu_bwd(Tensor dy, Tensor x, Tensor? bias, str approximate, bool recompute_output) "
+      "-> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(remat_C, CUDA, m) {
+  m.impl("gelu_fwd", &remat::gelu_fwd);
+  m.impl("gelu_bwd", &remat::gelu_bwd);
+}

@@ -7,22 +7,26 @@
 //   layer_norm_bwd_kernel           row cached in registers (N <= kMaxRegisterWidthBwd)
 //   layer_norm_bwd_looped_kernel    any N
 //   sum_partial_rows_kernel         (common.cuh) (G, N) fp32 partials -> (N,) dw and db, one launch
+// then the launchers, the entry points and their registration as torch.ops.remat_C.layer_norm_fwd/_bwd.
 // Register kernels run one warp per row (kRowsPerWarpBlock rows per block) for narrow rows and
 // one block per row otherwise; the host picks the elements per thread (EPT) and block size.
 
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <optional>
+#include <tuple>
 #include <type_traits>
 
+#include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
 
 #include "common.cuh"
-#include "layer_norm.h"
+#include "host.h"
 
 namespace remat {
 namespace {
@@ -558,26 +562,20 @@ constexpr int64_t kMaxRegisterWidthFwd = 16384;  // block of <= 512 threads x 32
 constexpr int64_t kMaxRegisterWidthBwd = 8192;   // block of <= 512 threads x 16 elements (x4 arrays)
 constexpr int64_t kMaxRegisterWidthScalar = 4096;  // scalar (unvectorised) rows: block x 8 elements
 
-int round_up(int64_t value, int multiple) { return static_cast<int>((value + multiple - 1) / multiple * multiple); }
+int round_up(int64_t value, int multiple) { return static_cast<int>(ceil_div(value, multiple) * multiple); }
 
 // Width thresholds (elements): <= 256 warp/8, <= 512 warp/16, <= 4096 block/8, <= 8192
 // block/16, (forward only) <= 16384 block/32, else looped. Unvectorised rows (misaligned, or N
 // not a multiple of the vector width) wider than 4096 take the looped kernels: their
 // per-element predicates and addresses would spill at larger EPT.
 RowConfig pick_config(int64_t N, bool forward, bool vectorized) {
-  auto block = [N](int ept) { return RowConfig{false, ept, std::max(64, round_up((N + ept - 1) / ept, kWarpSize))}; };
+  auto block = [N](int ept) { return RowConfig{false, ept, std::max(64, round_up(ceil_div(N, ept), kWarpSize))}; };
   if (N <= 256) return {true, 8, kWarpSize};
   if (N <= 512) return {true, 16, kWarpSize};
   if (N <= kMaxRegisterWidthScalar) return block(8);
   if (vectorized && N <= kMaxRegisterWidthBwd) return block(16);
   if (vectorized && forward && N <= kMaxRegisterWidthFwd) return block(32);
   return {false, 0, kLoopedThreads};
-}
-
-int sm_count(int device) {
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return std::max(sms, 1);
 }
 
 // Fixed backward grid: as many blocks as fit on the device at once (grid-stride needs all of
@@ -590,63 +588,36 @@ int backward_grid(Kernel kernel, int threads_per_block, int dynamic_shared, int6
   return static_cast<int>(std::min(row_groups, resident));
 }
 
-bool is_float_type(at::ScalarType t) {
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
-}
+constexpr const char* kOp = "layer_norm";  // the op family every error message starts with
 
-// Vector loads need the base aligned to 16 bytes and every row start to stay aligned.
-bool vectorizable(const at::Tensor& t, int64_t row_stride, int64_t M, int64_t N, int vec) {
-  return is_aligned(t.data_ptr(), kMaxVecBytes) && N % vec == 0 && (M <= 1 || row_stride % vec == 0);
-}
-
+// check_rows, and the row counts the kernels index with int: N >= 1 (a mean over no columns is
+// undefined) and M within int.
 void check_input(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda(), "layer_norm: ", name, " must be a CUDA tensor, got device ", t.device());
-  TORCH_CHECK(t.dim() == 2, "layer_norm: ", name, " must be 2-D (M, N), got shape ", t.sizes());
-  TORCH_CHECK(is_float_type(t.scalar_type()), "layer_norm: ", name,
-              " must be float32, float16 or bfloat16, got ", t.scalar_type());
-  TORCH_CHECK(t.stride(1) == 1 || t.size(1) <= 1, "layer_norm: ", name,
-              " must have a unit stride in its last dim, got strides ", t.strides());
-  TORCH_CHECK(t.stride(0) >= 0, "layer_norm: ", name, " has a negative row stride");
-  TORCH_CHECK(t.size(1) >= 1, "layer_norm: ", name, " must have N >= 1 columns, got shape ", t.sizes());
-  TORCH_CHECK(t.size(1) <= std::numeric_limits<int>::max() / 2, "layer_norm: ", name, " is too wide: N = ",
-              t.size(1));
-  TORCH_CHECK(t.size(0) <= std::numeric_limits<int>::max(), "layer_norm: ", name, " has too many rows: M = ",
+  check_rows(kOp, t, name);
+  TORCH_CHECK(t.size(1) >= 1, kOp, ": ", name, " must have N >= 1 columns, got shape ", t.sizes());
+  TORCH_CHECK(t.size(0) <= std::numeric_limits<int>::max(), kOp, ": ", name, " has too many rows: M = ",
               t.size(0));
 }
 
-void check_param(const std::optional<at::Tensor>& p, const char* name, const at::Tensor& x) {
-  if (!p.has_value() || !p->defined()) return;
-  TORCH_CHECK(p->device() == x.device(), "layer_norm: ", name, " is on ", p->device(), " but x is on ",
-              x.device());
-  TORCH_CHECK(p->dim() == 1 && p->size(0) == x.size(1), "layer_norm: ", name, " must have shape (",
-              x.size(1), ",), got ", p->sizes());
-  TORCH_CHECK(p->is_contiguous(), "layer_norm: ", name, " must be contiguous");
-  TORCH_CHECK(is_float_type(p->scalar_type()), "layer_norm: ", name,
-              " must be float32, float16 or bfloat16, got ", p->scalar_type());
-}
-
+// mean or rstd from layer_norm_fwd: (M,) contiguous float32 on x's device.
 void check_stat(const at::Tensor& s, const char* name, const at::Tensor& x) {
-  TORCH_CHECK(s.device() == x.device(), "layer_norm: ", name, " is on ", s.device(), " but x is on ",
-              x.device());
-  TORCH_CHECK(s.scalar_type() == at::kFloat, "layer_norm: ", name, " must be float32, got ", s.scalar_type());
-  TORCH_CHECK(s.dim() == 1 && s.size(0) == x.size(0), "layer_norm: ", name, " must have shape (", x.size(0),
+  TORCH_CHECK(s.device() == x.device(), kOp, ": ", name, " is on ", s.device(), " but x is on ", x.device());
+  TORCH_CHECK(s.scalar_type() == at::kFloat, kOp, ": ", name, " must be float32, got ", s.scalar_type());
+  TORCH_CHECK(s.dim() == 1 && s.size(0) == x.size(0), kOp, ": ", name, " must have shape (", x.size(0),
               ",), got ", s.sizes());
-  TORCH_CHECK(s.is_contiguous(), "layer_norm: ", name, " must be contiguous");
+  TORCH_CHECK(s.is_contiguous(), kOp, ": ", name, " must be contiguous");
 }
-
-bool present(const std::optional<at::Tensor>& p) { return p.has_value() && p->defined(); }
 
 // The kernels read weight and bias in their own dtype, fp32 or x's (no conversion per call), both
 // the same.
 void check_param_dtypes(const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                         const at::Tensor& x) {
   for (const auto* p : {&weight, &bias}) {
-    TORCH_CHECK(!present(*p) || (*p)->scalar_type() == at::kFloat || (*p)->scalar_type() == x.scalar_type(),
-                "layer_norm: weight and bias must be float32 or x's dtype ", x.scalar_type(), ", got ",
-                (*p)->scalar_type());
+    TORCH_CHECK(!present(*p) || (*p)->scalar_type() == at::kFloat || (*p)->scalar_type() == x.scalar_type(), kOp,
+                ": weight and bias must be float32 or x's dtype ", x.scalar_type(), ", got ", (*p)->scalar_type());
   }
-  TORCH_CHECK(!present(weight) || !present(bias) || weight->scalar_type() == bias->scalar_type(),
-              "layer_norm: weight and bias must have the same dtype, got ", weight->scalar_type(), " and ",
+  TORCH_CHECK(!present(weight) || !present(bias) || weight->scalar_type() == bias->scalar_type(), kOp,
+              ": weight and bias must have the same dtype, got ", weight->scalar_type(), " and ",
               bias->scalar_type());
 }
 
@@ -656,17 +627,6 @@ at::ScalarType param_type(const std::optional<at::Tensor>& weight, const std::op
   if (present(weight)) return weight->scalar_type();
   return present(bias) ? bias->scalar_type() : x.scalar_type();
 }
-
-// weight/bias for the vector loads: itself when 16-byte aligned (a fresh allocation always is),
-// else an aligned copy; undefined when absent.
-at::Tensor aligned_param(const std::optional<at::Tensor>& p) {
-  if (!present(p)) return at::Tensor();
-  return is_aligned(p->data_ptr(), kMaxVecBytes) ? *p : p->clone(at::MemoryFormat::Contiguous);
-}
-
-const void* ptr_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
-
-float* float_ptr_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 
 // Calls f(PT{}) with PT the parameters' storage type: float, or T (x's) when they are in x's dtype.
 template <typename T, typename F>
@@ -707,7 +667,7 @@ void launch_fwd(const FwdArgs& a, const RowConfig& cfg, cudaStream_t stream) {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   const dim3 warp_block(kWarpSize, kRowsPerWarpBlock);
-  const dim3 warp_grid(static_cast<unsigned>((a.M + kRowsPerWarpBlock - 1) / kRowsPerWarpBlock));
+  const dim3 warp_grid(static_cast<unsigned>(ceil_div(a.M, kRowsPerWarpBlock)));
   const dim3 row_grid(static_cast<unsigned>(a.M));
   const dim3 row_block(cfg.threads);
   if (cfg.ept == 0) {
@@ -723,7 +683,7 @@ void launch_fwd(const FwdArgs& a, const RowConfig& cfg, cudaStream_t stream) {
     if (cfg.ept == 16) run(layer_norm_fwd_kernel<T, PT, VEC, 16, false>, row_grid, row_block);
     else run(layer_norm_fwd_kernel<T, PT, VEC, 32, false>, row_grid, row_block);
   } else {
-    TORCH_CHECK(false, "layer_norm: internal error, no forward kernel for EPT ", cfg.ept);
+    TORCH_CHECK(false, kOp, ": internal error, no forward kernel for EPT ", cfg.ept);
   }
 }
 
@@ -773,7 +733,7 @@ Partials launch_bwd(const BwdArgs& a, const RowConfig& cfg, bool need_dw, bool n
     for (const void* k : {reinterpret_cast<const void*>(kernel), reinterpret_cast<const void*>(sizing_kernel)}) {
       C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
     }
-    const int64_t row_groups = (a.M + rows_per_block - 1) / rows_per_block;
+    const int64_t row_groups = ceil_div(a.M, rows_per_block);
     parts.G = backward_grid(sizing_kernel, threads, shared, row_groups, device);
     auto make = [&](bool need) {
       if (!need) return at::Tensor();
@@ -808,28 +768,29 @@ Partials launch_bwd(const BwdArgs& a, const RowConfig& cfg, bool need_dw, bool n
   } else if constexpr (VEC > 1) {  // pick_config: EPT 16 only for vectorised rows
     run_register(Ept16{}, std::false_type{});
   } else {
-    TORCH_CHECK(false, "layer_norm: internal error, no backward kernel for EPT ", cfg.ept);
+    TORCH_CHECK(false, kOp, ": internal error, no backward kernel for EPT ", cfg.ept);
   }
   return parts;
 }
 
-}  // namespace
-
 // =============================================================================================
-// Entry points
+// Entry points (the CUDA kernels of the ops registered at the end of this file)
 // =============================================================================================
 
+// x (M, N) float32/float16/bfloat16 with stride(1) == 1; weight, bias: None or (N,), float32 or
+// x's dtype (both the same), read in that dtype.
+// Returns y (M, N) contiguous in x.dtype, mean (M,) and rstd (M,) in float32.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
     const at::Tensor& x, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     double eps) {
   check_input(x, "x");
-  check_param(weight, "weight", x);
-  check_param(bias, "bias", x);
+  check_param(kOp, weight, "weight", x);
+  check_param(kOp, bias, "bias", x);
   check_param_dtypes(weight, bias, x);
   const int64_t M = x.size(0);
   const int64_t N = x.size(1);
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor y = at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor y = empty_rows(x);
   at::Tensor mean = at::empty({M}, x.options().dtype(at::kFloat));
   at::Tensor rstd = at::empty({M}, x.options().dtype(at::kFloat));
   if (M == 0) return {y, mean, rstd};
@@ -839,12 +800,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
   const FwdArgs args{x.data_ptr(), ptr_or_null(w), ptr_or_null(b), y.data_ptr(),
                      mean.data_ptr<float>(), rstd.data_ptr<float>(), M, static_cast<int>(N),
                      1.f / static_cast<float>(N), x.stride(0), static_cast<float>(eps)};
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  cudaStream_t stream = current_stream(x);
   REMAT_DISPATCH_FLOAT_TYPES(x.scalar_type(), "remat_layer_norm_fwd", [&] {
     constexpr int kVec = max_vec<scalar_t>();
     dispatch_param_type<scalar_t>(param_type(weight, bias, x), [&](auto param) {
       using PT = decltype(param);
-      if (vectorizable(x, x.stride(0), M, N, kVec)) {
+      if (vectorizable(x.data_ptr(), x.stride(0), M, N, kVec)) {
         launch_fwd<scalar_t, PT, kVec>(args, pick_config(N, /*forward=*/true, /*vectorized=*/true), stream);
       } else {
         launch_fwd<scalar_t, PT, 1>(args, pick_config(N, /*forward=*/true, /*vectorized=*/false), stream);
@@ -854,38 +815,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
   return {y, mean, rstd};
 }
 
+// dy, x (M, N) in x.dtype; mean, rstd (M,) float32 from layer_norm_fwd.
+// Returns dx (M, N) contiguous, dw (N,) in weight.dtype (or empty(0) without weight),
+// db (N,) in bias.dtype (or empty(0) without bias), y (M, N) as layer_norm_fwd wrote it when
+// recompute_output (else empty(0)).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
     const at::Tensor& dy, const at::Tensor& x, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd,
     bool recompute_output) {
   check_input(x, "x");
   check_input(dy, "dy");
-  TORCH_CHECK(dy.device() == x.device(), "layer_norm: dy is on ", dy.device(), " but x is on ", x.device());
-  TORCH_CHECK(dy.sizes() == x.sizes(), "layer_norm: dy must have x's shape ", x.sizes(), ", got ", dy.sizes());
-  TORCH_CHECK(dy.scalar_type() == x.scalar_type(), "layer_norm: dy must have x's dtype ", x.scalar_type(),
-              ", got ", dy.scalar_type());
-  check_param(weight, "weight", x);
-  check_param(bias, "bias", x);
+  check_like_x(kOp, dy, "dy", x);
+  check_param(kOp, weight, "weight", x);
+  check_param(kOp, bias, "bias", x);
   check_stat(mean, "mean", x);
   check_stat(rstd, "rstd", x);
   check_param_dtypes(weight, bias, x);
 
   const int64_t M = x.size(0);
   const int64_t N = x.size(1);
-  const bool has_w = present(weight);
-  const bool has_b = present(bias);
   const c10::cuda::CUDAGuard guard(x.device());
-  const auto empty0 = [&] { return at::empty({0}, x.options()); };
-  at::Tensor dx = at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor y = recompute_output ? at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous))
-                                  : empty0();
-  at::Tensor dw = has_w ? at::empty({N}, weight->options()) : empty0();
-  at::Tensor db = has_b ? at::empty({N}, bias->options()) : empty0();
-  if (M == 0) {
-    if (has_w) dw.zero_();
-    if (has_b) db.zero_();
-    return {dx, dw, db, y};
-  }
+  at::Tensor dx = empty_rows(x);
+  at::Tensor y = recomputed_output(recompute_output, x);
+  at::Tensor dw = param_grad(weight, x);
+  at::Tensor db = param_grad(bias, x);
+  if (M == 0) return {dx, dw, db, y};
 
   const at::Tensor w = aligned_param(weight);
   const at::Tensor b = aligned_param(bias);
@@ -894,12 +848,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
                      recompute_output ? y.data_ptr() : nullptr, M, static_cast<int>(N),
                      1.f / static_cast<float>(N), dy.stride(0), x.stride(0)};
   const int device = x.device().index();
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  cudaStream_t stream = current_stream(x);
   const at::TensorOptions float_opts = x.options().dtype(at::kFloat);
+  const bool has_w = present(weight);
+  const bool has_b = present(bias);
   Partials parts;
   REMAT_DISPATCH_FLOAT_TYPES(x.scalar_type(), "remat_layer_norm_bwd", [&] {
     constexpr int kVec = max_vec<scalar_t>();
-    const bool vec = vectorizable(x, x.stride(0), M, N, kVec) && vectorizable(dy, dy.stride(0), M, N, kVec);
+    const bool vec =
+        vectorizable(x.data_ptr(), x.stride(0), M, N, kVec) && vectorizable(dy.data_ptr(), dy.stride(0), M, N, kVec);
     const RowConfig cfg = pick_config(N, /*forward=*/false, vec);
     dispatch_param_type<scalar_t>(param_type(weight, bias, x), [&](auto param) {
       using PT = decltype(param);
@@ -918,4 +875,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
   return {dx, dw, db, y};
 }
 
+}  // namespace
 }  // namespace remat
+
+// =============================================================================================
+// Registration: the schemas (torch.ops.remat_C.layer_norm_*; tensor contract above and in
+// remat/ops/layer_norm.py) and their CUDA kernels. The fake kernels and autograd are
+// registered from Python.
+// =============================================================================================
+
+TORCH_LIBRARY_FRAGMENT(remat_C, m) {
+  m.def("layer_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "layer_norm_bwd(Tensor dy, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd, "
+      "bool recompute_output) -> (Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(remat_C, CUDA, m) {
+  m.impl("layer_norm_fwd", &remat::layer_norm_fwd);
+  m.impl("layer_norm_bwd", &remat::layer_norm_bwd);
+}
