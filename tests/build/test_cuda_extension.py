@@ -18,7 +18,7 @@ import remat  # noqa: F401  (registers the remat:: custom ops the extension's ke
 
 pytest.importorskip("remat._C", reason="the CUDA extension remat._C is not built")
 
-CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "csrc")
 CUDA_KEY = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
 
 
