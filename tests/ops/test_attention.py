@@ -1,5 +1,5 @@
-"""Attention: kernels against a float64 reference and PyTorch's SDPA, the op contract, memory,
-the module, bad input, and the ahead-of-time GPU compile."""
+"""Attention: kernels against a float64 reference and PyTorch's SDPA, memory, the module, bad input,
+and the ahead-of-time GPU compile (the op contract: tests/ops/test_op_registry.py)."""
 
 import importlib
 import math
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import remat
 from remat.ops import attention as attn_ops
 
-from numerics import REL_TOL, assert_compiled_matches_eager, rel_error, saved_bytes
+from numerics import REL_TOL, rel_error, saved_bytes
 from triton_aot import compile_module_cases, failing, format_results
 
 HAS_GPU = torch.cuda.is_available()
@@ -291,40 +291,6 @@ def test_cuda_fallback_warns_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         remat.ops.attention.attention(q, k, v)
-
-
-# --- the op contract --------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_opcheck(target, causal):
-    device, _ = target
-    q, k, v = (t.detach() for t in make_qkv((1, 2, 1, 9, 12, 32), torch.float32, device))
-    torch.library.opcheck(attn_ops.attention_fwd, (q, k, v, causal, 0.25))
-    o, lse = attn_ops.attention_fwd(q, k, v, causal, 0.25)
-    do = torch.randn_like(o)
-    torch.library.opcheck(attn_ops.attention_bwd, (do, q, k, v, o, lse, causal, 0.25))
-
-
-class _TinyAttention(torch.nn.Module):
-    def __init__(self, embed, heads):
-        super().__init__()
-        self.heads = heads
-        self.qkv = torch.nn.Linear(embed, 3 * embed)
-        self.out = torch.nn.Linear(embed, embed)
-
-    def forward(self, x):
-        b, s, e = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.heads, e // self.heads).permute(2, 0, 3, 1, 4)
-        o = remat.ops.attention.attention(q, k, v, causal=True)
-        return self.out(o.transpose(1, 2).reshape(b, s, e))
-
-
-def test_torch_compile_fullgraph(target):
-    device, _ = target
-    model = _TinyAttention(64, 2).to(device)
-    x = torch.randn(2, 11, 64, device=device)
-    assert_compiled_matches_eager(model, x)
 
 
 # --- memory ------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from .._validate import (
     check_same_device,
     check_self_attention_input,
 )
+from ._family import OpFamily, OpSamples, PublicCall, grad_leaves
 
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the Triton kernels' head dims (see triton_kernels/attention.py)
 
@@ -100,7 +101,8 @@ def new_output(q):
     return q.new_empty((batch, seqlen_q, heads, head_dim)).transpose(1, 2)
 
 
-def _attention_fwd_ref(q, k, v, causal, softmax_scale):
+def _attention_fwd_ref(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:
+    """(o, lse): o (B, H, Sq, D) in q's dtype, laid out as (B, Sq, H, D); lse (B, H, Sq) fp32 natural log."""
     o, lse = attention_ref(q, k, v, causal, softmax_scale)
     return new_output(q).copy_(o), lse.to(torch.float32).contiguous()
 
@@ -111,8 +113,11 @@ def _group_sum(t, kv_heads):
     return t.view(b, kv_heads, h // kv_heads, s, d).sum(dim=2)
 
 
-def _attention_bwd_ref(do, q, k, v, o, lse, causal, softmax_scale):
-    """(dq, dk, dv) by the same derivation as the kernels (see triton_kernels/attention.py)."""
+def _attention_bwd_ref(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, softmax_scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of attention_fwd, recomputing the probabilities from q and k, by the same
+    derivation as the kernels (see triton_kernels/attention.py)."""
     dtype = _math_dtype(q)
     heads, kv_heads = q.shape[1], k.shape[1]
     p, _ = _probabilities(q, k, causal, softmax_scale)
@@ -128,43 +133,15 @@ def _attention_bwd_ref(do, q, k, v, o, lse, causal, softmax_scale):
 
 
 # ---------------------------------------------------------------------------------------------
-# Custom ops. Each dispatches at run time to the backend chosen in remat._backend.
+# The ops' fakes and autograd (the ops themselves are declared at the end of the file)
 # ---------------------------------------------------------------------------------------------
 
 
-def _implementation(device, head_dim):
-    # Triton only: set_backend("cuda") runs the Triton kernel for attention, and says so once.
-    backend = _backend.choose("attention", device, kernels=("triton",))
-    if backend == "triton" and head_dim in HEAD_DIMS:
-        from ..triton_kernels import attention as triton_attention
-
-        return triton_attention.attention_fwd, triton_attention.attention_bwd
-    return _attention_fwd_ref, _attention_bwd_ref
-
-
-@torch.library.custom_op("remat::attention_fwd", mutates_args=())
-def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:
-    """(o, lse): o (B, H, Sq, D) in q's dtype, laid out as (B, Sq, H, D); lse (B, H, Sq) fp32 natural log."""
-    forward, _ = _implementation(q.device, q.shape[-1])
-    return forward(q, k, v, causal, softmax_scale)
-
-
-@attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, causal, softmax_scale):
     batch, heads, seqlen_q, _ = q.shape
     return new_output(q), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
 
 
-@torch.library.custom_op("remat::attention_bwd", mutates_args=())
-def attention_bwd(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, softmax_scale: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of attention_fwd, recomputing the probabilities from q, k and lse."""
-    _, backward = _implementation(q.device, q.shape[-1])
-    return backward(do, q, k, v, o, lse, causal, softmax_scale)
-
-
-@attention_bwd.register_fake
 def _attention_bwd_fake(do, q, k, v, o, lse, causal, softmax_scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -188,9 +165,6 @@ def _backward(ctx, do, _dlse):
     dq, dk, dv = backward(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale)
     return dq, dk, dv, None, None
 
-
-attention_fwd.register_autograd(_backward, setup_context=_setup_context)
-_backend.refuse_double_backward(attention_bwd, "remat::attention_bwd")
 
 # ---------------------------------------------------------------------------------------------
 # Fallback to PyTorch's scaled_dot_product_attention (CUDA tensors the kernels do not cover)
@@ -353,3 +327,51 @@ def multihead_self_attention(x, in_proj_weight, in_proj_bias, out_proj_weight, o
     v = v.unflatten(-1, (num_kv_heads, head_dim)).transpose(1, 2)
     o = attention(q, k, v, causal=causal)
     return F.linear(o.transpose(1, 2).reshape(batch, seq, num_heads * head_dim), out_proj_weight, out_proj_bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# The family: remat::attention_fwd and remat::attention_bwd, and what the tooling needs
+# ---------------------------------------------------------------------------------------------
+
+
+def _samples(device):
+    """GQA (2 query heads on 1 key/value head), seqlen_q 9 != seqlen_k 12 (masked tails, the causal
+    mask off the diagonal), causal and not; the forward's inputs require grad (so opcheck checks
+    its autograd too), the backward's do not."""
+    q = torch.randn(1, 2, 9, 32, device=device)
+    k, v = torch.randn(1, 1, 12, 32, device=device), torch.randn(1, 1, 12, 32, device=device)
+    forward, backward = [], []
+    for causal in (False, True):
+        forward.append((*grad_leaves(q, k, v), causal, 0.25))
+        o, lse = _attention_fwd_ref(q, k, v, causal, 0.25)
+        backward.append((torch.randn_like(o), q, k, v, o, lse, causal, 0.25))
+    return OpSamples(forward, backward)
+
+
+def _stock_attention(t):
+    """F.scaled_dot_product_attention with remat's causal mask (bottom-right aligned)."""
+    q, k, v = t["q"], t["k"], t["v"]
+    mask = _visible_mask(q.shape[2], k.shape[2], q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+FAMILY = OpFamily(
+    name="attention",
+    forward_ref=_attention_fwd_ref,
+    backward_ref=_attention_bwd_ref,
+    forward_fake=_attention_fwd_fake,
+    backward_fake=_attention_bwd_fake,
+    setup_context=_setup_context,
+    autograd_backward=_backward,
+    samples=_samples,
+    calls=(PublicCall("attention", {"q": (2, 4, 5, 32), "k": (2, 2, 7, 32), "v": (2, 2, 7, 32)},
+                      lambda t: attention(t["q"], t["k"], t["v"], causal=True), _stock_attention,
+                      inputs=("q", "k", "v")),),
+    triton="attention",
+    # Head dims outside HEAD_DIMS run the reference (the first tensor, q or do, ends in the head dim).
+    triton_takes=lambda first, *_: first.shape[-1] in HEAD_DIMS,
+    cuda=False,  # no CUDA-extension attention: a "cuda" backend runs the Triton kernel, and says so once
+    bench_suite="attention",
+    uses_tl_dot=True,
+)
+attention_fwd, attention_bwd = FAMILY.forward_op, FAMILY.backward_op

@@ -9,10 +9,12 @@ activation that the next Linear needs for its weight gradient.
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _backend
 from .._validate import check_float_tensor, check_optional_param, rows_with_unit_stride
+from ._family import OpFamily, OpSamples, PublicCall, grad_leaves
 
 APPROXIMATIONS = ("none", "tanh")
 
@@ -47,13 +49,20 @@ def _gelu_and_derivative(h, approximate):
     return h * cdf, cdf + h * pdf
 
 
-def gelu_fwd_ref(x, bias, approximate):
+def gelu_fwd_ref(x: Tensor, bias: Tensor | None, approximate: str) -> Tensor:
+    """gelu(x + bias) of x (M, N), last dim of stride 1."""
     value, _ = _gelu_and_derivative(_pre_activation(x, bias), approximate)
     return value.to(x.dtype)
 
 
-def gelu_bwd_ref(dy, x, bias, approximate, recompute_output):
-    """(dx, dbias, y); dbias and y are empty where there is no bias or no recompute."""
+def gelu_bwd_ref(
+    dy: Tensor, x: Tensor, bias: Tensor | None, approximate: str, recompute_output: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dbias, y): the gradient of gelu_fwd, and its output rebuilt when recompute_output.
+
+    dbias is summed over rows (deterministically, in the kernels); dbias and y are empty (shape
+    (0,)) where there is no bias or no recompute.
+    """
     value, derivative = _gelu_and_derivative(_pre_activation(x, bias), approximate)
     dx = dy.to(derivative.dtype) * derivative
     dbias = dx.sum(dim=0).to(bias.dtype) if bias is not None else x.new_empty((0,))
@@ -62,47 +71,14 @@ def gelu_bwd_ref(dy, x, bias, approximate, recompute_output):
 
 
 # ---------------------------------------------------------------------------------------------
-# Custom ops
+# The ops' fakes and autograd (the ops themselves are declared at the end of the file)
 # ---------------------------------------------------------------------------------------------
 
 
-def _implementation(device):
-    backend = _backend.choose("gelu", device)
-    if backend == "triton":
-        from ..triton_kernels import gelu as triton_gelu
-
-        return triton_gelu.gelu_fwd, triton_gelu.gelu_bwd
-    if backend == "cuda":
-        return torch.ops.remat_C.gelu_fwd, torch.ops.remat_C.gelu_bwd
-    return gelu_fwd_ref, gelu_bwd_ref
-
-
-@torch.library.custom_op("remat::gelu_fwd", mutates_args=())
-def gelu_fwd(x: Tensor, bias: Tensor | None, approximate: str) -> Tensor:
-    """gelu(x + bias) of x (M, N), last dim of stride 1."""
-    forward, _ = _implementation(x.device)
-    return forward(x, bias, approximate)
-
-
-@gelu_fwd.register_fake
 def _gelu_fwd_fake(x, bias, approximate):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("remat::gelu_bwd", mutates_args=())
-def gelu_bwd(
-    dy: Tensor, x: Tensor, bias: Tensor | None, approximate: str, recompute_output: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dbias, y): the gradient of gelu_fwd, and its output rebuilt when recompute_output.
-
-    dbias is summed over rows deterministically; dbias and y are empty (shape (0,)) where
-    there is no bias or no recompute.
-    """
-    _, backward = _implementation(x.device)
-    return backward(dy, x, bias, approximate, recompute_output)
-
-
-@gelu_bwd.register_fake
 def _gelu_bwd_fake(dy, x, bias, approximate, recompute_output):
     dbias = x.new_empty(bias.shape, dtype=bias.dtype) if bias is not None else x.new_empty((0,))
     y = x.new_empty(x.shape) if recompute_output else x.new_empty((0,))
@@ -123,19 +99,6 @@ def _backward(ctx, dy):
     dx, dbias, _ = backward(dy, x, bias, ctx.approximate, False)
     return dx, dbias if bias is not None and ctx.needs_input_grad[1] else None, None
 
-
-gelu_fwd.register_autograd(_backward, setup_context=_setup_context)
-_backend.refuse_double_backward(gelu_bwd, "remat::gelu_bwd")
-
-
-def _register_cuda_extension_fakes():
-    if not _backend.backends()["cuda"][0] or not hasattr(torch.ops.remat_C, "gelu_fwd"):
-        return
-    torch.library.register_fake("remat_C::gelu_fwd")(_gelu_fwd_fake)
-    torch.library.register_fake("remat_C::gelu_bwd")(_gelu_bwd_fake)
-
-
-_register_cuda_extension_fakes()
 
 # ---------------------------------------------------------------------------------------------
 # Public function
@@ -164,3 +127,40 @@ def gelu(x, approximate="none", bias=None):
     rows = rows_with_unit_stride(x, width)
     y = gelu_fwd(rows, bias.contiguous() if bias is not None else None, approximate)
     return y.view(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# The family: remat::gelu_fwd and remat::gelu_bwd, and what the tooling needs
+# ---------------------------------------------------------------------------------------------
+
+
+def _samples(device):
+    """A width of 37 (no power of two, a masked tail), with and without bias, both approximations;
+    the forward's inputs require grad (so opcheck checks its autograd too), the backward's do not."""
+    x, bias = torch.randn(5, 37, device=device), torch.randn(37, device=device)
+    forward, backward = [], []
+    for b in (bias, None):
+        for approximate in APPROXIMATIONS:
+            forward.append((*grad_leaves(x, b), approximate))
+            backward += [(torch.randn_like(x), x, b, approximate, recompute) for recompute in (False, True)]
+    return OpSamples(forward, backward)
+
+
+_WIDTH = 24  # the validation table's width: no power of two
+FAMILY = OpFamily(
+    name="gelu",
+    forward_ref=gelu_fwd_ref,
+    backward_ref=gelu_bwd_ref,
+    forward_fake=_gelu_fwd_fake,
+    backward_fake=_gelu_bwd_fake,
+    setup_context=_setup_context,
+    autograd_backward=_backward,
+    samples=_samples,
+    calls=(PublicCall("gelu", {"x": (2, 3, _WIDTH), "bias": (_WIDTH,)},
+                      lambda t: gelu(t["x"], "tanh", t["bias"]),
+                      lambda t: F.gelu(t["x"] + t["bias"], approximate="tanh")),),
+    triton="gelu",
+    cuda=True,
+    bench_suite="gelu",
+)
+gelu_fwd, gelu_bwd = FAMILY.forward_op, FAMILY.backward_op

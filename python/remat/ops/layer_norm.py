@@ -9,6 +9,7 @@ that needs LN(x) for its weight gradient.
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _backend
@@ -20,6 +21,7 @@ from .._validate import (
     check_optional_param,
     rows_with_unit_stride,
 )
+from ._family import OpFamily, OpSamples, PublicCall, grad_leaves
 
 # ---------------------------------------------------------------------------------------------
 # Reference: plain PyTorch, in fp32 (or float64 when given float64, as the tests do).
@@ -30,8 +32,11 @@ def _math_dtype(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def layer_norm_fwd_ref(x, weight, bias, eps):
-    """(y, mean, rstd) for x of shape (M, N); mean/rstd in fp32 (float64 for float64 input)."""
+def layer_norm_fwd_ref(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, mean, rstd) for x of shape (M, N), last dim of stride 1; mean/rstd in fp32 (float64 for
+    float64 input)."""
     xf = x.to(_math_dtype(x))
     mean, rstd = _statistics(xf, eps)
     # y is normalised with the stored fp32 mean, as the backward recomputes it, so a recomputed y
@@ -63,8 +68,20 @@ def _affine(x_hat, weight, bias):
     return y
 
 
-def layer_norm_bwd_ref(dy, x, weight, bias, mean, rstd, recompute_output):
-    """(dx, dw, db, y) from the saved x and statistics; see layer_norm_bwd for the contract."""
+def layer_norm_bwd_ref(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    mean: Tensor,
+    rstd: Tensor,
+    recompute_output: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dw, db, y) from the saved x and statistics: the gradients of layer_norm_fwd, and its
+    output y rebuilt when recompute_output.
+
+    dw, db and y are empty (shape (0,)) where there is no weight, no bias, or no recompute.
+    """
     math_dtype = _math_dtype(x)
     x_hat = (x.to(math_dtype) - mean[:, None].to(math_dtype)) * rstd[:, None].to(math_dtype)
     dy_f = dy.to(math_dtype)
@@ -84,31 +101,10 @@ def _absent(x):
 
 
 # ---------------------------------------------------------------------------------------------
-# Custom ops. Each dispatches at run time to the backend chosen in remat._backend.
+# The ops' fakes and autograd (the ops themselves are declared at the end of the file)
 # ---------------------------------------------------------------------------------------------
 
 
-def _implementation(device):
-    backend = _backend.choose("layer_norm", device)
-    if backend == "triton":
-        from ..triton_kernels import layer_norm as triton_layer_norm
-
-        return triton_layer_norm.layer_norm_fwd, triton_layer_norm.layer_norm_bwd
-    if backend == "cuda":
-        return torch.ops.remat_C.layer_norm_fwd, torch.ops.remat_C.layer_norm_bwd
-    return layer_norm_fwd_ref, layer_norm_bwd_ref
-
-
-@torch.library.custom_op("remat::layer_norm_fwd", mutates_args=())
-def layer_norm_fwd(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """y, fp32 mean and fp32 rstd of x (M, N), last dim of stride 1."""
-    forward, _ = _implementation(x.device)
-    return forward(x, weight, bias, eps)
-
-
-@layer_norm_fwd.register_fake
 def _layer_norm_fwd_fake(x, weight, bias, eps):
     rows = x.shape[0]
     return x.new_empty(x.shape), x.new_empty((rows,), dtype=torch.float32), x.new_empty(
@@ -116,25 +112,6 @@ def _layer_norm_fwd_fake(x, weight, bias, eps):
     )
 
 
-@torch.library.custom_op("remat::layer_norm_bwd", mutates_args=())
-def layer_norm_bwd(
-    dy: Tensor,
-    x: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    mean: Tensor,
-    rstd: Tensor,
-    recompute_output: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dx, dw, db, y): gradients of layer_norm_fwd, and its output y rebuilt when recompute_output.
-
-    dw, db and y are empty (shape (0,)) where there is no weight, no bias, or no recompute.
-    """
-    _, backward = _implementation(x.device)
-    return backward(dy, x, weight, bias, mean, rstd, recompute_output)
-
-
-@layer_norm_bwd.register_fake
 def _layer_norm_bwd_fake(dy, x, weight, bias, mean, rstd, recompute_output):
     def param_grad(param):
         return x.new_empty(param.shape, dtype=param.dtype) if param is not None else x.new_empty((0,))
@@ -168,20 +145,6 @@ def _backward(ctx, dy, _dmean, _drstd):
         None,
     )
 
-
-layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
-_backend.refuse_double_backward(layer_norm_bwd, "remat::layer_norm_bwd")
-
-
-def _register_cuda_extension_fakes():
-    """Fake kernels for the remat_C ops too, so they trace and pass opcheck like the Python ones."""
-    if not _backend.backends()["cuda"][0]:
-        return
-    torch.library.register_fake("remat_C::layer_norm_fwd")(_layer_norm_fwd_fake)
-    torch.library.register_fake("remat_C::layer_norm_bwd")(_layer_norm_bwd_fake)
-
-
-_register_cuda_extension_fakes()
 
 # ---------------------------------------------------------------------------------------------
 # Public function
@@ -229,3 +192,40 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     flat_bias = bias.reshape(width).contiguous() if bias is not None else None
     y, _mean, _rstd = layer_norm_fwd(rows, flat_weight, flat_bias, float(eps))
     return y.view(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# The family: remat::layer_norm_fwd and remat::layer_norm_bwd, and what the tooling needs
+# ---------------------------------------------------------------------------------------------
+
+
+def _samples(device):
+    """A width of 37 (no power of two, a masked tail), with and without weight and bias; the forward's
+    inputs require grad (so opcheck checks its autograd too), the backward's do not (it has no derivative)."""
+    x, weight, bias = (torch.randn(*shape, device=device) for shape in ((5, 37), (37,), (37,)))
+    forward, backward = [], []
+    for params in ((weight, bias), (None, None)):
+        forward.append((*grad_leaves(x, *params), 1e-5))
+        _, mean, rstd = layer_norm_fwd_ref(x, *params, 1e-5)
+        backward += [(torch.randn_like(x), x, *params, mean, rstd, recompute) for recompute in (False, True)]
+    return OpSamples(forward, backward)
+
+
+_WIDTH = 24  # the validation table's width: no power of two
+FAMILY = OpFamily(
+    name="layer_norm",
+    forward_ref=layer_norm_fwd_ref,
+    backward_ref=layer_norm_bwd_ref,
+    forward_fake=_layer_norm_fwd_fake,
+    backward_fake=_layer_norm_bwd_fake,
+    setup_context=_setup_context,
+    autograd_backward=_backward,
+    samples=_samples,
+    calls=(PublicCall("layer_norm", {"x": (2, 3, _WIDTH), "weight": (_WIDTH,), "bias": (_WIDTH,)},
+                      lambda t: layer_norm(t["x"], (_WIDTH,), t["weight"], t["bias"]),
+                      lambda t: F.layer_norm(t["x"], (_WIDTH,), t["weight"], t["bias"])),),
+    triton="layer_norm",
+    cuda=True,
+    bench_suite="layernorm",
+)
+layer_norm_fwd, layer_norm_bwd = FAMILY.forward_op, FAMILY.backward_op

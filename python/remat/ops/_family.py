@@ -1,0 +1,158 @@
+"""An op family declared once: its custom ops, fakes, autograd and backend dispatch, and its registry entry.
+
+A family is a forward op and its backward op, `remat::<name>_fwd` and `remat::<name>_bwd`. Its
+file (ops/layer_norm.py, ...) writes what is particular to it: the float64-capable references, whose
+annotated Python signatures are the ops' schemas; the fake functions; the autograd formula
+(setup_context and backward); the public function; and one OpFamily(...) that builds the rest:
+
+- both custom ops, dispatching at each call to the backend remat._backend chooses: the Triton
+  launchers (imported on first use), the CUDA extension's remat_C ops, or the references;
+- the fakes of both ops, and of the remat_C ops when the extension is built and has them;
+- the forward's autograd, and a backward op whose own derivative is a clear error;
+- the family's entry in FAMILIES, which the tooling loops over: the benchmark suites, the CLI's
+  help, the ahead-of-time compile test, the validation table, the sanitizer run and the contract
+  tests (tests/ops/test_op_registry.py) that opcheck every op on the family's samples.
+"""
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from .. import _backend
+
+FAMILIES = {}  # name -> OpFamily, in the order the families were declared
+
+
+class OpSamples(NamedTuple):
+    """Arguments of the forward op and of the backward op, small and awkward (widths that are no
+    power of two, optional tensors present and absent, every flag): what the contract tests opcheck."""
+
+    forward: list
+    backward: list
+
+
+@dataclass(frozen=True)
+class PublicCall:
+    """The public function on small awkward named tensors, beside the same computation in stock PyTorch.
+
+    shapes: name -> shape of each tensor, the activations (`inputs`) first, then the parameters;
+    the tests fill them with randn. ours / stock: that dict of tensors -> the output. The
+    validation table checks `ours` against `stock` rule by rule; the contract tests compile `ours`.
+    """
+
+    name: str
+    shapes: dict
+    ours: Callable
+    stock: Callable
+    inputs: tuple = ("x",)
+
+
+@dataclass
+class OpFamily:
+    """One op family; declaring it registers its ops (see the module docstring). Fields:
+
+    name: the ops are remat::<name>_fwd and remat::<name>_bwd; also the name backend warnings use.
+    forward_ref, backward_ref: the PyTorch references, what the "reference" backend runs; their
+        annotated signatures are the ops' schemas, so their argument names are the ops'.
+    forward_fake, backward_fake: output metadata from the inputs alone (register_fake).
+    setup_context, autograd_backward: the forward op's autograd (register_autograd).
+    samples: device -> OpSamples.
+    calls: the family's PublicCalls: its subjects in the validation table.
+    triton: the module of remat.triton_kernels holding the Triton launchers, None without any.
+    triton_launchers: their names there; default (<name>_fwd, <name>_bwd), with the ops' signatures.
+    triton_takes: op arguments -> whether the Triton launchers take them (else the reference runs);
+        None: always.
+    cuda: whether the CUDA extension has remat_C::<name>_fwd and remat_C::<name>_bwd.
+    bench_suite: the `remat bench` suite of the family, module remat.bench.<name>; None without one.
+    uses_tl_dot: the Triton kernels multiply with tl.dot, whose bfloat16 results the Triton
+        interpreter gets wrong (triton issue 11584): CPU tests check dtypes only there.
+    """
+
+    name: str
+    forward_ref: Callable
+    backward_ref: Callable
+    forward_fake: Callable
+    backward_fake: Callable
+    setup_context: Callable
+    autograd_backward: Callable
+    samples: Callable[[torch.device], OpSamples]
+    calls: tuple = ()
+    triton: str | None = None
+    triton_launchers: tuple | None = None
+    triton_takes: Callable | None = None
+    cuda: bool = False
+    bench_suite: str | None = None
+    uses_tl_dot: bool = False
+    forward_op: object = field(init=False, repr=False)
+    backward_op: object = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if self.name in FAMILIES:
+            raise ValueError(f"op family {self.name!r} is declared twice")
+        self.forward_op = self._custom_op(0, self.forward_ref, self.forward_fake)
+        self.backward_op = self._custom_op(1, self.backward_ref, self.backward_fake)
+        self.forward_op.register_autograd(self.autograd_backward, setup_context=self.setup_context)
+        _backend.refuse_double_backward(self.backward_op, self.qualified_op_names[1])
+        self._register_cuda_extension_fakes()
+        FAMILIES[self.name] = self
+
+    @property
+    def op_names(self):
+        """(<name>_fwd, <name>_bwd): the ops' names in the remat namespace (and remat_C's)."""
+        return f"{self.name}_fwd", f"{self.name}_bwd"
+
+    @property
+    def qualified_op_names(self):
+        """("remat::<name>_fwd", "remat::<name>_bwd")."""
+        return tuple(f"remat::{name}" for name in self.op_names)
+
+    @property
+    def cuda_ops(self):
+        """The CUDA extension's ops, forward then backward, as declared (whether or not it is built)."""
+        return tuple(f"remat_C::{name}" for name in self.op_names) if self.cuda else ()
+
+    @property
+    def kernels(self):
+        """The backends with kernels for this family, as _backend.choose takes them."""
+        return tuple(name for name, present in (("triton", self.triton), ("cuda", self.cuda)) if present)
+
+    def _custom_op(self, index, reference, fake):
+        def dispatch(*args):
+            return self._implementation(index, args)(*args)
+
+        op = torch.library.custom_op(self.qualified_op_names[index], dispatch, mutates_args=(),
+                                     schema=torch.library.infer_schema(reference, mutates_args=()))
+        op.register_fake(fake)
+        return op
+
+    def _implementation(self, index, args):
+        """What runs op `index` (0 forward, 1 backward) on `args`: a Triton launcher, a remat_C op or the reference."""
+        device = next(a for a in args if isinstance(a, torch.Tensor)).device
+        backend = _backend.choose(self.name, device, kernels=self.kernels)
+        if backend == "triton" and (self.triton_takes is None or self.triton_takes(*args)):
+            module = importlib.import_module(f"remat.triton_kernels.{self.triton}")
+            return getattr(module, (self.triton_launchers or self.op_names)[index])
+        if backend == "cuda":
+            return getattr(torch.ops.remat_C, self.op_names[index])
+        return (self.forward_ref, self.backward_ref)[index]
+
+    def _register_cuda_extension_fakes(self):
+        """The remat_C ops get the same fakes, so that they trace and pass opcheck like the remat ones."""
+        if not self.cuda or not _backend.backends()["cuda"][0]:
+            return
+        for name, fake in zip(self.op_names, (self.forward_fake, self.backward_fake)):
+            if hasattr(torch.ops.remat_C, name):  # not in an extension built before the family had it
+                torch.library.register_fake(f"remat_C::{name}")(fake)
+
+
+def grad_leaves(*tensors):
+    """Fresh copies of `tensors` that require grad (None stays None): a sample's forward inputs."""
+    return tuple(t.detach().clone().requires_grad_() if t is not None else None for t in tensors)
+
+
+def registered_calls():
+    """(family, call) for every PublicCall of every family."""
+    return [(family, call) for family in FAMILIES.values() for call in family.calls]
