@@ -3,13 +3,22 @@
     compute-sanitizer --tool memcheck python bench/sanitize_check.py
     compute-sanitizer --tool racecheck python bench/sanitize_check.py
 
-Shapes are awkward on purpose (odd widths, a strided view, a misaligned slice) so that the
-scalar paths and the masked tails run too. Exits non-zero if an op raises.
+Every op family runs the calls its benchmark module lists (sanitize_calls): shapes awkward on
+purpose (odd widths, a strided view, a misaligned slice) so that the scalar paths and the masked
+tails run too. Exits non-zero if an op raises.
 """
 
 import torch
 
 import remat
+from remat.bench import SUITES
+
+
+def family_calls(device, dtype):
+    """(family name, call) for every call of every op family's sanitize_calls(device, dtype)."""
+    for family in remat.ops.FAMILIES.values():
+        for call in SUITES[family.bench_suite].sanitize_calls(device, dtype):
+            yield family.name, call
 
 
 def run_all(device="cuda"):
@@ -19,18 +28,8 @@ def run_all(device="cuda"):
             continue
         with remat.use_backend(backend):
             for dtype in (torch.float32, torch.bfloat16):
-                for rows, width in ((3, 1), (7, 127), (5, 1000), (2, 8192), (2, 20000)):
-                    big = torch.randn(rows, width + 3, device=device, dtype=dtype)
-                    for x in (big[:, :width], big[:, 1:width + 1]):  # strided, then misaligned
-                        x = x.detach().requires_grad_()
-                        w = torch.randn(width, device=device, requires_grad=True)
-                        b = torch.randn(width, device=device, requires_grad=True)
-                        remat.layer_norm(x, (width,), w, b).sum().backward()
-                        remat.gelu(x, "tanh", b).sum().backward()
-                        remat.gelu(x, "none").sum().backward()
-            q = torch.randn(1, 2, 37, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
-            k = torch.randn(1, 1, 45, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
-            remat.attention(q, k, k, causal=True).sum().backward()
+                for _name, call in family_calls(device, dtype):
+                    call().sum().backward()
     torch.cuda.synchronize()
     print("sanitize_check: all ops ran")
 

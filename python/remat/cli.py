@@ -63,8 +63,7 @@ def parser():
                        help=f"one or more of {', '.join(SUITES)}, or all (default)")
     bench.add_argument("--dtype", nargs="+", default=["bf16"], choices=list(DTYPES))
     bench.add_argument("--shapes", help="comma-separated sizes instead of the standard ones: "
-                       "LayerNorm widths N, GELU row counts M, MLP hidden sizes h, "
-                       "attention and block sequence lengths s")
+                       + ", ".join(f"{name} {suite.SIZES_MEAN}" for name, suite in SUITES.items()))
     bench.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     bench.add_argument("--out", default="bench/out", help="folder for CSV, markdown and PNG plots")
     bench.add_argument("--device", help="cuda or cpu (default: cuda when available)")

@@ -38,7 +38,8 @@ _RESULT_MARK = "TRITON_AOT_RESULTS "
 def compile_module_cases(spec, archs=(80, 90), jobs=None, extra_paths=(), timeout=900, sass=False):
     """Compile the kernels launched by each case of ``spec`` for each arch; one result per launch.
 
-    spec: "module" (its aot_cases()) or "module:function" (that function's cases).
+    spec: "module" (its aot_cases()), "module:function" (that function's cases) or
+    "module:function:argument" (the cases of function(argument)).
     Result keys: name ("<case> <kernel>"), case, kernel, arch, num_warps, num_stages, regs,
     local_bytes, stack_bytes, shared_bytes (Triton's dynamic shared memory plus the cubin's
     static), seconds, error (None, or the message), and with sass=True the kernel's SASS text.
@@ -253,8 +254,8 @@ def _run_case(case, arch, want_sass):
 def _load_cases(spec):
     import importlib
 
-    module_name, _, function = spec.partition(":")
-    cases = getattr(importlib.import_module(module_name), function or "aot_cases")()
+    module_name, function, *argument = spec.split(":", 2) if ":" in spec else (spec, "aot_cases")
+    cases = getattr(importlib.import_module(module_name), function)(*argument)
     names = [c["name"] for c in cases]
     if len(set(names)) != len(names):
         raise ValueError(f"{spec} has duplicate case names")

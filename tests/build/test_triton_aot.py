@@ -1,9 +1,9 @@
 """Ahead-of-time compilation of the Triton kernels for sm_80 and sm_90, on any machine.
 
 Catches what the interpreter accepts but the GPU compiler rejects, register spills and shared
-memory beyond a block's limit, for the kernels the launchers really launch (each module's
+memory beyond a block's limit, for the kernels the launchers really launch (each kernel module's
 aot_cases() calls them; Triton specialises the arguments as on a GPU), at widths that are
-multiples of 16 and at ragged ones. Attention's cases are compiled in tests/ops/test_attention.py.
+multiples of 16 and at ragged ones: for every op family with Triton kernels (remat.ops.FAMILIES).
 """
 
 import functools
@@ -14,6 +14,8 @@ import re
 import pytest
 import torch
 
+from remat.ops import FAMILIES
+
 from triton_aot import compile_module_cases, failing, format_results, sass_loops
 
 triton = pytest.importorskip("triton")
@@ -21,52 +23,74 @@ tl = pytest.importorskip("triton.language")
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TESTS = os.path.dirname(os.path.abspath(__file__))
+KERNEL_MODULES = sorted({family.triton for family in FAMILIES.values() if family.triton})
 
 
-def _kernel_module(family):
+def _kernel_module(name):
     """The installed module (after `pip install -e .`), else the in-tree triton_kernels/ package,
     so the test also runs from a plain checkout."""
     try:
-        return importlib.import_module(f"remat.triton_kernels.{family}")
+        return importlib.import_module(f"remat.triton_kernels.{name}")
     except ImportError:
-        return importlib.import_module(f"triton_kernels.{family}")
+        return importlib.import_module(f"triton_kernels.{name}")
 
 
-def _in_ci_subset(family, case):
-    """CI compiles every 16-divisible case (the variants production shapes launch) and the ragged
-    ones where registers are tightest: LayerNorm rows from 2048 wide and the looped paths, every
-    GELU case (small kernels). REMAT_AOT_FULL=1 compiles every case."""
-    if case["divisible"] or family == "gelu":
-        return True
-    return case["block_n"] == "looped" or case["block_n"] >= 2048
+def _layer_norm_ci_cases(kernels):
+    """Every 16-divisible case (the variants production shapes launch) and the ragged ones where
+    registers are tightest: rows from 2048 wide and the looped paths."""
+    return [case for case in kernels.aot_cases()
+            if case["divisible"] or case["block_n"] == "looped" or case["block_n"] >= 2048]
 
 
-def layer_norm_cases():
-    return _selected("layer_norm")
+# Attention's full list (3 dtypes x 6 head dims x causal/non-causal x every autotuning candidate
+# of the 3 kernels, plus the preprocess, each at a 16-divisible and a ragged shape: 752 cases on
+# sm_90, 644 on sm_80, ~40 min on two cores) is too slow for CI. CI compiles the benchmarks'
+# configurations, bf16 at head dims 64 and 128, causal and not (fp16 shares the tables): every
+# candidate at the 16-divisible shape (the variant the benchmarks and most training runs launch)
+# and the fixed-table entries at the ragged one; and the fixed-table entries, 16-divisible, of
+# causal bf16 at the padded head dim 96 and at 256 and of causal fp32 at 64 and 256 (the fp32
+# tiles with the least register headroom).
+_ATTENTION_SUBSET = [(dict(dtypes=(torch.bfloat16,), head_dims=(64, 128)),
+                      lambda case: case["shape"] == "div16" or case["table"]),
+                     (dict(dtypes=(torch.bfloat16,), head_dims=(96, 256), causals=(True,), shapes=("div16",)),
+                      lambda case: case["table"]),
+                     (dict(dtypes=(torch.float32,), head_dims=(64, 256), causals=(True,), shapes=("div16",)),
+                      lambda case: case["table"])]
 
 
-def gelu_cases():
-    return _selected("gelu")
+def _attention_ci_cases(kernels):
+    return [case for subset, keep in _ATTENTION_SUBSET for case in kernels.aot_cases(**subset) if keep(case)]
 
 
-def _selected(family):
-    """The cases the AOT test compiles (the compile workers import this module for them).
-    REMAT_AOT_ONLY=<regex> keeps the cases whose name matches."""
-    cases = _kernel_module(family).aot_cases()
-    if os.environ.get("REMAT_AOT_FULL", "0") != "1":
-        cases = [case for case in cases if _in_ci_subset(family, case)]
+# The kernel modules whose CI run compiles a subset; the others (GELU's small kernels) compile
+# every case. REMAT_AOT_FULL=1 compiles every case of every module.
+CI_SUBSETS = {"layer_norm": _layer_norm_ci_cases, "attention": _attention_ci_cases}
+
+
+def selected_cases(name):
+    """The cases the AOT test compiles for kernel module `name` (the compile workers import this
+    module for them). REMAT_AOT_ONLY=<regex> keeps the cases whose name matches (e.g. "fp32_d256"
+    with REMAT_AOT_FULL=1 checks every fp32 head-dim-256 attention configuration and nothing else)."""
+    kernels = _kernel_module(name)
+    if os.environ.get("REMAT_AOT_FULL", "0") == "1" or name not in CI_SUBSETS:
+        cases = kernels.aot_cases()
+    else:
+        cases = CI_SUBSETS[name](kernels)
     only = os.environ.get("REMAT_AOT_ONLY")
     return [case for case in cases if re.search(only, case["name"])] if only else cases
 
 
 @pytest.mark.parametrize("arch", [80, 90])
-@pytest.mark.parametrize("family", ["layer_norm", "gelu"])
-def test_compiles_without_spills(family, arch):
-    expected = [case["name"] for case in _selected(family)]
-    results = compile_module_cases(f"test_triton_aot:{family}_cases", archs=(arch,), extra_paths=[REPO, TESTS])
+@pytest.mark.parametrize("name", KERNEL_MODULES)
+def test_compiles_without_spills(name, arch):
+    expected = [case["name"] for case in selected_cases(name) if arch in (case.get("archs") or (arch,))]
+    # A compile takes 1-5 s on one core: attention's list needs more than the default limit.
+    results = compile_module_cases(f"test_triton_aot:selected_cases:{name}", archs=(arch,),
+                                   extra_paths=[REPO, TESTS], timeout=max(900, 10 * len(expected)))
     assert sorted(set(r["case"] for r in results)) == sorted(expected), "results missing for some cases"
     bad = failing(results)
-    assert not bad, f"{len(bad)} of {len(results)} {family} kernels fail on sm_{arch}:\n" + format_results(bad)
+    assert not bad, (f"{len(bad)} of {len(results)} {name} kernels fail to compile or spill on sm_{arch}:\n"
+                     + format_results(bad))
 
 
 # --- the helper compiles the variant a launch specialises to --------------------------------------

@@ -1,10 +1,8 @@
-"""Attention: kernels against a float64 reference and PyTorch's SDPA, memory, the module, bad input,
-and the ahead-of-time GPU compile (the op contract: tests/ops/test_op_registry.py)."""
+"""Attention: kernels against a float64 reference and PyTorch's SDPA, memory, the module, bad input
+(the op contract and the ahead-of-time GPU compile: tests/ops/test_op_registry.py, tests/build/test_triton_aot.py)."""
 
 import importlib
 import math
-import os
-import re
 import warnings
 
 import pytest
@@ -15,7 +13,6 @@ import remat
 from remat.ops import attention as attn_ops
 
 from numerics import REL_TOL, rel_error, saved_bytes
-from triton_aot import compile_module_cases, failing, format_results
 
 HAS_GPU = torch.cuda.is_available()
 # bf16 tl.dot is wrong under the Triton interpreter (triton issue 11584): bf16 on GPU only.
@@ -386,9 +383,7 @@ def test_bad_input_names_the_argument(call, error, words):
         call(*_qkv())
 
 
-# --- ahead-of-time GPU compile -------------------------------------------------------------------
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# --- the autotuning candidates on Hopper (their ahead-of-time compile: tests/build/test_triton_aot.py)
 
 
 def _kernel_module():
@@ -397,50 +392,6 @@ def _kernel_module():
         return "remat.triton_kernels.attention"
     except ImportError:
         return "triton_kernels.attention"
-
-
-# The full list (3 dtypes x 6 head dims x causal/non-causal x every autotuning candidate of the
-# 3 kernels, plus the preprocess, each at a 16-divisible and a ragged shape: 752 cases on sm_90,
-# 644 on sm_80, ~40 min on two cores) is too slow for CI. CI compiles the benchmarks' configurations, bf16 at
-# head dims 64 and 128, causal and not (fp16 shares the tables): every candidate at the
-# 16-divisible shape (the variant the benchmarks and most training runs launch) and the
-# fixed-table entries at the ragged one; and the fixed-table entries, 16-divisible, of causal
-# bf16 at the padded head dim 96 and at 256 and of causal fp32 at 64 and 256 (the fp32 tiles with
-# the least register headroom). REMAT_AOT_FULL=1 compiles every case.
-_AOT_SUBSET = [(dict(dtypes=(torch.bfloat16,), head_dims=(64, 128)),
-                lambda case: case["shape"] == "div16" or case["table"]),
-               (dict(dtypes=(torch.bfloat16,), head_dims=(96, 256), causals=(True,), shapes=("div16",)),
-                lambda case: case["table"]),
-               (dict(dtypes=(torch.float32,), head_dims=(64, 256), causals=(True,), shapes=("div16",)),
-                lambda case: case["table"])]
-
-
-def aot_cases():
-    """The cases the AOT test compiles; the compile workers import this module for them.
-
-    REMAT_AOT_ONLY=<regex> keeps the cases whose name matches (e.g. "fp32_d256" with
-    REMAT_AOT_FULL=1 checks every fp32 head-dim-256 configuration and nothing else).
-    """
-    kernels = importlib.import_module(_kernel_module())
-    if os.environ.get("REMAT_AOT_FULL", "0") == "1":
-        cases = kernels.aot_cases()
-    else:
-        cases = [case for subset, keep in _AOT_SUBSET for case in kernels.aot_cases(**subset) if keep(case)]
-    only = os.environ.get("REMAT_AOT_ONLY")
-    return [case for case in cases if re.search(only, case["name"])] if only else cases
-
-
-@pytest.mark.parametrize("arch", [80, 90])
-def test_attention_compiles_without_spills(arch):
-    module = os.path.splitext(os.path.basename(__file__))[0]
-    expected = [case["name"] for case in aot_cases() if arch in (case.get("archs") or (arch,))]
-    # A compile takes 1-5 s on one core: the full list needs more than the default limit.
-    paths = [REPO, os.path.dirname(os.path.abspath(__file__))]
-    results = compile_module_cases(module, archs=(arch,), extra_paths=paths, timeout=max(900, 10 * len(expected)))
-    assert sorted(r["case"] for r in results) == sorted(expected), "each case launches one kernel"
-    bad = failing(results)
-    assert not bad, (f"{len(bad)} of {len(results)} attention kernels fail to compile or spill on sm_{arch}:\n"
-                     + format_results(bad))
 
 
 def test_hopper_candidates_only_where_they_compiled_without_spills():

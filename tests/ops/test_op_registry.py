@@ -1,7 +1,10 @@
 """The op-family registry (remat.ops.FAMILIES): the contract every family's ops keep, checked on the
-family's own samples and public calls."""
+family's own samples and public calls, and the tooling's loops (benchmark suites, CLI help, AOT
+compile test, validation table, sanitizer run) see every family."""
 
 import dataclasses
+import importlib
+import pathlib
 
 import pytest
 import torch
@@ -9,10 +12,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
+from remat import bench
+from remat.cli import main
 from remat.ops import FAMILIES, registered_calls
 
 from numerics import rel_error
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 FAMILY_PARAMS = [pytest.param(family, id=family.name) for family in FAMILIES.values()]
 OP_PARAMS = [pytest.param(family, direction, id=f"{family.name}-{direction}")
              for family in FAMILIES.values() for direction in ("forward", "backward")]
@@ -22,6 +28,12 @@ CALL_PARAMS = [pytest.param(family, call, id=call.name) for family, call in regi
 def _op_and_samples(family, direction, device):
     op = family.forward_op if direction == "forward" else family.backward_op
     return op, getattr(family.samples(torch.device(device)), direction)
+
+
+def _cuda_op(family, direction):
+    """The CUDA extension's op (remat_C::<name>_fwd or _bwd)."""
+    name = family.cuda_ops[0 if direction == "forward" else 1]
+    return getattr(torch.ops.remat_C, name.partition("::")[2])
 
 
 def _metadata(outputs):
@@ -43,12 +55,11 @@ def test_opcheck(target, family, direction):
     device, backend = target
     op, samples = _op_and_samples(family, direction, device)
     assert samples, f"{family.name} has no {direction} samples"
-    index = 0 if direction == "forward" else 1
     for args in samples:
         torch.library.opcheck(op, args)
         if device == "cuda" and backend == "cuda" and family.cuda:
             detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-            torch.library.opcheck(getattr(torch.ops.remat_C, family.op_names[index]).default, detached)
+            torch.library.opcheck(_cuda_op(family, direction).default, detached)
 
 
 @pytest.mark.parametrize("family, direction", OP_PARAMS)
@@ -71,9 +82,8 @@ def test_the_cuda_extension_ops_have_the_familys_fakes(family, direction):
     available, why = remat.backends()["cuda"]
     if not available:
         pytest.skip(why)
-    index = 0 if direction == "forward" else 1
     op, samples = _op_and_samples(family, direction, "cpu")
-    cuda_op = getattr(torch.ops.remat_C, family.op_names[index])
+    cuda_op = _cuda_op(family, direction)
     for args in samples:
         with FakeTensorMode() as mode, torch.no_grad():
             fake_args = _on_fake(mode, args)
@@ -143,7 +153,7 @@ def test_only_create_graph_leaves_the_backward_kernel(target, family, call):
         assert (backward_op in recorded.names) == (not create_graph), (create_graph, sorted(recorded.names))
 
 
-# --- the registry itself --------------------------------------
+# --- the registry itself and the tooling that loops over it --------------------------------------
 
 
 def test_a_family_is_declared_once():
@@ -159,3 +169,47 @@ def test_every_family_has_its_ops_and_public_calls():
         assert family.calls, f"{family.name} declares no public call"
     names = [call.name for _, call in registered_calls()]
     assert len(names) == len(set(names)), names
+
+
+def test_every_family_has_a_benchmark_suite_with_sizes_and_sanitizer_calls():
+    for family in FAMILIES.values():
+        suite = bench.SUITES[family.bench_suite]
+        assert suite.__name__ == f"remat.bench.{family.name}"
+        assert callable(suite.cases) and isinstance(suite.SIZES_MEAN, str) and callable(suite.sanitize_calls)
+
+
+def test_cli_help_says_what_shapes_means_for_every_suite(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name, suite in bench.SUITES.items():
+        assert f"{name} {suite.SIZES_MEAN}" in text, name
+
+
+def _module_in(folder, name, monkeypatch):
+    """Module `name` from `folder` (a test file or script imported by name, as pytest and python do)."""
+    monkeypatch.syspath_prepend(str(ROOT / folder))
+    return importlib.import_module(name)
+
+
+def test_the_aot_test_compiles_every_family_with_triton_kernels(monkeypatch):
+    aot = _module_in("tests/build", "test_triton_aot", monkeypatch)
+    modules = {family.triton for family in FAMILIES.values() if family.triton}
+    assert set(aot.KERNEL_MODULES) == modules
+    assert set(aot.CI_SUBSETS) <= modules, "a CI subset for a kernel module no family has"
+    for name in modules:
+        assert callable(aot._kernel_module(name).aot_cases), name
+
+
+def test_the_validation_table_has_every_public_call(monkeypatch):
+    validation = _module_in("tests/ops", "test_validation", monkeypatch)
+    subjects = {subject.name: subject for subject in validation.SUBJECTS}
+    for family, call in registered_calls():
+        assert subjects[call.name].ours is call.ours and subjects[call.name].theirs is call.stock, call.name
+        assert subjects[call.name].uses_attention == family.uses_tl_dot
+
+
+def test_the_sanitizer_runs_every_family(monkeypatch):
+    sanitize = _module_in("bench", "sanitize_check", monkeypatch)
+    names = [name for name, _ in sanitize.family_calls("cpu", torch.float32)]
+    assert set(names) == set(FAMILIES)

@@ -3,7 +3,8 @@
 Two tables:
 - BAD_INPUT: (call, exception type, argument, pattern). Each bad input must raise that exception,
   naming the argument, with a message matching the pattern (what was expected and what came).
-- SUBJECTS: every public function and module with its PyTorch counterpart. Legal input must
+- SUBJECTS: every public function and module with its PyTorch counterpart (each op family's
+  public function as its declaration in remat.ops.FAMILIES calls it). Legal input must
   behave as PyTorch's own layers: every requires_grad combination, no-grad modes, non-unit
   strides, NaN, empty batches, autocast dtypes, and meta / fake tensors (torch.compile traces
   with fake tensors, so no validation may read data).
@@ -20,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 
 import remat
+from remat.ops import registered_calls
 from remat.ops.attention import multihead_self_attention
 
 from numerics import REL_TOL, rel_error
@@ -346,17 +348,6 @@ def _stock_mlp(t, approximate="none", norm=False):
     return F.linear(h, t["fc2.weight"], t["fc2.bias"])
 
 
-def _causal_mask(seqlen_q, seqlen_k, device):
-    """remat's causal convention: aligned to the bottom-right corner (see ops/attention.py)."""
-    return torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device).tril(seqlen_k - seqlen_q)
-
-
-def _stock_attention(t):
-    q, k, v = t["q"], t["k"], t["v"]
-    mask = _causal_mask(q.shape[2], k.shape[2], q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-
-
 # Shapes: small for the interpreter, but awkward: a width that is no power of two, 3-D inputs
 # whose rows the ops flatten, GQA with seqlen_q != seqlen_k.
 WIDTH, HIDDEN, OUT = 24, 40, 10
@@ -370,16 +361,16 @@ def _tensors(device, **shapes):
     return {name: t / t.shape[1] ** 0.5 if t.dim() == 2 else t for name, t in tensors.items()}
 
 
+def _family_subject(family, call):
+    """A subject from an op family's declaration (remat.ops.FAMILIES): its public function's call."""
+    return Subject(call.name, lambda d: _tensors(d, **call.shapes), call.ours, call.stock, call.inputs,
+                   uses_attention=family.uses_tl_dot)
+
+
 STOCK_MHA = torch.nn.MultiheadAttention(64, 2, batch_first=True)
-SUBJECTS = [
-    Subject("layer_norm", lambda d: _tensors(d, x=(2, 3, WIDTH), weight=(WIDTH,), bias=(WIDTH,)),
-            lambda t: remat.layer_norm(t["x"], (WIDTH,), t["weight"], t["bias"]),
-            lambda t: F.layer_norm(t["x"], (WIDTH,), t["weight"], t["bias"])),
+SUBJECTS = [_family_subject(family, call) for family, call in registered_calls()] + [
     Subject("nn.LayerNorm", lambda d: _tensors(d, x=(2, 3, WIDTH), weight=(WIDTH,), bias=(WIDTH,)),
             _module_call(remat.nn.LayerNorm(WIDTH)), _module_call(torch.nn.LayerNorm(WIDTH))),
-    Subject("gelu", lambda d: _tensors(d, x=(2, 3, WIDTH), bias=(WIDTH,)),
-            lambda t: remat.gelu(t["x"], "tanh", t["bias"]),
-            lambda t: F.gelu(t["x"] + t["bias"], approximate="tanh")),
     Subject("nn.GELU", lambda d: _tensors(d, x=(2, 3, WIDTH)),
             _module_call(remat.nn.GELU()), _module_call(torch.nn.GELU())),
     Subject("layer_norm_linear",
@@ -408,9 +399,6 @@ SUBJECTS = [
                                                       "fc1.weight": (HIDDEN, WIDTH), "fc1.bias": (HIDDEN,),
                                                       "fc2.weight": (WIDTH, HIDDEN), "fc2.bias": (WIDTH,)}),
             _module_call(remat.nn.LayerNormMLP(WIDTH, HIDDEN)), lambda t: _stock_mlp(t, norm=True)),
-    Subject("attention", lambda d: _tensors(d, q=(2, 4, 5, 32), k=(2, 2, 7, 32), v=(2, 2, 7, 32)),
-            lambda t: remat.attention(t["q"], t["k"], t["v"], causal=True), _stock_attention,
-            inputs=("q", "k", "v"), uses_attention=True),
     Subject("nn.MultiheadSelfAttention",
             lambda d: _tensors(d, x=(2, 5, 64), in_proj_weight=(192, 64), in_proj_bias=(192,),
                                **{"out_proj.weight": (64, 64), "out_proj.bias": (64,)}),

@@ -1,12 +1,20 @@
 """Kernel microbenchmarks: remat against the peers that are installed, in the same run."""
 
+import importlib
+
 import torch
 
-from . import attention, block, gelu, layer_norm, mlp, report
+from ..ops import FAMILIES
+from . import block, mlp, report
 from .cases import CaseInterrupted, Progress, Timer, measure_case
 
-# op name -> module with cases(device, dtypes, quick, sizes)
-SUITES = {"layernorm": layer_norm, "gelu": gelu, "mlp": mlp, "attention": attention, "block": block}
+# Suite name -> module with cases(device, dtypes, quick, sizes) and SIZES_MEAN: each op family's
+# (remat.bench.<family name>), then the fused MLP layers' and the GPT block's.
+SUITES = {
+    **{family.bench_suite: importlib.import_module(f"{__name__}.{family.name}") for family in FAMILIES.values()},
+    "mlp": mlp,
+    "block": block,
+}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 

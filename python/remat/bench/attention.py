@@ -19,6 +19,7 @@ from .check import outputs_and_grads
 GPU_SHAPES = ((8, 16, 2048, 64), (4, 16, 4096, 128), (1, 16, 16384, 128))
 QUICK_SHAPES = GPU_SHAPES  # the shapes attention is judged at; --quick only times fewer calls
 CPU_SHAPES = ((1, 2, 128, 64),)
+SIZES_MEAN = "sequence lengths s"  # what cases(sizes=...), `remat bench --shapes`, sets
 # The float64 reference runs this many bytes of attention scores at a time: all 16 heads of a
 # 16384-long sequence at once would take 34 GB for the scores alone, and as much again for each
 # tensor the backward keeps.
@@ -121,6 +122,14 @@ def _build(mode, causal):
         return build
 
     return wrap
+
+
+def sanitize_calls(device, dtype):
+    """The call of remat.attention that bench/sanitize_check.py runs, forward and backward, under
+    compute-sanitizer: GQA with seqlen_q != seqlen_k, causal (masked tails, the mask off the diagonal)."""
+    q = torch.randn(1, 2, 37, 64, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, 1, 45, 64, device=device, dtype=dtype, requires_grad=True)
+    yield functools.partial(remat.attention, q, k, k, causal=True)
 
 
 def cases(device, dtypes, quick, sizes=None):

@@ -27,6 +27,7 @@ from .check import randomize_norms
 GPU_SHAPE = {"batch": 8, "seq": 2048, "hidden": 2048, "heads": 16, "layers": 8}
 QUICK_LAYERS = 2
 CPU_SHAPE = {"batch": 2, "seq": 64, "hidden": 128, "heads": 4, "layers": 2}
+SIZES_MEAN = "sequence length s (the first size)"  # what cases(sizes=...), `remat bench --shapes`, sets
 
 
 def policies(device, layers=QUICK_LAYERS):

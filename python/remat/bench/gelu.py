@@ -14,10 +14,11 @@ import torch.nn.functional as F
 import remat
 
 from .cases import Case, Variant, check_against, op_built
-from .layer_norm import ours_by_backend
+from .layer_norm import awkward_rows, ours_by_backend
 
 GPU_ROWS, GPU_WIDTH, QUICK_ROWS = 32768, 8192, 8192
 CPU_ROWS, CPU_WIDTH = 256, 1000
+SIZES_MEAN = "row counts M"  # what cases(sizes=...), `remat bench --shapes`, sets
 VARIANTS = (("none", False), ("tanh", False), ("none", True))  # (approximate, with bias)
 
 
@@ -60,6 +61,14 @@ def _build(mode):
         return build
 
     return wrap
+
+
+def sanitize_calls(device, dtype):
+    """Calls of remat.gelu that bench/sanitize_check.py runs, forward and backward, under
+    compute-sanitizer: LayerNorm's awkward rows, with a bias and without."""
+    for x in awkward_rows(device, dtype):
+        yield functools.partial(remat.gelu, x, "tanh", torch.randn(x.shape[1], device=device, requires_grad=True))
+        yield functools.partial(remat.gelu, x, "none")
 
 
 def cases(device, dtypes, quick, sizes=None):

@@ -17,7 +17,11 @@ from .cases import Case, Variant, check_against, op_built
 
 GPU_ROWS, GPU_WIDTHS, QUICK_WIDTHS = 32768, (1024, 2048, 4096, 8192), (1024, 4096)
 CPU_ROWS, CPU_WIDTHS = 256, (256, 1000)  # a functional run: small, awkward widths
+SIZES_MEAN = "widths N"  # what cases(sizes=...), `remat bench --shapes`, sets
 EPS = 1e-5
+# (rows, width) that take every path of a row-wise kernel: one element, a masked tail, several
+# blocks, a wide single block and the looped path.
+AWKWARD_ROWS = ((3, 1), (7, 127), (5, 1000), (2, 8192), (2, 20000))
 
 
 def _remat(x, w, b):
@@ -79,6 +83,23 @@ def _build(mode):
         return build
 
     return wrap
+
+
+def awkward_rows(device, dtype):
+    """Inputs x (rows, width) requiring grad at each of AWKWARD_ROWS: a view with a row stride
+    beyond its width, then a misaligned one (its data starts one element into an allocation)."""
+    for rows, width in AWKWARD_ROWS:
+        big = torch.randn(rows, width + 3, device=device, dtype=dtype)
+        for x in (big[:, :width], big[:, 1:width + 1]):
+            yield x.detach().requires_grad_()
+
+
+def sanitize_calls(device, dtype):
+    """Calls of remat.layer_norm that bench/sanitize_check.py runs, forward and backward, under
+    compute-sanitizer: every path of the kernels, scalar ones and masked tails included."""
+    for x in awkward_rows(device, dtype):
+        w, b = (torch.randn(x.shape[1], device=device, requires_grad=True) for _ in range(2))
+        yield functools.partial(_remat, x, w, b)
 
 
 def cases(device, dtypes, quick, sizes=None):

@@ -16,6 +16,7 @@ from .layer_norm import ours_by_backend
 
 GPU_TOKENS, GPU_HIDDEN, QUICK_HIDDEN = 16384, (1024, 2048, 4096), (2048,)
 CPU_TOKENS, CPU_HIDDEN = 128, (64, 96)
+SIZES_MEAN = "hidden sizes h"  # what cases(sizes=...), `remat bench --shapes`, sets
 
 
 def _stack(with_norm, hidden, device, dtype):

@@ -60,13 +60,14 @@ class OpFamily:
     forward_fake, backward_fake: output metadata from the inputs alone (register_fake).
     setup_context, autograd_backward: the forward op's autograd (register_autograd).
     samples: device -> OpSamples.
+    bench_suite: the family's `remat bench` suite, in module remat.bench.<name>, which also lists
+        the calls bench/sanitize_check.py runs under compute-sanitizer.
     calls: the family's PublicCalls: its subjects in the validation table.
     triton: the module of remat.triton_kernels holding the Triton launchers, None without any.
     triton_launchers: their names there; default (<name>_fwd, <name>_bwd), with the ops' signatures.
     triton_takes: op arguments -> whether the Triton launchers take them (else the reference runs);
         None: always.
     cuda: whether the CUDA extension has remat_C::<name>_fwd and remat_C::<name>_bwd.
-    bench_suite: the `remat bench` suite of the family, module remat.bench.<name>; None without one.
     uses_tl_dot: the Triton kernels multiply with tl.dot, whose bfloat16 results the Triton
         interpreter gets wrong (triton issue 11584): CPU tests check dtypes only there.
     """
@@ -79,12 +80,12 @@ class OpFamily:
     setup_context: Callable
     autograd_backward: Callable
     samples: Callable[[torch.device], OpSamples]
+    bench_suite: str
     calls: tuple = ()
     triton: str | None = None
     triton_launchers: tuple | None = None
     triton_takes: Callable | None = None
     cuda: bool = False
-    bench_suite: str | None = None
     uses_tl_dot: bool = False
     forward_op: object = field(init=False, repr=False)
     backward_op: object = field(init=False, repr=False)

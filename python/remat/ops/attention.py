@@ -364,6 +364,7 @@ FAMILY = OpFamily(
     setup_context=_setup_context,
     autograd_backward=_backward,
     samples=_samples,
+    bench_suite="attention",
     calls=(PublicCall("attention", {"q": (2, 4, 5, 32), "k": (2, 2, 7, 32), "v": (2, 2, 7, 32)},
                       lambda t: attention(t["q"], t["k"], t["v"], causal=True), _stock_attention,
                       inputs=("q", "k", "v")),),
@@ -371,7 +372,6 @@ FAMILY = OpFamily(
     # Head dims outside HEAD_DIMS run the reference (the first tensor, q or do, ends in the head dim).
     triton_takes=lambda first, *_: first.shape[-1] in HEAD_DIMS,
     cuda=False,  # no CUDA-extension attention: a "cuda" backend runs the Triton kernel, and says so once
-    bench_suite="attention",
     uses_tl_dot=True,
 )
 attention_fwd, attention_bwd = FAMILY.forward_op, FAMILY.backward_op

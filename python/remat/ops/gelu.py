@@ -156,11 +156,11 @@ FAMILY = OpFamily(
     setup_context=_setup_context,
     autograd_backward=_backward,
     samples=_samples,
+    bench_suite="gelu",
     calls=(PublicCall("gelu", {"x": (2, 3, _WIDTH), "bias": (_WIDTH,)},
                       lambda t: gelu(t["x"], "tanh", t["bias"]),
                       lambda t: F.gelu(t["x"] + t["bias"], approximate="tanh")),),
     triton="gelu",
     cuda=True,
-    bench_suite="gelu",
 )
 gelu_fwd, gelu_bwd = FAMILY.forward_op, FAMILY.backward_op

@@ -221,11 +221,11 @@ FAMILY = OpFamily(
     setup_context=_setup_context,
     autograd_backward=_backward,
     samples=_samples,
+    bench_suite="layernorm",
     calls=(PublicCall("layer_norm", {"x": (2, 3, _WIDTH), "weight": (_WIDTH,), "bias": (_WIDTH,)},
                       lambda t: layer_norm(t["x"], (_WIDTH,), t["weight"], t["bias"]),
                       lambda t: F.layer_norm(t["x"], (_WIDTH,), t["weight"], t["bias"])),),
     triton="layer_norm",
     cuda=True,
-    bench_suite="layernorm",
 )
 layer_norm_fwd, layer_norm_bwd = FAMILY.forward_op, FAMILY.backward_op
