@@ -90,6 +90,15 @@ def test_the_cuda_extension_ops_have_the_familys_fakes(family, direction):
             assert _metadata(cuda_op(*fake_args)) == _metadata(op(*fake_args))
 
 
+def test_the_families_declare_exactly_the_cuda_extensions_ops():
+    """cuda=True where the built extension has the family's two ops, and no extension op outside a family."""
+    available, why = remat.backends()["cuda"]
+    if not available:
+        pytest.skip(why)
+    registered = {name for name in torch._C._dispatch_get_all_op_names() if name.startswith("remat_C::")}
+    assert registered == {name for family in FAMILIES.values() for name in family.cuda_ops}
+
+
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
 def test_the_backward_op_has_no_derivative_and_says_so(family):
     args = family.samples(torch.device("cpu")).backward[0]
