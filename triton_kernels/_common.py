@@ -64,3 +64,37 @@ def on_input_device(launcher):
             return launcher(first, *args, **kwargs)
 
     return launch
+
+
+# --- argument checks -----------------------------------------------------------------------------
+# The launchers of the newer op families check their arguments themselves: a weight of the wrong
+# length or a dy of the wrong shape would otherwise be read out of bounds, silently. Each error
+# names the argument.
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def check_float_tensor(name, t, dims=None, shape=None, like=None, dtypes=FLOAT_DTYPES):
+    """t must be a tensor of one of `dtypes`, with `dims` dims or exactly `shape`, on the device of
+    like = (its name, a tensor) when given."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype {names}, got {t.dtype}")
+    if dims is not None and t.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if like is not None and t.device != like[1].device:
+        raise ValueError(f"{name} is on {t.device} but {like[0]} is on {like[1].device}")
+
+
+def check_eps(eps):
+    """A finite non-negative number: a negative one makes rsqrt(var + eps) NaN."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")

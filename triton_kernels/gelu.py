@@ -1,5 +1,5 @@
-"""GELU (exact erf, or tanh approximation) with an optional fused bias, in Triton; the backward
-recomputes the pre-activation (and, on request, the output) from x.
+"""GELU (exact erf, tanh approximation, or QuickGELU) with an optional fused bias, in Triton; the
+backward recomputes the pre-activation (and, on request, the output) from x.
 
 The forward keeps nothing beyond the caller's x (and bias). The backward reads x and dy once,
 rebuilds h = x + bias and gelu'(h) in registers, writes dx, and can also write y = gelu(h),
@@ -86,10 +86,13 @@ def _bwd_groups(m: int, block_m: int, col_blocks: int, device) -> int:
     return max(1, min(cdiv(m, block_m), programs // col_blocks))
 
 
+APPROXIMATIONS = ("none", "tanh", "quick")
+
+
 def _check_approximate(approximate):
-    if approximate not in ("none", "tanh"):
-        raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
-    return approximate == "tanh"
+    if approximate not in APPROXIMATIONS:
+        raise ValueError(f"approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
+    return approximate
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,28 +104,39 @@ def _check_approximate(approximate):
 #
 # Exact:  gelu(h) = h * Phi(h),  Phi(h) = (1 + erf(h / sqrt 2)) / 2.
 # Tanh:   gelu(h) = h (1 + tanh u) / 2,  u = sqrt(2/pi) (h + 0.044715 h^3).
-#   (1 + tanh u) / 2 = sigmoid(2u) = s, so gelu(h) = h * s. Computed from e = exp(-2|u|), which
-#   lies in (0, 1] and never overflows: s = 1 / (1 + e) for u >= 0 and e / (1 + e) for u < 0.
-#   Unlike 1 + tanh(u) in fp32, this keeps full relative precision in the negative tail, where
-#   1 + tanh(u) cancels (about 1e-7 absolute error there), and saturates exactly: s -> 1 or 0.
-#   Also s (1 - s) = e / (1 + e)^2 for either sign of u, without cancellation (backward).
+#   (1 + tanh u) / 2 = sigmoid(2u) = s, so gelu(h) = h * s.
+# Quick:  gelu(h) = h * sigmoid(1.702 h)  (QuickGELU, as CLIP uses it).
+# sigmoid(z) is computed from e = exp(-|z|), which lies in (0, 1] and never overflows: s = 1 / (1 + e)
+#   for z >= 0 and e / (1 + e) for z < 0. Unlike 1 + tanh(u) in fp32, this keeps full relative
+#   precision in the negative tail, where 1 + tanh(u) cancels (about 1e-7 absolute error there),
+#   and saturates exactly: s -> 1 or 0. Also s (1 - s) = e / (1 + e)^2 for either sign of z,
+#   without cancellation (backward).
 SQRT_HALF = tl.constexpr(1.0 / math.sqrt(2.0))
 INV_SQRT_2PI = tl.constexpr(1.0 / math.sqrt(2.0 * math.pi))
 SQRT_2_OVER_PI = tl.constexpr(math.sqrt(2.0 / math.pi))
 TANH_CUBIC = tl.constexpr(0.044715)
 TANH_CUBIC_X3 = tl.constexpr(3.0 * 0.044715)
+QUICK_SCALE = tl.constexpr(1.702)
 
 
 @triton.jit
-def _gelu_gate(h, APPROXIMATE_TANH: tl.constexpr):
-    """(g, aux) with gelu(h) = h * g: g = Phi(h) (exact) or sigmoid(2u) (tanh); aux = s (1 - s)
-    for tanh (used by the derivative only; dead code in the forward), unused 0 for exact."""
-    if APPROXIMATE_TANH:
+def _sigmoid_gate(z):
+    """(sigmoid(z), sigmoid(z) (1 - sigmoid(z))), both without overflow or cancellation (above)."""
+    e = tl.exp(-tl.abs(z))
+    r = 1.0 / (1.0 + e)
+    return tl.where(z >= 0, r, e * r), e * r * r
+
+
+@triton.jit
+def _gelu_gate(h, APPROXIMATE: tl.constexpr):
+    """(g, aux) with gelu(h) = h * g: g = Phi(h) (exact), sigmoid(2u) (tanh) or sigmoid(1.702 h)
+    (quick); aux = s (1 - s) for the sigmoid forms (used by the derivative only; dead code in the
+    forward), unused 0 for exact."""
+    if APPROXIMATE == "tanh":
         u = SQRT_2_OVER_PI * h * (1.0 + TANH_CUBIC * h * h)
-        e = tl.exp(-2.0 * tl.abs(u))
-        r = 1.0 / (1.0 + e)
-        g = tl.where(u >= 0, r, e * r)
-        aux = e * r * r
+        g, aux = _sigmoid_gate(2.0 * u)
+    elif APPROXIMATE == "quick":
+        g, aux = _sigmoid_gate(h * QUICK_SCALE)
     else:
         g = 0.5 * (1.0 + tl.math.erf(h * SQRT_HALF))
         aux = 0.0
@@ -130,9 +144,12 @@ def _gelu_gate(h, APPROXIMATE_TANH: tl.constexpr):
 
 
 @triton.jit
-def _gelu_derivative(h, g, aux, APPROXIMATE_TANH: tl.constexpr):
+def _gelu_derivative(h, g, aux, APPROXIMATE: tl.constexpr):
     """gelu'(h) from _gelu_gate's (g, aux); see the derivation above _gelu_bwd_kernel."""
-    if APPROXIMATE_TANH:
+    if APPROXIMATE == "quick":
+        # s + 1.702 h s (1 - s): where s (1 - s) underflows to 0 the second term is 0 (h finite).
+        d = g + h * (aux * QUICK_SCALE)
+    elif APPROXIMATE == "tanh":
         # s + h * 2 s (1 - s) * du/dh,  du/dh = sqrt(2/pi) (1 + 3 * 0.044715 h^2). Where s (1 - s)
         # underflows to 0 the second term is 0, also for |h| > ~1e19 where h^2 overflows (0 * inf);
         # 0 * h rather than 0 keeps h = +-inf giving NaN, as PyTorch's gelu backward does.
@@ -154,7 +171,7 @@ def _gelu_fwd_flat_kernel(
     Y,  # (M, N) output, contiguous
     M,
     N,
-    APPROXIMATE_TANH: tl.constexpr,
+    APPROXIMATE: tl.constexpr,  # "none", "tanh" or "quick"
     BLOCK: tl.constexpr,  # elements per program
 ):
     # Elementwise over the flat array. M and N come separately (each < 2**31, so always i32
@@ -163,7 +180,7 @@ def _gelu_fwd_flat_kernel(
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < size
     h = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
-    g, _ = _gelu_gate(h, APPROXIMATE_TANH)
+    g, _ = _gelu_gate(h, APPROXIMATE)
     tl.store(Y + offsets, (h * g).to(Y.dtype.element_ty), mask=mask)
 
 
@@ -176,7 +193,7 @@ def _gelu_fwd_kernel(
     M,
     N,
     HAS_BIAS: tl.constexpr,
-    APPROXIMATE_TANH: tl.constexpr,
+    APPROXIMATE: tl.constexpr,  # "none", "tanh" or "quick"
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -194,7 +211,7 @@ def _gelu_fwd_kernel(
     h = tl.load(X + rows64[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         h += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    g, _ = _gelu_gate(h, APPROXIMATE_TANH)
+    g, _ = _gelu_gate(h, APPROXIMATE)
     tl.store(Y + rows64[:, None] * N + cols[None, :], (h * g).to(Y.dtype.element_ty), mask=mask)
 
 
@@ -212,6 +229,7 @@ def _gelu_fwd_kernel(
 #     With s = (1 + t) / 2 = sigmoid(2u): 1 - t^2 = (1 - t)(1 + t) = 4 s (1 - s), so
 #       gelu'(h) = s + 2 h s (1 - s) du/dh,
 #     which _gelu_gate/_gelu_derivative evaluate from e = exp(-2|u|) (see section 2).
+#   Quick: gelu(h) = h s, s = sigmoid(1.702 h), s' = s (1 - s):  gelu'(h) = s + 1.702 h s (1 - s).
 #
 # Nothing but x (and the bias) is needed: h, Phi or s, gelu'(h) and, with RECOMPUTE_OUTPUT,
 # y = h * g are rebuilt in registers in one pass that reads x and dy once. dbias sums the fp32
@@ -226,7 +244,7 @@ def _gelu_bwd_flat_kernel(
     Y,  # (M, N) output y, contiguous, written when RECOMPUTE_OUTPUT; any valid pointer otherwise
     M,
     N,
-    APPROXIMATE_TANH: tl.constexpr,
+    APPROXIMATE: tl.constexpr,  # "none", "tanh" or "quick"
     RECOMPUTE_OUTPUT: tl.constexpr,
     BLOCK: tl.constexpr,  # elements per program
 ):
@@ -236,8 +254,8 @@ def _gelu_bwd_flat_kernel(
     mask = offsets < size
     h = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
-    g, aux = _gelu_gate(h, APPROXIMATE_TANH)
-    dx = dy * _gelu_derivative(h, g, aux, APPROXIMATE_TANH)
+    g, aux = _gelu_gate(h, APPROXIMATE)
+    dx = dy * _gelu_derivative(h, g, aux, APPROXIMATE)
     tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
     if RECOMPUTE_OUTPUT:
         tl.store(Y + offsets, (h * g).to(Y.dtype.element_ty), mask=mask)
@@ -256,7 +274,7 @@ def _gelu_bwd_kernel(
     M,
     N,
     HAS_BIAS: tl.constexpr,
-    APPROXIMATE_TANH: tl.constexpr,
+    APPROXIMATE: tl.constexpr,  # "none", "tanh" or "quick"
     RECOMPUTE_OUTPUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -284,9 +302,9 @@ def _gelu_bwd_kernel(
         dy = tl.load(DY + rows64[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             h += bias
-        g, aux = _gelu_gate(h, APPROXIMATE_TANH)
+        g, aux = _gelu_gate(h, APPROXIMATE)
         # Masked lanes have dy = 0 and a finite gelu'(bias): they add exactly 0 to db_acc.
-        dx = dy * _gelu_derivative(h, g, aux, APPROXIMATE_TANH)
+        dx = dy * _gelu_derivative(h, g, aux, APPROXIMATE)
         out_offsets = rows64[:, None] * N + cols[None, :]
         tl.store(DX + out_offsets, dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_BIAS:
@@ -311,9 +329,10 @@ def gelu_fwd(x, bias, approximate):
     """gelu(x + bias) of a 2-D x.
 
     x (M, N), unit column stride, any row stride; bias (N,) or None, fp32 or x.dtype;
-    approximate "none" (erf) or "tanh". Returns y (M, N) contiguous in x.dtype.
+    approximate "none" (erf), "tanh" or "quick" (x * sigmoid(1.702 x)). Returns y (M, N)
+    contiguous in x.dtype.
     """
-    tanh = _check_approximate(approximate)
+    approximate = _check_approximate(approximate)
     x = unit_last_stride(x)
     M, N = x.shape
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -321,7 +340,7 @@ def gelu_fwd(x, bias, approximate):
         return y
     if bias is None and _dense(x):
         _gelu_fwd_flat_kernel[(cdiv(M * N, FLAT_BLOCK),)](
-            x, y, M, N, APPROXIMATE_TANH=tanh, BLOCK=FLAT_BLOCK, num_warps=FLAT_WARPS,
+            x, y, M, N, APPROXIMATE=approximate, BLOCK=FLAT_BLOCK, num_warps=FLAT_WARPS,
         )
         return y
     block_m, block_n, warps = _tile_config(N, x.dtype, bias is not None)
@@ -329,7 +348,7 @@ def gelu_fwd(x, bias, approximate):
     b = bias.contiguous() if bias is not None else x
     _gelu_fwd_kernel[(cdiv(M, block_m) * cdiv(N, block_n),)](
         x, b, y, x.stride(0), M, N,
-        HAS_BIAS=bias is not None, APPROXIMATE_TANH=tanh, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        HAS_BIAS=bias is not None, APPROXIMATE=approximate, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
     )
     return y
 
@@ -342,7 +361,7 @@ def gelu_bwd(dy, x, bias, approximate, recompute_output):
     tensor of x.dtype when bias is None; zeros when M == 0); y (M, N), bitwise equal to gelu_fwd's
     output, when recompute_output, else an empty tensor of shape (0,).
     """
-    tanh = _check_approximate(approximate)
+    approximate = _check_approximate(approximate)
     x = unit_last_stride(x)
     dy = unit_last_stride(dy)
     M, N = x.shape
@@ -358,7 +377,7 @@ def gelu_bwd(dy, x, bias, approximate, recompute_output):
     if not has_bias and _dense(x) and _dense(dy):
         _gelu_bwd_flat_kernel[(cdiv(M * N, FLAT_BLOCK),)](
             x, dy, dx, y_arg, M, N,
-            APPROXIMATE_TANH=tanh, RECOMPUTE_OUTPUT=bool(recompute_output), BLOCK=FLAT_BLOCK, num_warps=FLAT_WARPS,
+            APPROXIMATE=approximate, RECOMPUTE_OUTPUT=bool(recompute_output), BLOCK=FLAT_BLOCK, num_warps=FLAT_WARPS,
         )
         return dx, no_dbias, y
 
@@ -369,7 +388,7 @@ def gelu_bwd(dy, x, bias, approximate, recompute_output):
     db_partial = torch.empty((groups, N), dtype=torch.float32, device=device) if has_bias else dx
     _gelu_bwd_kernel[(col_blocks, groups)](
         x, dy, b, dx, y_arg, db_partial, x.stride(0), dy.stride(0), M, N,
-        HAS_BIAS=has_bias, APPROXIMATE_TANH=tanh, RECOMPUTE_OUTPUT=bool(recompute_output),
+        HAS_BIAS=has_bias, APPROXIMATE=approximate, RECOMPUTE_OUTPUT=bool(recompute_output),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
     )
     # Second step: reduce the G partial rows. torch.sum is deterministic for a fixed G, and G
@@ -403,13 +422,13 @@ def _aot_launch(x_dtype, bias_dtype, approximate, shape, strided, backward, reco
 def aot_cases():
     """Launches covering every kernel variant the launchers above can run on a GPU: the flat kernels
     (no bias, dense rows) and the tiled ones (a bias of x's dtype or fp32, or strided rows) at each
-    BLOCK_N they use, both approximations, x in bf16 (standing for fp16 too) and fp32, forward and
+    BLOCK_N they use, every approximation, x in bf16 (standing for fp16 too) and fp32, forward and
     backward with and without recompute, each at a 16-divisible and a ragged shape.
     Keys: name, launch, divisible."""
     cases = []
     variants = [(x, b, block_n) for x in (torch.bfloat16, torch.float32) for b in (None, x, torch.float32)
                 for block_n in ((WIDE_BLOCK_N, NARROW_BLOCK_N) if b is not None else (WIDE_BLOCK_N,))]
-    for approximate in ("none", "tanh"):
+    for approximate in APPROXIMATIONS:
         for x_dtype, bias_dtype, block_n in dict.fromkeys(variants):
             for divisible, shape in zip((True, False), _AOT_SHAPES[block_n]):
                 # Without a bias: the flat kernels (dense rows) and the tiled ones (strided rows).

@@ -1,9 +1,14 @@
-"""LayerNorm forward and backward in Triton; the backward recomputes xhat (and, on request, y).
+"""LayerNorm and RMSNorm forward and backward in Triton; the backward recomputes xhat (and, on
+request, y).
 
 The forward keeps only what is cheap to store: x itself (the caller's), and per row the fp32
 mean and rstd (8 bytes a row). The backward rebuilds xhat = (x - mean) * rstd from those in the
 same pass that computes dx, and can also rebuild y = xhat * w + b for a consumer that needs it
 (e.g. the weight gradient of a following Linear), bitwise equal to what the forward wrote.
+
+RMSNorm is a mode of the same kernels (IS_RMS_NORM): xhat = x * rstd, only the fp32 rstd stored
+(4 bytes a row), no bias, and each stock module's rounding selected by a style ("torch", "llama",
+"gemma", "t5": _rms_norm_mode) through two more constexprs.
 
 Layout of this file, top to bottom:
   1. configuration heuristics: (N, dtype) -> block sizes and warps, no autotuning
@@ -11,22 +16,34 @@ Layout of this file, top to bottom:
   3. backward kernels: one fused, software-pipelined pass per row (N <= MAX_FUSED_N_BWD for rows
      Triton vectorises, MAX_FUSED_N_BWD_UNALIGNED for others), or two kernels over chunks;
      a last kernel sums the dw/db partials and casts them to the parameters' dtype
-  4. launchers: layer_norm_fwd, layer_norm_bwd
+  4. launchers: layer_norm_fwd, layer_norm_bwd, rms_norm_fwd, rms_norm_bwd
   5. aot_cases(): every launch configuration above, for the ahead-of-time compile test
 
 Tensor contract (shared with the CUDA extension):
   x (M, N) with unit column stride and any row stride; weight and bias (N,) or None, in any float
   dtype; y, dx (M, N) contiguous in x.dtype; mean, rstd (M,) fp32; dw, db in the parameter's dtype.
-  All arithmetic is fp32.
+  RMSNorm: the same, but y (and dy) in the style's output dtype (Llama's and T5's follow the
+  weight's dtype as their modules' type promotion does) and no mean. All arithmetic is fp32.
 """
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import TYPE_NAMES, cdiv, next_power_of_2, num_sms, on_input_device, unit_last_stride
+from ._common import (
+    TYPE_NAMES,
+    cdiv,
+    check_choice,
+    check_eps,
+    check_float_tensor,
+    next_power_of_2,
+    num_sms,
+    on_input_device,
+    unit_last_stride,
+)
 
 # ---------------------------------------------------------------------------------------------
 # 1. Configuration
@@ -102,10 +119,10 @@ def _bwd_config(n: int):
     return _fused_config(n, BWD_TILE, BWD_ELEMENTS_PER_THREAD, BWD_MAX_WARPS)
 
 
-def _bwd_pipeline_stages(block_m: int, block_n: int, dtype: torch.dtype) -> int:
+def _bwd_pipeline_stages(block_m: int, block_n: int, x_dtype: torch.dtype, dy_dtype: torch.dtype) -> int:
     """Row blocks in flight in the fused backward's loop, the one being computed included: 3 (two
     buffered) where two steps of x and dy fit in BWD_PIPELINE_BYTES, else 1 (no pipelining)."""
-    step_bytes = 2 * block_m * block_n * _element_size(dtype)
+    step_bytes = block_m * block_n * (_element_size(x_dtype) + _element_size(dy_dtype))
     return 3 if 2 * step_bytes <= BWD_PIPELINE_BYTES else 1
 
 
@@ -125,11 +142,27 @@ def _fused_block_ns(limit: int):
 # loops and mask rows, so one compiled variant serves every M (no recompile for M == 1 or a
 # multiple of 16), and the ahead-of-time checks compile the variant any M runs. N and the row
 # strides are: their divisibility by 16 is what lets Triton use 16-byte accesses.
+#
+# Every kernel has an RMSNorm mode (IS_RMS_NORM): no mean (xhat = x * rstd, rstd from the mean
+# of squares), only rstd stored, no bias. Two more constexprs give each stock RMSNorm its own
+# rounding: NORMED_DTYPE, the dtype xhat is rounded to before the weight multiply (fp32: not
+# rounded), and WEIGHT_PLUS_ONE, scaling by (1 + w) instead of w. LayerNorm runs with
+# IS_RMS_NORM=False, NORMED_DTYPE=fp32, WEIGHT_PLUS_ONE=False: the same code as without them.
 @triton.jit
-def _affine(xhat, w, b, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # y = xhat * w + b. Shared by the forward and by the backward's RECOMPUTE_OUTPUT so both
-    # compile the same fp32 expression (same rounding, same fma contraction): bitwise equal y.
-    y = xhat
+def _load_weight(W, cols, mask, WEIGHT_PLUS_ONE: tl.constexpr):
+    # The weight in fp32; (1 + w) is formed in fp32, as Gemma's norm does (1.0 + weight.float()).
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if WEIGHT_PLUS_ONE:
+        w = w + 1.0
+    return w
+
+
+@triton.jit
+def _affine(xhat, w, b, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, NORMED_DTYPE: tl.constexpr):
+    # y = round(xhat) * w + b, round being the cast to NORMED_DTYPE and back (none for fp32).
+    # Shared by the forward and by the backward's RECOMPUTE_OUTPUT so both compile the same fp32
+    # expression (same rounding, same fma contraction): bitwise equal y.
+    y = xhat.to(NORMED_DTYPE).to(tl.float32)
     if HAS_WEIGHT:
         y = y * w
     if HAS_BIAS:
@@ -143,7 +176,7 @@ def _layer_norm_fwd_kernel(
     Y,  # (M, N) output, row stride stride_y_row
     W,  # (N,) weight; any valid pointer when HAS_WEIGHT is False
     B,  # (N,) bias; any valid pointer when HAS_BIAS is False
-    Mean,  # (M,) fp32 output
+    Mean,  # (M,) fp32 output; not written when IS_RMS_NORM
     Rstd,  # (M,) fp32 output
     stride_x_row,
     stride_y_row,
@@ -152,6 +185,9 @@ def _layer_norm_fwd_kernel(
     eps,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    IS_RMS_NORM: tl.constexpr,
+    NORMED_DTYPE: tl.constexpr,
+    WEIGHT_PLUS_ONE: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_N: tl.constexpr,  # >= N: the whole row is in registers
 ):
@@ -164,28 +200,33 @@ def _layer_norm_fwd_kernel(
     rows64 = rows.to(tl.int64)
 
     x = tl.load(X + rows64[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    # Corrected two-pass statistics: mean first, then squared deviations from it. E[x^2] - E[x]^2
-    # would lose all precision for rows with a large mean and a small spread. The deviations'
-    # own mean is the rounding error of the first mean: it is added back to the mean and
-    # removed from the variance (var = mean(xc^2) - mean(xc)^2, with mean(xc) tiny).
-    rough_mean = tl.sum(x, axis=1) / N
-    xc = tl.where(mask, x - rough_mean[:, None], 0.0)
-    correction = tl.sum(xc, axis=1) / N
-    var = tl.maximum(tl.sum(xc * xc, axis=1) / N - correction * correction, 0.0)
-    rstd = tl.math.rsqrt(var + eps)
-    mean = rough_mean + correction
-    # Normalise with the stored mean, exactly as the backward recomputes xhat.
-    xc = tl.where(mask, x - mean[:, None], 0.0)
-    tl.store(Mean + rows, mean, mask=row_mask)
+    if IS_RMS_NORM:
+        # Mean of squares; the padding holds zeros.
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+        xc = x
+    else:
+        # Corrected two-pass statistics: mean first, then squared deviations from it. E[x^2] -
+        # E[x]^2 would lose all precision for rows with a large mean and a small spread. The
+        # deviations' own mean is the rounding error of the first mean: it is added back to the
+        # mean and removed from the variance (var = mean(xc^2) - mean(xc)^2, with mean(xc) tiny).
+        rough_mean = tl.sum(x, axis=1) / N
+        xc = tl.where(mask, x - rough_mean[:, None], 0.0)
+        correction = tl.sum(xc, axis=1) / N
+        var = tl.maximum(tl.sum(xc * xc, axis=1) / N - correction * correction, 0.0)
+        rstd = tl.math.rsqrt(var + eps)
+        mean = rough_mean + correction
+        # Normalise with the stored mean, exactly as the backward recomputes xhat.
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        tl.store(Mean + rows, mean, mask=row_mask)
     tl.store(Rstd + rows, rstd, mask=row_mask)
 
     w = 1.0
     b = 0.0
     if HAS_WEIGHT:
-        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        w = _load_weight(W, cols, col_mask, WEIGHT_PLUS_ONE)[None, :]
     if HAS_BIAS:
         b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    y = _affine(xc * rstd[:, None], w, b, HAS_WEIGHT, HAS_BIAS)
+    y = _affine(xc * rstd[:, None], w, b, HAS_WEIGHT, HAS_BIAS, NORMED_DTYPE)
     tl.store(Y + rows64[:, None] * stride_y_row + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -195,7 +236,7 @@ def _layer_norm_fwd_looped_kernel(
     Y,  # (M, N) output, row stride stride_y_row
     W,  # (N,) weight, or any valid pointer when HAS_WEIGHT is False
     B,  # (N,) bias, or any valid pointer when HAS_BIAS is False
-    Mean,  # (M,) fp32 output
+    Mean,  # (M,) fp32 output; not written when IS_RMS_NORM
     Rstd,  # (M,) fp32 output
     stride_x_row,
     stride_y_row,
@@ -203,36 +244,48 @@ def _layer_norm_fwd_looped_kernel(
     eps,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    IS_RMS_NORM: tl.constexpr,
+    NORMED_DTYPE: tl.constexpr,
+    WEIGHT_PLUS_ONE: tl.constexpr,
     BLOCK_N: tl.constexpr,  # column chunk; any N
 ):
-    # One row per program, too wide for registers: three sweeps over column chunks (sum, squared
-    # deviations, output). The same two-pass statistics as the fused kernel; the repeated reads of
-    # one row mostly hit L2.
+    # One row per program, too wide for registers: sweeps over column chunks (LayerNorm: sum,
+    # squared deviations, output; RMSNorm: squares, output). The same statistics as the fused
+    # kernel; the repeated reads of one row mostly hit L2.
     row = tl.program_id(0).to(tl.int64)
     X += row * stride_x_row
     Y += row * stride_y_row
 
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        acc += tl.load(X + cols, mask=cols < N, other=0.0).to(tl.float32)
-    mean = tl.sum(acc, axis=0) / N
+    if IS_RMS_NORM:
+        acc_sq = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            x = tl.load(X + cols, mask=cols < N, other=0.0).to(tl.float32)
+            acc_sq += x * x
+        rstd = tl.math.rsqrt(tl.sum(acc_sq, axis=0) / N + eps)
+        mean = 0.0  # x - 0.0 is x: the output sweep below normalises as the fused kernel does
+    else:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            acc += tl.load(X + cols, mask=cols < N, other=0.0).to(tl.float32)
+        mean = tl.sum(acc, axis=0) / N
 
-    # Deviations from the first mean; their own mean corrects it, as in the fused kernel.
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_sq = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        mask = cols < N
-        x = tl.load(X + cols, mask=mask, other=0.0).to(tl.float32)
-        xc = tl.where(mask, x - mean, 0.0)
-        acc += xc
-        acc_sq += xc * xc
-    correction = tl.sum(acc, axis=0) / N
-    var = tl.maximum(tl.sum(acc_sq, axis=0) / N - correction * correction, 0.0)
-    rstd = tl.math.rsqrt(var + eps)
-    mean += correction
-    tl.store(Mean + row, mean)
+        # Deviations from the first mean; their own mean corrects it, as in the fused kernel.
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_sq = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = cols < N
+            x = tl.load(X + cols, mask=mask, other=0.0).to(tl.float32)
+            xc = tl.where(mask, x - mean, 0.0)
+            acc += xc
+            acc_sq += xc * xc
+        correction = tl.sum(acc, axis=0) / N
+        var = tl.maximum(tl.sum(acc_sq, axis=0) / N - correction * correction, 0.0)
+        rstd = tl.math.rsqrt(var + eps)
+        mean += correction
+        tl.store(Mean + row, mean)
     tl.store(Rstd + row, rstd)
 
     for start in range(0, N, BLOCK_N):
@@ -242,10 +295,10 @@ def _layer_norm_fwd_looped_kernel(
         w = 1.0
         b = 0.0
         if HAS_WEIGHT:
-            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+            w = _load_weight(W, cols, mask, WEIGHT_PLUS_ONE)
         if HAS_BIAS:
             b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-        y = _affine((x - mean) * rstd, w, b, HAS_WEIGHT, HAS_BIAS)
+        y = _affine((x - mean) * rstd, w, b, HAS_WEIGHT, HAS_BIAS, NORMED_DTYPE)
         tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -265,8 +318,15 @@ def _layer_norm_fwd_looped_kernel(
 #   dx_i = sum_j g_j * d xhat_j / d x_i
 #        = rstd * (g_i - c2 - xhat_i * c1),   c1 = mean_j(g_j * xhat_j),   c2 = mean_j(g_j).
 #
-# So a row needs x, dy, mean, rstd and two row reductions: one pass when the row fits in
-# registers. dw and db sum over rows: each program accumulates the rows it owns in fp32 and
+# RMSNorm (IS_RMS_NORM): xhat_j = x_j * rstd, rstd = (mean_j(x_j^2) + eps)^(-1/2), no bias. The
+# same derivation without the mean: d rstd / d x_i = -rstd^2 * xhat_i / N and
+#   dx_i = rstd * (g_i - xhat_i * c1)     (c2 drops out).
+# Gemma-style (WEIGHT_PLUS_ONE) scales by w' = 1 + w: g_j = dy_j * w'_j, and dw_j is unchanged
+# (d w' / d w = 1). The rounding of xhat to NORMED_DTYPE before the weight multiply is taken as
+# the identity, as autograd takes the stock modules' casts: dw sums dy * xhat in fp32.
+#
+# So a row needs x, dy, mean, rstd and two row reductions (one for RMSNorm): one pass when the
+# row fits in registers. dw and db sum over rows: each program accumulates the rows it owns in fp32 and
 # writes one row of a (G, N) partial buffer; a second step sums the G rows (deterministic, no
 # atomics).
 @triton.jit(do_not_specialize=["M", "rows_per_program"])
@@ -275,7 +335,7 @@ def _layer_norm_bwd_kernel(
     DY,  # (M, N) gradient of y, row stride stride_dy_row
     W,  # (N,) weight, or any valid pointer when HAS_WEIGHT is False
     B,  # (N,) bias, read only when RECOMPUTE_OUTPUT and HAS_BIAS
-    Mean,  # (M,) fp32, from the forward
+    Mean,  # (M,) fp32, from the forward; not read when IS_RMS_NORM
     Rstd,  # (M,) fp32, from the forward
     DX,  # (M, N) output, row stride stride_dx_row
     Y,  # (M, N) output y, written when RECOMPUTE_OUTPUT, row stride stride_y_row
@@ -291,6 +351,9 @@ def _layer_norm_bwd_kernel(
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RECOMPUTE_OUTPUT: tl.constexpr,
+    IS_RMS_NORM: tl.constexpr,
+    NORMED_DTYPE: tl.constexpr,
+    WEIGHT_PLUS_ONE: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows per step
     BLOCK_N: tl.constexpr,  # >= N
     PIPELINE_STAGES: tl.constexpr,  # row blocks in flight, the one being computed included
@@ -301,7 +364,7 @@ def _layer_norm_bwd_kernel(
     col_mask = cols < N
     w = 1.0
     if HAS_WEIGHT:
-        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        w = _load_weight(W, cols, col_mask, WEIGHT_PLUS_ONE)[None, :]
     # 2-D accumulators, reduced over rows once at the end rather than once per step.
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -320,17 +383,23 @@ def _layer_norm_bwd_kernel(
 
         x = tl.load(X + rows64[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + rows64[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(Mean + rows, mask=row_mask, other=0.0)
         rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
 
         # Recompute xhat; zero it in the padding so it adds nothing to the row sums.
-        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if IS_RMS_NORM:
+            xhat = tl.where(mask, x * rstd[:, None], 0.0)
+        else:
+            mean = tl.load(Mean + rows, mask=row_mask, other=0.0)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         g = dy
         if HAS_WEIGHT:
             g = dy * w
         c1 = tl.sum(g * xhat, axis=1) / N
-        c2 = tl.sum(g, axis=1) / N
-        dx = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        if IS_RMS_NORM:
+            dx = (g - xhat * c1[:, None]) * rstd[:, None]
+        else:
+            c2 = tl.sum(g, axis=1) / N
+            dx = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
         tl.store(DX + rows64[:, None] * stride_dx_row + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
 
         if HAS_WEIGHT:
@@ -343,7 +412,7 @@ def _layer_norm_bwd_kernel(
             b = 0.0
             if HAS_BIAS:
                 b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-            y = _affine(xhat, w, b, HAS_WEIGHT, HAS_BIAS)
+            y = _affine(xhat, w, b, HAS_WEIGHT, HAS_BIAS, NORMED_DTYPE)
             tl.store(Y + rows64[:, None] * stride_y_row + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
     partial_offsets = pid.to(tl.int64) * N + cols
@@ -392,14 +461,16 @@ def _layer_norm_bwd_row_sums_kernel(
     X,  # (M, N) forward input, row stride stride_x_row
     DY,  # (M, N) gradient of y, row stride stride_dy_row
     W,  # (N,) weight, or any valid pointer when HAS_WEIGHT is False
-    Mean,  # (M,) fp32
+    Mean,  # (M,) fp32; not read when IS_RMS_NORM
     Rstd,  # (M,) fp32
     C1,  # (M,) fp32 output: mean over the row of g * xhat
-    C2,  # (M,) fp32 output: mean over the row of g
+    C2,  # (M,) fp32 output: mean over the row of g; not written when IS_RMS_NORM
     stride_x_row,
     stride_dy_row,
     N,
     HAS_WEIGHT: tl.constexpr,
+    IS_RMS_NORM: tl.constexpr,
+    WEIGHT_PLUS_ONE: tl.constexpr,
     BLOCK_N: tl.constexpr,  # column chunk; any N
 ):
     # Wide rows, step 1 of 2: the two row reductions of dx, one row per program, looping over
@@ -407,7 +478,9 @@ def _layer_norm_bwd_row_sums_kernel(
     row = tl.program_id(0).to(tl.int64)
     X += row * stride_x_row
     DY += row * stride_dy_row
-    mean = tl.load(Mean + row)
+    mean = 0.0
+    if not IS_RMS_NORM:
+        mean = tl.load(Mean + row)
     rstd = tl.load(Rstd + row)
     c1_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     c2_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -419,11 +492,13 @@ def _layer_norm_bwd_row_sums_kernel(
         xhat = tl.where(mask, (x - mean) * rstd, 0.0)
         g = dy
         if HAS_WEIGHT:
-            g = dy * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+            g = dy * _load_weight(W, cols, mask, WEIGHT_PLUS_ONE)
         c1_acc += g * xhat
-        c2_acc += g
+        if not IS_RMS_NORM:
+            c2_acc += g
     tl.store(C1 + row, tl.sum(c1_acc, axis=0) / N)
-    tl.store(C2 + row, tl.sum(c2_acc, axis=0) / N)
+    if not IS_RMS_NORM:
+        tl.store(C2 + row, tl.sum(c2_acc, axis=0) / N)
 
 
 @triton.jit(do_not_specialize=["M", "rows_per_program"])
@@ -432,10 +507,10 @@ def _layer_norm_bwd_chunked_kernel(
     DY,  # (M, N) gradient of y, row stride stride_dy_row
     W,  # (N,) weight, or any valid pointer when HAS_WEIGHT is False
     B,  # (N,) bias, read only when RECOMPUTE_OUTPUT and HAS_BIAS
-    Mean,  # (M,) fp32
+    Mean,  # (M,) fp32; not read when IS_RMS_NORM
     Rstd,  # (M,) fp32
     C1,  # (M,) fp32, from _layer_norm_bwd_row_sums_kernel
-    C2,  # (M,) fp32, from _layer_norm_bwd_row_sums_kernel
+    C2,  # (M,) fp32, from _layer_norm_bwd_row_sums_kernel; not read when IS_RMS_NORM
     DX,  # (M, N) output, row stride stride_dx_row
     Y,  # (M, N) output y, written when RECOMPUTE_OUTPUT, row stride stride_y_row
     DW_partial,  # (G, N) fp32 output
@@ -450,6 +525,9 @@ def _layer_norm_bwd_chunked_kernel(
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RECOMPUTE_OUTPUT: tl.constexpr,
+    IS_RMS_NORM: tl.constexpr,
+    NORMED_DTYPE: tl.constexpr,
+    WEIGHT_PLUS_ONE: tl.constexpr,
     BLOCK_N: tl.constexpr,  # column chunk
 ):
     # Wide rows, step 2 of 2: grid (G, cdiv(N, BLOCK_N)). Program (g, j) owns the rows of group g
@@ -461,7 +539,7 @@ def _layer_norm_bwd_chunked_kernel(
     w = 1.0
     b = 0.0
     if HAS_WEIGHT:
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        w = _load_weight(W, cols, mask, WEIGHT_PLUS_ONE)
     if RECOMPUTE_OUTPUT and HAS_BIAS:
         b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -473,16 +551,20 @@ def _layer_norm_bwd_chunked_kernel(
     for row in range(row_start, row_end):
         x = tl.load(X + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + row * stride_dy_row + cols, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(Mean + row)
         rstd = tl.load(Rstd + row)
         c1 = tl.load(C1 + row)
-        c2 = tl.load(C2 + row)
-
-        xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+        if IS_RMS_NORM:
+            xhat = tl.where(mask, x * rstd, 0.0)
+        else:
+            mean = tl.load(Mean + row)
+            xhat = tl.where(mask, (x - mean) * rstd, 0.0)
         g = dy
         if HAS_WEIGHT:
             g = dy * w
-        dx = (g - (xhat * c1 + c2)) * rstd
+        if IS_RMS_NORM:
+            dx = (g - xhat * c1) * rstd
+        else:
+            dx = (g - (xhat * c1 + tl.load(C2 + row))) * rstd
         tl.store(DX + row * stride_dx_row + cols, dx.to(DX.dtype.element_ty), mask=mask)
 
         if HAS_WEIGHT:
@@ -490,7 +572,7 @@ def _layer_norm_bwd_chunked_kernel(
         if HAS_BIAS:
             db_acc += dy
         if RECOMPUTE_OUTPUT:
-            y = _affine(xhat, w, b, HAS_WEIGHT, HAS_BIAS)
+            y = _affine(xhat, w, b, HAS_WEIGHT, HAS_BIAS, NORMED_DTYPE)
             tl.store(Y + row * stride_y_row + cols, y.to(Y.dtype.element_ty), mask=mask)
 
     partial_offsets = pid.to(tl.int64) * N + cols
@@ -503,6 +585,52 @@ def _layer_norm_bwd_chunked_kernel(
 # ---------------------------------------------------------------------------------------------
 # 4. Launchers
 # ---------------------------------------------------------------------------------------------
+class _Mode(NamedTuple):
+    """What the kernels compute: LayerNorm (the defaults) or one RMSNorm style (section 2)."""
+
+    rms: bool = False
+    normed_dtype: torch.dtype = torch.float32  # xhat is rounded to this before the weight multiply
+    weight_plus_one: bool = False
+
+    def constexprs(self):
+        return dict(IS_RMS_NORM=self.rms, NORMED_DTYPE=_TRITON_DTYPES[self.normed_dtype],
+                    WEIGHT_PLUS_ONE=self.weight_plus_one)
+
+
+_TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_LAYER_NORM = _Mode()
+RMS_NORM_STYLES = ("torch", "llama", "gemma", "t5")
+
+
+def _rms_norm_mode(style, x_dtype, weight):
+    """(mode, y dtype) of an RMSNorm style: the roundings of its stock module, every product in fp32.
+
+    torch  torch.nn.RMSNorm / F.rms_norm: y = (xhat * w) cast to x's dtype.
+    llama  LlamaRMSNorm: xhat cast to x's dtype, then w * that in the promoted dtype of w and x.
+    gemma  GemmaRMSNorm: y = (xhat * (1 + w)) cast to x's dtype, 1 + w formed in fp32.
+    t5     T5LayerNorm: xhat cast to w's dtype when that is fp16/bf16, then w * that, in w's dtype.
+    """
+    check_choice("style", style, RMS_NORM_STYLES)
+    if weight is None:
+        if style != "torch":
+            raise ValueError(f"weight is required for style {style!r} (its stock module always has one)")
+        return _Mode(rms=True), x_dtype
+    if style == "torch":
+        return _Mode(rms=True), x_dtype
+    if style == "llama":
+        return _Mode(rms=True, normed_dtype=x_dtype), torch.promote_types(x_dtype, weight.dtype)
+    if style == "gemma":
+        return _Mode(rms=True, weight_plus_one=True), x_dtype
+    half_weight = weight.dtype in (torch.float16, torch.bfloat16)
+    return _Mode(rms=True, normed_dtype=weight.dtype if half_weight else torch.float32), weight.dtype
+
+
+def _check_rms_norm_inputs(x, weight):
+    check_float_tensor("x", x, dims=2)
+    if weight is not None:
+        check_float_tensor("weight", weight, shape=(x.shape[1],), like=("x", x))
+
+
 @on_input_device
 def layer_norm_fwd(x, weight, bias, eps):
     """LayerNorm over the last dim of a 2-D x.
@@ -510,26 +638,50 @@ def layer_norm_fwd(x, weight, bias, eps):
     x (M, N), unit column stride, any row stride; weight, bias (N,) or None, any float dtype.
     Returns y (M, N) contiguous in x.dtype, and mean, rstd (M,) fp32.
     """
+    return _norm_fwd(x, weight, bias, eps, _LAYER_NORM, x.dtype)
+
+
+@on_input_device
+def rms_norm_fwd(x, weight, eps, style):
+    """RMSNorm over the last dim of a 2-D x, rounded as the stock module of `style` rounds it.
+
+    x (M, N), unit column stride, any row stride; weight (N,) in any float dtype, or None (style
+    "torch" only); eps a float (torch's eps=None stands for finfo(float32).eps for every input
+    dtype but float64: the caller resolves it). style: see _rms_norm_mode.
+    Returns y (M, N) contiguous in the style's output dtype (x's, but for "llama" and "t5" with
+    a weight of another dtype), and rstd (M,) fp32: all that the backward needs besides x.
+    """
+    _check_rms_norm_inputs(x, weight)
+    check_eps(eps)
+    mode, y_dtype = _rms_norm_mode(style, x.dtype, weight)
+    y, _, rstd = _norm_fwd(x, weight, None, eps, mode, y_dtype)
+    return y, rstd
+
+
+def _norm_fwd(x, weight, bias, eps, mode, y_dtype):
+    """(y, mean, rstd); mean is an empty tensor for RMSNorm."""
     x = unit_last_stride(x)
     M, N = x.shape
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    mean = torch.empty((M,), dtype=torch.float32, device=x.device)
+    y = torch.empty((M, N), dtype=y_dtype, device=x.device)
+    mean = torch.empty((0,) if mode.rms else (M,), dtype=torch.float32, device=x.device)
     rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M == 0 or N == 0:
         return y, mean, rstd
-    # An absent weight or bias is compiled out (HAS_WEIGHT/HAS_BIAS); pass x as a placeholder.
+    # An absent weight, bias or mean is compiled out (HAS_WEIGHT/HAS_BIAS/IS_RMS_NORM); pass
+    # another tensor as a placeholder.
     w = weight.contiguous() if weight is not None else x
     b = bias.contiguous() if bias is not None else x
-    common = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
+    mean_arg = rstd if mode.rms else mean
+    common = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, **mode.constexprs())
     if N <= max_fused_n_fwd(x.dtype):
         block_m, block_n, warps = _fwd_config(N, x.dtype)
         _layer_norm_fwd_kernel[(cdiv(M, block_m),)](
-            x, y, w, b, mean, rstd, x.stride(0), y.stride(0), M, N, eps,
+            x, y, w, b, mean_arg, rstd, x.stride(0), y.stride(0), M, N, eps,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **common,
         )
     else:
         _layer_norm_fwd_looped_kernel[(M,)](
-            x, y, w, b, mean, rstd, x.stride(0), y.stride(0), N, eps,
+            x, y, w, b, mean_arg, rstd, x.stride(0), y.stride(0), N, eps,
             BLOCK_N=CHUNK_N, num_warps=CHUNK_WARPS, **common,
         )
     return y, mean, rstd
@@ -555,12 +707,34 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd, recompute_output):
     dtype (empty tensors of x.dtype when the parameter is None; zeros when M == 0); y the forward
     output recomputed bitwise equal when recompute_output, else an empty tensor.
     """
+    return _norm_bwd(dy, x, weight, bias, mean, rstd, recompute_output, _LAYER_NORM, x.dtype)
+
+
+@on_input_device
+def rms_norm_bwd(dy, x, weight, rstd, style, recompute_output):
+    """Gradients of rms_norm_fwd, recomputing xhat = x * rstd from x and the forward's rstd.
+
+    dy (M, N) in y's dtype, unit column stride. Returns (dx, dw, y): dx (M, N) contiguous in
+    x.dtype; dw (N,) in weight's dtype (an empty tensor of x.dtype without a weight; zeros when
+    M == 0), summed deterministically; y the forward output recomputed bitwise equal when
+    recompute_output (for the weight gradient of a Linear that consumes it), else empty.
+    """
+    _check_rms_norm_inputs(x, weight)
+    check_float_tensor("dy", dy, shape=x.shape, like=("x", x))
+    check_float_tensor("rstd", rstd, shape=(x.shape[0],), like=("x", x), dtypes=(torch.float32,))
+    mode, y_dtype = _rms_norm_mode(style, x.dtype, weight)
+    dx, dw, _, y = _norm_bwd(dy, x, weight, None, None, rstd, recompute_output, mode, y_dtype)
+    return dx, dw, y
+
+
+def _norm_bwd(dy, x, weight, bias, mean, rstd, recompute_output, mode, y_dtype):
+    """(dx, dw, db, y); mean is None for RMSNorm."""
     x = unit_last_stride(x)
     dy = unit_last_stride(dy)
     M, N = x.shape
     device = x.device
     dx = torch.empty((M, N), dtype=x.dtype, device=device)
-    y = torch.empty((M, N) if recompute_output else (0,), dtype=x.dtype, device=device)
+    y = torch.empty((M, N) if recompute_output else (0,), dtype=y_dtype, device=device)
     has_w, has_b = weight is not None, bias is not None
     if M == 0 or N == 0:
         dw = (torch.zeros((N,), dtype=weight.dtype, device=device) if has_w
@@ -569,12 +743,12 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd, recompute_output):
               else torch.empty(0, dtype=x.dtype, device=device))
         return dx, dw, db, y
 
-    mean = mean.contiguous()
     rstd = rstd.contiguous()
+    mean = rstd if mode.rms else mean.contiguous()  # a placeholder in RMSNorm mode, never read
     w = weight.contiguous() if has_w else x
     b = bias.contiguous() if has_b else x
     y_arg = y if recompute_output else dx  # placeholder pointer; never written when not recomputing
-    common = dict(HAS_WEIGHT=has_w, HAS_BIAS=has_b, RECOMPUTE_OUTPUT=bool(recompute_output))
+    common = dict(HAS_WEIGHT=has_w, HAS_BIAS=has_b, RECOMPUTE_OUTPUT=bool(recompute_output), **mode.constexprs())
     sms = num_sms(device)
 
     if N <= MAX_FUSED_N_BWD_UNALIGNED or (N <= MAX_FUSED_N_BWD and _rows_vectorize(N, x, dy)):
@@ -582,20 +756,21 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd, recompute_output):
         groups, rows_per_program = _persistent_groups(M, block_m, sms * max(1, BWD_WARPS_PER_SM // warps))
         dw_partial = torch.empty((groups, N) if has_w else (0,), dtype=torch.float32, device=device)
         db_partial = torch.empty((groups, N) if has_b else (0,), dtype=torch.float32, device=device)
+        stages = _bwd_pipeline_stages(block_m, block_n, x.dtype, dy.dtype)
         _layer_norm_bwd_kernel[(groups,)](
             x, dy, w, b, mean, rstd, dx, y_arg,
             dw_partial if has_w else dx, db_partial if has_b else dx,
             x.stride(0), dy.stride(0), dx.stride(0), y_arg.stride(0) if recompute_output else N,
             M, N, rows_per_program,
-            BLOCK_M=block_m, BLOCK_N=block_n, PIPELINE_STAGES=_bwd_pipeline_stages(block_m, block_n, x.dtype),
-            num_warps=warps, **common,
+            BLOCK_M=block_m, BLOCK_N=block_n, PIPELINE_STAGES=stages, num_warps=warps, **common,
         )
     else:
         c1 = torch.empty((M,), dtype=torch.float32, device=device)
-        c2 = torch.empty((M,), dtype=torch.float32, device=device)
+        c2 = c1 if mode.rms else torch.empty((M,), dtype=torch.float32, device=device)  # RMSNorm: unused
         _layer_norm_bwd_row_sums_kernel[(M,)](
             x, dy, w, mean, rstd, c1, c2, x.stride(0), dy.stride(0), N,
-            HAS_WEIGHT=has_w, BLOCK_N=CHUNK_N, num_warps=CHUNK_WARPS,
+            HAS_WEIGHT=has_w, IS_RMS_NORM=mode.rms, WEIGHT_PLUS_ONE=mode.weight_plus_one,
+            BLOCK_N=CHUNK_N, num_warps=CHUNK_WARPS,
         )
         col_blocks = cdiv(N, CHUNK_N)
         programs = max(1, sms * max(1, BWD_WARPS_PER_SM // CHUNK_WARPS) // col_blocks)
@@ -671,7 +846,8 @@ def aot_cases():
     """Launches covering every kernel variant the launchers above can run on a GPU: each dtype pair
     (bf16 stands for fp16, same code), weight and bias both present (the most registers) or both
     absent, recompute or not, every BLOCK_N and the looped paths, each at a 16-divisible and a
-    ragged width. Keys: name, launch, divisible, block_n (an int, or "looped")."""
+    ragged width; then the RMSNorm variants (rms_norm_aot_cases). Keys: name, launch, divisible,
+    block_n (an int, or "looped")."""
     cases = []
     for x_dtype, p_dtype in _DTYPE_PAIRS:
         for affine in (True, False) if p_dtype == x_dtype else (True,):
@@ -686,4 +862,53 @@ def aot_cases():
                         launch=functools.partial(_aot_launch, width, divisible, x_dtype, p_dtype, affine, recompute),
                         divisible=divisible, block_n=block,
                     ))
+    return cases + rms_norm_aot_cases()
+
+
+# RMSNorm: each distinct compiled variant (the styles' modes and output dtypes over the dtype pairs,
+# one style standing for those that compile alike). The mode adds a cast or an add per element to
+# LayerNorm's code and drops the mean: every BLOCK_N is compiled for the plain torch style, the
+# other variants at the widths where registers and shared memory are tightest (the widest fused
+# blocks, aligned and not) and on the looped paths.
+def _rms_norm_variants():
+    """(style, x dtype, weight dtype or None) of every distinct RMSNorm kernel variant."""
+    variants = {}
+    for style in RMS_NORM_STYLES:
+        for x_dtype, w_dtype in [(torch.bfloat16, None), *_DTYPE_PAIRS]:
+            if w_dtype is None and style != "torch":
+                continue
+            weight = torch.empty(0, dtype=w_dtype) if w_dtype is not None else None
+            variants.setdefault((x_dtype, w_dtype, _rms_norm_mode(style, x_dtype, weight)), (style, x_dtype, w_dtype))
+    return list(variants.values())
+
+
+def _rms_aot_launch(width, divisible, x_dtype, w_dtype, style, recompute):
+    """rms_norm_fwd (recompute None) or rms_norm_bwd on CPU tensors of `width` columns."""
+    rows = 64 if divisible else 67
+    x = torch.empty((rows, width), dtype=x_dtype)
+    w = torch.empty((width,), dtype=w_dtype) if w_dtype is not None else None
+    if recompute is None:
+        rms_norm_fwd(x, w, 1e-6, style)
+    else:
+        _, y_dtype = _rms_norm_mode(style, x_dtype, w)
+        rms_norm_bwd(torch.empty((rows, width), dtype=y_dtype), x, w, torch.empty((rows,)), style, recompute)
+
+
+def rms_norm_aot_cases():
+    """The RMSNorm launches, keyed as aot_cases()'s."""
+    cases = []
+    for style, x_dtype, w_dtype in _rms_norm_variants():
+        every_block = (style, x_dtype, w_dtype) == ("torch", torch.bfloat16, torch.bfloat16)
+        limits = {"fwd": (max_fused_n_fwd(x_dtype),) * 2, "bwd": (MAX_FUSED_N_BWD, MAX_FUSED_N_BWD_UNALIGNED)}
+        for direction, recompute in (("fwd", None), ("bwd", False), ("bwd", True)):
+            for block, width, divisible in _aot_widths(*limits[direction]):
+                if not (every_block or block == "looped" or block in limits[direction]):
+                    continue
+                params = TYPE_NAMES[w_dtype] if w_dtype is not None else "none"
+                rec = "" if recompute is None else f"_rec{int(recompute)}"
+                cases.append(dict(
+                    name=f"rms_{style}_{direction}_x{TYPE_NAMES[x_dtype]}_w{params}{rec}_BN{block}_N{width}",
+                    launch=functools.partial(_rms_aot_launch, width, divisible, x_dtype, w_dtype, style, recompute),
+                    divisible=divisible, block_n=block,
+                ))
     return cases
