@@ -5,12 +5,14 @@ from ._backend import backends, get_backend, set_backend, use_backend
 from .convert import convert, revert
 from .ops.attention import attention
 from .ops.fused import layer_norm_linear, mlp
+from .ops.gated import gated_activation
 from .ops.gelu import gelu
 from .ops.layer_norm import layer_norm
+from .ops.rms_norm import rms_norm
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "backends", "convert", "gelu", "get_backend", "layer_norm", "layer_norm_linear", "mlp",
-    "nn", "ops", "revert", "set_backend", "use_backend",
+    "attention", "backends", "convert", "gated_activation", "gelu", "get_backend", "layer_norm", "layer_norm_linear", "mlp",
+    "nn", "ops", "revert", "rms_norm", "set_backend", "use_backend",
 ]

@@ -19,6 +19,12 @@ def check_float_tensor(name, value, dtypes=FLOAT_DTYPES):
         raise TypeError(f"{name} must have dtype {_dtype_names(dtypes)}, got {value.dtype}")
 
 
+def check_choice(name, value, choices):
+    """`value` must be one of `choices` (names, such as a style or an activation)."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
 def check_same_device(name, value, reference_name, reference):
     if value.device != reference.device:
         raise ValueError(

@@ -1,22 +1,27 @@
 """The vocabulary of the fused layers, shared by remat.ops.fused, remat.nn, remat.convert and its
 Hugging Face families: a norm, an activation, Linears with their LoRA adapters.
 
-    Norm(weight, bias, eps, kind)     kind "layer_norm" (the kinds the fused ops take)
-    Activation(name, gated)           name "gelu" (exact) or "gelu_tanh"; gated: act(gate) * up
-    Linear(weight, bias, adapters)    F.linear(x, weight, bias) + Σ LoRA terms; weight (out, in)
-    LoRA(a, b, b_bias, scale)         F.linear(F.linear(x, a), b, b_bias) * scale (peft's order)
+    Norm(weight, bias, eps, kind, style)  kind "layer_norm", or "rms_norm" rounded as `style` rounds it
+                                          (remat.ops.rms_norm.STYLES; bias None)
+    Activation(name, gated)               a GELU ("gelu" exact, "gelu_tanh", "gelu_quick"), or with
+                                          gated=True act(gate) * up for "silu", "gelu", "gelu_tanh"
+    Linear(weight, bias, adapters)        F.linear(x, weight, bias) + Σ LoRA terms; weight (out, in)
+    LoRA(a, b, b_bias, scale)             F.linear(F.linear(x, a), b, b_bias) * scale (peft's order)
 """
 
 import collections
 
 LoRA = collections.namedtuple("LoRA", "a b b_bias scale")
 Linear = collections.namedtuple("Linear", "weight bias adapters", defaults=(None, ()))
-Norm = collections.namedtuple("Norm", "weight bias eps kind", defaults=(None, None, 1e-5, "layer_norm"))
+Norm = collections.namedtuple("Norm", "weight bias eps kind style", defaults=(None, None, 1e-5, "layer_norm", None))
 Activation = collections.namedtuple("Activation", "name gated", defaults=(False,))
 
-NORM_KINDS = ("layer_norm",)
+NORM_KINDS = ("layer_norm", "rms_norm")
+RMS_NORM_STYLES = ("torch", "llama", "gemma", "t5")  # remat.ops.rms_norm.STYLES
 # Activation name -> the GELU kernels' `approximate`.
-GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
+GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh", "gelu_quick": "quick"}
+# The activations of the gated kernels (remat.ops.gated.ACTIVATIONS).
+GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
 def norm_of(module):
@@ -25,19 +30,22 @@ def norm_of(module):
 
 
 def gelu(approximate):
-    """The Activation of a GELU with torch's `approximate` ("none" or "tanh")."""
-    return Activation("gelu_tanh" if approximate == "tanh" else "gelu")
+    """The Activation of a GELU with the GELU kernels' `approximate` ("none", "tanh" or "quick")."""
+    return Activation({approximate: name for name, approximate in GELU_APPROXIMATE.items()}[approximate])
 
 
 def check_activation(act):
-    """The GELU kernels' approximate for `act`, an Activation the fused MLP computes; else a ValueError."""
-    if not isinstance(act, Activation) or act.name not in GELU_APPROXIMATE or act.gated:
-        raise ValueError(f"act must be Activation(name, gated=False) with name one of {tuple(GELU_APPROXIMATE)}, "
-                         f"got {act!r}")
-    return GELU_APPROXIMATE[act.name]
+    """`act` if it is an Activation the fused MLP computes, else a ValueError."""
+    if not isinstance(act, Activation) or act.name not in (GATED_ACTIVATIONS if act.gated else GELU_APPROXIMATE):
+        raise ValueError(f"act must be Activation(name) with name one of {tuple(GELU_APPROXIMATE)}, or "
+                         f"Activation(name, gated=True) with name one of {GATED_ACTIVATIONS}, got {act!r}")
+    return act
 
 
 def check_norm(norm):
     if not isinstance(norm, Norm) or norm.kind not in NORM_KINDS:
-        raise ValueError(f"norm must be a Norm(weight, bias, eps, kind) with kind one of {NORM_KINDS}, got {norm!r}")
+        raise ValueError(f"norm must be a Norm(weight, bias, eps, kind, style) with kind one of {NORM_KINDS}, "
+                         f"got {norm!r}")
+    if norm.kind == "rms_norm" and (norm.style not in RMS_NORM_STYLES or norm.bias is not None):
+        raise ValueError(f"an rms_norm Norm has no bias and a style, one of {RMS_NORM_STYLES}, got {norm!r}")
     return norm

@@ -34,8 +34,10 @@ from .._validate import (
     rows_with_unit_stride,
 )
 from ..specs import GELU_APPROXIMATE, Activation, Linear, LoRA, Norm, check_activation, check_norm, gelu
+from .gated import gated_bwd, gated_fwd
 from .gelu import check_approximate, gelu_bwd, gelu_fwd
 from .layer_norm import layer_norm_bwd, layer_norm_fwd
+from .rms_norm import check_style, rms_norm_bwd, rms_norm_fwd
 
 __all__ = ["Activation", "Linear", "LoRA", "Norm", "layer_norm_linear", "mlp", "norm_linears", "fused_mlp"]
 
@@ -104,21 +106,28 @@ def _finish_adapter_grads(grads, adapters, d_ts, inp, needs):
 
 
 # What the fused ops compute of a remat.specs.Norm besides its tensors.
-_NormLayout = collections.namedtuple("_NormLayout", "kind eps")
+_NormLayout = collections.namedtuple("_NormLayout", "kind eps style")
 
 
 def _norm_layout(norm):
-    return _NormLayout(norm.kind, float(norm.eps))
+    return _NormLayout(norm.kind, float(norm.eps), norm.style)
 
 
 def _norm_forward(layout, x, weight, bias):
-    """(norm(x), its fp32 row statistics: (mean, rstd) for a LayerNorm)."""
+    """(norm(x), its fp32 row statistics: (mean, rstd) for a LayerNorm, (rstd,) for an RMSNorm)."""
+    if layout.kind == "rms_norm":
+        # Llama's and T5's styles give a float32 weight's dtype: the Linears read x's, as autocast casts it
+        y, rstd = rms_norm_fwd(x, weight, layout.eps, layout.style)
+        return y.to(x.dtype), (rstd,)
     y, mean, rstd = layer_norm_fwd(x, weight, bias, layout.eps)
     return y, (mean, rstd)
 
 
 def _norm_backward(layout, dy, x, weight, bias, stats, rebuild):
     """(dx, d weight, d bias, norm(x) rebuilt when `rebuild`, else None) from x and its statistics."""
+    if layout.kind == "rms_norm":
+        dx, d_weight, rebuilt = rms_norm_bwd(dy, x, weight, *stats, layout.style, rebuild)
+        return dx, d_weight, None, rebuilt.to(x.dtype) if rebuild else None
     dx, d_weight, d_bias, rebuilt = layer_norm_bwd(dy, x, weight, bias, *stats, rebuild)
     return dx, d_weight, d_bias, rebuilt if rebuild else None
 
@@ -226,13 +235,29 @@ def _bias_in_kernel(act, ups):
     return ups[0].bias if not act.gated and not ups[0].adapters else None
 
 
+def _gate_and_up(hs):
+    """(gate, up) from the up projections' outputs: [gate, up], or [gate ∥ up], one tensor whose
+    halves are read in place (a fused gate_up projection, gate first)."""
+    if len(hs) == 2:
+        return hs
+    width = hs[0].shape[1] // 2
+    return hs[0][:, :width], hs[0][:, width:]
+
+
 def _activation_forward(act, hs, bias):
-    """act over the up projections' outputs hs ([h]: gelu(h + bias))."""
+    """act over the up projections' outputs hs: gelu(h + bias) of [h], or act(gate) * up."""
+    if act.gated:
+        return gated_fwd(*_gate_and_up(hs), act.name, True)
     return gelu_fwd(hs[0], bias, GELU_APPROXIMATE[act.name])
 
 
 def _activation_backward(act, d_activation, hs, bias, rebuild):
     """([d h] per up projection output, d bias (None without it), the rebuilt activation or None)."""
+    if act.gated:
+        d_gate_up, rebuilt = gated_bwd(d_activation, *_gate_and_up(hs), act.name, rebuild, True)
+        width = d_gate_up.shape[1] // 2
+        d_hs = [d_gate_up[:, :width], d_gate_up[:, width:]] if len(hs) == 2 else [d_gate_up]
+        return d_hs, None, rebuilt if rebuild else None
     dh, d_bias, rebuilt = gelu_bwd(d_activation, hs[0], bias, GELU_APPROXIMATE[act.name], rebuild)
     return [dh], d_bias if bias is not None else None, rebuilt if rebuild else None
 
@@ -418,10 +443,12 @@ def _check_width_against_norm(x, norm_weight, weight):
         check_input_width(x, width, "the width of the LayerNorm and of the Linear after it")
 
 
-def _check_norm_params(norm_weight, norm_bias, width, x, eps):
-    check_optional_param("norm_weight", norm_weight, (width,), "x", x)
-    check_optional_param("norm_bias", norm_bias, (width,), "x", x)
-    check_eps(eps)
+def _check_norm_params(norm, width, x):
+    check_optional_param("norm_weight", norm.weight, (width,), "x", x)
+    check_optional_param("norm_bias", norm.bias, (width,), "x", x)
+    check_eps(norm.eps)
+    if norm.kind == "rms_norm":
+        check_style(norm.style, norm.weight)
 
 
 def _contiguous(*params):
@@ -474,7 +501,7 @@ def norm_linears(x, norm, linears, recompute=True):
         [(f"linears[{i}].weight", f"linears[{i}].bias", f"linears[{i}].adapters") for i in range(len(linears))]
     rows = _rows(x)
     _check_width_against_norm(x, norm.weight, linears[0].weight)
-    _check_norm_params(norm.weight, norm.bias, x.shape[-1], x, norm.eps)
+    _check_norm_params(norm, x.shape[-1], x)
     tensors, layout = [], []
     for linear, (weight_name, bias_name, adapters_name) in zip(linears, names):
         _check_linear(weight_name, linear.weight, bias_name, linear.bias, x.shape[-1], x)
@@ -488,41 +515,77 @@ def norm_linears(x, norm, linears, recompute=True):
     return [out.view(*x.shape[:-1], linear.weight.shape[0]) for out, linear in zip(outs, linears)]
 
 
+def _up_projections(fc1, act):
+    """fc1 as a list of up projections: [fc1], or for a gated act [gate, up] from a (gate, up) pair
+    (a single Linear then holds gate ∥ up, gate first, as Phi-3's gate_up_proj)."""
+    if act.gated and isinstance(fc1, (tuple, list)) and not isinstance(fc1, Linear):
+        if len(fc1) != 2 or not all(isinstance(lin, Linear) for lin in fc1):
+            raise TypeError(f"fc1 must be a remat.specs.Linear or a (gate, up) pair of them, got {fc1!r}")
+        return list(fc1), ("gate", "up")
+    if not isinstance(fc1, Linear):
+        raise TypeError(f"fc1 must be a remat.specs.Linear(weight, bias, adapters), got {type(fc1).__name__}")
+    return [fc1], ("fc1",)
+
+
 def fused_mlp(x, fc1, act, fc2, norm=None, recompute=True):
     """fc2(act(fc1(x))), with `norm` (a remat.specs.Norm) applied to x first when given; fc1 and fc2 are
-    remat.specs.Linear, with their LoRA adapters; act a remat.specs.Activation (a GELU).
+    remat.specs.Linear, with their LoRA adapters; act a remat.specs.Activation.
 
-    Autograd keeps x, the fc1 output h (and fp32 mean/rstd with the norm, and each adapter's rank-r
-    intermediate), and rebuilds act(h) (and norm(x)) in the backward.
+    A gated act computes fc2(act(gate(x)) * up(x)): fc1 is then a (gate, up) pair of Linears, or one
+    Linear whose output holds gate then up (a fused gate_up projection, as Phi-3's).
+
+    Autograd keeps x, the fc1 output h (gate and up when gated; and fp32 norm statistics with the
+    norm, and each adapter's rank-r intermediate), and rebuilds act(h) (and norm(x)) in the backward.
     """
     check_float_tensor("x", x)
     check_activation(act)
-    for name, linear in (("fc1", fc1), ("fc2", fc2)):
-        if not isinstance(linear, Linear):
-            raise TypeError(f"{name} must be a remat.specs.Linear(weight, bias, adapters), got {type(linear).__name__}")
+    ups, names = _up_projections(fc1, act)
+    if not isinstance(fc2, Linear):
+        raise TypeError(f"fc2 must be a remat.specs.Linear(weight, bias, adapters), got {type(fc2).__name__}")
     if norm is not None:
         check_norm(norm)
     if autocast_dtype(x.device.type) is not None:
         dtype = autocast_dtype(x.device.type)
         with torch.autocast(x.device.type, enabled=False):
-            fc1, fc2 = _cast_linears(dtype, [fc1, fc2])
-            return fused_mlp(cast_for_autocast(dtype, x)[0], fc1, act, fc2, norm, recompute)
+            *ups, fc2 = _cast_linears(dtype, [*ups, fc2])
+            return fused_mlp(cast_for_autocast(dtype, x)[0], ups if len(ups) == 2 else ups[0], act, fc2, norm,
+                             recompute)
     rows = _rows(x)
-    (w1, b1, fc1_adapters), (w2, b2, fc2_adapters) = fc1, fc2
     if norm is not None:
-        _check_width_against_norm(x, norm.weight, w1)
-        _check_norm_params(norm.weight, norm.bias, x.shape[-1], x, norm.eps)
-    _check_linear("w1", w1, "b1", b1, x.shape[-1], x)
-    _check_linear("w2", w2, "b2", b2, w1.shape[0], x)
-    _check_adapters("fc1_adapters", fc1_adapters, w1, x)
-    _check_adapters("fc2_adapters", fc2_adapters, w2, x)
-    norm_weight, norm_bias, b1 = _contiguous(norm.weight if norm else None, norm.bias if norm else None, b1)
-    fc1_flat, fc1_scales = _flatten(fc1_adapters)
-    fc2_flat, fc2_scales = _flatten(fc2_adapters)
-    layout = _MLPLayout(_norm_layout(norm) if norm is not None else None, act, bool(recompute),
-                        (fc1_scales, fc2_scales))
-    out = _MLP.apply(layout, rows, norm_weight, norm_bias, w1, b1, *fc1_flat, w2, b2, *fc2_flat)
-    return out.view(*x.shape[:-1], w2.shape[0])
+        _check_width_against_norm(x, norm.weight, ups[0].weight)
+        _check_norm_params(norm, x.shape[-1], x)
+    labels = [("w1", "b1", "fc1_adapters")] if names == ("fc1",) else \
+        [(f"{n}.weight", f"{n}.bias", f"{n}.adapters") for n in names]
+    for up, (weight_name, bias_name, adapters_name) in zip(ups, labels):
+        _check_linear(weight_name, up.weight, bias_name, up.bias, x.shape[-1], x)
+        _check_adapters(adapters_name, up.adapters, up.weight, x)
+    hidden = _activation_width(act, ups)
+    _check_linear("w2", fc2.weight, "b2", fc2.bias, hidden, x)
+    _check_adapters("fc2_adapters", fc2.adapters, fc2.weight, x)
+    norm_weight, norm_bias = _contiguous(norm.weight if norm else None, norm.bias if norm else None)
+    tensors, scales = [], []
+    for linear in (*ups, fc2):
+        flat, linear_scales = _flatten(linear.adapters)
+        tensors += [linear.weight, *_contiguous(linear.bias), *flat]  # a bias may go to the GELU kernel
+        scales.append(linear_scales)
+    layout = _MLPLayout(_norm_layout(norm) if norm is not None else None, act, bool(recompute), tuple(scales))
+    out = _MLP.apply(layout, rows, norm_weight, norm_bias, *tensors)
+    return out.view(*x.shape[:-1], fc2.weight.shape[0])
+
+
+def _activation_width(act, ups):
+    """The width of act's output: the up projection's, or a gate's (the half of a fused gate ∥ up)."""
+    if not act.gated:
+        return ups[0].weight.shape[0]
+    if len(ups) == 2:
+        if ups[0].weight.shape != ups[1].weight.shape:
+            raise ValueError(f"gate and up must have the same shape, got {tuple(ups[0].weight.shape)} and "
+                             f"{tuple(ups[1].weight.shape)}")
+        return ups[0].weight.shape[0]
+    if ups[0].weight.shape[0] % 2:
+        raise ValueError(f"a fused gate_up projection has an even number of outputs (gate, then up), "
+                         f"got {ups[0].weight.shape[0]}")
+    return ups[0].weight.shape[0] // 2
 
 
 # ---------------------------------------------------------------------------------------------

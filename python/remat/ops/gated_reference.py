@@ -11,7 +11,7 @@ gelu_fwd_ref / gelu_bwd_ref (an optional bias added first).
 
 import torch
 
-from .gelu import _gelu_and_derivative, _pre_activation
+from .gelu import _pre_activation, gelu_and_derivative
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 QUICK_GELU_SCALE = 1.702
@@ -32,9 +32,9 @@ def activation_and_derivative(h, activation):
     if activation == "silu":
         return _scaled_sigmoid_gated(h, 1.0)
     if activation == "gelu":
-        return _gelu_and_derivative(h, "none")
+        return gelu_and_derivative(h, "none")
     if activation == "gelu_tanh":
-        return _gelu_and_derivative(h, "tanh")
+        return gelu_and_derivative(h, "tanh")
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 

@@ -16,7 +16,8 @@ from .. import _backend
 from .._validate import check_float_tensor, check_optional_param, rows_with_unit_stride
 from ._family import OpFamily, OpSamples, PublicCall, grad_leaves
 
-APPROXIMATIONS = ("none", "tanh")
+# "quick" is QuickGELU, h·σ(1.702h) (CLIP, and transformers' "quick_gelu").
+APPROXIMATIONS = ("none", "tanh", "quick")
 
 # ---------------------------------------------------------------------------------------------
 # Reference: plain PyTorch, in fp32 (or float64 when given float64).
@@ -24,6 +25,7 @@ APPROXIMATIONS = ("none", "tanh")
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _TANH_CUBIC = 0.044715
+_QUICK_SCALE = 1.702
 
 
 def _pre_activation(x, bias):
@@ -32,13 +34,17 @@ def _pre_activation(x, bias):
     return h + bias.to(math_dtype) if bias is not None else h
 
 
-def _gelu_and_derivative(h, approximate):
+def gelu_and_derivative(h, approximate):
     """gelu(h) and gelu'(h).
 
     exact:  gelu(h) = h·Φ(h),                 gelu'(h) = Φ(h) + h·φ(h)
     tanh:   gelu(h) = ½h(1 + t), t = tanh(u), u = √(2/π)(h + 0.044715h³)
             gelu'(h) = ½(1 + t) + ½h(1 − t²)·√(2/π)(1 + 3·0.044715h²)
+    quick:  gelu(h) = h·s, s = σ(1.702h),    gelu'(h) = s + 1.702h·s(1 − s)
     """
+    if approximate == "quick":
+        s = torch.sigmoid(_QUICK_SCALE * h)
+        return h * s, s + _QUICK_SCALE * h * s * (1 - s)
     if approximate == "tanh":
         t = torch.tanh(_SQRT_2_OVER_PI * (h + _TANH_CUBIC * h**3))
         value = 0.5 * h * (1 + t)
@@ -51,7 +57,7 @@ def _gelu_and_derivative(h, approximate):
 
 def gelu_fwd_ref(x: Tensor, bias: Tensor | None, approximate: str) -> Tensor:
     """gelu(x + bias) of x (M, N), last dim of stride 1."""
-    value, _ = _gelu_and_derivative(_pre_activation(x, bias), approximate)
+    value, _ = gelu_and_derivative(_pre_activation(x, bias), approximate)
     return value.to(x.dtype)
 
 
@@ -63,7 +69,7 @@ def gelu_bwd_ref(
     dbias is summed over rows (deterministically, in the kernels); dbias and y are empty (shape
     (0,)) where there is no bias or no recompute.
     """
-    value, derivative = _gelu_and_derivative(_pre_activation(x, bias), approximate)
+    value, derivative = gelu_and_derivative(_pre_activation(x, bias), approximate)
     dx = dy.to(derivative.dtype) * derivative
     dbias = dx.sum(dim=0).to(bias.dtype) if bias is not None else x.new_empty((0,))
     y = value.to(x.dtype) if recompute_output else x.new_empty((0,))

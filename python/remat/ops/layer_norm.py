@@ -151,7 +151,7 @@ def _backward(ctx, dy, _dmean, _drstd):
 # ---------------------------------------------------------------------------------------------
 
 
-def _normalized_width(x, normalized_shape):
+def normalized_width(x, normalized_shape):
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
     normalized_shape = tuple(normalized_shape)
@@ -183,7 +183,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
         with torch.autocast("cuda", enabled=False):
             return layer_norm(*cast_for_autocast(torch.float32, x), normalized_shape,
                               *cast_for_autocast(torch.float32, weight, bias), eps)
-    normalized_shape, width = _normalized_width(x, normalized_shape)
+    normalized_shape, width = normalized_width(x, normalized_shape)
     check_optional_param("weight", weight, normalized_shape, "x", x)
     check_optional_param("bias", bias, normalized_shape, "x", x)
     check_eps(eps)
