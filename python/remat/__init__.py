@@ -13,6 +13,6 @@ from .ops.rms_norm import rms_norm
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "backends", "convert", "gated_activation", "gelu", "get_backend", "layer_norm", "layer_norm_linear", "mlp",
-    "nn", "ops", "revert", "rms_norm", "set_backend", "use_backend",
+    "attention", "backends", "convert", "gated_activation", "gelu", "get_backend", "layer_norm", "layer_norm_linear",
+    "mlp", "nn", "ops", "revert", "rms_norm", "set_backend", "use_backend",
 ]
