@@ -173,14 +173,22 @@ def needs_input(module):
     return any(p.requires_grad for p in params)
 
 
-def fused_saved_bytes(norm=None, readers=(), fc2=None):
+def fused_saved_bytes(norm=None, readers=(), fc2=None, gated=False):
     """Bytes per token a fused op keeps less than the stock modules it stands in for: the output of
-    `norm` (fused into the Linear-like `readers`) where one of them trains, and the GELU output
-    (fc2's input) where fc2 trains; in the parameters' dtype. A frozen Linear keeps no input in
-    stock PyTorch either, so there is nothing to save there."""
+    `norm` (fused into the Linear-like `readers`) where one of them trains, and the activation output
+    (fc2's input) where fc2 trains; for a gated MLP also act(gate), which stock keeps for up's
+    gradient; in fc2's (and the readers') dtype. A frozen Linear keeps no input in stock PyTorch
+    either, so there is nothing to save there. An RMSNorm's stock forward may keep more (a float32
+    copy of x, in transformers' formula): that is not counted."""
     saved = 0
     if norm is not None and any(needs_input(m) for m in readers):
-        saved += norm.normalized_shape[0] * norm.weight.element_size()
-    if fc2 is not None and needs_input(fc2):
-        saved += widths(fc2)[0] * base_layer(fc2).weight.element_size()
+        saved += _norm_width(norm) * base_layer(readers[0]).weight.element_size()
+    if fc2 is not None:
+        width, elem = widths(fc2)[0], base_layer(fc2).weight.element_size()
+        saved += width * elem * (int(needs_input(fc2)) + int(gated))
     return saved
+
+
+def _norm_width(norm):
+    shape = getattr(norm, "normalized_shape", None)
+    return shape[0] if shape is not None else norm.weight.shape[0]

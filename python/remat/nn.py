@@ -15,8 +15,10 @@ from ._linears import fused_saved_bytes, projection, projections
 from ._validate import check_float_tensor, check_self_attention_input
 from .ops.attention import multihead_self_attention
 from .ops.fused import check_input_width, fused_mlp, norm_linears
+from .ops.gated import ACTIVATIONS as GATED_ACTIVATIONS
 from .ops.gelu import gelu
 from .ops.layer_norm import layer_norm
+from .ops.rms_norm import rms_norm
 from .specs import GELU_APPROXIMATE, Activation, norm_of
 
 ACTIVATIONS = GELU_APPROXIMATE  # the activation names remat.nn.MLP takes
@@ -52,6 +54,28 @@ class LayerNorm(torch.nn.LayerNorm):
         return stock
 
 
+class RMSNorm(torch.nn.RMSNorm):
+    """torch.nn.RMSNorm on remat's kernels: same constructor (elementwise_affine=False included),
+    parameters, state_dict keys and rounding. Autograd keeps the input and one fp32 rstd per row."""
+
+    def forward(self, x):
+        return rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+    @classmethod
+    def from_torch(cls, module):
+        """A remat RMSNorm sharing `module`'s parameters (no copy)."""
+        new = cls(module.normalized_shape, eps=module.eps, elementwise_affine=module.elementwise_affine,
+                  device="meta")
+        new.weight = module.weight
+        return new
+
+    def remat_revert(self):
+        """torch.nn.RMSNorm holding the same parameters (remat.revert)."""
+        stock = copy.copy(self)
+        stock.__class__ = torch.nn.RMSNorm
+        return stock
+
+
 class GELU(torch.nn.GELU):
     """torch.nn.GELU on remat's kernel (exact or tanh). Autograd keeps the input only."""
 
@@ -82,9 +106,10 @@ def _check_recompute(recompute):
 
 
 def norm_reason(norm, label="norm"):
-    """None when `norm` is a LayerNorm over the last dimension that the fused ops compute (plain:
-    no hooks, no parametrizations, plain parameters), else why not."""
-    reason = plain_reason(norm, (torch.nn.LayerNorm, LayerNorm), label)
+    """None when `norm` is a LayerNorm or RMSNorm over the last dimension that the fused ops compute
+    (plain: no hooks, no parametrizations, plain parameters), else why not."""
+    kinds = (torch.nn.RMSNorm, RMSNorm) if isinstance(norm, torch.nn.RMSNorm) else (torch.nn.LayerNorm, LayerNorm)
+    reason = plain_reason(norm, kinds, label)
     if reason is None and len(norm.normalized_shape) != 1:
         reason = f"{label} normalises over more than the last dimension"
     return reason
@@ -142,6 +167,37 @@ class LayerNormLinear(torch.nn.Module):
             raise ValueError("norm must have elementwise_affine=True")
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
                   eps=norm.eps, norm_bias=norm.bias is not None, recompute=recompute,
+                  device=linear.weight.device, dtype=linear.weight.dtype)
+        _copy_parameters(new.norm, norm)
+        _copy_parameters(new.linear, linear)
+        return new
+
+
+class RMSNormLinear(LayerNormLinear):
+    """Linear(RMSNorm(x)) (torch.nn.RMSNorm's rounding) that keeps x and one fp32 rstd per row instead
+    of RMSNorm(x), rebuilding it for the Linear's weight gradient.
+
+    state_dict: norm.weight, linear.weight, linear.bias. As LayerNormLinear otherwise (recompute,
+    peft's LoRA on `linear`, the fallback on any other change).
+    """
+
+    def __init__(self, in_features, out_features, bias=True, eps=None, elementwise_affine=True,
+                 recompute=True, device=None, dtype=None):
+        torch.nn.Module.__init__(self)
+        self.norm = torch.nn.RMSNorm(in_features, eps=eps, elementwise_affine=elementwise_affine, device=device,
+                                     dtype=dtype)
+        self.linear = torch.nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.recompute = _check_recompute(recompute)
+
+    @classmethod
+    def from_modules(cls, norm, linear, recompute=True):
+        """Built from an nn.RMSNorm over the last dim followed by an nn.Linear; weights copied."""
+        if not isinstance(norm, torch.nn.RMSNorm) or len(norm.normalized_shape) != 1:
+            raise TypeError("norm must be a torch.nn.RMSNorm over the last dimension")
+        if not isinstance(linear, torch.nn.Linear) or linear.in_features != norm.normalized_shape[0]:
+            raise TypeError("linear must be a torch.nn.Linear taking the RMSNorm's width")
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, eps=norm.eps,
+                  elementwise_affine=norm.elementwise_affine, recompute=recompute,
                   device=linear.weight.device, dtype=linear.weight.dtype)
         _copy_parameters(new.norm, norm)
         _copy_parameters(new.linear, linear)
@@ -245,6 +301,122 @@ class LayerNormMLP(MLP):
         _copy_parameters(new.norm, norm)
         _copy_parameters(new.fc1, fc1)
         _copy_parameters(new.fc2, fc2)
+        return new
+
+
+_GATED_STOCK = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh")}
+
+
+def _gated_activation_name(activation):
+    """The gated kernels' name for `activation`: a name, or nn.SiLU / nn.GELU."""
+    if isinstance(activation, str):
+        if activation not in GATED_ACTIVATIONS:
+            raise ValueError(f"activation must be one of {GATED_ACTIVATIONS}, got {activation!r}")
+        return activation
+    if type(activation) is torch.nn.SiLU:
+        return "silu"
+    if type(activation) is torch.nn.GELU and activation.approximate in ("none", "tanh"):
+        return "gelu_tanh" if activation.approximate == "tanh" else "gelu"
+    raise TypeError(f"activation must be one of {GATED_ACTIVATIONS}, torch.nn.SiLU or torch.nn.GELU, "
+                    f"got {type(activation).__name__}")
+
+
+class GatedMLP(torch.nn.Module):
+    """down_proj(act(gate_proj(x)) * up_proj(x)), the MLP of Llama, Mistral, Qwen and Gemma (SwiGLU with
+    "silu", GeGLU with "gelu" or "gelu_tanh"), optionally with an RMSNorm or LayerNorm in front.
+
+    Autograd keeps x (and the norm's fp32 statistics), the gate and up projections' outputs only,
+    never act(gate) nor the product: both are rebuilt in the backward's one pass over gate and up.
+    fused_projection=True holds one gate_up_proj (gate's rows first, as Phi-3's) instead of gate_proj
+    and up_proj. act(gate) is rounded to the input dtype before the multiply, as the stock
+    computation rounds it. state_dict: [norm.*,] gate_proj.*, up_proj.* (or gate_up_proj.*),
+    down_proj.*. The Linears may be wrapped by peft's LoRA; any other change makes each call run the
+    stock computation, with a RematFallbackWarning once.
+    """
+
+    remat_fused = True  # remat.convert leaves it as it is
+
+    def __init__(self, hidden, ffn_hidden, activation="silu", bias=False, norm=None, eps=None,
+                 fused_projection=False, recompute=True, device=None, dtype=None):
+        super().__init__()
+        self.activation = _gated_activation_name(activation)
+        factory = {"device": device, "dtype": dtype}
+        if norm == "rms_norm":
+            self.norm = torch.nn.RMSNorm(hidden, eps=eps, **factory)
+        elif norm == "layer_norm":
+            self.norm = torch.nn.LayerNorm(hidden, eps=1e-5 if eps is None else eps, **factory)
+        elif norm is not None:
+            raise ValueError(f"norm must be None, 'rms_norm' or 'layer_norm', got {norm!r}")
+        if fused_projection:
+            self.gate_up_proj = torch.nn.Linear(hidden, 2 * ffn_hidden, bias=bias, **factory)
+        else:
+            self.gate_proj = torch.nn.Linear(hidden, ffn_hidden, bias=bias, **factory)
+            self.up_proj = torch.nn.Linear(hidden, ffn_hidden, bias=bias, **factory)
+        self.down_proj = torch.nn.Linear(ffn_hidden, hidden, bias=bias, **factory)
+        self.recompute = _check_recompute(recompute)
+
+    def _up_names(self):
+        return ["gate_up_proj"] if "gate_up_proj" in self._modules else ["gate_proj", "up_proj"]
+
+    def forward(self, x):
+        names = self._up_names()
+        linears, reason = projections([self._modules[n] for n in names] + [self.down_proj], names + ["down_proj"])
+        norm = self._modules.get("norm")
+        reason = (norm_reason(norm) if norm is not None else None) or reason
+        if reason:
+            fallback(self, reason)
+            return self._stock(norm(x) if norm is not None else x)
+        *ups, down = linears
+        _input_checked(x, ups[0].weight.shape[1], self)
+        return fused_mlp(x, ups[0] if len(ups) == 1 else tuple(ups), Activation(self.activation, gated=True), down,
+                         norm_of(norm) if norm is not None else None, self.recompute)
+
+    def _stock(self, x):
+        if "gate_up_proj" in self._modules:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(_GATED_STOCK[self.activation](gate) * up)
+
+    def saved_bytes_per_token(self):
+        """Activation bytes per token kept less than the stock computation (act(gate); the product,
+        where down_proj trains; the norm's output, where an up projection trains), for an input that
+        requires grad."""
+        if not self.recompute:
+            return 0
+        ups = [self._modules[n] for n in self._up_names()]
+        return fused_saved_bytes(self._modules.get("norm"), ups, self.down_proj, gated=True)
+
+    @classmethod
+    def from_modules(cls, gate, up, down, activation, norm=None, recompute=True):
+        """Sharing the very modules (and so the parameters) of the stock layers: gate and up Linears
+        (or gate=a fused gate_up Linear and up=None), the down Linear, the activation (a name, nn.SiLU
+        or nn.GELU) and optionally the nn.RMSNorm or nn.LayerNorm in front."""
+        name = _gated_activation_name(activation)
+        fused = up is None
+        ups = [gate] if fused else [gate, up]
+        if not all(type(m) is torch.nn.Linear for m in [*ups, down]):
+            raise TypeError("gate, up and down must be torch.nn.Linear (up None for a fused gate_up Linear)")
+        width = gate.out_features // 2 if fused else gate.out_features
+        if (fused and gate.out_features % 2) or (not fused and (up.in_features, up.out_features) !=
+                                                  (gate.in_features, gate.out_features)):
+            raise ValueError("gate and up must have the same shape (a fused gate_up Linear an even out_features)")
+        if (down.in_features, down.out_features) != (width, gate.in_features):
+            raise ValueError(f"down must map {width} features back to {gate.in_features}, "
+                             f"got {down.in_features} -> {down.out_features}")
+        if norm is not None and (not isinstance(norm, (torch.nn.RMSNorm, torch.nn.LayerNorm))
+                                 or tuple(norm.normalized_shape) != (gate.in_features,)):
+            raise TypeError("norm must be a torch.nn.RMSNorm or torch.nn.LayerNorm over gate's input width")
+        new = cls.__new__(cls)
+        torch.nn.Module.__init__(new)
+        new.activation, new.recompute = name, _check_recompute(recompute)
+        if norm is not None:
+            new.norm = norm
+        if fused:
+            new.gate_up_proj = gate
+        else:
+            new.gate_proj, new.up_proj = gate, up
+        new.down_proj = down
         return new
 
 

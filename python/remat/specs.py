@@ -24,9 +24,16 @@ GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh", "gelu_quick": "quick"}
 GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
-def norm_of(module):
-    """The Norm of a LayerNorm module (its parameters as they are now)."""
-    return Norm(module.weight, module.bias, module.eps)
+def norm_of(module, style=None):
+    """The Norm of a LayerNorm module (its parameters as they are now), or with `style` of an RMSNorm
+    module rounded as `style` rounds it: its weight and eps (`eps`, or transformers' `variance_epsilon`;
+    torch's eps=None resolved by the op)."""
+    if style is None and type(module).__name__ == "RMSNorm":  # torch.nn.RMSNorm and remat.nn.RMSNorm
+        style = "torch"
+    if style is None:
+        return Norm(module.weight, module.bias, module.eps)
+    eps = module.eps if hasattr(module, "eps") else module.variance_epsilon
+    return Norm(module.weight, None, eps, "rms_norm", style)
 
 
 def gelu(approximate):

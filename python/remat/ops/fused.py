@@ -37,7 +37,7 @@ from ..specs import GELU_APPROXIMATE, Activation, Linear, LoRA, Norm, check_acti
 from .gated import gated_bwd, gated_fwd
 from .gelu import check_approximate, gelu_bwd, gelu_fwd
 from .layer_norm import layer_norm_bwd, layer_norm_fwd
-from .rms_norm import check_style, rms_norm_bwd, rms_norm_fwd
+from .rms_norm import check_style, default_eps, rms_norm_bwd, rms_norm_fwd
 
 __all__ = ["Activation", "Linear", "LoRA", "Norm", "layer_norm_linear", "mlp", "norm_linears", "fused_mlp"]
 
@@ -444,11 +444,15 @@ def _check_width_against_norm(x, norm_weight, weight):
 
 
 def _check_norm_params(norm, width, x):
+    """`norm` checked against x, with an RMSNorm's eps=None resolved as torch resolves it."""
     check_optional_param("norm_weight", norm.weight, (width,), "x", x)
     check_optional_param("norm_bias", norm.bias, (width,), "x", x)
+    if norm.kind == "rms_norm" and norm.eps is None:  # torch.nn.RMSNorm's default
+        norm = norm._replace(eps=default_eps(x.dtype))
     check_eps(norm.eps)
     if norm.kind == "rms_norm":
         check_style(norm.style, norm.weight)
+    return norm
 
 
 def _contiguous(*params):
@@ -501,7 +505,7 @@ def norm_linears(x, norm, linears, recompute=True):
         [(f"linears[{i}].weight", f"linears[{i}].bias", f"linears[{i}].adapters") for i in range(len(linears))]
     rows = _rows(x)
     _check_width_against_norm(x, norm.weight, linears[0].weight)
-    _check_norm_params(norm, x.shape[-1], x)
+    norm = _check_norm_params(norm, x.shape[-1], x)
     tensors, layout = [], []
     for linear, (weight_name, bias_name, adapters_name) in zip(linears, names):
         _check_linear(weight_name, linear.weight, bias_name, linear.bias, x.shape[-1], x)
@@ -553,7 +557,7 @@ def fused_mlp(x, fc1, act, fc2, norm=None, recompute=True):
     rows = _rows(x)
     if norm is not None:
         _check_width_against_norm(x, norm.weight, ups[0].weight)
-        _check_norm_params(norm, x.shape[-1], x)
+        norm = _check_norm_params(norm, x.shape[-1], x)
     labels = [("w1", "b1", "fc1_adapters")] if names == ("fc1",) else \
         [(f"{n}.weight", f"{n}.bias", f"{n}.adapters") for n in names]
     for up, (weight_name, bias_name, adapters_name) in zip(ups, labels):
