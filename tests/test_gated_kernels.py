@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from remat import _backend
 from remat.ops import gated_reference as ref
 from remat.triton_kernels import gated as kernels
 from remat.triton_kernels import gelu as gelu_kernels
 
+from kernel_checks import assert_within_twice_stock, kernel_device  # noqa: F401 (the device fixture)
 from numerics import rel_error
 from triton_aot import compile_module_cases, failing, format_results
 
@@ -25,23 +25,10 @@ ACTIVATIONS = kernels.ACTIVATIONS
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (rows, width): one element, one row, primes, widths just past a block (257, 1025).
 SHAPES = [(1, 1), (1, 7), (5, 127), (3, 257), (17, 1000), (2, 1025)]
-# Our error may be twice PyTorch's own, plus the noise of our own fp32 arithmetic: four fp32 unit
-# roundoffs, which only shows for fp32 results of a handful of elements where PyTorch may happen to
-# round luckily (1.2e-7 against 2.6e-8 seen for one element); for fp16/bf16 results it is below a
-# thousandth of one rounding of the output.
-FP32_NOISE = 4 * 2.0**-24
 STOCK_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
-
-
-@pytest.fixture(params=DEVICES)
-def device(request):
-    if request.param == "cpu" and not _backend.interpreter_enabled():
-        pytest.skip("TRITON_INTERPRET is not set: no Triton kernel runs on CPU tensors")
-    return request.param
 
 
 def make_gate_up(shape, dtype, device, halves=True):
@@ -50,14 +37,6 @@ def make_gate_up(shape, dtype, device, halves=True):
     if halves:
         return (torch.randn(rows, 2 * width, device=device) * 2).to(dtype).chunk(2, dim=1)
     return tuple((torch.randn(shape, device=device) * 2).to(dtype) for _ in range(2))
-
-
-def assert_within_twice_stock(name, ours, want, theirs):
-    assert ours.dtype == theirs.dtype, f"{name}: dtype {ours.dtype}, stock gives {theirs.dtype}"
-    assert torch.isfinite(ours).all(), f"{name}: non-finite values"
-    ours_error, stock_error = rel_error(ours, want), rel_error(theirs, want)
-    assert ours_error <= 2 * stock_error + FP32_NOISE, (
-        f"{name}: error {ours_error:.3g}, stock's {stock_error:.3g}")
 
 
 def check_gated(gate, up, activation, round_activation):

@@ -185,6 +185,19 @@ def _gelu_fwd_flat_kernel(
 
 
 @triton.jit
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's tile on a 1-D grid of row blocks x column blocks (column block fastest, so
+    neighbouring programs share rows; a 1-D grid has no 65535 limit on either count): (rows, cols,
+    mask), rows as an int64 column (M * stride may exceed 2**31), cols a row of indices."""
+    pid = tl.program_id(0)
+    col_blocks = tl.cdiv(N, BLOCK_N)
+    rows = (pid // col_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    return rows.to(tl.int64)[:, None], cols, mask
+
+
+@triton.jit
 def _gelu_fwd_kernel(
     X,  # (M, N) input, row stride stride_x_row, column stride 1
     B,  # (N,) bias, fp32 or X's dtype; any valid pointer when HAS_BIAS is False
@@ -197,22 +210,12 @@ def _gelu_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    # One tile per program on a 1-D grid of row blocks x column blocks (column block fastest, so
-    # neighbouring programs share rows): a 1-D grid has no 65535 limit on either count.
-    pid = tl.program_id(0)
-    col_blocks = tl.cdiv(N, BLOCK_N)
-    rows = (pid // col_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (pid % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    mask = (rows < M)[:, None] & col_mask[None, :]
-    # int64 row offsets: M * stride may exceed 2**31.
-    rows64 = rows.to(tl.int64)
-
-    h = tl.load(X + rows64[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rows, cols, mask = _tile(M, N, BLOCK_M, BLOCK_N)
+    h = tl.load(X + rows * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        h += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        h += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     g, _ = _gelu_gate(h, APPROXIMATE)
-    tl.store(Y + rows64[:, None] * N + cols[None, :], (h * g).to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + rows * N + cols[None, :], (h * g).to(Y.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -77,7 +77,8 @@ CHUNK_WARPS = 8
 # The fused backward's loop is software pipelined: the copies of the next two row blocks (cp.async
 # into shared memory) are in flight while a block is computed. Pipelined only where those two
 # blocks of x and dy take at most BWD_PIPELINE_BYTES (every width in bf16/fp16, up to 4096 in
-# fp32), so that two programs still share an sm_90 SM and every buffer fits an sm_80 block
+# fp32 or with a bf16 x and an fp32 dy, as RMSNorm's Llama and T5 styles give for an fp32
+# weight), so that two programs still share an sm_90 SM and every buffer fits an sm_80 block
 # (163 KiB). recompute_output re-reads the bias each step, which is pipelined too: up to 96 KiB a
 # program with a bias in x's dtype, 128 KiB with an fp32 one (one program an SM then).
 # With two stages Triton issues the next block's copies only after this block's reductions,
@@ -326,9 +327,9 @@ def _layer_norm_fwd_looped_kernel(
 # the identity, as autograd takes the stock modules' casts: dw sums dy * xhat in fp32.
 #
 # So a row needs x, dy, mean, rstd and two row reductions (one for RMSNorm): one pass when the
-# row fits in registers. dw and db sum over rows: each program accumulates the rows it owns in fp32 and
-# writes one row of a (G, N) partial buffer; a second step sums the G rows (deterministic, no
-# atomics).
+# row fits in registers. dw and db sum over rows: each program accumulates the rows it owns in
+# fp32 and writes one row of a (G, N) partial buffer; a second step sums the G rows
+# (deterministic, no atomics).
 @triton.jit(do_not_specialize=["M", "rows_per_program"])
 def _layer_norm_bwd_kernel(
     X,  # (M, N) forward input, row stride stride_x_row
@@ -611,10 +612,8 @@ def _rms_norm_mode(style, x_dtype, weight):
     t5     T5LayerNorm: xhat cast to w's dtype when that is fp16/bf16, then w * that, in w's dtype.
     """
     check_choice("style", style, RMS_NORM_STYLES)
-    if weight is None:
-        if style != "torch":
-            raise ValueError(f"weight is required for style {style!r} (its stock module always has one)")
-        return _Mode(rms=True), x_dtype
+    if weight is None and style != "torch":
+        raise ValueError(f"weight is required for style {style!r} (its stock module always has one)")
     if style == "torch":
         return _Mode(rms=True), x_dtype
     if style == "llama":

@@ -1,0 +1,35 @@
+"""Shared by the test files that call Triton launchers directly (test_rms_norm_kernels.py,
+test_gated_kernels.py): the devices they run on, and the check that an error is at most twice
+PyTorch's own."""
+
+import pytest
+import torch
+
+from remat import _backend
+
+from numerics import rel_error
+
+# Our error may be twice PyTorch's own, plus the noise of our own fp32 arithmetic: four fp32 unit
+# roundoffs, which only shows for fp32 results of a handful of elements where PyTorch may happen to
+# round luckily (1.2e-7 against 2.6e-8 seen for one element); for fp16/bf16 results it is below a
+# thousandth of one rounding of the output.
+FP32_NOISE = 4 * 2.0**-24
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES, name="device")
+def kernel_device(request):
+    """The device the launchers run on: CPU through the Triton interpreter, and a GPU when present."""
+    if request.param == "cpu" and not _backend.interpreter_enabled():
+        pytest.skip("TRITON_INTERPRET is not set: no Triton kernel runs on CPU tensors")
+    return request.param
+
+
+def assert_within_twice_stock(name, ours, want, theirs):
+    """ours and theirs (the stock implementation's result) have one dtype, and ours is no more than
+    twice as far from the float64 `want` as theirs (relative error, plus FP32_NOISE)."""
+    assert ours.dtype == theirs.dtype, f"{name}: dtype {ours.dtype}, the stock implementation gives {theirs.dtype}"
+    assert torch.isfinite(ours).all(), f"{name}: non-finite values"
+    ours_error, stock_error = rel_error(ours, want), rel_error(theirs, want)
+    assert ours_error <= 2 * stock_error + FP32_NOISE, f"{name}: error {ours_error:.3g}, stock's {stock_error:.3g}"
