@@ -233,7 +233,7 @@ def gated_bwd(dy, gate, up, activation, recompute_output, round_activation=False
 # ---------------------------------------------------------------------------------------------
 # 5. Ahead-of-time compile cases
 # ---------------------------------------------------------------------------------------------
-# Each case calls a launcher above on CPU tensors; tests/triton_aot.py compiles the kernels it
+# Each case calls a launcher above on CPU tensors; tests/_helpers/triton_aot.py compiles the kernels it
 # launches for a GPU, specialised by Triton on the real arguments. gate and up are the halves of
 # one (M, 2N) tensor (the fused projection) or two tensors of their own: at a 16-divisible width
 # both specialise alike (16-byte aligned rows); at a ragged width the halves' up is not even

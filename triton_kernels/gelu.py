@@ -53,14 +53,14 @@ TILE_WARPS = 8
 # 16 rows), or NARROW_BLOCK_N where that pads the row much less (rows up to ~200 wide, or just
 # past a multiple of 256 such as 1025; a 127-wide row would leave half the lanes of a 256-wide
 # block idle). Two candidates only: every one multiplies the compiled variants (aot_cases), and
-# tests/test_triton_aot.py compiles them all for two archs.
+# tests/build/test_triton_aot.py compiles them all for two archs.
 WIDE_BLOCK_N = 256
 NARROW_BLOCK_N = 32
 # The wide block may pad the row by up to this factor more than the narrow one.
 PADDING_SLACK = 1.125
 # Backward (tiled): persistent grid of (column blocks, G) programs; G row groups make the dbias
 # partial buffer (G, N). Programs resident at once per SM: with a bias the backward uses 75-124
-# registers a thread (tests/test_triton_aot.py, sm_80/sm_90), so two 8-warp programs fit in the
+# registers a thread (tests/build/test_triton_aot.py, sm_80/sm_90), so two 8-warp programs fit in the
 # 64K registers of an SM. More would only run in a second wave and add rows to the buffer.
 BWD_PROGRAMS_PER_SM = 2
 
@@ -403,7 +403,7 @@ def gelu_bwd(dy, x, bias, approximate, recompute_output):
 # ---------------------------------------------------------------------------------------------
 # 6. Ahead-of-time compile cases
 # ---------------------------------------------------------------------------------------------
-# Each case calls a launcher above on CPU tensors; tests/triton_aot.py compiles the kernels it
+# Each case calls a launcher above on CPU tensors; tests/_helpers/triton_aot.py compiles the kernels it
 # launches for a GPU, specialised by Triton on the real arguments. Every path is met at a shape
 # whose sizes and row strides are multiples of 16 (the variant production shapes run) and at a
 # ragged one.

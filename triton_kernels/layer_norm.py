@@ -49,7 +49,7 @@ from ._common import (
 # 1. Configuration
 # ---------------------------------------------------------------------------------------------
 # Rows wider than these do not fit in registers without spilling (checked by
-# tests/test_triton_aot.py on sm_80 and sm_90) and take the looped paths. The forward holds one
+# tests/build/test_triton_aot.py on sm_80 and sm_90) and take the looped paths. The forward holds one
 # fp32 copy of the row and the weight: 32 KiB of input a row, i.e. 16384 bf16/fp16 or 8192 fp32
 # elements. The backward holds x, dy, the weight and two fp32 gradient accumulators.
 MAX_FUSED_BYTES_FWD = 32768
@@ -812,7 +812,7 @@ def _sum_partials(dw_partial, db_partial, dw, db):
 # ---------------------------------------------------------------------------------------------
 # 5. Ahead-of-time compile cases
 # ---------------------------------------------------------------------------------------------
-# Each case calls a launcher above on CPU tensors; tests/triton_aot.py compiles the kernels it
+# Each case calls a launcher above on CPU tensors; tests/_helpers/triton_aot.py compiles the kernels it
 # launches for a GPU, specialised by Triton on the real arguments. Every configuration is met at
 # two widths: a multiple of 16 (Triton marks N and the row strides 16-divisible, the variant
 # production widths run) and one that is not (N - 1: same blocks, no divisibility).

@@ -13,13 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from remat.ops import gated_reference as ref
+from remat.ops import gated as ref
+from remat.ops import gelu as gelu_ops
 from remat.triton_kernels import gated as kernels
 from remat.triton_kernels import gelu as gelu_kernels
 
 from kernel_checks import assert_within_twice_stock, kernel_device  # noqa: F401 (the device fixture)
 from numerics import rel_error
-from triton_aot import compile_module_cases, failing, format_results
+from triton_aot import compile_module_cases, format_results
 
 ACTIVATIONS = kernels.ACTIVATIONS
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -27,7 +28,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = [(1, 1), (1, 7), (5, 127), (3, 257), (17, 1000), (2, 1025)]
 STOCK_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -54,7 +55,8 @@ def check_gated(gate, up, activation, round_activation):
     stock.backward(dy)
     assert_within_twice_stock("y", y, y64, stock)
     width = gate.shape[1]
-    assert_within_twice_stock("d_gate", d_gate_up[:, :width], leaves64[0].grad, leaves[0].grad)
+    assert_within_twice_stock("d_gate", d_gate_up[:, :width], leaves64[0].grad, leaves[0].grad,
+                              terms=dy.double() * up.double())
     assert_within_twice_stock("d_up", d_gate_up[:, width:], leaves64[1].grad, leaves[1].grad)
 
 
@@ -117,8 +119,8 @@ def test_reference_matches_float64_autograd():
         leaves = [t.detach().requires_grad_() for t in (gate, up)]
         want = STOCK_ACTIVATIONS[activation](leaves[0]) * leaves[1]
         want.backward(dy)
-        d_gate_up, y = ref.gated_bwd_ref(dy, gate, up, activation, True)
-        assert rel_error(y, want) < 1e-13 and rel_error(ref.gated_fwd_ref(gate, up, activation), want) < 1e-13
+        d_gate_up, y = ref.gated_bwd_ref(dy, gate, up, activation, True, False)
+        assert rel_error(y, want) < 1e-13 and rel_error(ref.gated_fwd_ref(gate, up, activation, False), want) < 1e-13
         assert rel_error(d_gate_up, torch.cat([leaves[0].grad, leaves[1].grad], 1)) < 1e-13, activation
 
 
@@ -186,12 +188,13 @@ def test_quick_gelu_matches_float64(device, shape, dtype, with_bias):
     stock = stock_quick_gelu(leaves[0] + leaves[1] if with_bias else leaves[0])
     stock.backward(dy)
     assert_within_twice_stock("y", y, y64, stock)
-    assert_within_twice_stock("dx", dx, leaves64[0].grad, leaves[0].grad)
+    # QuickGELU's derivative has a root, where dx cancels: noise measured on dy (see assert_within_twice_stock)
+    assert_within_twice_stock("dx", dx, leaves64[0].grad, leaves[0].grad, terms=dy.double())
     if with_bias:
-        assert_within_twice_stock("dbias", dbias, leaves64[1].grad, leaves[1].grad)
-    ref_dx, ref_dbias, ref_y = ref.quick_gelu_bwd_ref(dy.double(), x.double(), leaves64[1], True)
+        assert_within_twice_stock("dbias", dbias, leaves64[1].grad, leaves[1].grad, terms=dy.double().abs().sum(0))
+    ref_dx, ref_dbias, ref_y = gelu_ops.gelu_bwd_ref(dy.double(), x.double(), leaves64[1], "quick", True)
     assert rel_error(ref_y, y64) < 1e-13 and rel_error(ref_dx, leaves64[0].grad) < 1e-13
-    assert rel_error(ref.quick_gelu_fwd_ref(x.double(), leaves64[1]), y64) < 1e-13
+    assert rel_error(gelu_ops.gelu_fwd_ref(x.double(), leaves64[1], "quick"), y64) < 1e-13
     if with_bias:
         assert rel_error(ref_dbias, leaves64[1].grad) < 1e-13
 
@@ -211,18 +214,7 @@ def test_quick_gelu_recompute_and_saturation(device):
     assert torch.allclose(dx, torch.tensor([[0.0, 0.0, 1.0, 1.0]], device=device), atol=1e-6)
 
 
-# --- ahead-of-time compile of the gated kernels ---------------------------------------------------
-
-
-@pytest.mark.parametrize("arch", [80, 90])
-def test_gated_kernels_compile_without_spills(arch):
-    """Every launch configuration of gated.aot_cases() compiles for the arch without register spills.
-    (QuickGELU's cases are in gelu.aot_cases(), compiled by tests/test_triton_aot.py.)"""
-    pytest.importorskip("triton")
-    results = compile_module_cases("remat.triton_kernels.gated", archs=(arch,), extra_paths=[REPO, TESTS])
-    assert sorted({r["case"] for r in results}) == sorted(c["name"] for c in kernels.aot_cases())
-    bad = failing(results)
-    assert not bad, f"{len(bad)} of {len(results)} gated kernels fail on sm_{arch}:\n" + format_results(bad)
+# --- ahead-of-time compile (every case of gated.aot_cases(): tests/build/test_triton_aot.py) ---------
 
 
 def vector_cases():

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from remat.ops import rms_norm_reference as ref
+import remat
+from remat.ops import rms_norm as ref
 from remat.triton_kernels import layer_norm as kernels
 
 from kernel_checks import assert_within_twice_stock, kernel_device  # noqa: F401 (the device fixture)
@@ -217,7 +218,7 @@ def test_default_eps_is_float32s():
     assert ref.default_eps(torch.bfloat16) == torch.finfo(torch.float32).eps
     assert rel_error(ref.rms_norm_rstd_ref(x, ref.default_eps(x.dtype)), stock_rstd.squeeze(-1)) < 1e-6
     assert rel_error(ref.rms_norm_rstd_ref(x, torch.finfo(x.dtype).eps), stock_rstd.squeeze(-1)) > 0.1
-    assert torch.equal(ref.rms_norm_fwd_ref(x, None, None, "torch")[1], ref.rms_norm_rstd_ref(x, 2.0**-23))
+    assert torch.equal(remat.rms_norm(x, (64,)), remat.rms_norm(x, (64,), eps=2.0**-23))  # eps=None
 
 
 def test_reference_backward_matches_float64():
