@@ -99,7 +99,7 @@ remat.revert gives the stock classes back (same objects inside).
 
 import sys
 
-from . import bert, clip, gpt2, gpt_neox, vit  # noqa: F401  (each registers its family)
+from . import bart, bert, bloom, clip, deit, distilbert, falcon, gpt2, gpt_neox, gptj, opt, phi, siglip, vit, whisper  # noqa: F401,E501  (each registers its family)
 from .modules import Handoff, RematFusedLayerNorm
 from .registry import FAMILIES, memory_models
 from .rules import convert_children
