@@ -101,10 +101,11 @@ import sys
 
 from . import bart, bert, bloom, clip, deit, distilbert, falcon, gpt2, gpt_neox, gptj, opt, phi, siglip, vit, whisper  # noqa: F401,E501  (each registers its family)
 from .modules import Handoff, RematFusedLayerNorm
-from .registry import FAMILIES, memory_models
+from .registry import FAMILIES, memory_input, memory_models
 from .rules import convert_children
 
-__all__ = ["FAMILIES", "Handoff", "RematFusedLayerNorm", "convert_children", "is_hf_model", "memory_models"]
+__all__ = ["FAMILIES", "Handoff", "RematFusedLayerNorm", "convert_children", "is_hf_model", "memory_input",
+           "memory_models"]
 
 
 def is_hf_model(model):

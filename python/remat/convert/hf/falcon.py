@@ -11,7 +11,7 @@ position bias yet."""
 import inspect
 
 from .modules import MLPParts, _RematAttention, stock_function
-from .registry import Family, register, rotary_probe_kwargs
+from .registry import Family, register, rotary_probe_kwargs, stock_name
 
 
 class _RematFalconAttention(_RematAttention):
@@ -53,16 +53,16 @@ class _RematFalconAttention(_RematAttention):
         return self.dense(o)
 
     def remat_saved_bytes(self):
-        """The new decoder architecture's stock forward keeps k and v broadcast to all heads; remat
-        keeps each group's once: 2 (heads - groups) head_dim per token less, where query_key_value trains."""
-        if not self.remat_recompute or not self.new_decoder_architecture or \
-                not self.query_key_value.weight.requires_grad:
+        """The new decoder architecture's stock forward copies each group's k and v out to all its
+        heads, and its attention keeps the copies; remat.attention keeps each group's once (GQA):
+        2 (heads - groups) head_dim per token less, whether or not the fused ops recompute."""
+        if not self.new_decoder_architecture:
             return 0
         return 2 * (self.num_heads - self.num_kv_heads) * self.head_dim * self.query_key_value.weight.element_size()
 
 
 def _probe_kwargs(module, param):
-    kwargs = rotary_probe_kwargs(module, param, lambda m: m.head_dim if type(m).__name__ == "FalconAttention" else None)
+    kwargs = rotary_probe_kwargs(module, param, lambda m: m.head_dim if stock_name(m) == "FalconAttention" else None)
     return {"alibi": None, **kwargs} if "alibi" in inspect.signature(module.forward).parameters else kwargs
 
 

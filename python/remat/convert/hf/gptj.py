@@ -8,7 +8,7 @@ ln_1 with it, while the MLP still fuses."""
 import torch
 
 from .modules import CACHE_ARGS, MLPParts, _RematSplitAttention, split_heads, stock_function
-from .registry import Family, register, rotary_probe_kwargs
+from .registry import Family, register, rotary_probe_kwargs, stock_name
 
 
 class _RematGPTJAttention(_RematSplitAttention):
@@ -35,7 +35,7 @@ class _RematGPTJAttention(_RematSplitAttention):
 
 def _rotary_width(module):
     """The width of GPT-J's sin and cos: half the rotated dims (the stock forward repeats each twice)."""
-    if type(module).__name__ != "GPTJAttention":
+    if stock_name(module) != "GPTJAttention":
         return None
     return (module.rotary_dim or module.embed_dim) // 2
 

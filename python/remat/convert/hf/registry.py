@@ -107,6 +107,11 @@ def memory_input(model_type):
     return next((f.memory_input for f in FAMILIES.values() if model_type in f.model_types), None)
 
 
+def stock_name(module):
+    """The name of `module`'s stock class (also once it is swapped to a remat class)."""
+    return getattr(module, "remat_stock", type(module)).__name__
+
+
 def rotary_probe_kwargs(module, param, width, sin_first=False):
     """{"position_embeddings": (cos, sin)} for a probe call of `module` (a layer, or its attention)
     whose forward takes them; `width`(attention) is the width of the attention's cos and sin, None
