@@ -14,6 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import remat
+from remat import memory
+from remat._guards import RematFallbackWarning
+
 from hf_models import (
     BATCH,
     HEADS,
@@ -30,9 +34,6 @@ from hf_models import (
     transformers,
 )
 from numerics import rel_error, saved_bytes
-
-import remat
-from remat import memory
 
 conv = importlib.import_module("remat.convert")
 
@@ -239,3 +240,210 @@ def test_gelu_new_keeps_three_more_intermediates():
     extra = LAYERS * BATCH * SEQ * 3 * F32 * ffn
     assert measure(stock, batch) - measure(converted, batch) == expected.fused + expected.attention + extra
     assert report.saved_bytes_per_token() == expected.report_fused
+
+
+# --- Checkpoints --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_save_pretrained_round_trip(tmp_path, name):
+    """A converted model saves the stock checkpoint: the stock class loads it, with the same weights
+    and the same loss; converting the loaded model gives the converted model's loss again."""
+    stock, _ = build_case(name)
+    converted = conv.convert(stock)
+    converted.save_pretrained(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = type(stock).from_pretrained(tmp_path).train()
+    state, loaded_state = stock.state_dict(), loaded.state_dict()
+    assert list(loaded_state) == list(state)
+    assert all(torch.equal(loaded_state[k], v) for k, v in state.items())
+    batch = family_inputs(CASES[name].family, "cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**batch).loss, stock(**batch).loss, rtol=0, atol=0)
+        torch.testing.assert_close(conv.convert(loaded)(**batch).loss, converted(**batch).loss, rtol=0, atol=0)
+
+
+# --- The activations: BloomGelu and transformers' tanh GELUs are the tanh approximation ----------
+
+# transformers' GELU modules remat computes, by the approximate they are matched to
+TANH_GELUS = ["GELUTanh", "NewGELUActivation", "FastGELUActivation", "BloomGelu"]
+EXACT_GELUS = ["GELUActivation"]
+
+
+def gelu_module(name):
+    if name == "BloomGelu":
+        return transformers.models.bloom.modeling_bloom.BloomGelu()
+    return getattr(transformers.activations, name)()
+
+
+@pytest.mark.parametrize("name", TANH_GELUS + EXACT_GELUS)
+def test_transformers_gelus_are_the_function_remat_computes(name):
+    """In float64 each module's formula equals torch's GELU of its approximate to 1e-8 relative:
+    FastGELU's and BloomGelu's hand-rounded constants (sqrt(2/pi) as 0.7978845608, 0.79788456) change
+    it by less than any float dtype's rounding (fp32: 6e-8). BloomGelu's hand-written backward too."""
+    approximate = "tanh" if name in TANH_GELUS else "none"
+    x = torch.linspace(-8, 8, 4001, dtype=torch.float64, requires_grad=True)
+    stock = gelu_module(name).train()  # BloomGelu's autograd function runs in training
+    want = F.gelu(x, approximate=approximate)
+    got = stock(x)
+    assert rel_error(got, want) < 1e-8
+    (d_got,), (d_want,) = torch.autograd.grad(got.sum(), x), torch.autograd.grad(want.sum(), x)
+    assert rel_error(d_got, d_want) < 1e-8
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", TANH_GELUS + EXACT_GELUS)
+def test_remat_gelu_rounds_no_worse_than_the_stock_module(name, dtype):
+    """In bf16 and fp16 the stock Python formulas round after every op; remat's GELU (the kernel the
+    fused MLP runs) computes in fp32 and rounds once. Its error against float64 is at most twice
+    the stock module's (house rule), and in fact no larger."""
+    approximate = "tanh" if name in TANH_GELUS else "none"
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 3
+    exact = F.gelu(x, approximate=approximate)
+    with torch.no_grad():
+        stock_error = rel_error(gelu_module(name)(x.to(dtype)), exact)
+        remat_error = rel_error(remat.gelu(x.to(dtype), approximate=approximate), exact)
+    assert remat_error <= 2 * stock_error
+
+
+# --- The remat path's guards on the new shapes -----------------------------------------------------
+
+
+def test_a_hook_on_one_consumer_of_a_shared_layer_norm():
+    """Phi's input_layernorm is applied inside both the attention and the MLP. A hook on the MLP
+    breaks their handoff: the LayerNorm computes itself, and both modules take its output (the
+    attention still on remat.attention), with the stock result."""
+    stock, _ = build_case("phi")
+    converted = conv.convert(stock)
+    converted.model.layers[0].mlp.register_forward_pre_hook(lambda module, args: None)
+    with pytest.warns(RematFallbackWarning, match="input_layernorm is not fused any more"):
+        _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, family_inputs("phi", "cpu")))
+    assert calls == LAYERS
+
+
+@pytest.mark.parametrize("name", ["bart", "whisper"])
+def test_activation_dropout_in_training_runs_the_layer_mlp_stock(name):
+    """BART's and Whisper's layers apply activation_dropout between the activation and fc2: in
+    training with p > 0 their fc1, activation and fc2 compute themselves, drawing the same random
+    numbers as stock; in eval the fused MLP runs again."""
+    stock, _ = build_case(name, activation_dropout=0.3)
+    converted, report = conv.convert(stock, report=True)
+    batch = family_inputs(CASES[name].family, "cpu")
+    torch.manual_seed(5)
+    loss, grads = loss_and_grads(stock, batch)
+    torch.manual_seed(5)
+    with pytest.warns(RematFallbackWarning, match=r"activation_dropout \(p=0.3\) in training"):
+        loss_c, grads_c = loss_and_grads(converted, batch)
+    assert rel_error(loss_c, loss) < 1e-4
+    assert all(rel_error(grads_c[k], g) < 1e-4 for k, g in grads.items() if g is not None)
+
+    def fc2_fallbacks():
+        return {path: sum(reasons.values()) for path, reasons in report.fallbacks().items() if path.endswith("fc2")}
+
+    assert list(fc2_fallbacks().values()) == [1] * (2 * LAYERS)  # each layer's fc2, once
+    stock.eval(), converted.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(converted(**batch).loss, stock(**batch).loss)
+    assert list(fc2_fallbacks().values()) == [1] * (2 * LAYERS)  # in eval: fused, no fallback
+
+
+def test_falcon_alibi_keeps_the_stock_attention():
+    stock, _ = build_case("falcon", alibi=True)
+    converted, report = conv.convert(stock, report=True)
+    rows = [row for row in report if row.type == "FalconAttention"]
+    assert len(rows) == LAYERS and all(row.action == "skipped" and "ALiBi" in row.reason for row in rows)
+    # its LayerNorm feeds the attention too: it stays stock, while the MLP fuses on its own
+    norms = [row for row in report if row.path.endswith("input_layernorm") and row.action == "skipped"]
+    assert len(norms) == LAYERS and all("ALiBi" in row.reason for row in norms)
+    assert swapped_counts(report)["RematFalconMLP"] == LAYERS
+    _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, family_inputs("falcon", "cpu")))
+    assert calls == 0
+
+
+@pytest.mark.parametrize("name, overrides, norm, reason", [
+    ("bloom", {"apply_residual_connection_post_layernorm": True}, "input_layernorm",
+     "apply_residual_connection_post_layernorm"),
+    ("opt", {"do_layer_norm_before": False}, "self_attn_layer_norm", "do_layer_norm_before=False"),
+])
+def test_configs_whose_layer_norms_feed_more_stay_stock(name, overrides, norm, reason):
+    """BLOOM with apply_residual_connection_post_layernorm (the LayerNorm's output is the residual
+    too) and OPT-350m's post-LN layers: the LayerNorms stay stock, with the reason; the rest converts."""
+    stock, _ = build_case(name, **overrides)
+    converted, report = conv.convert(stock, report=True)
+    rows = [row for row in report.skipped if row.path.endswith(norm)]
+    assert len(rows) == LAYERS and all(reason in row.reason for row in rows), str(report)
+    assert "RematFusedLayerNorm" not in swapped_counts(report)
+    assert_same_step(stock, converted, family_inputs(name, "cpu"))
+
+
+@pytest.mark.parametrize("name", ["phi", "falcon", "gptj"])
+def test_generation_uses_the_cache_like_stock(name):
+    """The prefill fills an empty cache through remat.attention; the steps after it run the stock
+    attention; greedy generation gives the same tokens."""
+    stock, _ = build_case(name)
+    stock.eval()
+    converted = conv.convert(stock)
+    ids = family_inputs(name, "cpu")["input_ids"]
+    with torch.no_grad():
+        want = stock(ids, use_cache=True).logits
+        got, calls = remat_attention_calls(lambda: converted(ids, use_cache=True).logits)
+        assert calls == LAYERS
+        torch.testing.assert_close(got, want)
+        settings = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0}
+        torch.testing.assert_close(converted.generate(ids, **settings), stock.generate(ids, **settings))
+
+
+@pytest.mark.parametrize("name", ["bart", "whisper"])
+def test_an_encoder_decoder_prefill_fills_its_self_attention_cache_through_remat(name):
+    """The decoder's self-attention reads the EncoderDecoderCache's self_attention_cache: an empty
+    one is filled through remat.attention, as stock fills it."""
+    stock, _ = build_case(name)
+    stock.eval()
+    converted = conv.convert(stock)
+    batch = {k: v for k, v in family_inputs(name, "cpu").items() if k != "labels"}
+    batch["decoder_input_ids"] = batch.get("input_ids", torch.full((BATCH, 1), 1))[:, :SEQ]
+    with torch.no_grad():
+        want = stock(**batch, use_cache=True)
+        got, calls = remat_attention_calls(lambda: converted(**batch, use_cache=True))
+    assert calls == 2 * LAYERS  # the encoder's and the decoder's self-attention
+    torch.testing.assert_close(got.logits, want.logits)
+    assert got.cache.self_attention_cache.get_seq_length() == want.cache.self_attention_cache.get_seq_length()
+
+
+def test_pickle_and_deepcopy_keep_the_handoffs(tmp_path):
+    """A converted model with a shared LayerNorm (Phi) and a layer-held MLP (BART) survives
+    torch.save / torch.load and deepcopy: the copy's handoffs point at the copy's layers."""
+    import copy
+    for name in ("phi", "bart"):
+        stock, _ = build_case(name)
+        converted = conv.convert(stock)
+        batch = family_inputs(name, "cpu")
+        torch.save(converted, tmp_path / f"{name}.pt")
+        for again in (torch.load(tmp_path / f"{name}.pt", weights_only=False), copy.deepcopy(converted)):
+            with torch.no_grad():
+                _, calls = remat_attention_calls(lambda m=again, b=batch: m(**b))
+            assert calls == CASES[name].attention
+            with torch.no_grad():
+                torch.testing.assert_close(again(**batch).loss, stock(**batch).loss)
+
+
+# --- remat memory --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, tokens", [("deit", 6), ("phi", SEQ), ("bloom", SEQ)])
+def test_remat_memory_reads_the_familys_config(tmp_path, name, tokens):
+    """`remat memory --model config.json` builds the family's model and counts, exactly, what
+    remat.convert keeps less per layer: the fused figures of the report (DeiT through its family's
+    pixel input, with its 4 patches and 2 extra tokens)."""
+    stock, ffn = build_case(name, **ONE_OP_GELU.get(name, {}))
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(stock.config.to_dict()))
+    results = {r.policy: r for r in memory.run(str(path), batch=BATCH, seq=SEQ, out_dir=str(tmp_path),
+                                               device="cpu", dtype=torch.float32)}
+    expected = expected_saving(name, ffn, "cpu")
+    per_layer_token = expected.report_fused // LAYERS
+    attention = expected.attention // (LAYERS * BATCH * tokens)
+    saved = results["eager"].saved_bytes - results["remat"].saved_bytes
+    assert saved == LAYERS * BATCH * tokens * (per_layer_token + attention)
+    assert not math.isnan(results["eager"].per_layer_sbh)
