@@ -447,3 +447,18 @@ def test_remat_memory_reads_the_familys_config(tmp_path, name, tokens):
     saved = results["eager"].saved_bytes - results["remat"].saved_bytes
     assert saved == LAYERS * BATCH * tokens * (per_layer_token + attention)
     assert not math.isnan(results["eager"].per_layer_sbh)
+
+
+@pytest.mark.parametrize("name", ["phi", "falcon-new", "bart", "whisper", "bloom", "opt"])
+def test_revert(name):
+    """remat.revert gives the stock classes back, the shared LayerNorms, the layers' own fc1,
+    activation and fc2, and the Linears fused inside stock modules included."""
+    stock, _ = build_case(name)
+    stock_types = [type(m) for m in stock.modules()]
+    converted = conv.convert(stock)
+    reverted = conv.revert(converted)
+    assert [type(m) for m in reverted.modules()] == stock_types
+    assert not any(n.startswith("remat_") for m in reverted.modules() for n in vars(m))
+    batch = family_inputs(CASES[name].family, "cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(reverted(**batch).loss, stock(**batch).loss, rtol=0, atol=0)

@@ -455,7 +455,7 @@ def _attention_weights_requested(module, kwargs):
     return bool(collected) and "attentions" in collected
 
 
-# The KV-cache argument of the stock attention forwards: transformers 5.18 renamed past_key_values to cache.
+# The KV-cache argument of the stock attention forwards: past_key_values up to transformers 5.17, cache in 5.24.
 CACHE_ARGS = ("cache", "past_key_values")
 
 
@@ -468,7 +468,7 @@ class _RematAttention(_RematModule):
     """
 
     # The stock forward's KV-cache argument; a tuple names the candidates, the first one the stock
-    # forward has is taken (transformers renamed past_key_values to cache in 5.18).
+    # forward has is taken (CACHE_ARGS: transformers renamed past_key_values to cache after 5.17).
     remat_cache_arg = None
     remat_extra_args = ()  # further stock arguments the remat path reads (rotary cos/sin)
     remat_head_dim_attr = "head_dim"
