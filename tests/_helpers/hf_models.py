@@ -139,7 +139,7 @@ def remat_attention_calls(fn):
     return result, counter.counts["remat::attention_fwd"]
 
 
-# --- The GELU/LayerNorm families of remat.convert.hf (tests/test_hf_families.py) -----------------
+# --- The GELU/LayerNorm families of remat.convert.hf (tests/convert/hf/test_hf_families.py) ------
 # Tiny random configs: 2 layers, hidden 64, 2 heads (head dim 32), FFN 128, no dropout. Each builder
 # returns the model and its FFN width, as the ones above. Token ids stay below VOCAB and avoid the
 # special ids the configs name (pad 0, bos 1, eos 2).

@@ -68,7 +68,7 @@ def llama():
     return transformers.LlamaForCausalLM(config)
 
 
-def mbart():  # BART's pre-LN sibling, under its own class names: no rule (BART's is tests/test_hf_families.py)
+def mbart():  # BART's pre-LN sibling under its own class names: no rule (BART's: convert/hf/test_hf_families.py)
     config = transformers.MBartConfig(vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1,
                                       encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
                                       decoder_ffn_dim=64, max_position_embeddings=32)
