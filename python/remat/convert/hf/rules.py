@@ -463,9 +463,9 @@ def _norm_row(report, path, layer, norm_name, norm, new_norm, consumers):
 def _hand_over(layer, norm_name, consumer_paths, layers, recompute, path, report):
     """Hand the LayerNorm `norm_name` over to the modules at `consumer_paths`, all of them or none;
     returns the paths of the consumers installed."""
-    built = [(p, *_consumer(layer, p, layers, recompute, path)) for p in consumer_paths]
-    consumers = [c for _, c, _ in built if c is not None]
-    reason = next((r for _, c, r in built if c is None), None)
+    built = [_consumer(layer, p, layers, recompute, path) for p in consumer_paths]
+    consumers = [c for c, _ in built if c is not None]
+    reason = next((r for c, r in built if c is None), None)
     norm, norm_reason = _fusable_norm(layer, norm_name, layers) if reason else \
         _norm_reason(layer, norm_name, consumers, layers, recompute)
     reason = reason or norm_reason
@@ -555,12 +555,13 @@ def _layer_rule(layer, layers, recompute, path, report):
     handled = {p for p in fused if "." not in p}
     for consumer_path in dict.fromkeys(p for _, paths in wiring for p in paths if p not in fused):
         handled |= _alone(layer, consumer_path, layers, recompute, path, report)
-    if parts is not None and parts.fc1 in fused and mlp_reason:  # the LayerNorm fused into fc1 alone
-        _layer_mlp_skipped(layer, parts, path, report, mlp_reason)
-    elif parts is not None and parts.fc1 not in fused and _layer_mlp_alone(layer, parts, recompute, path, report):
+    if parts is not None and parts.fc1 in fused:
+        if mlp_reason:  # the LayerNorm went into fc1 alone (OPT's ReLU MLP)
+            _layer_mlp_skipped(layer, parts, path, report, mlp_reason)
+        else:  # the MLP took the LayerNorm
+            handled |= {parts.act, parts.fc2}
+    elif parts is not None and _layer_mlp_alone(layer, parts, recompute, path, report):
         handled |= {parts.fc1, parts.act, parts.fc2}
-    if parts is not None and parts.fc1 in fused and not mlp_reason:
-        handled |= {parts.act, parts.fc2}
     for name in cross_attention(kind):
         if name in layer._modules:
             report.add(join(path, name), layer._modules[name], "skipped",
