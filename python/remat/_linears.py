@@ -1,6 +1,8 @@
 """The Linear-like modules a fused op can compute in place of their own forward.
 
     nn.Linear                         y = x·Wᵀ + b
+    transformers' FalconLinear        y = x @ Wᵀ + b (an nn.Linear whose forward adds the bias after the
+                                      product: the same sum, rounded twice in bf16 where F.linear rounds once)
     transformers' Conv1D              y = x·W + b, W stored (in, out)
     peft's LoRA Linear around either  y = base(x) + Σ B(A(dropout(x))) · scale, over the active adapters
 
@@ -21,10 +23,20 @@ from ._numerics import rel_error
 from .specs import Linear, LoRA
 
 
-def is_conv1d(module):
-    """transformers' Conv1D (GPT-2's projections), by class name and origin: transformers need not be imported."""
+def _is_transformers_class(module, name):
+    """By class name and origin: transformers need not be imported."""
     kind = type(module)
-    return kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers.")
+    return kind.__name__ == name and kind.__module__.startswith("transformers.")
+
+
+def is_conv1d(module):
+    """transformers' Conv1D (GPT-2's projections)."""
+    return _is_transformers_class(module, "Conv1D")
+
+
+def is_falcon_linear(module):
+    """transformers' FalconLinear (Falcon's projections): an nn.Linear computing input @ weight.T + bias."""
+    return _is_transformers_class(module, "FalconLinear")
 
 
 def is_lora_linear(module):
@@ -36,7 +48,7 @@ def is_lora_linear(module):
 def widths(module):
     """(in_features, out_features) of a Linear-like module, or None."""
     base = module.base_layer if is_lora_linear(module) else module
-    if type(base) is nn.Linear:
+    if type(base) is nn.Linear or is_falcon_linear(base):
         return base.in_features, base.out_features
     if is_conv1d(base):
         return tuple(base.weight.shape)
@@ -49,11 +61,11 @@ def base_layer(module):
 
 
 def _plain_base(module, label):
-    """(Linear without adapters, None) for a plain nn.Linear or Conv1D, or (None, why not)."""
+    """(Linear without adapters, None) for a plain nn.Linear, FalconLinear or Conv1D, or (None, why not)."""
     if is_conv1d(module):
         reason = plain_reason(module, (type(module),), label)
         return (None, reason) if reason else (Linear(module.weight.t(), module.bias), None)
-    reason = plain_reason(module, (nn.Linear,), label)
+    reason = plain_reason(module, (type(module),) if is_falcon_linear(module) else (nn.Linear,), label)
     if reason:
         return None, reason
     return Linear(module.weight, module.bias), None

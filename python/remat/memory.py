@@ -34,6 +34,7 @@ import torch
 
 from .bench.cases import short_error
 from .bench.timing import Timer, quantiles
+from .convert.hf import memory_input as hf_memory_input
 from .convert.hf import memory_models as hf_memory_models
 from .gpt import GPTConfig, torch_stack
 from .policies import policies as policy_table
@@ -210,9 +211,9 @@ def _hf_setup(name, batch, seq, device, dtype):
 
     config = _hf_config(name)
     model = transformers.AutoModel.from_config(config).to(device, dtype).train()
-    if config.model_type == "vit":
-        x = torch.randn(batch, config.num_channels, config.image_size, config.image_size, device=device, dtype=dtype)
-        input_name, seq = "pixel_values", (config.image_size // config.patch_size) ** 2 + 1
+    make_input = hf_memory_input(config.model_type)  # the image models' pixels, from their family
+    if make_input is not None:
+        input_name, x, seq = make_input(config, batch, seq, device, dtype)
     else:
         x = torch.randint(0, config.vocab_size, (batch, seq), device=device)
         input_name = "input_ids"

@@ -68,7 +68,7 @@ DECODERS = ("gpt2", "gpt_neox")
 def build(family, **overrides):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, ffn = FAMILIES[family](**overrides)
+        model, ffn = {**FAMILIES, **GELU_FAMILIES}[family](**overrides)
     with torch.no_grad():  # LayerNorms away from ones/zeros
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
@@ -137,3 +137,106 @@ def remat_attention_calls(fn):
     with OpCounter() as counter:
         result = fn()
     return result, counter.counts["remat::attention_fwd"]
+
+
+# --- The GELU/LayerNorm families of remat.convert.hf (tests/convert/hf/test_hf_families.py) ------
+# Tiny random configs: 2 layers, hidden 64, 2 heads (head dim 32), FFN 128, no dropout. Each builder
+# returns the model and its FFN width, as the ones above. Token ids stay below VOCAB and avoid the
+# special ids the configs name (pad 0, bos 1, eos 2).
+_SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+IMAGE = dict(image_size=8, patch_size=4, num_channels=3)  # 4 patches
+WHISPER_FRAMES = 8  # encoder tokens (max_source_positions): 2 * 8 mel frames of input
+
+
+def deit(**overrides):
+    config = dict(**IMAGE, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                  intermediate_size=FFN, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=5)
+    return transformers.DeiTForImageClassification(transformers.DeiTConfig(**{**config, **overrides})), FFN
+
+
+def siglip(**overrides):
+    """Both towers (SiglipModel with return_loss=True in inputs()): gelu_pytorch_tanh by default."""
+    tower = dict(hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                 attention_dropout=0.0)
+    text = dict(tower, vocab_size=VOCAB, max_position_embeddings=SEQ, **_SPECIAL)
+    vision = dict(tower, **IMAGE)
+    config = transformers.SiglipConfig(text_config={**text, **overrides}, vision_config={**vision, **overrides})
+    return transformers.SiglipModel(config), FFN
+
+
+def phi(**overrides):
+    config = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                  num_attention_heads=HEADS, max_position_embeddings=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                  attention_dropout=0.0, **_SPECIAL)
+    return transformers.PhiForCausalLM(transformers.PhiConfig(**{**config, **overrides})), FFN
+
+
+def gptj(**overrides):
+    # rotary on the first 16 of each head's 32 dims (rotary_dim): the pass-through part is covered too
+    config = dict(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_inner=FFN, rotary_dim=16,
+                  n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **_SPECIAL)
+    return transformers.GPTJForCausalLM(transformers.GPTJConfig(**{**config, **overrides})), FFN
+
+
+def falcon(**overrides):
+    """Falcon-7B's layout by default (multi-query, one LayerNorm feeding the parallel attention and MLP)."""
+    config = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                  ffn_hidden_size=FFN, hidden_dropout=0.0, attention_dropout=0.0, max_position_embeddings=32,
+                  **_SPECIAL)
+    return transformers.FalconForCausalLM(transformers.FalconConfig(**{**config, **overrides})), FFN
+
+
+def distilbert(**overrides):
+    config = dict(vocab_size=VOCAB, dim=HIDDEN, n_layers=LAYERS, n_heads=HEADS, hidden_dim=FFN,
+                  max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, pad_token_id=0)
+    return transformers.DistilBertForMaskedLM(transformers.DistilBertConfig(**{**config, **overrides})), FFN
+
+
+def _seq2seq_config(**fields):
+    return dict(vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS,
+                encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=FFN,
+                decoder_ffn_dim=FFN, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                decoder_start_token_id=1, **_SPECIAL, **fields)
+
+
+def bart(**overrides):
+    config = _seq2seq_config(max_position_embeddings=32)
+    return transformers.BartForConditionalGeneration(transformers.BartConfig(**{**config, **overrides})), FFN
+
+
+def whisper(**overrides):
+    config = _seq2seq_config(num_mel_bins=8, max_source_positions=WHISPER_FRAMES, max_target_positions=32)
+    return transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(**{**config, **overrides})), FFN
+
+
+def bloom(**overrides):
+    config = dict(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=LAYERS, n_head=HEADS, hidden_dropout=0.0,
+                  attention_dropout=0.0, **_SPECIAL)
+    return transformers.BloomForCausalLM(transformers.BloomConfig(**{**config, **overrides})), 4 * HIDDEN
+
+
+def opt(**overrides):
+    config = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                  ffn_dim=FFN, max_position_embeddings=32, word_embed_proj_dim=HIDDEN, dropout=0.0,
+                  attention_dropout=0.0, **_SPECIAL)
+    return transformers.OPTForCausalLM(transformers.OPTConfig(**{**config, **overrides})), FFN
+
+
+GELU_FAMILIES = {"deit": deit, "siglip": siglip, "phi": phi, "gptj": gptj, "falcon": falcon, "distilbert": distilbert,
+                 "bart": bart, "whisper": whisper, "bloom": bloom, "opt": opt}
+
+
+def family_inputs(family, device):
+    """A training batch (with the labels that make .loss) of `family`'s tiny model."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=generator).to(device)
+    if family == "deit":
+        return {"pixel_values": torch.randn(BATCH, 3, 8, 8, generator=generator).to(device),
+                "labels": torch.tensor([1, 3], device=device)}
+    if family == "siglip":
+        return {"input_ids": ids, "pixel_values": torch.randn(BATCH, 3, 8, 8, generator=generator).to(device),
+                "return_loss": True}
+    if family == "whisper":
+        features = torch.randn(BATCH, 8, 2 * WHISPER_FRAMES, generator=generator).to(device)
+        return {"input_features": features, "labels": ids}
+    return {"input_ids": ids, "labels": ids}

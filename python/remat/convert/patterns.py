@@ -14,8 +14,8 @@ op computes, and if not, why:
                 in front of an MLP), without hooks
     linear      nn.Linear, transformers' Conv1D, or peft's LoRA around either (remat._linears)
     activation  a GELU remat computes: nn.GELU (exact or tanh), transformers' GELU classes
-                (GELUActivation; GELUTanh, PytorchGELUTanh, NewGELUActivation, FastGELUActivation:
-                the tanh approximation), without hooks
+                (GELUActivation; GELUTanh, PytorchGELUTanh, NewGELUActivation, FastGELUActivation and
+                BLOOM's BloomGelu: the tanh approximation), without hooks
 
 and every parameter of the run on one device in one dtype.
 """
@@ -33,25 +33,32 @@ LAYER_NORM_MLP = Pattern("LayerNormMLP", ("norm", "linear", "activation", "linea
 MLP = Pattern("MLP", ("linear", "activation", "linear"))
 LAYER_NORM_LINEAR = Pattern("LayerNormLinear", ("norm", "linear"))
 
-# transformers' GELU modules, by class name (transformers need not be imported): their approximation
+# transformers' GELU modules, by class name (transformers need not be imported): their approximation.
+# FastGELUActivation and BloomGelu write the tanh approximation by hand with sqrt(2/pi) rounded to
+# 0.7978845608 and 0.79788456 (and BloomGelu's backward 3 * 0.044715 * sqrt(2/pi) to 0.1070322243):
+# relative changes under 1e-8, below the rounding of any dtype the kernels run in (fp32: 6e-8), so
+# the function is the same; in bf16/fp16 the stock Python formulas round after every op, the kernels
+# once, in fp32 (closer to the exact function).
 TRANSFORMERS_GELUS = {"GELUActivation": "none", "GELUTanh": "tanh", "PytorchGELUTanh": "tanh",
-                      "NewGELUActivation": "tanh", "FastGELUActivation": "tanh"}
+                      "NewGELUActivation": "tanh", "FastGELUActivation": "tanh", "BloomGelu": "tanh"}
 
 
-def gelu_approximate(module):
-    """"none" or "tanh" for the GELU modules remat computes exactly, else None."""
-    if type(module) in (nn.GELU, remat_nn.GELU):
+def gelu_approximate(module, kind=None):
+    """"none" or "tanh" for the GELU modules remat computes exactly, else None. kind: the class to
+    judge `module` by (the stock class of a swapped module), default its own."""
+    kind = kind or type(module)
+    if kind in (nn.GELU, remat_nn.GELU):
         return module.approximate if module.approximate in ("none", "tanh") else None
-    if type(module).__module__.startswith("transformers."):
-        return TRANSFORMERS_GELUS.get(type(module).__name__)
+    if kind.__module__.startswith("transformers."):
+        return TRANSFORMERS_GELUS.get(kind.__name__)
     return None
 
 
-def activation_reason(act, label=None):
-    """Why `act` cannot play the activation role, or None."""
+def activation_reason(act, label=None, kind=None):
+    """Why `act` (judged as a `kind`, default its own class) cannot play the activation role, or None."""
     label = label or "activation"
-    if not isinstance(act, nn.Module) or gelu_approximate(act) is None:
-        return f"{label} {type(act).__name__} is not a GELU remat computes (exact or tanh)"
+    if not isinstance(act, nn.Module) or gelu_approximate(act, kind) is None:
+        return f"{label} {(kind or type(act)).__name__} is not a GELU remat computes (exact or tanh)"
     reason = hook_reason(act)
     return f"{type(act).__name__} {reason}" if reason else None
 

@@ -27,7 +27,7 @@ register(Family(
     name="gpt2",
     attention={"GPT2Attention": _RematGPT2Attention},
     mlps={"GPT2MLP": MLPParts("c_fc", "act", "c_proj", "dropout")},
-    layers={"GPT2Block": (("ln_1", "attn"), ("ln_2", "mlp"))},
+    layers={"GPT2Block": ((("ln_1", "attn"), ("ln_2", "mlp")),)},
     memory_models={"hf-gpt2-small": ("gpt2", {}),
                    "hf-gpt2-medium": ("gpt2", {"n_embd": 1024, "n_layer": 24, "n_head": 16})},
 ))

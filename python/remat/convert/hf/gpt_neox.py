@@ -2,12 +2,10 @@
 too) with input_layernorm fused into query_key_value, the MLP fused with post_attention_layernorm
 in front."""
 
-import inspect
-
 import torch
 
 from .modules import MLPParts, _RematAttention
-from .registry import Family, register
+from .registry import Family, register, rotary_probe_kwargs
 
 
 def _rotary(q, k, cos, sin):
@@ -35,11 +33,6 @@ class _RematGPTNeoXAttention(_RematAttention):
     def remat_dropout(self):
         return self.attention_dropout
 
-    def remat_fallback_reason(self, hidden_states, call):
-        if call is not None and call.get("position_embeddings") is None:
-            return "no position_embeddings (rotary cos, sin)"
-        return super().remat_fallback_reason(hidden_states, call)
-
     def remat_qkv(self, outputs, call):
         (qkv,) = outputs
         # GPT-NeoX packs q, k, v per head: (B, S, H, 3 * D)
@@ -54,20 +47,14 @@ class _RematGPTNeoXAttention(_RematAttention):
 
 
 def _probe_kwargs(module, param):
-    """The rotary cos and sin the model computes for its layers and attentions: random angles check
-    the rotation for any of them."""
-    attention = module if hasattr(module, "rotary_ndims") else getattr(module, "attention", None)
-    dims = getattr(attention, "rotary_ndims", None)
-    if "position_embeddings" not in inspect.signature(module.forward).parameters or dims is None:
-        return {}
-    angles = torch.randn(2, 3, dims, generator=torch.Generator().manual_seed(1)).to(param.device, param.dtype)
-    return {"position_embeddings": (angles.cos(), angles.sin())}
+    """The rotary cos and sin the model computes for its layers and attentions."""
+    return rotary_probe_kwargs(module, param, lambda m: getattr(m, "rotary_ndims", None))
 
 
 register(Family(
     name="gpt_neox",
     attention={"GPTNeoXAttention": _RematGPTNeoXAttention},
     mlps={"GPTNeoXMLP": MLPParts("dense_h_to_4h", "act", "dense_4h_to_h", None)},
-    layers={"GPTNeoXLayer": (("input_layernorm", "attention"), ("post_attention_layernorm", "mlp"))},
+    layers={"GPTNeoXLayer": ((("input_layernorm", "attention"), ("post_attention_layernorm", "mlp")),)},
     probe_kwargs=_probe_kwargs,
 ))

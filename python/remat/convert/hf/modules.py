@@ -19,12 +19,13 @@ from ..._guards import fallback, hook_reason, plain_reason
 from ..._linears import fused_saved_bytes, projections
 from ...ops.attention import attention
 from ...ops.fused import fused_mlp, norm_linears
-from ...specs import gelu, norm_of
+from ...specs import Linear, gelu, norm_of
 from ..patterns import activation_reason, gelu_approximate
 from ..swap import strip
 
-# A transformers MLP module: the names of its fc1, activation, fc2 and (or None) dropout after fc2.
-MLPParts = collections.namedtuple("MLPParts", "fc1 act fc2 dropout")
+# A transformers MLP module: the names of its fc1, activation, fc2 and (or None) dropout after fc2,
+# and the remat class it is swapped to (None: _RematMLP; BLOOM's takes the residual too).
+MLPParts = collections.namedtuple("MLPParts", "fc1 act fc2 dropout mixin", defaults=(None,))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -32,67 +33,101 @@ MLPParts = collections.namedtuple("MLPParts", "fc1 act fc2 dropout")
 # ---------------------------------------------------------------------------------------------
 
 
-class Handoff:
-    """Work moved from one module of a layer to the next: the producer at layer.<producer> returns
-    its input unchanged, and the consumer at layer.<consumer> does the producer's work inside its
-    own fused op (a pre-LN LayerNorm into the q/k/v projection or fc1; BERT's intermediate into
-    its output).
+def submodule(layer, path):
+    """The module at the dotted `path` below `layer` ("self_attention.query_key_value"), or None."""
+    module = layer
+    for name in path.split("."):
+        module = module._modules.get(name) if module is not None else None
+    return module
 
-    It holds only while both sit in their places in the layer without hooks (checked at every
-    call, by both): otherwise the producer runs its own forward and the consumer takes what it
-    gets, as stock. The layer is held by a weak reference; a deepcopy of the whole model points
-    the copy at the copied layer, while a copy of one of the two modules alone keeps pointing at
-    the original layer, where it does not sit, so the copy computes itself.
+
+def _path_modules(layer, path):
+    """The modules along `path` below `layer`, the last one at `path` (None where one is missing)."""
+    names = path.split(".")
+    return [submodule(layer, ".".join(names[:i + 1])) for i in range(len(names))]
+
+
+class Handoff:
+    """Work moved from modules of a layer to a module after them: each producer (a pre-LN LayerNorm,
+    BERT's intermediate, the fc1 and activation a layer holds itself) returns its input unchanged,
+    and each consumer does the producers' work inside its own fused op (a pre-LN LayerNorm into the
+    q/k/v projection or fc1; BERT's intermediate into its output; a layer's fc1 and activation into
+    its fc2). A LayerNorm whose output feeds several modules (Phi's, GPT-J's parallel attention and
+    MLP) has several consumers, each applying it inside its own op.
+
+    producers: {role: path}, the roles ("norm", "intermediate", "fc1", "act") naming what each
+    consumer reads; consumers: paths. Paths are dotted below the layer ("fc1",
+    "self_attention.query_key_value"). dropout: the name of a layer attribute holding the
+    probability of a dropout the layer's forward applies between a producer and its consumer
+    (BART's activation_dropout): the handoff holds only while that dropout does nothing (p = 0, or
+    the layer in eval mode).
+
+    It holds only while every member sits in its place in the layer without hooks, and so do the
+    modules between the layer and it (checked at every call, by each member): otherwise each
+    producer runs its own forward and each consumer takes what it gets, as stock. The layer is held
+    by a weak reference; a deepcopy of the whole model points the copy at the copied layer, while a
+    copy of one member alone keeps pointing at the original layer, where it does not sit, so the
+    copy computes itself.
     """
 
-    def __init__(self, layer, producer, consumer):
+    def __init__(self, layer, producers, consumers, dropout=None):
         self._layer = weakref.ref(layer)
-        self.producer, self.consumer = producer, consumer
+        self.producers, self.consumers, self.dropout = dict(producers), tuple(consumers), dropout
 
     def reason(self):
         """None while the handoff holds, else why not."""
         layer = self._layer()
         if layer is None:
             return "the layer holding it is gone"
-        for name in (self.producer, self.consumer):
-            module = layer._modules.get(name)
-            if module is None or module.__dict__.get("remat_handoff") is not self:
-                return f"{name} is no longer the module converted"
-            reason = hook_reason(module)
+        for path in (*self.producers.values(), *self.consumers):
+            modules = _path_modules(layer, path)
+            if modules[-1] is None or modules[-1].__dict__.get("remat_handoff") is not self:
+                return f"{path} is no longer the module converted"
+            reason = next(filter(None, map(hook_reason, modules)), None)
             if reason:
-                return f"{name} {reason}"
+                return f"{path} {reason}"
+        if self.dropout is not None and layer.training and getattr(layer, self.dropout, 0) > 0:
+            return f"{self.dropout} (p={getattr(layer, self.dropout)}) in training"
         return None
 
-    def source(self):
-        """The producer module (call only while reason() is None)."""
-        return self._layer()._modules[self.producer]
+    def source(self, role="norm"):
+        """The producer of `role` (call only while reason() is None), or None when it has none."""
+        path = self.producers.get(role)
+        return submodule(self._layer(), path) if path is not None else None
 
     def __deepcopy__(self, memo):
         layer = self._layer()
         new = Handoff.__new__(Handoff)
         memo[id(self)] = new
         new._layer = weakref.ref(memo.get(id(layer), layer)) if layer is not None else self._layer
-        new.producer, new.consumer = self.producer, self.consumer
+        new.producers, new.consumers, new.dropout = dict(self.producers), self.consumers, self.dropout
         return new
 
     def __reduce__(self):  # pickling a model: the layer itself, which pickle keeps once
-        return Handoff, (self._layer(), self.producer, self.consumer)
+        return Handoff, (self._layer(), self.producers, self.consumers, self.dropout)
 
 
-def _link(layer, producer_name, producer, consumer_name, consumer):
-    handoff = Handoff(layer, producer_name, consumer_name)
-    producer.__dict__["remat_handoff"] = consumer.__dict__["remat_handoff"] = handoff
+def link(layer, members, producers, consumers, dropout=None):
+    """One Handoff in `layer` for the new modules `members` ({path: module}, not installed yet)."""
+    handoff = Handoff(layer, producers, consumers, dropout)
+    for module in members.values():
+        module.__dict__["remat_handoff"] = handoff
+    return handoff
 
 
-def _handed_over(module):
-    """(the producer whose work `module` does at this call, or None; why a handoff no longer holds, or None)."""
+def _handed_over(module, role="norm"):
+    """(the producer of `role` whose work `module` does at this call, or None; why a handoff no
+    longer holds, or None)."""
     handoff = module.__dict__.get("remat_handoff")
     if handoff is None:
         return None, None
     reason = handoff.reason()
-    if reason:
-        return None, f"{handoff.producer} is not fused any more: {reason}"
-    return handoff.source(), None
+    return (None, _not_fused(handoff, reason)) if reason else (handoff.source(role), None)
+
+
+def _not_fused(handoff, reason):
+    names = list(handoff.producers.values())
+    return f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} not fused any more: {reason}"
 
 
 _REMAT_CLASSES = {}
@@ -104,7 +139,7 @@ def remat_class(mixin, stock_class, **attributes):
     key = (mixin, stock_class, tuple(sorted(attributes.items())))
     cls = _REMAT_CLASSES.get(key)
     if cls is None:
-        name = f"Remat{stock_class.__name__}"
+        name = f"{mixin.remat_prefix}{stock_class.__name__}"
         # Read at every call: computed here, once, outside any torch.compile trace.
         fixed = {"remat_stock": stock_class, "remat_signature": inspect.signature(stock_class.forward),
                  "remat_passthrough": _passthrough_kwargs(), **attributes}
@@ -118,6 +153,7 @@ class _RematModule:
     """What every swapped transformers module shares: the probe's trace, fallbacks, revert."""
 
     remat_fused = True
+    remat_prefix = "Remat"  # the swapped class is named remat_prefix + the stock class's name
     remat_stock: type  # the stock class
 
     def _remat_fallback(self, reason):
@@ -172,29 +208,40 @@ def _normed_outputs(x, norm, modules, recompute, labels):
 
 
 class _RematMLP(_RematModule):
-    """A transformers MLP module (GPT2MLP, ViTMLP, GPTNeoXMLP, CLIPMLP) on remat.mlp:
+    """A transformers MLP module (GPT2MLP, ViTMLP, GPTNeoXMLP, PhiMLP, ...) on remat.mlp:
     dropout(fc2(gelu(fc1(x)))) keeping x and the fc1 output only, with the LayerNorm before it
-    fused in when it was handed over. Any call remat cannot compute runs the stock forward."""
+    fused in when it was handed over. Any call remat cannot compute runs the stock forward.
+
+    A family whose MLP forward takes more than the hidden states, or does more after fc2 (BLOOM's
+    takes the residual and adds it), subclasses this with its own remat_finish."""
 
     remat_parts: "MLPParts"  # the stock module's submodule names, given by its family
 
-    def forward(self, hidden_states):
+    def forward(self, hidden_states, *args, **kwargs):
         parts = self.remat_parts
         norm, norm_reason = _handed_over(self)
         linears, reason = projections([self._modules[parts.fc1], self._modules[parts.fc2]], [parts.fc1, parts.fc2])
         reason = reason or activation_reason(self._modules[parts.act], parts.act) \
-            or (_layer_norm_reason(norm) if norm is not None else None)
+            or (_layer_norm_reason(norm) if norm is not None else None) or self.remat_call_reason()
         if reason:
             self._remat_fallback(reason)
             if norm is not None:
                 hidden_states = nn.LayerNorm.forward(norm, hidden_states)
-            return self.remat_stock.forward(self, hidden_states)
+            return self.remat_stock.forward(self, hidden_states, *args, **kwargs)
         self._remat_fallback(norm_reason)
         act = gelu(gelu_approximate(self._modules[parts.act]))
         fc1, fc2 = linears
         out = fused_mlp(hidden_states, fc1, act, fc2, norm_of(norm) if norm is not None else None,
                         self.remat_recompute)
-        return self._modules[parts.dropout](out) if parts.dropout else out
+        return self.remat_finish(out, *args, **kwargs)
+
+    def remat_call_reason(self):
+        """Why this module's stock forward computes something else than fc2(gelu(fc1(x))) now, or None."""
+        return None
+
+    def remat_finish(self, out):
+        """The stock forward's result from the fc2 output: its dropout, if it has one."""
+        return self._modules[self.remat_parts.dropout](out) if self.remat_parts.dropout else out
 
     def remat_saved_bytes(self):
         """Bytes per token this module keeps less than stock: the GELU output, where fc2 trains."""
@@ -205,14 +252,87 @@ class _RematMLP(_RematModule):
         return f"on remat.mlp, recompute={self.remat_recompute}"
 
 
-class _RematIntermediate(_RematModule):
-    """BertIntermediate's place in a converted layer (dense + activation): returns its input while its
-    handoff to the output holds, the output computing the whole FFN."""
+class _RematPassThrough(_RematModule):
+    """A module whose work the consumer of its handoff does inside its fused op (BertIntermediate;
+    the fc1 and activation a layer holds itself): returns its input while the handoff holds."""
 
-    def forward(self, hidden_states):
+    def forward(self, hidden_states, *args, **kwargs):
         if self.remat_handoff.reason() is None:
             return hidden_states
-        return self.remat_stock.forward(self, hidden_states)
+        return self.remat_stock.forward(self, hidden_states, *args, **kwargs)
+
+
+_RematIntermediate = _RematPassThrough  # BertIntermediate's place: the output computes the whole FFN
+
+
+class _RematFused(_RematPassThrough):
+    """The fc1 Linear and the activation module a layer holds itself (BART, Whisper), whose work
+    the layer's fc2 does (_RematLayerMLP)."""
+
+    remat_prefix = "RematFused"
+
+
+def _own_linear(module, label):
+    """(remat.specs.Linear of a swapped nn.Linear or FalconLinear, None), or (None, why its weights
+    cannot be read at this call)."""
+    reason = plain_reason(module, (type(module),), label)
+    return (None, reason) if reason else (Linear(module.weight, module.bias), None)
+
+
+class _RematNormedLinear(_RematModule):
+    """A Linear (nn.Linear or FalconLinear) inside a module that stays stock (BLOOM's ALiBi
+    attention's query_key_value, OPT's fc1 before its ReLU) with the LayerNorm before it fused in:
+    norm_linears keeps x and fp32 mean/rstd, never LN(x)."""
+
+    remat_prefix = "RematNormed"
+
+    def forward(self, input):
+        norm, reason = _handed_over(self)
+        linear, reason = (None, reason) if norm is None else _own_linear(self, self.remat_path)
+        reason = reason or (_layer_norm_reason(norm) if norm is not None else None)
+        if reason:
+            self._remat_fallback(reason)
+            if norm is not None:
+                input = nn.LayerNorm.forward(norm, input)
+            return self.remat_stock.forward(self, input)
+        self._remat_fallback(None)
+        return norm_linears(input, norm_of(norm), [linear], self.remat_recompute)[0]
+
+
+class _RematLayerMLP(_RematModule):
+    """The fc2 Linear of an MLP its layer holds itself (BART's, Whisper's fc1 -> activation_fn -> fc2,
+    called one after the other by the layer's forward), computing the whole MLP on remat.mlp: fc1
+    and the activation return their input (_RematFused), and so does the LayerNorm before fc1 when
+    it was handed over too. Keeps x and the fc1 output only."""
+
+    remat_prefix = "RematMLP"
+
+    def forward(self, input):
+        handoff = self.remat_handoff
+        reason = handoff.reason()
+        if reason:  # each producer computed itself: input is the activation's output, as stock
+            self._remat_fallback(_not_fused(handoff, reason))
+            return self.remat_stock.forward(self, input)
+        fc1, act, norm = handoff.source("fc1"), handoff.source("act"), handoff.source("norm")
+        labels = handoff.producers
+        fc1_linear, reason = _own_linear(fc1, labels["fc1"])
+        fc2_linear, reason = (None, reason) if reason else _own_linear(self, self.remat_path)
+        reason = reason or activation_reason(act, labels["act"], act.remat_stock) or \
+            (_layer_norm_reason(norm) if norm is not None else None)
+        if reason:  # the handoff holds, so input is what the first producer got: compute them here
+            self._remat_fallback(reason)
+            if norm is not None:
+                input = nn.LayerNorm.forward(norm, input)
+            hidden = act.remat_stock.forward(act, fc1.remat_stock.forward(fc1, input))
+            return self.remat_stock.forward(self, hidden)
+        self._remat_fallback(None)
+        return fused_mlp(input, fc1_linear, gelu(gelu_approximate(act, act.remat_stock)), fc2_linear,
+                         norm_of(norm) if norm is not None else None, self.remat_recompute)
+
+    def remat_saved_bytes(self):
+        """Bytes per token kept less than stock: the GELU output, where this fc2 trains."""
+        trains = self.remat_recompute and self.weight.requires_grad
+        return self.in_features * self.weight.element_size() if trains else 0
 
 
 class _RematOutput(_RematModule):
@@ -220,7 +340,7 @@ class _RematOutput(_RematModule):
     LayerNorm(dropout(dense(gelu(intermediate.dense(x)))) + input_tensor) on remat.mlp."""
 
     def forward(self, hidden_states, input_tensor):
-        intermediate, reason = _handed_over(self)
+        intermediate, reason = _handed_over(self, "intermediate")
         if intermediate is None:  # the intermediate computed itself
             self._remat_fallback(reason)
             return self.remat_stock.forward(self, hidden_states, input_tensor)
@@ -335,6 +455,10 @@ def _attention_weights_requested(module, kwargs):
     return bool(collected) and "attentions" in collected
 
 
+# The KV-cache argument of the stock attention forwards: past_key_values up to transformers 5.17, cache in 5.24.
+CACHE_ARGS = ("cache", "past_key_values")
+
+
 class _RematAttention(_RematModule):
     """The remat path shared by the swapped attention classes (mixed in before the stock class).
 
@@ -343,11 +467,20 @@ class _RematAttention(_RematModule):
     project the output.
     """
 
-    remat_cache_arg = None  # the stock forward's KV-cache argument
+    # The stock forward's KV-cache argument; a tuple names the candidates, the first one the stock
+    # forward has is taken (CACHE_ARGS: transformers renamed past_key_values to cache after 5.17).
+    remat_cache_arg = None
     remat_extra_args = ()  # further stock arguments the remat path reads (rotary cos/sin)
     remat_head_dim_attr = "head_dim"
+    remat_scale_attr = "scaling"  # the attribute holding the softmax scale the stock forward applies
     remat_projections = ()  # the q/k/v projections, reading the hidden states
     remat_output_projection = None  # the output projection (None: the module has none, as BERT's)
+
+    @classmethod
+    def remat_refuse_reason(cls, module):
+        """Why the stock `module` computes something remat.attention does not at every call (a
+        position bias its config turns on), or None; checked once, at conversion."""
+        return None
 
     def forward(self, hidden_states, *args, **kwargs):
         norm, norm_reason = _handed_over(self)
@@ -387,13 +520,16 @@ class _RematAttention(_RematModule):
             return "arguments the stock forward renames or rejects"
         if hidden_states.dim() != 3:
             return "input is not (batch, seq, hidden)"
+        missing = [name for name in self.remat_extra_args if call.get(name) is None]
+        if missing:
+            return f"no {', '.join(missing)} (rotary cos, sin)"
         if self.config._attn_implementation not in REMAT_IMPLEMENTATIONS:
             return f"attention implementation {self.config._attn_implementation!r}"
         if self.training and self.remat_dropout() > 0:
             return "attention dropout in training"
         if _attention_weights_requested(self, call):
             return "attention weights requested (output_attentions)"
-        cache = call.get(self.remat_cache_arg) if self.remat_cache_arg else None
+        cache = self._remat_cache(call)
         if cache is not None and not _empty_dynamic_cache(cache, getattr(self, "layer_idx", None)):
             return "a KV cache with past keys, or not a plain DynamicCache"
         known = {"attention_mask", self.remat_cache_arg, *self.remat_extra_args, *self.remat_passthrough}
@@ -426,11 +562,25 @@ class _RematAttention(_RematModule):
     def remat_forward(self, outputs, call, causal):
         """(output, None) by remat.attention; the caller has checked remat_fallback_reason."""
         q, k, v = self.remat_qkv(outputs, call)
-        cache = call.get(self.remat_cache_arg) if self.remat_cache_arg else None
+        cache = self._remat_cache(call)
         if cache is not None:  # empty: update() stores and returns these very keys and values
             k, v = cache.update(k, v, self.layer_idx)
-        o = attention(q, k, v, causal=causal, softmax_scale=float(self.scaling))
+        o = attention(q, k, v, causal=causal, softmax_scale=self.remat_scale())
         return self.remat_output(_merge_heads(o)), None
+
+    def remat_scale(self):
+        """The softmax scale remat.attention applies to q·kᵀ (1.0 where remat_qkv scales q itself,
+        as OPT and Whisper do before their attention)."""
+        return float(getattr(self, self.remat_scale_attr))
+
+    def _remat_cache(self, call):
+        """The call's self-attention KV cache, or None: an encoder-decoder model's
+        EncoderDecoderCache holds it as its self_attention_cache, which the stock self-attention
+        updates (its cross-attention calls run stock)."""
+        cache = call.get(self.remat_cache_arg) if self.remat_cache_arg else None
+        if type(cache).__name__ == "EncoderDecoderCache":
+            return cache.self_attention_cache
+        return cache
 
     def remat_saved_bytes(self):
         """Bytes per token kept less than stock by the attention itself: none against SDPA's flash
@@ -439,3 +589,39 @@ class _RematAttention(_RematModule):
 
     def extra_repr(self):
         return f"{self.remat_stock.__name__} on remat.attention"
+
+
+class _RematSplitAttention(_RematAttention):
+    """An attention with separate q, k and v Linears, each (B, S, heads * head_dim) with k and v
+    possibly fewer heads (GQA), and an output projection; what a family differs in is data:"""
+
+    remat_projections = ("q_proj", "k_proj", "v_proj")
+    remat_output_projection = "out_proj"
+    remat_dropout_attr = "dropout"  # the attention dropout: a probability or an nn.Dropout
+    # OPT and Whisper multiply q_proj's output by scaling before their attention, which then scales
+    # by 1: the same rounding here.
+    remat_query_scaled = False
+
+    def remat_dropout(self):
+        p = getattr(self, self.remat_dropout_attr)
+        return p.p if isinstance(p, nn.Dropout) else p
+
+    def remat_qkv(self, outputs, call):
+        q, k, v = outputs
+        if self.remat_query_scaled:
+            q = q * self.scaling
+        head_dim = getattr(self, self.remat_head_dim_attr)
+        return (split_heads(t, t.shape[-1] // head_dim, head_dim) for t in (q, k, v))
+
+    def remat_scale(self):
+        return 1.0 if self.remat_query_scaled else super().remat_scale()
+
+    def remat_output(self, o):
+        return self._modules[self.remat_output_projection](o)
+
+
+def stock_function(module, name):
+    """The function `name` of the transformers file that defines `module`'s stock class (its own
+    rotary embedding, BLOOM's dropout_add): what the stock forward calls, called the same way."""
+    return getattr(sys.modules[module.remat_stock.__module__], name)
+

@@ -2,13 +2,27 @@
 registers one Family: its classes, the submodule names its rules read, the remat classes of its
 attention, what a probe call of its modules needs, and the configs `remat memory` builds."""
 
+import collections
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping
 
-# Pre-LN layer: ((LayerNorm, attention), (LayerNorm, MLP)) child names; each LayerNorm's output feeds
-# only the module after it (checked by the probe, which runs the whole layer).
+import torch
+
+# A layer's wirings: the alternative ways its forward feeds its LayerNorms to the modules after them
+# (Falcon's depend on its config), each a tuple of (LayerNorm child, consumer path) pairs; the first
+# wiring whose modules all exist in the layer applies. A consumer is an attention or MLP child with
+# a rule, the fc1 of the MLP the layer holds itself (LayerMLP), or a Linear below the layer
+# ("self_attention.query_key_value": the LayerNorm fused into that Linear, its module kept stock).
+# One LayerNorm may feed several consumers (Phi's and GPT-J's parallel attention and MLP). Each
+# LayerNorm's output must feed only its consumers: the probe, which runs the whole layer, checks it.
 # Pair: (intermediate attr, its class name, output attr, its class name) of an FFN split over two
 # siblings (BERT's), the output computing the whole FFN.
+
+# An MLP a layer holds itself, its forward calling fc2(dropout(act(fc1(x)))) (BART, Whisper, OPT):
+# the child names, and the layer attribute holding the probability of the dropout between the
+# activation and fc2 (None: there is none).
+LayerMLP = collections.namedtuple("LayerMLP", "fc1 act fc2 dropout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,13 +30,23 @@ class Family:
     name: str
     attention: Mapping[str, type] = dataclasses.field(default_factory=dict)  # stock class name -> remat mixin
     mlps: Mapping[str, tuple] = dataclasses.field(default_factory=dict)  # stock class name -> MLPParts
-    layers: Mapping[str, tuple] = dataclasses.field(default_factory=dict)  # layer class name -> pre-LN pairs
+    layers: Mapping[str, tuple] = dataclasses.field(default_factory=dict)  # layer class name -> wirings
+    layer_mlps: Mapping[str, LayerMLP] = dataclasses.field(default_factory=dict)  # layer class name -> LayerMLP
     pairs: Mapping[str, tuple] = dataclasses.field(default_factory=dict)  # layer class name -> FFN pair
+    # Attention classes kept stock on purpose: class name -> why (the report says it).
+    stock_attention: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # Cross-attention children of a layer (the same class as its self-attention): layer class name -> names.
+    cross_attention: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+    layer_reason: Callable | None = None  # (layer) -> why its LayerNorms do not feed its wiring (post-LN), or None
     probe_kwargs: Callable | None = None  # (module, param) -> keyword arguments a probe call needs
     memory_models: Mapping[str, tuple] = dataclasses.field(default_factory=dict)  # name -> (model_type, fields)
+    # (config, batch, seq, device, dtype) -> (input name, input, tokens per sequence) for `remat memory`,
+    # for models whose input is not input_ids; None: input_ids of (batch, seq).
+    memory_input: Callable | None = None
+    model_types: tuple = ()  # the config model_types whose models this family's memory_input serves
 
     def classes(self):
-        return {*self.attention, *self.mlps, *self.layers, *self.pairs}
+        return {*self.attention, *self.mlps, *self.layers, *self.layer_mlps, *self.pairs, *self.stock_attention}
 
 
 FAMILIES = {}
@@ -51,8 +75,20 @@ def layer_rule(name):
     return _merged("layers").get(name)
 
 
+def layer_mlp(name):
+    return _merged("layer_mlps").get(name)
+
+
 def pair_rule(name):
     return _merged("pairs").get(name)
+
+
+def stock_attention_reason(name):
+    return _merged("stock_attention").get(name)
+
+
+def cross_attention(name):
+    return _merged("cross_attention").get(name, ())
 
 
 def family_of(module):
@@ -64,3 +100,33 @@ def family_of(module):
 def memory_models():
     """{name: (model_type, config fields)} of the Hugging Face models `remat memory` builds."""
     return _merged("memory_models")
+
+
+def memory_input(model_type):
+    """The memory_input of the family serving `model_type`, or None (input_ids)."""
+    return next((f.memory_input for f in FAMILIES.values() if model_type in f.model_types), None)
+
+
+def stock_name(module):
+    """The name of `module`'s stock class (also once it is swapped to a remat class)."""
+    return getattr(module, "remat_stock", type(module)).__name__
+
+
+def rotary_probe_kwargs(module, param, width, sin_first=False):
+    """{"position_embeddings": (cos, sin)} for a probe call of `module` (a layer, or its attention)
+    whose forward takes them; `width`(attention) is the width of the attention's cos and sin, None
+    for other modules. Random angles check the rotation for any of them. sin_first: GPT-J's (sin, cos)."""
+    if "position_embeddings" not in inspect.signature(module.forward).parameters:
+        return {}
+    dims = next(filter(None, map(width, [module, *module.children()])), None)
+    if dims is None:
+        return {}
+    angles = torch.randn(2, 3, dims, generator=torch.Generator().manual_seed(1)).to(param.device, param.dtype)
+    cos, sin = angles.cos(), angles.sin()
+    return {"position_embeddings": (sin, cos) if sin_first else (cos, sin)}
+
+
+def probe_tensor(param, *shape, seed=2):
+    """A random tensor of `shape` on `param`'s device and dtype, for a probe call's other inputs."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(param.device, param.dtype)
+

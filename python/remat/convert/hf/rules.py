@@ -3,19 +3,41 @@ swapped to the remat classes (modules.py), which LayerNorms are handed over to t
 them, each checked by a probe when it is made."""
 
 import contextlib
+import dataclasses
 import inspect
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from ..._guards import hook_reason
-from ..._linears import fused_saved_bytes, projection, widths
+from ..._linears import fused_saved_bytes, is_falcon_linear, projection, widths
 from ..._numerics import rel_error
 from ...ops.attention import HEAD_DIMS
 from ..patterns import MLP, fusable, layer_norm_fusable
 from ..swap import join, with_class
-from .modules import RematFusedLayerNorm, _link, _RematIntermediate, _RematMLP, _RematOutput, remat_class
-from .registry import attention_mixin, family_of, layer_rule, mlp_parts, pair_rule
+from .modules import (
+    RematFusedLayerNorm,
+    _RematFused,
+    _RematIntermediate,
+    _RematLayerMLP,
+    _RematMLP,
+    _RematNormedLinear,
+    _RematOutput,
+    link,
+    remat_class,
+    submodule,
+)
+from .registry import (
+    attention_mixin,
+    cross_attention,
+    family_of,
+    layer_mlp,
+    layer_rule,
+    mlp_parts,
+    pair_rule,
+    stock_attention_reason,
+)
 
 ATTENTION_SUFFIXES = ("Attention",)
 
@@ -81,7 +103,7 @@ def _attention_reason(module):
         return reason
     if getattr(module, "is_cross_attention", False):
         return "cross-attention (keys and values from the encoder)"
-    expected = (mixin.remat_head_dim_attr, "scaling", "config", "is_causal", *mixin.remat_projections,
+    expected = (mixin.remat_head_dim_attr, mixin.remat_scale_attr, "config", "is_causal", *mixin.remat_projections,
                 *filter(None, [mixin.remat_output_projection]))
     missing = [n for n in expected if not hasattr(module, n)]
     if missing:
@@ -92,10 +114,25 @@ def _attention_reason(module):
     if head_dim not in HEAD_DIMS:
         return f"head dim {head_dim} is not one of remat's kernel head dims {HEAD_DIMS}"
     parameters = inspect.signature(type(module).forward).parameters
-    needed = ["attention_mask", *filter(None, [mixin.remat_cache_arg]), *mixin.remat_extra_args]
+    cache = _cache_argument(mixin, type(module))
+    needed = ["attention_mask", *filter(None, [cache]), *mixin.remat_extra_args]
     if any(n not in parameters for n in needed):
         return f"the forward's arguments are not {', '.join(needed)}: this transformers version differs"
-    return None
+    return mixin.remat_refuse_reason(module)
+
+
+def _cache_argument(mixin, stock_class):
+    """The name of the stock forward's KV-cache argument (the first of the mixin's candidates it has)."""
+    names = mixin.remat_cache_arg
+    if not isinstance(names, tuple):
+        return names
+    parameters = inspect.signature(stock_class.forward).parameters
+    return next((n for n in names if n in parameters), names[0])
+
+
+def _swapped_attention(module, recompute, path):
+    mixin = attention_mixin(type(module).__name__)
+    return _swapped(module, mixin, recompute, path, remat_cache_arg=_cache_argument(mixin, type(module)))
 
 
 def _fused_layer_norm(norm, path):
@@ -119,48 +156,62 @@ def _first_output(output):
 
 
 @contextlib.contextmanager
-def _tracing(module):
-    """Inside: `module` records, per call, why it ran stock (None: its remat path ran)."""
-    trace = []
-    module.__dict__["remat_trace"] = trace
+def _tracing(modules):
+    """Inside: each of `modules` records, per call, why it ran stock (None: its remat path ran)."""
+    traces = []
+    for module in modules:
+        traces.append([])
+        module.__dict__["remat_trace"] = traces[-1]
     try:
-        yield trace
+        yield traces
     finally:
-        del module.__dict__["remat_trace"]
+        for module in modules:
+            del module.__dict__["remat_trace"]
 
 
 def _traced_probe(before, after, traced, width, param, modules):
-    """_probe, and then why not when the calls of `traced` inside after(x) were not one remat path."""
+    """_probe, and then why not when the calls of each of `traced` inside after(x) were not one remat path."""
     if param.is_meta:
         return None  # nothing to run on: not probed, as _probe
-    trace = []
+    traces = []
 
     def traced_after(x):
         with _tracing(traced) as calls:
             try:
                 return after(x)
             finally:
-                trace.extend(calls)
+                traces.extend(calls)
 
     reason = _probe(before, traced_after, width, param, modules)
-    if reason is None and trace != [None]:
-        reason = f"the probe call did not take the remat path ({trace[0] if trace else 'not called'})"
+    for trace in traces if reason is None else ():
+        if trace != [None]:
+            return f"the probe call did not take the remat path ({trace[0] if trace else 'not called'})"
     return reason
 
 
+def _install(owner, modules):
+    """Put `modules` ({dotted path below owner: module}) in their places; the ones they replace."""
+    replaced = {}
+    for path, module in modules.items():
+        parent_path, _, name = path.rpartition(".")
+        parent = submodule(owner, parent_path) if parent_path else owner
+        replaced[path] = parent._modules[name]
+        parent._modules[name] = module
+    return replaced
+
+
 def _swap_probe(owner, swaps, width, param, traced, call=None):
-    """None when owner(x) (or call(owner, x)) is unchanged with `swaps` ({child name: new module})
-    in place, and the remat path of `traced` (one of the swapped modules) is what ran; else why not."""
-    originals = {name: owner._modules[name] for name in swaps}
+    """None when owner(x) (or call(owner, x)) is unchanged with `swaps` ({dotted path: new module})
+    in place, and the remat path of each of `traced` (swapped modules) is what ran; else why not."""
     extra = _probe_kwargs(owner, param) if not param.is_meta else {}
     call = call or (lambda module, x: _first_output(module(x, **extra)))
 
     def after(x):
-        owner._modules.update(swaps)
+        originals = _install(owner, swaps)
         try:
             return call(owner, x)
         finally:
-            owner._modules.update(originals)
+            _install(owner, originals)
 
     return _traced_probe(lambda x: call(owner, x), after, traced, width, param, [owner, *swaps.values()])
 
@@ -169,7 +220,7 @@ def _self_probe(module, new, width, param):
     """Probe of a swapped module on its own: its remat path against the stock forward."""
     extra = _probe_kwargs(module, param) if not param.is_meta else {}
     return _traced_probe(lambda x: _first_output(module(x, **extra)), lambda x: _first_output(new(x, **extra)),
-                         new, width, param, [module])
+                         [new], width, param, [module, new])
 
 
 def _attention_width(module):
@@ -189,7 +240,7 @@ def _attention_rule(parent, name, module, recompute, path, report):
     """Swap a stock attention module (no LayerNorm fused); returns the reason when it is not swapped."""
     reason = _attention_reason(module)
     if reason is None:
-        new = _swapped(module, attention_mixin(type(module).__name__), recompute, join(path, name))
+        new = _swapped_attention(module, recompute, join(path, name))
         width, param = _attention_width(module)
         reason = _self_probe(module, new, width, param)
     if reason:
@@ -199,56 +250,9 @@ def _attention_rule(parent, name, module, recompute, path, report):
     return None
 
 
-def _fusable_norm(layer, norm_name, width, layers):
-    norm = layer._modules.get(norm_name)
-    if "layernorm" not in layers:
-        return None, "layers excludes layernorm"
-    if type(norm) is not nn.LayerNorm:
-        return None, f"{norm_name} is {type(norm).__name__}, not exactly nn.LayerNorm"
-    return norm, layer_norm_fusable(norm, width) or _instance_reason(norm) or hook_reason(layer)
-
-
-def _add_norm_row(report, path, norm_name, norm, new_norm, consumer_name, consumer, into):
-    report.add(join(path, norm_name), norm, "swapped to RematFusedLayerNorm",
-               f"applied inside {consumer_name}, fused into {into}; returns its input",
-               lambda: 0 if not consumer.remat_recompute else
-               fused_saved_bytes(new_norm, [consumer._modules[n] for n in consumer.remat_norm_consumers]))
-
-
-def _layer_attention(layer, norm_name, attn_name, layers, recompute, path, report):
-    """Swap the attention of a pre-LN layer, with its LayerNorm fused in; the names handled."""
-    module = layer._modules.get(attn_name)
-    if not attention_mixin(type(module).__name__) or not _from_transformers(module):
-        return set()
-    if "attention" not in layers:
-        return set()
-    reason = _attention_reason(module)
-    if reason:
-        report.add(join(path, attn_name), module, "skipped", reason)
-        return {attn_name}
-    mixin = attention_mixin(type(module).__name__)
-    width, param = _attention_width(module)
-    norm, norm_reason = _fusable_norm(layer, norm_name, width, layers)
-    if norm_reason is None:
-        norm_reason = next(filter(None, (projection(getattr(module, n), n)[1] for n in mixin.remat_projections)),
-                           None)
-    if norm_reason is None:
-        fused_norm = _fused_layer_norm(norm, join(path, norm_name))
-        new = _swapped(module, mixin, recompute, join(path, attn_name))
-        _link(layer, norm_name, fused_norm, attn_name, new)
-        norm_reason = _swap_probe(layer, {norm_name: fused_norm, attn_name: new}, width, param, new)
-        if norm_reason is None:
-            layer._modules[norm_name], layer._modules[attn_name] = fused_norm, new
-            new.__dict__["remat_norm_consumers"] = mixin.remat_projections
-            report.add(*_attention_row(path, attn_name, module, new, norm_name))
-            _add_norm_row(report, path, norm_name, norm, fused_norm, attn_name, new, "its q/k/v projection")
-            return {norm_name, attn_name}
-    if norm is not None and norm_reason != "layers excludes layernorm":
-        report.add(join(path, norm_name), norm, "skipped", f"fusion into {attn_name}: {norm_reason}")
-    reason = _attention_rule(layer, attn_name, module, recompute, path, report)
-    if reason:
-        report.add(join(path, attn_name), module, "skipped", reason)
-    return {attn_name}
+# ---------------------------------------------------------------------------------------------
+# MLP modules
+# ---------------------------------------------------------------------------------------------
 
 
 def _mlp_candidate(module, recompute, path):
@@ -260,7 +264,7 @@ def _mlp_candidate(module, recompute, path):
     reason = _instance_reason(module) or _mlp_reason(fc1, act, fc2)
     if reason:
         return None, reason
-    return _swapped(module, _RematMLP, recompute, path, remat_parts=parts), None
+    return _swapped(module, parts.mixin or _RematMLP, recompute, path, remat_parts=parts), None
 
 
 def _mlp_row(path, name, module, new, norm_name=None):
@@ -273,37 +277,6 @@ def _mlp_row(path, name, module, new, norm_name=None):
     kept = "the GELU output is not kept" + (f", nor {norm_name}'s output" if norm_name else "")
     return join(path, name), module, f"swapped to {type(new).__name__}", f"fused {chain}: {kept}", \
         new.remat_saved_bytes
-
-
-def _layer_mlp(layer, norm_name, mlp_name, layers, recompute, path, report):
-    """Swap the MLP of a pre-LN layer with its LayerNorm fused in; the names handled (none when the
-    plain MLP rule should run instead)."""
-    module = layer._modules.get(mlp_name)
-    if not mlp_parts(type(module).__name__) or not _from_transformers(module) or "mlp" not in layers:
-        return set()
-    parts = mlp_parts(type(module).__name__)
-    fc1 = getattr(module, parts.fc1, None)
-    if fc1 is None or widths(fc1) is None:
-        return set()
-    width = widths(fc1)[0]
-    norm, reason = _fusable_norm(layer, norm_name, width, layers)
-    if reason is None:
-        reason = layer_norm_fusable(norm, width, need_bias=True)
-    if reason is None:
-        new, reason = _mlp_candidate(module, recompute, join(path, mlp_name))
-        if reason is None:
-            fused_norm = _fused_layer_norm(norm, join(path, norm_name))
-            _link(layer, norm_name, fused_norm, mlp_name, new)
-            reason = _swap_probe(layer, {norm_name: fused_norm, mlp_name: new}, width, fc1.weight, new)
-        if reason is None:
-            layer._modules[norm_name], layer._modules[mlp_name] = fused_norm, new
-            new.__dict__["remat_norm_consumers"] = (parts.fc1,)
-            report.add(*_mlp_row(path, mlp_name, module, new, norm_name))
-            _add_norm_row(report, path, norm_name, norm, fused_norm, mlp_name, new, parts.fc1)
-            return {norm_name, mlp_name}
-    if norm is not None and reason != "layers excludes layernorm":
-        report.add(join(path, norm_name), norm, "skipped", f"fusion into {mlp_name}: {reason}")
-    return set()  # the MLP on its own, by the plain rule
 
 
 def _mlp_rule(parent, name, module, recompute, path, report):
@@ -319,13 +292,282 @@ def _mlp_rule(parent, name, module, recompute, path, report):
     return None
 
 
+# ---------------------------------------------------------------------------------------------
+# Layers: LayerNorms handed over to the modules after them, MLPs the layer holds itself
+# ---------------------------------------------------------------------------------------------
+
+# What each consumer of a LayerNorm keeps besides x: fp32 mean and rstd, 4 + 4 bytes per token. A
+# LayerNorm feeding several consumers (a parallel layer) is applied inside each one's fused op,
+# so each keeps its own pair (x, one storage, is kept once).
+_STATS_BYTES = 8
+
+
+@dataclasses.dataclass
+class _Consumer:
+    """A module that can take over a LayerNorm's work in a layer: the new modules that make it
+    ({dotted path below the layer: module}), the one among them applying the LayerNorm (path),
+    its own producers ({role: path}: the fc1 and activation of an MLP the layer holds), the
+    Linear-likes reading the LayerNorm's output (readers, paths: they decide what is saved), and
+    rows(report, norm name or None), which reports its swaps once they are installed."""
+
+    path: str
+    swaps: dict
+    readers: tuple
+    into: str  # what the report says the LayerNorm is fused into
+    width: int
+    param: torch.Tensor
+    rows: Callable
+    producers: dict = dataclasses.field(default_factory=dict)
+    need_bias: bool = False  # remat.mlp takes LayerNorms with a bias only
+    dropout: str | None = None  # the layer's dropout attribute between its producers and it (LayerMLP)
+
+
+def _attention_consumer(layer, name, recompute, path):
+    module = layer._modules[name]
+    reason = _attention_reason(module)
+    if reason:
+        return None, reason
+    new = _swapped_attention(module, recompute, join(path, name))
+    width, param = _attention_width(module)
+    projections = tuple(f"{name}.{p}" for p in new.remat_projections)
+    return _Consumer(name, {name: new}, projections, f"{name}'s q/k/v projection", width, param,
+                     lambda report, norm_name: report.add(*_attention_row(path, name, module, new, norm_name))), None
+
+
+def _mlp_consumer(layer, name, recompute, path):
+    module = layer._modules[name]
+    new, reason = _mlp_candidate(module, recompute, join(path, name))
+    if reason:
+        return None, reason
+    fc1 = module._modules[new.remat_parts.fc1]
+    return _Consumer(name, {name: new}, (f"{name}.{new.remat_parts.fc1}",), f"{name}.{new.remat_parts.fc1}",
+                     widths(fc1)[0], fc1.weight,
+                     lambda report, norm_name: report.add(*_mlp_row(path, name, module, new, norm_name)),
+                     need_bias=True), None
+
+
+def _plain_linear_reason(module, label):
+    """Why `module` cannot be swapped to a remat Linear class (fc1 / fc2 held by a layer, a Linear
+    inside a stock module), or None."""
+    if type(module) is not nn.Linear and not is_falcon_linear(module):
+        return f"{label} is {type(module).__name__}, not exactly nn.Linear"
+    return _instance_reason(module)
+
+
+def _layer_mlp_consumer(layer, parts, recompute, path):
+    """The MLP `layer` holds itself (LayerMLP parts) as one consumer: fc1 and the activation
+    return their input, fc2 computes the whole MLP; or (None, why not)."""
+    fc1, act, fc2 = (layer._modules.get(n) for n in (parts.fc1, parts.act, parts.fc2))
+    if fc1 is None or act is None or fc2 is None:
+        return None, f"{type(layer).__name__} lacks the expected children {parts.fc1}, {parts.act}, {parts.fc2}"
+    reason = _plain_linear_reason(fc1, parts.fc1) or _plain_linear_reason(fc2, parts.fc2) or \
+        _instance_reason(act) or _mlp_reason(fc1, act, fc2)
+    if reason:
+        return None, reason
+    swaps = {parts.fc1: _swapped(fc1, _RematFused, recompute, join(path, parts.fc1)),
+             parts.act: _swapped(act, _RematFused, recompute, join(path, parts.act)),
+             parts.fc2: _swapped(fc2, _RematLayerMLP, recompute, join(path, parts.fc2))}
+
+    def rows(report, norm_name):
+        chain = f"{parts.fc1} -> {type(act).__name__} -> {parts.fc2}"
+        kept = "the GELU output is not kept" + (f", nor {norm_name}'s output" if norm_name else "")
+        for name, module in ((parts.fc1, fc1), (parts.act, act)):
+            report.add(join(path, name), module, f"swapped to {type(swaps[name]).__name__}",
+                       f"applied inside {parts.fc2}, fused; returns its input", lambda: 0)
+        report.add(join(path, parts.fc2), fc2, f"swapped to {type(swaps[parts.fc2]).__name__}",
+                   f"fused {f'{norm_name} -> ' if norm_name else ''}{chain}, the MLP its layer holds: {kept}",
+                   swaps[parts.fc2].remat_saved_bytes)
+
+    return _Consumer(parts.fc2, swaps, (parts.fc1,), parts.fc1, fc1.in_features, fc1.weight, rows,
+                     producers={"fc1": parts.fc1, "act": parts.act}, need_bias=True, dropout=parts.dropout), None
+
+
+def _linear_consumer(layer, linear_path, recompute, path):
+    """The Linear at `linear_path` (inside a module that stays stock, or a layer's fc1 before an
+    activation remat does not fuse) with the LayerNorm fused in; or (None, why not)."""
+    module = submodule(layer, linear_path)
+    reason = _plain_linear_reason(module, linear_path)
+    if reason:
+        return None, reason
+    new = _swapped(module, _RematNormedLinear, recompute, join(path, linear_path))
+
+    def rows(report, norm_name):
+        report.add(join(path, linear_path), module, f"swapped to {type(new).__name__}",
+                   f"{norm_name} applied inside it, fused (x and mean/rstd kept, never {norm_name}'s output)",
+                   lambda: 0)
+
+    return _Consumer(linear_path, {linear_path: new}, (linear_path,), linear_path, module.in_features,
+                     module.weight, rows), None
+
+
+def _consumer(layer, consumer_path, layers, recompute, path):
+    """(_Consumer, None) for the module at `consumer_path` of `layer` taking over a LayerNorm's work,
+    or (None, why not)."""
+    module = submodule(layer, consumer_path)
+    kind = type(module).__name__
+    if attention_mixin(kind) and _from_transformers(module):
+        if "attention" not in layers:
+            return None, "layers excludes attention"
+        return _attention_consumer(layer, consumer_path, recompute, path)
+    if mlp_parts(kind) and _from_transformers(module):
+        if "mlp" not in layers:
+            return None, "layers excludes mlp"
+        return _mlp_consumer(layer, consumer_path, recompute, path)
+    parts = layer_mlp(type(layer).__name__)
+    if parts is not None and consumer_path == parts.fc1 and "mlp" in layers:
+        consumer, reason = _layer_mlp_consumer(layer, parts, recompute, path)
+        if consumer is not None:
+            return consumer, None  # else the LayerNorm fuses into fc1 alone (OPT's ReLU MLP)
+    return _linear_consumer(layer, consumer_path, recompute, path)
+
+
+def _fusable_norm(layer, norm_name, layers):
+    norm = layer._modules.get(norm_name)
+    if "layernorm" not in layers:
+        return None, "layers excludes layernorm"
+    if type(norm) is not nn.LayerNorm:
+        return None, f"{norm_name} is {type(norm).__name__}, not exactly nn.LayerNorm"
+    return norm, _instance_reason(norm) or hook_reason(layer)
+
+
+def _norm_reason(layer, norm_name, consumers, layers, recompute):
+    """(the LayerNorm, None) when it can be handed over to all of `consumers`, else (it or None, why not)."""
+    norm, reason = _fusable_norm(layer, norm_name, layers)
+    for consumer in consumers if reason is None else ():
+        reason = layer_norm_fusable(norm, consumer.width, need_bias=consumer.need_bias) or \
+            next(filter(None, (projection(submodule(layer, r), r)[1] for r in consumer.readers)), None)
+        if reason:
+            break
+    if reason is None and len(consumers) > 1 and not recompute:
+        reason = (f"recompute=False: {norm_name} feeds {len(consumers)} modules, each of which would compute "
+                  "and keep its output (stock computes it once)")
+    return norm, reason
+
+
+def _norm_row(report, path, layer, norm_name, norm, new_norm, consumers):
+    into = " and ".join(c.into for c in consumers)
+    readers = [r for c in consumers for r in c.readers]
+    applied = " and ".join(c.path for c in consumers)
+
+    def saves():
+        if not new_norm.__dict__.get("remat_recompute", True):
+            return 0
+        extra_stats = _STATS_BYTES * (len(consumers) - 1)
+        return fused_saved_bytes(new_norm, [submodule(layer, r) for r in readers]) - extra_stats
+
+    note = f"; its x is kept once, and fp32 mean/rstd by each of the {len(consumers)}" if len(consumers) > 1 else ""
+    report.add(join(path, norm_name), norm, "swapped to RematFusedLayerNorm",
+               f"applied inside {applied}, fused into {into}; returns its input{note}", saves)
+
+
+def _hand_over(layer, norm_name, consumer_paths, layers, recompute, path, report):
+    """Hand the LayerNorm `norm_name` over to the modules at `consumer_paths`, all of them or none;
+    returns the paths of the consumers installed."""
+    built = [_consumer(layer, p, layers, recompute, path) for p in consumer_paths]
+    consumers = [c for c, _ in built if c is not None]
+    reason = next((r for c, r in built if c is None), None)
+    norm, norm_reason = _fusable_norm(layer, norm_name, layers) if reason else \
+        _norm_reason(layer, norm_name, consumers, layers, recompute)
+    reason = reason or norm_reason
+    if reason is None:
+        fused_norm = _fused_layer_norm(norm, join(path, norm_name))
+        fused_norm.__dict__["remat_recompute"] = recompute
+        members = {norm_name: fused_norm}
+        producers = {"norm": norm_name}
+        for consumer in consumers:
+            members.update(consumer.swaps)
+            producers.update(consumer.producers)
+        dropout = next((c.dropout for c in consumers if c.dropout), None)
+        link(layer, members, producers, [c.path for c in consumers], dropout)
+        first = consumers[0]
+        reason = _swap_probe(layer, members, first.width, first.param, [members[c.path] for c in consumers])
+    if reason is None:
+        _install(layer, members)
+        for consumer in consumers:
+            consumer.rows(report, norm_name)
+        _norm_row(report, path, layer, norm_name, norm, fused_norm, consumers)
+        return set(consumer_paths)
+    if norm is not None and not reason.startswith("layers excludes"):
+        report.add(join(path, norm_name), norm, "skipped", f"fusion into {' and '.join(consumer_paths)}: {reason}")
+    return set()
+
+
+def _layer_mlp_alone(layer, parts, recompute, path, report):
+    """Swap the MLP `layer` holds itself, without a LayerNorm in front; True when it was swapped."""
+    consumer, reason = _layer_mlp_consumer(layer, parts, recompute, path)
+    if consumer is not None:
+        link(layer, consumer.swaps, consumer.producers, [consumer.path], consumer.dropout)
+        reason = _swap_probe(layer, consumer.swaps, consumer.width, consumer.param, [consumer.swaps[consumer.path]])
+    if reason:
+        _layer_mlp_skipped(layer, parts, path, report, reason)
+        return False
+    _install(layer, consumer.swaps)
+    consumer.rows(report, None)
+    return True
+
+
+def _layer_mlp_skipped(layer, parts, path, report, reason):
+    report.add(join(path, parts.fc2), layer._modules.get(parts.fc2), "skipped",
+               f"the MLP {parts.fc1} -> {parts.act} -> {parts.fc2} the layer holds: {reason}")
+
+
+def _wiring(layer):
+    """[(LayerNorm name, [consumer paths])] of the first of the layer's wirings whose modules exist."""
+    for wiring in layer_rule(type(layer).__name__) or ():
+        if all(submodule(layer, p) is not None for pair in wiring for p in pair):
+            grouped = {}
+            for norm_name, consumer in wiring:
+                grouped.setdefault(norm_name, []).append(consumer)
+            return list(grouped.items())
+    return []
+
+
+def _alone(layer, consumer_path, layers, recompute, path, report):
+    """Convert the module at `consumer_path` of `layer` without the LayerNorm before it; the names handled."""
+    module = submodule(layer, consumer_path)
+    if attention_mixin(type(module).__name__) and _from_transformers(module) and "attention" in layers:
+        reason = _attention_rule(layer, consumer_path, module, recompute, path, report)
+        if reason:
+            report.add(join(path, consumer_path), module, "skipped", reason)
+        return {consumer_path}
+    return set()  # an MLP module goes by the plain MLP rule; a Linear alone saves nothing
+
+
 def _layer_rule(layer, layers, recompute, path, report):
-    (norm1, attn), (norm2, mlp_name) = layer_rule(type(layer).__name__)
+    """Hand each LayerNorm of a layer over to the modules it feeds, and convert what remains of them
+    on its own; the names of the children handled (a Linear fused inside a child that stays stock,
+    BLOOM's self_attention.query_key_value, leaves that child to the other rules)."""
+    kind = type(layer).__name__
     if hook_reason(layer):
         report.add(path, layer, "skipped", f"{hook_reason(layer)}: no fusion across its children")
         return set()
-    handled = _layer_attention(layer, norm1, attn, layers, recompute, path, report)
-    return handled | _layer_mlp(layer, norm2, mlp_name, layers, recompute, path, report)
+    family = family_of(layer)
+    wiring = _wiring(layer)
+    parts = layer_mlp(kind) if "mlp" in layers else None
+    mlp_reason = _layer_mlp_consumer(layer, parts, recompute, path)[1] if parts is not None else None
+    reason = family.layer_reason(layer) if family is not None and family.layer_reason is not None else None
+    fused = set()
+    for norm_name, consumer_paths in wiring:
+        if reason:
+            report.add(join(path, norm_name), layer._modules[norm_name], "skipped", reason)
+        else:
+            fused |= _hand_over(layer, norm_name, consumer_paths, layers, recompute, path, report)
+    handled = {p for p in fused if "." not in p}
+    for consumer_path in dict.fromkeys(p for _, paths in wiring for p in paths if p not in fused):
+        handled |= _alone(layer, consumer_path, layers, recompute, path, report)
+    if parts is not None and parts.fc1 in fused:
+        if mlp_reason:  # the LayerNorm went into fc1 alone (OPT's ReLU MLP)
+            _layer_mlp_skipped(layer, parts, path, report, mlp_reason)
+        else:  # the MLP took the LayerNorm
+            handled |= {parts.act, parts.fc2}
+    elif parts is not None and _layer_mlp_alone(layer, parts, recompute, path, report):
+        handled |= {parts.fc1, parts.act, parts.fc2}
+    for name in cross_attention(kind):
+        if name in layer._modules:
+            report.add(join(path, name), layer._modules[name], "skipped",
+                       "cross-attention (keys and values from the encoder): it runs as it is")
+            handled.add(name)
+    return handled
 
 
 def _pair_rule(layer, recompute, path, report):
@@ -349,9 +591,10 @@ def _pair_rule(layer, recompute, path, report):
     if reason is None:
         new_inter = _swapped(inter, _RematIntermediate, recompute, row_path)
         new_out = _swapped(out, _RematOutput, recompute, join(path, out_name))
-        _link(layer, inter_name, new_inter, out_name, new_out)
-        reason = _swap_probe(layer, {inter_name: new_inter, out_name: new_out}, widths(fc1)[0], fc1.weight,
-                             new_out, call=lambda owner, x: owner.feed_forward_chunk(x))
+        swaps = {inter_name: new_inter, out_name: new_out}
+        link(layer, swaps, {"intermediate": inter_name}, [out_name])
+        reason = _swap_probe(layer, swaps, widths(fc1)[0], fc1.weight, [new_out],
+                             call=lambda owner, x: owner.feed_forward_chunk(x))
     if reason:
         report.add(row_path, inter, "skipped", f"{inter_name} + {out_name} FFN: {reason}")
         return set()
@@ -374,7 +617,7 @@ def convert_children(parent, layers, recompute, path, report):
     kind = type(parent).__name__
     if pair_rule(kind) and _from_transformers(parent) and "mlp" in layers:
         handled |= _pair_rule(parent, recompute, path, report) or set()
-    if layer_rule(kind) and _from_transformers(parent):
+    if _has_layer_rule(kind) and _from_transformers(parent):
         handled |= _layer_rule(parent, layers, recompute, path, report)
     for name, child in list(parent._modules.items()):
         if child is None or name in handled or not _from_transformers(child):
@@ -390,6 +633,8 @@ def convert_children(parent, layers, recompute, path, report):
             if reason:
                 report.add(join(path, name), child, "skipped", reason)
             handled.add(name)
+        elif stock_attention_reason(kind) and "attention" in layers:
+            report.add(join(path, name), child, "skipped", stock_attention_reason(kind))
         elif kind.endswith(ATTENTION_SUFFIXES) and "attention" in layers and not _holds_ruled_attention(child):
             report.add(join(path, name), child, "skipped", f"no remat rule for {kind}: it runs as it is")
         elif _unruled_layer(child):
@@ -399,10 +644,17 @@ def convert_children(parent, layers, recompute, path, report):
     return handled
 
 
+def _has_layer_rule(kind):
+    return bool(layer_rule(kind) or layer_mlp(kind) or cross_attention(kind))
+
+
 def _unruled_layer(module):
-    """True for a transformers block (…Layer, …Block) holding a norm, that no family rule covers."""
+    """True for a transformers block (…Layer, …Block) holding a norm, that no family rule covers
+    (neither the block nor its attention or MLP: DistilBERT's post-LN block has rules for these)."""
     kind = type(module).__name__
-    if layer_rule(kind) or pair_rule(kind) or not kind.endswith(("Layer", "Block")):
+    if _has_layer_rule(kind) or pair_rule(kind) or not kind.endswith(("Layer", "Block")):
+        return False
+    if any(attention_mixin(type(m).__name__) or mlp_parts(type(m).__name__) for m in module.children()):
         return False
     return any(isinstance(m, nn.LayerNorm) or type(m).__name__.endswith(("RMSNorm", "LayerNorm"))
                for m in module.children())

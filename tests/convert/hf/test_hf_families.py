@@ -1,0 +1,464 @@
+"""remat.convert on the Hugging Face families built from LayerNorms and GELU MLPs (tiny random configs,
+no downloads): DeiT, SigLIP (both towers), Phi, GPT-J, Falcon (its three layer wirings, multi-query
+and grouped keys), DistilBERT, BART, Whisper, BLOOM and OPT. The same loss and gradients as stock,
+the same checkpoint, the exact bytes no longer kept (derived per family), and the reasons for what
+stays stock: BLOOM's ALiBi attention, OPT's ReLU MLP, cross-attention, post-LN configs."""
+
+import collections
+import importlib
+import json
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import remat
+from remat import memory
+from remat._guards import RematFallbackWarning
+
+from hf_models import (
+    BATCH,
+    HEADS,
+    HIDDEN,
+    LAYERS,
+    SEQ,
+    WHISPER_FRAMES,
+    OpCounter,
+    assert_same_step,
+    build,
+    family_inputs,
+    loss_and_grads,
+    remat_attention_calls,
+    transformers,
+)
+from numerics import rel_error, saved_bytes
+
+conv = importlib.import_module("remat.convert")
+
+HEAD_DIM = HIDDEN // HEADS
+F32 = 4  # bytes: the tests run in fp32
+STATS = 8  # fp32 mean and rstd per token: what a second consumer of one LayerNorm keeps besides x
+STOCK_INDEX_BYTES = 16  # Falcon's new architecture indexes k and v with [-2] and [-1]: two 1-element int64 indices
+
+# case -> (family, config overrides, {swapped class: count}, remat attention kernels per step,
+#          {reason substring: count} of the rows left stock)
+Case = collections.namedtuple("Case", "family overrides swaps attention skipped")
+CASES = {
+    "deit": Case("deit", {}, {"RematDeiTAttention": 2, "RematDeiTMLP": 2, "RematFusedLayerNorm": 4}, 2, {}),
+    # both towers' layers, and the vision tower's pooling head (its LayerNorm and MLP)
+    "siglip": Case("siglip", {}, {"RematSiglipAttention": 4, "RematSiglipMLP": 5, "RematFusedLayerNorm": 9}, 4, {}),
+    # one LayerNorm per layer, fused into both the attention and the MLP
+    "phi": Case("phi", {}, {"RematPhiAttention": 2, "RematPhiMLP": 2, "RematFusedLayerNorm": 2}, 2, {}),
+    "gptj": Case("gptj", {}, {"RematGPTJAttention": 2, "RematGPTJMLP": 2, "RematFusedLayerNorm": 2}, 2, {}),
+    # Falcon-7B: multi-query, one LayerNorm feeding the parallel attention and MLP
+    "falcon": Case("falcon", {}, {"RematFalconAttention": 2, "RematFalconMLP": 2, "RematFusedLayerNorm": 2}, 2, {}),
+    # the new decoder architecture: one group of keys and values for the 2 heads, ln_attn and ln_mlp
+    "falcon-new": Case("falcon", {"new_decoder_architecture": True, "num_kv_heads": 1},
+                       {"RematFalconAttention": 2, "RematFalconMLP": 2, "RematFusedLayerNorm": 4}, 2, {}),
+    "falcon-new-one-ln": Case("falcon", {"new_decoder_architecture": True, "num_kv_heads": 1,
+                                         "num_ln_in_parallel_attn": 1},
+                              {"RematFalconAttention": 2, "RematFalconMLP": 2, "RematFusedLayerNorm": 2}, 2, {}),
+    "falcon-sequential": Case("falcon", {"parallel_attn": False, "multi_query": False},
+                              {"RematFalconAttention": 2, "RematFalconMLP": 2, "RematFusedLayerNorm": 4}, 2, {}),
+    "distilbert": Case("distilbert", {}, {"RematDistilBertSelfAttention": 2, "RematFFN": 2}, 2, {}),
+    "bart": Case("bart", {}, {"RematBartAttention": 4, "RematMLPLinear": 4, "RematFusedLinear": 4,
+                              "RematFusedGELUActivation": 4}, 4, {"cross-attention": 2}),
+    "whisper": Case("whisper", {}, {"RematWhisperAttention": 4, "RematMLPLinear": 4, "RematFusedLinear": 4,
+                                    "RematFusedGELUActivation": 4, "RematFusedLayerNorm": 10,
+                                    "RematNormedLinear": 2}, 4, {"cross-attention": 2}),
+    "bloom": Case("bloom", {}, {"RematBloomMLP": 2, "RematFusedLayerNorm": 4, "RematNormedLinear": 2}, 0,
+                  {"ALiBi position bias": 2}),
+    "opt": Case("opt", {}, {"RematOPTAttention": 2, "RematFusedLayerNorm": 4, "RematNormedLinear": 2}, 2,
+                {"ReLU is not a GELU": 2}),
+}
+
+
+def build_case(name, **overrides):
+    case = CASES[name]
+    return build(case.family, **{**case.overrides, **overrides})
+
+
+def swapped_counts(report):
+    return collections.Counter(row.action.removeprefix("swapped to ") for row in report if row.action != "skipped")
+
+
+def assert_skipped_as_expected(report, expected):
+    """Every row left stock is one the case expects, for its reason (and no "no remat rule" row)."""
+    found = collections.Counter()
+    for row in report.skipped:
+        reason = next((r for r in expected if r in row.reason), None)
+        assert reason is not None, f"{row.path}: unexpected skip: {row.reason}\n{report}"
+        found[reason] += 1
+    assert found == collections.Counter(expected), str(report)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_same_loss_gradients_and_checkpoint(target, name):
+    device, _ = target
+    case = CASES[name]
+    stock, _ = build_case(name)
+    stock.to(device)
+    converted, report = conv.convert(stock, report=True)
+    counts = swapped_counts(report)
+    for cls, count in case.swaps.items():
+        assert counts[cls] == count, f"{cls}: {counts[cls]} != {count}\n{report}"
+    assert_skipped_as_expected(report, case.skipped)
+    # the checkpoint: the same keys in the same order, the same values, loadable strictly
+    state, converted_state = stock.state_dict(), converted.state_dict()
+    assert list(converted_state) == list(state)
+    assert all(torch.equal(converted_state[k], v) for k, v in state.items())
+    converted.load_state_dict(state, strict=True)
+    with OpCounter() as counter:  # the stock model runs no remat op: the counts are the converted's
+        assert_same_step(stock, converted, family_inputs(case.family, device))
+    assert counter.counts["remat::attention_fwd"] == case.attention
+    assert counter.counts["remat::attention_bwd"] == case.attention
+
+
+# --- What autograd keeps: derived per family, asserted exactly -------------------------------------
+
+
+def attention_output_copy(family, device):
+    """Bytes per token the stock out-projection keeps of a copy of the attention output (fp32), or 0.
+
+    SDPA's output takes q's layout on some backends (CPU); where that is (B, H, S, D), the stock
+    transpose(1, 2).reshape copies it, and the out-projection keeps the copy besides the output SDPA
+    keeps. remat.attention lays its output out (B, S, H, D): no copy. q is built as each family
+    builds it: a view of the projection (B, S, H, D) transposed; Phi's rotary (a torch.cat over the
+    head dim) and Whisper's .contiguous() make it (B, H, S, D) itself."""
+    q = torch.randn(1, 3, HEADS, HEAD_DIM, device=device, requires_grad=True).transpose(1, 2)
+    if family in ("phi", "whisper"):
+        q = q.contiguous()
+    out = F.scaled_dot_product_attention(q, q, q)
+    return 0 if out.transpose(1, 2).is_contiguous() else F32 * HIDDEN
+
+
+def sdpa_mask_bytes(device, kv_heads):
+    """Bytes per token the stock SDPA keeps for the (B, 1, S, S) bool causal mask Falcon always
+    materialises (its float copy, on CPU), measured on torch's own SDPA; remat.attention reads the
+    mask's pattern and keeps nothing of it."""
+    q = torch.randn(BATCH, HEADS, SEQ, HEAD_DIM, device=device, requires_grad=True)
+    kv = torch.randn(BATCH, kv_heads, SEQ, HEAD_DIM, device=device, requires_grad=True)
+    mask = torch.ones(BATCH, 1, SEQ, SEQ, dtype=torch.bool, device=device).tril()
+    with_mask = saved_bytes(lambda: F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask))
+    without = saved_bytes(lambda: F.scaled_dot_product_attention(q, kv, kv))
+    return (with_mask - without) // (BATCH * SEQ)
+
+
+# What the converted model keeps less than stock in one training forward, in bytes: fused, by the
+# fused ops' recomputation (recompute=False gives it back), and attention, by remat.attention
+# itself; the report's totals per token of each (fp32).
+Saving = collections.namedtuple("Saving", "fused attention report_fused report_attention")
+
+
+def expected_saving(name, ffn, device):
+    """The Saving of case `name` (docs/memory.md):
+
+    gelu  the GELU output (fc2's input), ffn wide: the fused MLP keeps the fc1 output only
+    norm  a LayerNorm's output, hidden wide: the fused projections keep x and mean/rstd instead;
+          one LayerNorm feeding two modules (Phi, GPT-J, Falcon-7B) is applied inside both, which keep
+          the same x once and each its own fp32 mean/rstd: norm - STATS
+    gqa   Falcon's new architecture: the stock forward copies each group's k and v out to all heads
+    and what depends on the stock attention's backend: the attention output copy, Falcon's mask.
+    """
+    gelu, norm = F32 * ffn, F32 * HIDDEN
+    tokens = BATCH * SEQ
+    copy = attention_output_copy(CASES[name].family, device)
+    if name == "deit":  # 4 patches, [CLS] and the distillation token
+        return Saving(LAYERS * BATCH * 6 * (gelu + 2 * norm), 0, LAYERS * (gelu + 2 * norm), 0)
+    if name == "siglip":  # both towers' layers; the pooling head's LayerNorm and MLP: one token per image
+        per_layer, head = gelu + 2 * norm, gelu + norm
+        return Saving(LAYERS * (tokens + BATCH * 4) * per_layer + BATCH * head, 0, 2 * LAYERS * per_layer + head, 0)
+    if name in ("phi", "gptj"):
+        per_layer = gelu + norm - STATS
+        return Saving(LAYERS * tokens * per_layer, LAYERS * tokens * copy, LAYERS * per_layer, 0)
+    if name.startswith("falcon"):
+        config = CASES[name].overrides
+        new = config.get("new_decoder_architecture", False)
+        one_norm = config.get("num_ln_in_parallel_attn") == 1 or not config  # Falcon-7B's default: one
+        per_layer = gelu + (norm - STATS if one_norm else 2 * norm)
+        gqa = 2 * (HEADS - 1) * HEAD_DIM * F32 if new else 0
+        mask = sdpa_mask_bytes(device, 1 if new or config.get("multi_query", True) else HEADS)
+        index = LAYERS * STOCK_INDEX_BYTES if new else 0
+        return Saving(LAYERS * tokens * per_layer, LAYERS * tokens * (gqa + mask + copy) + index,
+                      LAYERS * per_layer, LAYERS * gqa)
+    if name == "distilbert":
+        return Saving(LAYERS * tokens * gelu, 0, LAYERS * gelu, 0)
+    if name == "bart":  # post-LN: the MLPs only, in the encoder's and the decoder's layers
+        return Saving(2 * LAYERS * tokens * gelu, 0, 2 * LAYERS * gelu, 0)
+    if name == "whisper":  # encoder: 2 LayerNorms; decoder: 3 (the cross-attention's into its q_proj)
+        encoder, decoder, frames = gelu + 2 * norm, gelu + 3 * norm, BATCH * WHISPER_FRAMES
+        return Saving(LAYERS * (frames * encoder + tokens * decoder), LAYERS * (frames + tokens) * copy,
+                      LAYERS * (encoder + decoder), 0)
+    if name == "bloom":  # the ALiBi attention stays stock, with input_layernorm fused into query_key_value
+        return Saving(LAYERS * tokens * (gelu + 2 * norm), 0, LAYERS * (gelu + 2 * norm), 0)
+    if name == "opt":  # the ReLU MLP stays stock: the two LayerNorms only
+        return Saving(LAYERS * tokens * 2 * norm, LAYERS * tokens * copy, LAYERS * 2 * norm, 0)
+    raise AssertionError(name)
+
+
+# Phi and GPT-J default to gelu_new, a Python formula whose autograd keeps intermediates of its own
+# (test_gelu_new_keeps_three_more_intermediates); the figures here are derived on the one-op tanh
+# GELU, the same function.
+ONE_OP_GELU = {"phi": {"hidden_act": "gelu_pytorch_tanh"}, "gptj": {"activation_function": "gelu_pytorch_tanh"}}
+
+
+def measure(model, batch):
+    return saved_bytes(lambda: model(**batch).loss, exclude=list(model.parameters()))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_saved_bytes_per_layer(target, name):
+    device, _ = target
+    stock, ffn = build_case(name, **ONE_OP_GELU.get(name, {}))
+    stock.to(device)
+    batch = family_inputs(CASES[name].family, device)
+    expected = expected_saving(name, ffn, device)
+    before = measure(stock, batch)
+    converted, report = conv.convert(stock, report=True)
+    assert before - measure(converted, batch) == expected.fused + expected.attention
+    assert report.saved_bytes_per_token() == expected.report_fused + expected.report_attention
+    # recompute=False keeps the LayerNorm and GELU outputs again (a LayerNorm feeding two modules
+    # stays stock: each would keep its own output); what remat.attention keeps less remains.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", conv.RematWarning)
+        kept_model, kept_report = conv.convert(stock, recompute=False, report=True)
+    assert before - measure(kept_model, batch) == expected.attention
+    assert kept_report.saved_bytes_per_token() == expected.report_attention
+
+
+def test_gelu_new_keeps_three_more_intermediates():
+    """Phi's default gelu_new, 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))) in Python ops: its autograd
+    keeps x³'s input x (shared with fc1's output), tanh's output, 0.5·x and 1 + tanh, the last two
+    also fc2's input: three ffn-wide tensors more than the one-op GELU, all of which the fused MLP
+    drops. The report counts the one-op GELU's saving, a lower bound."""
+    stock, ffn = build_case("phi")
+    batch = family_inputs("phi", "cpu")
+    expected = expected_saving("phi", ffn, "cpu")
+    converted, report = conv.convert(stock, report=True)
+    extra = LAYERS * BATCH * SEQ * 3 * F32 * ffn
+    assert measure(stock, batch) - measure(converted, batch) == expected.fused + expected.attention + extra
+    assert report.saved_bytes_per_token() == expected.report_fused
+
+
+# --- Checkpoints --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_save_pretrained_round_trip(tmp_path, name):
+    """A converted model saves the stock checkpoint: the stock class loads it, with the same weights
+    and the same loss; converting the loaded model gives the converted model's loss again."""
+    stock, _ = build_case(name)
+    converted = conv.convert(stock)
+    converted.save_pretrained(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = type(stock).from_pretrained(tmp_path).train()
+    state, loaded_state = stock.state_dict(), loaded.state_dict()
+    assert list(loaded_state) == list(state)
+    assert all(torch.equal(loaded_state[k], v) for k, v in state.items())
+    batch = family_inputs(CASES[name].family, "cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**batch).loss, stock(**batch).loss, rtol=0, atol=0)
+        torch.testing.assert_close(conv.convert(loaded)(**batch).loss, converted(**batch).loss, rtol=0, atol=0)
+
+
+# --- The activations: BloomGelu and transformers' tanh GELUs are the tanh approximation ----------
+
+# transformers' GELU modules remat computes, by the approximate they are matched to
+TANH_GELUS = ["GELUTanh", "NewGELUActivation", "FastGELUActivation", "BloomGelu"]
+EXACT_GELUS = ["GELUActivation"]
+
+
+def gelu_module(name):
+    if name == "BloomGelu":
+        return transformers.models.bloom.modeling_bloom.BloomGelu()
+    return getattr(transformers.activations, name)()
+
+
+@pytest.mark.parametrize("name", TANH_GELUS + EXACT_GELUS)
+def test_transformers_gelus_are_the_function_remat_computes(name):
+    """In float64 each module's formula equals torch's GELU of its approximate to 1e-8 relative:
+    FastGELU's and BloomGelu's hand-rounded constants (sqrt(2/pi) as 0.7978845608, 0.79788456) change
+    it by less than any float dtype's rounding (fp32: 6e-8). BloomGelu's hand-written backward too."""
+    approximate = "tanh" if name in TANH_GELUS else "none"
+    x = torch.linspace(-8, 8, 4001, dtype=torch.float64, requires_grad=True)
+    stock = gelu_module(name).train()  # BloomGelu's autograd function runs in training
+    want = F.gelu(x, approximate=approximate)
+    got = stock(x)
+    assert rel_error(got, want) < 1e-8
+    (d_got,), (d_want,) = torch.autograd.grad(got.sum(), x), torch.autograd.grad(want.sum(), x)
+    assert rel_error(d_got, d_want) < 1e-8
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", TANH_GELUS + EXACT_GELUS)
+def test_remat_gelu_rounds_no_worse_than_the_stock_module(name, dtype):
+    """In bf16 and fp16 the stock Python formulas round after every op; remat's GELU (the kernel the
+    fused MLP runs) computes in fp32 and rounds once. Its error against float64 is at most twice
+    the stock module's (house rule), and in fact no larger."""
+    approximate = "tanh" if name in TANH_GELUS else "none"
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 3
+    exact = F.gelu(x, approximate=approximate)
+    with torch.no_grad():
+        stock_error = rel_error(gelu_module(name)(x.to(dtype)), exact)
+        remat_error = rel_error(remat.gelu(x.to(dtype), approximate=approximate), exact)
+    assert remat_error <= 2 * stock_error
+
+
+# --- The remat path's guards on the new shapes -----------------------------------------------------
+
+
+def test_a_hook_on_one_consumer_of_a_shared_layer_norm():
+    """Phi's input_layernorm is applied inside both the attention and the MLP. A hook on the MLP
+    breaks their handoff: the LayerNorm computes itself, and both modules take its output (the
+    attention still on remat.attention), with the stock result."""
+    stock, _ = build_case("phi")
+    converted = conv.convert(stock)
+    converted.model.layers[0].mlp.register_forward_pre_hook(lambda module, args: None)
+    with pytest.warns(RematFallbackWarning, match="input_layernorm is not fused any more"):
+        _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, family_inputs("phi", "cpu")))
+    assert calls == LAYERS
+
+
+@pytest.mark.parametrize("name", ["bart", "whisper"])
+def test_activation_dropout_in_training_runs_the_layer_mlp_stock(name):
+    """BART's and Whisper's layers apply activation_dropout between the activation and fc2: in
+    training with p > 0 their fc1, activation and fc2 compute themselves, drawing the same random
+    numbers as stock; in eval the fused MLP runs again."""
+    stock, _ = build_case(name, activation_dropout=0.3)
+    converted, report = conv.convert(stock, report=True)
+    batch = family_inputs(CASES[name].family, "cpu")
+    torch.manual_seed(5)
+    loss, grads = loss_and_grads(stock, batch)
+    torch.manual_seed(5)
+    with pytest.warns(RematFallbackWarning, match=r"activation_dropout \(p=0.3\) in training"):
+        loss_c, grads_c = loss_and_grads(converted, batch)
+    assert rel_error(loss_c, loss) < 1e-4
+    assert all(rel_error(grads_c[k], g) < 1e-4 for k, g in grads.items() if g is not None)
+
+    def fc2_fallbacks():
+        return {path: sum(reasons.values()) for path, reasons in report.fallbacks().items() if path.endswith("fc2")}
+
+    assert list(fc2_fallbacks().values()) == [1] * (2 * LAYERS)  # each layer's fc2, once
+    stock.eval(), converted.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(converted(**batch).loss, stock(**batch).loss)
+    assert list(fc2_fallbacks().values()) == [1] * (2 * LAYERS)  # in eval: fused, no fallback
+
+
+def test_falcon_alibi_keeps_the_stock_attention():
+    stock, _ = build_case("falcon", alibi=True)
+    converted, report = conv.convert(stock, report=True)
+    rows = [row for row in report if row.type == "FalconAttention"]
+    assert len(rows) == LAYERS and all(row.action == "skipped" and "ALiBi" in row.reason for row in rows)
+    # its LayerNorm feeds the attention too: it stays stock, while the MLP fuses on its own
+    norms = [row for row in report if row.path.endswith("input_layernorm") and row.action == "skipped"]
+    assert len(norms) == LAYERS and all("ALiBi" in row.reason for row in norms)
+    assert swapped_counts(report)["RematFalconMLP"] == LAYERS
+    _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, family_inputs("falcon", "cpu")))
+    assert calls == 0
+
+
+@pytest.mark.parametrize("name, overrides, norm, reason", [
+    ("bloom", {"apply_residual_connection_post_layernorm": True}, "input_layernorm",
+     "apply_residual_connection_post_layernorm"),
+    ("opt", {"do_layer_norm_before": False}, "self_attn_layer_norm", "do_layer_norm_before=False"),
+])
+def test_configs_whose_layer_norms_feed_more_stay_stock(name, overrides, norm, reason):
+    """BLOOM with apply_residual_connection_post_layernorm (the LayerNorm's output is the residual
+    too) and OPT-350m's post-LN layers: the LayerNorms stay stock, with the reason; the rest converts."""
+    stock, _ = build_case(name, **overrides)
+    converted, report = conv.convert(stock, report=True)
+    rows = [row for row in report.skipped if row.path.endswith(norm)]
+    assert len(rows) == LAYERS and all(reason in row.reason for row in rows), str(report)
+    assert "RematFusedLayerNorm" not in swapped_counts(report)
+    assert_same_step(stock, converted, family_inputs(name, "cpu"))
+
+
+@pytest.mark.parametrize("name", ["phi", "falcon", "gptj"])
+def test_generation_uses_the_cache_like_stock(name):
+    """The prefill fills an empty cache through remat.attention; the steps after it run the stock
+    attention; greedy generation gives the same tokens."""
+    stock, _ = build_case(name)
+    stock.eval()
+    converted = conv.convert(stock)
+    ids = family_inputs(name, "cpu")["input_ids"]
+    with torch.no_grad():
+        want = stock(ids, use_cache=True).logits
+        got, calls = remat_attention_calls(lambda: converted(ids, use_cache=True).logits)
+        assert calls == LAYERS
+        torch.testing.assert_close(got, want)
+        settings = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0}
+        torch.testing.assert_close(converted.generate(ids, **settings), stock.generate(ids, **settings))
+
+
+@pytest.mark.parametrize("name", ["bart", "whisper"])
+def test_an_encoder_decoder_prefill_fills_its_self_attention_cache_through_remat(name):
+    """The decoder's self-attention reads the EncoderDecoderCache's self_attention_cache: an empty
+    one is filled through remat.attention, as stock fills it."""
+    stock, _ = build_case(name)
+    stock.eval()
+    converted = conv.convert(stock)
+    batch = {k: v for k, v in family_inputs(name, "cpu").items() if k != "labels"}
+    batch["decoder_input_ids"] = batch.get("input_ids", torch.full((BATCH, 1), 1))[:, :SEQ]
+    with torch.no_grad():
+        want = stock(**batch, use_cache=True)
+        got, calls = remat_attention_calls(lambda: converted(**batch, use_cache=True))
+    assert calls == 2 * LAYERS  # the encoder's and the decoder's self-attention
+    torch.testing.assert_close(got.logits, want.logits)
+    assert got.cache.self_attention_cache.get_seq_length() == want.cache.self_attention_cache.get_seq_length()
+
+
+def test_pickle_and_deepcopy_keep_the_handoffs(tmp_path):
+    """A converted model with a shared LayerNorm (Phi) and a layer-held MLP (BART) survives
+    torch.save / torch.load and deepcopy: the copy's handoffs point at the copy's layers."""
+    import copy
+    for name in ("phi", "bart"):
+        stock, _ = build_case(name)
+        converted = conv.convert(stock)
+        batch = family_inputs(name, "cpu")
+        torch.save(converted, tmp_path / f"{name}.pt")
+        for again in (torch.load(tmp_path / f"{name}.pt", weights_only=False), copy.deepcopy(converted)):
+            with torch.no_grad():
+                _, calls = remat_attention_calls(lambda m=again, b=batch: m(**b))
+            assert calls == CASES[name].attention
+            with torch.no_grad():
+                torch.testing.assert_close(again(**batch).loss, stock(**batch).loss)
+
+
+# --- remat memory --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, tokens", [("deit", 6), ("phi", SEQ), ("bloom", SEQ)])
+def test_remat_memory_reads_the_familys_config(tmp_path, name, tokens):
+    """`remat memory --model config.json` builds the family's model and counts, exactly, what
+    remat.convert keeps less per layer: the fused figures of the report (DeiT through its family's
+    pixel input, with its 4 patches and 2 extra tokens)."""
+    stock, ffn = build_case(name, **ONE_OP_GELU.get(name, {}))
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(stock.config.to_dict()))
+    results = {r.policy: r for r in memory.run(str(path), batch=BATCH, seq=SEQ, out_dir=str(tmp_path),
+                                               device="cpu", dtype=torch.float32)}
+    expected = expected_saving(name, ffn, "cpu")
+    per_layer_token = expected.report_fused // LAYERS
+    attention = expected.attention // (LAYERS * BATCH * tokens)
+    saved = results["eager"].saved_bytes - results["remat"].saved_bytes
+    assert saved == LAYERS * BATCH * tokens * (per_layer_token + attention)
+    assert not math.isnan(results["eager"].per_layer_sbh)
+
+
+@pytest.mark.parametrize("name", ["phi", "falcon-new", "bart", "whisper", "bloom", "opt"])
+def test_revert(name):
+    """remat.revert gives the stock classes back, the shared LayerNorms, the layers' own fc1,
+    activation and fc2, and the Linears fused inside stock modules included."""
+    stock, _ = build_case(name)
+    stock_types = [type(m) for m in stock.modules()]
+    converted = conv.convert(stock)
+    reverted = conv.revert(converted)
+    assert [type(m) for m in reverted.modules()] == stock_types
+    assert not any(n.startswith("remat_") for m in reverted.modules() for n in vars(m))
+    batch = family_inputs(CASES[name].family, "cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(reverted(**batch).loss, stock(**batch).loss, rtol=0, atol=0)
