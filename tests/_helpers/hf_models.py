@@ -164,6 +164,18 @@ def siglip(**overrides):
     return transformers.SiglipModel(config), FFN
 
 
+def clip(**overrides):
+    """Both towers (CLIPModel with return_loss=True in inputs()): quick_gelu by default; the text tower
+    attends causally."""
+    tower = dict(hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                 attention_dropout=0.0, projection_dim=HIDDEN)
+    text = dict(tower, vocab_size=VOCAB, max_position_embeddings=SEQ, **_SPECIAL)
+    vision = dict(tower, **IMAGE)
+    config = transformers.CLIPConfig(text_config={**text, **overrides}, vision_config={**vision, **overrides},
+                                     projection_dim=HIDDEN)
+    return transformers.CLIPModel(config), FFN
+
+
 def phi(**overrides):
     config = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
                   num_attention_heads=HEADS, max_position_embeddings=32, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -222,8 +234,8 @@ def opt(**overrides):
     return transformers.OPTForCausalLM(transformers.OPTConfig(**{**config, **overrides})), FFN
 
 
-GELU_FAMILIES = {"deit": deit, "siglip": siglip, "phi": phi, "gptj": gptj, "falcon": falcon, "distilbert": distilbert,
-                 "bart": bart, "whisper": whisper, "bloom": bloom, "opt": opt}
+GELU_FAMILIES = {"deit": deit, "siglip": siglip, "clip": clip, "phi": phi, "gptj": gptj, "falcon": falcon,
+                 "distilbert": distilbert, "bart": bart, "whisper": whisper, "bloom": bloom, "opt": opt}
 
 
 def family_inputs(family, device):
@@ -233,7 +245,7 @@ def family_inputs(family, device):
     if family == "deit":
         return {"pixel_values": torch.randn(BATCH, 3, 8, 8, generator=generator).to(device),
                 "labels": torch.tensor([1, 3], device=device)}
-    if family == "siglip":
+    if family in ("siglip", "clip"):
         return {"input_ids": ids, "pixel_values": torch.randn(BATCH, 3, 8, 8, generator=generator).to(device),
                 "return_loss": True}
     if family == "whisper":

@@ -40,11 +40,12 @@ LAYER_NORM_LINEAR = Pattern("LayerNormLinear", ("norm", "linear"))
 # the function is the same; in bf16/fp16 the stock Python formulas round after every op, the kernels
 # once, in fp32 (closer to the exact function).
 TRANSFORMERS_GELUS = {"GELUActivation": "none", "GELUTanh": "tanh", "PytorchGELUTanh": "tanh",
-                      "NewGELUActivation": "tanh", "FastGELUActivation": "tanh", "BloomGelu": "tanh"}
+                      "NewGELUActivation": "tanh", "FastGELUActivation": "tanh", "BloomGelu": "tanh",
+                      "QuickGELUActivation": "quick"}
 
 
 def gelu_approximate(module, kind=None):
-    """"none" or "tanh" for the GELU modules remat computes exactly, else None. kind: the class to
+    """"none", "tanh" or "quick" for the GELU modules remat computes exactly, else None. kind: the class to
     judge `module` by (the stock class of a swapped module), default its own."""
     kind = kind or type(module)
     if kind in (nn.GELU, remat_nn.GELU):
@@ -58,7 +59,7 @@ def activation_reason(act, label=None, kind=None):
     """Why `act` (judged as a `kind`, default its own class) cannot play the activation role, or None."""
     label = label or "activation"
     if not isinstance(act, nn.Module) or gelu_approximate(act, kind) is None:
-        return f"{label} {(kind or type(act)).__name__} is not a GELU remat computes (exact or tanh)"
+        return f"{label} {(kind or type(act)).__name__} is not a GELU remat computes (exact, tanh or quick)"
     reason = hook_reason(act)
     return f"{type(act).__name__} {reason}" if reason else None
 

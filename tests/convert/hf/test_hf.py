@@ -234,17 +234,6 @@ def test_unsupported_head_dim_is_left_alone():
     assert len(rows) == LAYERS and all(row.action == "skipped" and "head dim 16" in row.reason for row in rows)
 
 
-def test_clip_quick_gelu_is_not_fused():
-    config = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                           num_attention_heads=2, image_size=8, patch_size=4)
-    model = transformers.CLIPVisionModel(config)
-    _, report = conv.convert(model, report=True)
-    rows = [row for row in report if row.type == "CLIPMLP"]
-    assert rows and all(row.action == "skipped" and "QuickGELU" in row.reason for row in rows)
-    rows = [row for row in report if row.type == "CLIPAttention"]
-    assert rows and all(row.action == "skipped" and "no remat rule" in row.reason for row in rows)
-
-
 def test_probe_refuses_a_forward_that_differs():
     """A transformers MLP class whose forward is not the known one is left alone."""
     model, _ = build("gpt_neox")

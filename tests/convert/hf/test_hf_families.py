@@ -49,6 +49,8 @@ CASES = {
     "deit": Case("deit", {}, {"RematDeiTAttention": 2, "RematDeiTMLP": 2, "RematFusedLayerNorm": 4}, 2, {}),
     # both towers' layers, and the vision tower's pooling head (its LayerNorm and MLP)
     "siglip": Case("siglip", {}, {"RematSiglipAttention": 4, "RematSiglipMLP": 5, "RematFusedLayerNorm": 9}, 4, {}),
+    # both towers' layers, QuickGELU MLPs; the text tower's causal mask
+    "clip": Case("clip", {}, {"RematCLIPAttention": 4, "RematCLIPMLP": 4, "RematFusedLayerNorm": 8}, 4, {}),
     # one LayerNorm per layer, fused into both the attention and the MLP
     "phi": Case("phi", {}, {"RematPhiAttention": 2, "RematPhiMLP": 2, "RematFusedLayerNorm": 2}, 2, {}),
     "gptj": Case("gptj", {}, {"RematGPTJAttention": 2, "RematGPTJMLP": 2, "RematFusedLayerNorm": 2}, 2, {}),
@@ -170,6 +172,9 @@ def expected_saving(name, ffn, device):
     if name == "siglip":  # both towers' layers; the pooling head's LayerNorm and MLP: one token per image
         per_layer, head = gelu + 2 * norm, gelu + norm
         return Saving(LAYERS * (tokens + BATCH * 4) * per_layer + BATCH * head, 0, 2 * LAYERS * per_layer + head, 0)
+    if name == "clip":  # both towers' layers: the text tokens, and 4 patches and [CLS] an image
+        per_layer = gelu + 2 * norm
+        return Saving(LAYERS * (tokens + BATCH * 5) * per_layer, 0, 2 * LAYERS * per_layer, 0)
     if name in ("phi", "gptj"):
         per_layer = gelu + norm - STATS
         return Saving(LAYERS * tokens * per_layer, LAYERS * tokens * copy, LAYERS * per_layer, 0)
@@ -201,7 +206,8 @@ def expected_saving(name, ffn, device):
 # Phi and GPT-J default to gelu_new, a Python formula whose autograd keeps intermediates of its own
 # (test_gelu_new_keeps_three_more_intermediates); the figures here are derived on the one-op tanh
 # GELU, the same function.
-ONE_OP_GELU = {"phi": {"hidden_act": "gelu_pytorch_tanh"}, "gptj": {"activation_function": "gelu_pytorch_tanh"}}
+ONE_OP_GELU = {"phi": {"hidden_act": "gelu_pytorch_tanh"}, "gptj": {"activation_function": "gelu_pytorch_tanh"},
+               "clip": {"hidden_act": "gelu"}}
 
 
 def measure(model, batch):
@@ -242,6 +248,19 @@ def test_gelu_new_keeps_three_more_intermediates():
     assert report.saved_bytes_per_token() == expected.report_fused
 
 
+def test_quick_gelu_keeps_its_sigmoid_more():
+    """CLIP's default quick_gelu, x·σ(1.702·x) in Python ops: its autograd keeps the sigmoid's output
+    besides x (fc1's output) and the product (fc2's input): one ffn-wide tensor more than a one-op
+    GELU, which the fused MLP drops too. The report counts the one-op GELU's saving, a lower bound."""
+    stock, ffn = build_case("clip")
+    batch = family_inputs("clip", "cpu")
+    expected = expected_saving("clip", ffn, "cpu")
+    converted, report = conv.convert(stock, report=True)
+    extra = LAYERS * (BATCH * SEQ + BATCH * 5) * F32 * ffn
+    assert measure(stock, batch) - measure(converted, batch) == expected.fused + expected.attention + extra
+    assert report.saved_bytes_per_token() == expected.report_fused
+
+
 # --- Checkpoints --------------------------------------------------------------------------------
 
 
@@ -269,6 +288,16 @@ def test_save_pretrained_round_trip(tmp_path, name):
 # transformers' GELU modules remat computes, by the approximate they are matched to
 TANH_GELUS = ["GELUTanh", "NewGELUActivation", "FastGELUActivation", "BloomGelu"]
 EXACT_GELUS = ["GELUActivation"]
+QUICK_GELUS = ["QuickGELUActivation"]
+
+
+def approximate_of(name):
+    return "tanh" if name in TANH_GELUS else "quick" if name in QUICK_GELUS else "none"
+
+
+def reference_gelu(x, approximate):
+    """torch's GELU, or QuickGELU's defining formula (x·σ(1.702·x)) in x's dtype."""
+    return x * torch.sigmoid(1.702 * x) if approximate == "quick" else F.gelu(x, approximate=approximate)
 
 
 def gelu_module(name):
@@ -277,15 +306,15 @@ def gelu_module(name):
     return getattr(transformers.activations, name)()
 
 
-@pytest.mark.parametrize("name", TANH_GELUS + EXACT_GELUS)
+@pytest.mark.parametrize("name", TANH_GELUS + EXACT_GELUS + QUICK_GELUS)
 def test_transformers_gelus_are_the_function_remat_computes(name):
     """In float64 each module's formula equals torch's GELU of its approximate to 1e-8 relative:
     FastGELU's and BloomGelu's hand-rounded constants (sqrt(2/pi) as 0.7978845608, 0.79788456) change
     it by less than any float dtype's rounding (fp32: 6e-8). BloomGelu's hand-written backward too."""
-    approximate = "tanh" if name in TANH_GELUS else "none"
+    approximate = approximate_of(name)
     x = torch.linspace(-8, 8, 4001, dtype=torch.float64, requires_grad=True)
     stock = gelu_module(name).train()  # BloomGelu's autograd function runs in training
-    want = F.gelu(x, approximate=approximate)
+    want = reference_gelu(x, approximate)
     got = stock(x)
     assert rel_error(got, want) < 1e-8
     (d_got,), (d_want,) = torch.autograd.grad(got.sum(), x), torch.autograd.grad(want.sum(), x)
@@ -293,14 +322,14 @@ def test_transformers_gelus_are_the_function_remat_computes(name):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", TANH_GELUS + EXACT_GELUS)
+@pytest.mark.parametrize("name", TANH_GELUS + EXACT_GELUS + QUICK_GELUS)
 def test_remat_gelu_rounds_no_worse_than_the_stock_module(name, dtype):
     """In bf16 and fp16 the stock Python formulas round after every op; remat's GELU (the kernel the
     fused MLP runs) computes in fp32 and rounds once. Its error against float64 is at most twice
     the stock module's (house rule), and in fact no larger."""
-    approximate = "tanh" if name in TANH_GELUS else "none"
+    approximate = approximate_of(name)
     x = torch.randn(4096, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 3
-    exact = F.gelu(x, approximate=approximate)
+    exact = reference_gelu(x, approximate)
     with torch.no_grad():
         stock_error = rel_error(gelu_module(name)(x.to(dtype)), exact)
         remat_error = rel_error(remat.gelu(x.to(dtype), approximate=approximate), exact)

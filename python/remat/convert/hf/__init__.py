@@ -52,8 +52,8 @@ order) and isinstance checks still hold.
                                                                        dense_h_to_4h
     OPT              OPTAttention -> RematOPTAttention; the ReLU     self_attn_layer_norm into q/k/v,
                        MLP stays stock                                 final_layer_norm into fc1
-    CLIP             CLIPMLP -> RematCLIPMLP, with a GELU only       none
-                       (CLIP's default quick_gelu is not one)
+    CLIP             CLIPAttention -> RematCLIPAttention, CLIPMLP    layer_norm1 into q/k/v,
+                       -> RematCLIPMLP (quick_gelu or a GELU)          layer_norm2 into fc1
 
 Cross-attention (BART's and Whisper's encoder_attn) runs stock. A LayerNorm fused into a Linear
 inside a module that stays stock (BLOOM's query_key_value, Whisper's cross-attention q_proj, OPT's
@@ -130,7 +130,8 @@ GELU variants accepted: GELUActivation (erf), nn.GELU, GELUTanh/PytorchGELUTanh,
 NewGELUActivation, FastGELUActivation and BLOOM's BloomGelu (the tanh approximation; FastGELU's
 and BloomGelu's sqrt(2/pi) rounded to 0.7978845608 and 0.79788456, under 1e-8 relative, below
 fp32's rounding; in bf16/fp16 the stock Python formulas round after every op, remat once, in fp32).
-Not: QuickGELU, ReLU, clipped or other activations. Dropout after fc2 (GPT-2, GPT-J) and after
+QuickGELUActivation (CLIP's quick_gelu, x·σ(1.702x)). Not: ReLU, clipped or other activations.
+Dropout after fc2 (GPT-2, GPT-J) and after
 the attention's out-projection is torch's nn.Dropout exactly as the original, so training with
 those dropouts stays equivalent (same random stream). FalconLinear (x @ W.T, then + b) computes
 as nn.Linear does (one rounding of the sum in bf16 where FalconLinear rounds twice).
