@@ -65,12 +65,13 @@ def float64_copy(inputs):
 
 
 def randomize_norms(module):
-    """LayerNorm weights and biases away from their init (1 and 0), so that the check sees a
-    wrong use of them; `module` is returned."""
+    """LayerNorm and RMSNorm weights and biases away from their init (1 and 0), so that the check sees
+    a wrong use of them; `module` is returned."""
     with torch.no_grad():
-        for norm in (m for m in module.modules() if isinstance(m, torch.nn.LayerNorm)):
+        for norm in (m for m in module.modules() if isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm))):
             norm.weight.normal_(1.0, 0.1)
-            norm.bias.normal_(0.0, 0.1)
+            if getattr(norm, "bias", None) is not None:
+                norm.bias.normal_(0.0, 0.1)
     return module
 
 
