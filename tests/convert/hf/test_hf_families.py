@@ -491,3 +491,17 @@ def test_revert(name):
     batch = family_inputs(CASES[name].family, "cpu")
     with torch.no_grad():
         torch.testing.assert_close(reverted(**batch).loss, stock(**batch).loss, rtol=0, atol=0)
+
+
+def test_a_model_in_training_with_attention_dropout_still_converts():
+    """The probe runs the stock module and its swapped copy both in eval mode: with the default
+    attention dropout (DistilBERT's 0.1) in a model in training mode, the attention is swapped, and
+    its calls in training run the stock forward (dropout) while eval calls run remat.attention."""
+    stock, _ = build_case("distilbert", attention_dropout=0.1)
+    converted, report = conv.convert(stock.train(), report=True)
+    assert swapped_counts(report)["RematDistilBertSelfAttention"] == LAYERS, str(report)
+    batch = family_inputs("distilbert", "cpu")
+    converted.eval()
+    with torch.no_grad():
+        _, calls = remat_attention_calls(lambda: converted(**batch))
+    assert calls == LAYERS

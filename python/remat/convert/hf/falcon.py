@@ -41,8 +41,8 @@ class _RematFalconAttention(_RematAttention):
         return q, k, v
 
     def _remat_grouped_qkv(self, qkv):
-        """q (B, H, S, D) and the groups' own k and v (B, G, S, D): the stock forward broadcasts
-        each group's k and v to its heads, which GQA reads without copies."""
+        """q (B, H, S, D) and each group's k and v once, (B, G, S, D), as GQA reads them; the stock
+        forward copies them out to every head of the group."""
         batch, seq, _ = qkv.shape
         groups = qkv.view(batch, seq, -1, self.num_heads // self.num_kv_heads + 2, self.head_dim)
         q = groups[:, :, :, :-2].flatten(2, 3)

@@ -1,9 +1,9 @@
 """GPT-J: one LayerNorm, ln_1, feeds the attention and the MLP in parallel; it is fused into both
 (the attention's q/k/v projections on remat.attention, its interleaved rotary embedding on the
 first rotary_dim dims included, and fc_in of the MLP, fused). Each keeps the same x, once, and its
-own fp32 mean/rstd. transformers before 5.18 wrote GPT-J's attention without the attention
-interface (no scaling attribute, no position_embeddings argument): it is then left stock, and
-ln_1 with it, while the MLP still fuses."""
+own fp32 mean/rstd. transformers 5.17 writes GPT-J's attention without the attention interface
+(no scaling attribute, no position_embeddings argument): there it is left stock, and ln_1 with
+it, while the MLP still fuses."""
 
 import torch
 
