@@ -3,12 +3,12 @@
 transformers' Conv1D projections hold their weights (in, out); the fused ops read them transposed.
 """
 
-from .modules import MLPParts, _RematAttention, split_heads
+from .modules import CACHE_ARGS, MLPParts, _RematAttention, split_heads
 from .registry import Family, register
 
 
 class _RematGPT2Attention(_RematAttention):
-    remat_cache_arg = "cache"
+    remat_cache_arg = CACHE_ARGS  # past_key_values in transformers 5.17
     remat_projections = ("c_attn",)
     remat_output_projection = "c_proj"
 
