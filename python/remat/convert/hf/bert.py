@@ -2,14 +2,14 @@
 the FFN, split over the intermediate and output modules, fused into the output: the intermediate
 returns its input while the output computes LayerNorm(dropout(dense(gelu(intermediate.dense(x)))) + x)."""
 
-from .modules import _RematAttention, split_heads
+from .modules import CACHE_ARGS, _RematAttention, split_heads
 from .registry import Family, register
 
 
 class _RematBertSelfAttention(_RematAttention):
     """BertSelfAttention / RobertaSelfAttention: q, k, v Linears; the out-projection is BertSelfOutput's."""
 
-    remat_cache_arg = "cache"
+    remat_cache_arg = CACHE_ARGS  # past_key_values in transformers 5.17
     remat_head_dim_attr = "attention_head_size"
     remat_projections = ("query", "key", "value")
 
