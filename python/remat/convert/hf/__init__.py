@@ -146,7 +146,24 @@ remat.revert gives the stock classes back (same objects inside).
 
 import sys
 
-from . import bart, bert, bloom, clip, deit, distilbert, falcon, gpt2, gpt_neox, gptj, opt, phi, siglip, vit, whisper  # noqa: F401,E501  (each registers its family)
+from . import (  # noqa: F401,E501  (each registers its family)
+    bart,
+    bert,
+    bloom,
+    clip,
+    deit,
+    distilbert,
+    falcon,
+    gpt2,
+    gpt_neox,
+    gptj,
+    llama,
+    opt,
+    phi,
+    siglip,
+    vit,
+    whisper,
+)
 from .modules import Handoff, RematFusedLayerNorm
 from .registry import FAMILIES, memory_input, memory_models
 from .rules import convert_children
