@@ -20,23 +20,18 @@ class _RematRotaryAttention(_RematSplitAttention):
     remat_dropout_attr = "attention_dropout"
     remat_qk_norms = False  # Qwen3's, Gemma3's q_norm and k_norm over each head, before the rotary embedding
 
+    # A sliding window (Mistral's, Qwen2's, Gemma2/3's local layers) reaches sdpa and eager attention
+    # only through the mask (their attention functions ignore the sliding_window argument): a window
+    # shorter than the sequence makes the mask hide more than the future, and that call runs stock.
+
     @classmethod
     def remat_refuse_reason(cls, module):
-        window = cls.remat_sliding_window(module)
-        if window is not None:
-            return f"sliding-window attention (sliding_window={window}): remat.attention has no window"
         softcap = getattr(module, "attn_logit_softcapping", None)
         if softcap is not None:
             return f"attention logit softcapping ({softcap}): remat.attention has no softcap"
         if cls.remat_qk_norms and not all(hasattr(module, n) for n in ("q_norm", "k_norm")):
             return "lacks the expected q_norm and k_norm"
         return None
-
-    @classmethod
-    def remat_sliding_window(cls, module):
-        """The window the stock forward passes to its attention function (None: none): the module's
-        sliding_window (set on the sliding layers), where it has one."""
-        return getattr(module, "sliding_window", None)
 
     def remat_qkv(self, outputs, call):
         q, k, v = super().remat_qkv(outputs, call)
@@ -52,15 +47,18 @@ def probe_kwargs(module, param):
     return rotary_probe_kwargs(module, param, lambda m: getattr(m, "head_dim", None))
 
 
-def llama_like(name, prefix, attention, style="llama", act="act_fn", mlp=None, **fields):
-    """The Family of a Llama-like model: <prefix>Attention, <prefix>MLP (gate_proj, up_proj, down_proj,
-    or `mlp` parts), <prefix>DecoderLayer with input_layernorm and post_attention_layernorm, <prefix>RMSNorm
-    rounded as `style`."""
+WIRING = ((("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp")),)
+
+
+def llama_like(name, prefix, attention, style="llama", mlp=None, wiring=WIRING, **fields):
+    """The Family of a Llama-like model: <prefix>Attention, <prefix>MLP (gate_proj, up_proj, down_proj
+    and act_fn, or `mlp` parts), <prefix>DecoderLayer with its norms feeding self_attn and mlp as
+    `wiring` says (input_layernorm and post_attention_layernorm), <prefix>RMSNorm rounded as `style`."""
     return Family(
         name=name,
         attention={f"{prefix}Attention": attention},
-        mlps={f"{prefix}MLP": mlp or MLPParts(("gate_proj", "up_proj"), act, "down_proj", None, _RematGatedMLP)},
-        layers={f"{prefix}DecoderLayer": ((("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp")),)},
+        mlps={f"{prefix}MLP": mlp or MLPParts(("gate_proj", "up_proj"), "act_fn", "down_proj", None, _RematGatedMLP)},
+        layers={f"{prefix}DecoderLayer": wiring},
         norms={f"{prefix}RMSNorm": style},
         probe_kwargs=probe_kwargs,
         **fields,

@@ -589,7 +589,7 @@ def _layer_rule(layer, layers, recompute, path, report):
             report.add(join(path, norm_name), layer._modules[norm_name], "skipped", reason)
         else:
             fused |= _hand_over(layer, norm_name, consumer_paths, layers, recompute, path, report)
-    handled = {p for p in fused if "." not in p}
+    handled = {p for p in fused if "." not in p} | _rms_norms_reported(layer, wiring, path, report)
     for consumer_path in dict.fromkeys(p for _, paths in wiring for p in paths if p not in fused):
         handled |= _alone(layer, consumer_path, layers, recompute, path, report)
     if parts is not None and parts.fc1 in fused:
@@ -605,6 +605,19 @@ def _layer_rule(layer, layers, recompute, path, report):
                        "cross-attention (keys and values from the encoder): it runs as it is")
             handled.add(name)
     return handled
+
+
+def _rms_norms_reported(layer, wiring, path, report):
+    """The names of the layer's RMSNorm children whose rows the layer rule writes: those of its wiring
+    (fused, or skipped with the reason) and the others, which normalise a block's output (Gemma2's
+    post_attention_layernorm and post_feedforward_layernorm) and stay as they are."""
+    wired = {norm_name for norm_name, _ in wiring}
+    names = {name for name, child in layer._modules.items() if norm_style(type(child).__name__)}
+    for name in sorted(names - wired):
+        report.add(join(path, name), layer._modules[name], "skipped",
+                   "normalises a block's output before the residual add, not the input of a projection: "
+                   "nothing for remat to fuse it into; it runs as it is")
+    return names
 
 
 def _pair_rule(layer, recompute, path, report):
