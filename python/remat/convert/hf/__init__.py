@@ -2,7 +2,8 @@
 present in 5.17 too, or checked for, as GPT-J's older attention is).
 
 One file per model family (gpt2, vit, deit, siglip, gpt_neox, phi, gptj, falcon, bert, distilbert,
-bart, whisper, bloom, opt, clip) registers its classes, submodule names, layer wirings, attention
+bart, whisper, bloom, opt, clip; llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3: RMSNorms
+fused into the next projections, gated MLPs, rotary GQA attention) registers its classes, submodule names, layer wirings, attention
 class, probe inputs and the configs `remat memory` builds (registry.Family); modules.py holds the
 swapped classes they share, rules.py what convert does with each module.
 
