@@ -68,7 +68,7 @@ DECODERS = ("gpt2", "gpt_neox")
 def build(family, **overrides):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, ffn = {**FAMILIES, **GELU_FAMILIES}[family](**overrides)
+        model, ffn = {**FAMILIES, **GELU_FAMILIES, **RMS_FAMILIES}[family](**overrides)
     with torch.no_grad():  # LayerNorms away from ones/zeros
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
@@ -252,3 +252,32 @@ def family_inputs(family, device):
         features = torch.randn(BATCH, 8, 2 * WHISPER_FRAMES, generator=generator).to(device)
         return {"input_features": features, "labels": ids}
     return {"input_ids": ids, "labels": ids}
+
+
+# --- The RMSNorm / gated-MLP families (tests/convert/hf/test_hf_rms_families.py) -------------------
+# Tiny random configs as above: 2 layers, hidden 64, 2 heads of 32 and 1 group of keys and values
+# (GQA), FFN 128, no dropout; each with its default activation (SiLU, or Gemma's tanh GELU).
+KV_HEADS = 1
+_DECODER = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=32,
+                attention_dropout=0.0, **_SPECIAL)
+_GEMMA = dict(head_dim=HIDDEN // HEADS, query_pre_attn_scalar=HIDDEN // HEADS)
+
+
+def _decoder(config_class, model_class, **fields):
+    def builder(**overrides):
+        config = getattr(transformers, config_class)(**{**_DECODER, **fields, **overrides})
+        return getattr(transformers, model_class)(config), FFN
+    return builder
+
+
+RMS_FAMILIES = {
+    "llama": _decoder("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": _decoder("MistralConfig", "MistralForCausalLM", sliding_window=None),
+    "qwen2": _decoder("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": _decoder("Qwen3Config", "Qwen3ForCausalLM", head_dim=HIDDEN // HEADS),
+    "phi3": _decoder("Phi3Config", "Phi3ForCausalLM", resid_pdrop=0.0, embd_pdrop=0.0),
+    "gemma": _decoder("GemmaConfig", "GemmaForCausalLM", **_GEMMA),
+    "gemma2": _decoder("Gemma2Config", "Gemma2ForCausalLM", **_GEMMA),
+    "gemma3": _decoder("Gemma3TextConfig", "Gemma3ForCausalLM", **_GEMMA),
+}

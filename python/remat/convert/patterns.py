@@ -64,6 +64,29 @@ def activation_reason(act, label=None, kind=None):
     return f"{type(act).__name__} {reason}" if reason else None
 
 
+# transformers' SiLU modules, by class name: ACT2FN["silu"] (nn.functional.silu; nn.SiLU in older releases).
+TRANSFORMERS_SILUS = ("SiLUActivation",)
+
+
+def gated_activation_name(module, kind=None):
+    """The gated kernels' name ("silu", "gelu" or "gelu_tanh") of the activation module applied to
+    the gate, for the modules remat computes exactly, else None. kind: as for gelu_approximate."""
+    kind = kind or type(module)
+    if kind is nn.SiLU or (kind.__module__.startswith("transformers.") and kind.__name__ in TRANSFORMERS_SILUS):
+        return "silu"
+    return {"none": "gelu", "tanh": "gelu_tanh"}.get(gelu_approximate(module, kind))
+
+
+def gated_activation_reason(act, label=None, kind=None):
+    """Why `act` cannot be the activation of a gated MLP remat fuses, or None."""
+    label = label or "activation"
+    if not isinstance(act, nn.Module) or gated_activation_name(act, kind) is None:
+        return f"{label} {(kind or type(act)).__name__} is not an activation remat's gated MLP computes " \
+               "(SiLU, exact or tanh GELU)"
+    reason = hook_reason(act)
+    return f"{type(act).__name__} {reason}" if reason else None
+
+
 def uniform_reason(*modules):
     """None when all parameters of `modules` share one device and dtype, else why not."""
     params = [p for m in modules for p in base_layer(m).parameters(recurse=False)]

@@ -2,7 +2,8 @@
 present in 5.17 too, or checked for, as GPT-J's older attention is).
 
 One file per model family (gpt2, vit, deit, siglip, gpt_neox, phi, gptj, falcon, bert, distilbert,
-bart, whisper, bloom, opt, clip) registers its classes, submodule names, layer wirings, attention
+bart, whisper, bloom, opt, clip; llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3: RMSNorms
+fused into the next projections, gated MLPs, rotary GQA attention) registers its classes, submodule names, layer wirings, attention
 class, probe inputs and the configs `remat memory` builds (registry.Family); modules.py holds the
 swapped classes they share, rules.py what convert does with each module.
 
@@ -147,7 +148,31 @@ remat.revert gives the stock classes back (same objects inside).
 
 import sys
 
-from . import bart, bert, bloom, clip, deit, distilbert, falcon, gpt2, gpt_neox, gptj, opt, phi, siglip, vit, whisper  # noqa: F401,E501  (each registers its family)
+from . import (  # noqa: F401,E501  (each registers its family)
+    bart,
+    bert,
+    bloom,
+    clip,
+    deit,
+    distilbert,
+    falcon,
+    gemma,
+    gemma2,
+    gemma3,
+    gpt2,
+    gpt_neox,
+    gptj,
+    llama,
+    mistral,
+    opt,
+    phi,
+    phi3,
+    qwen2,
+    qwen3,
+    siglip,
+    vit,
+    whisper,
+)
 from .modules import Handoff, RematFusedLayerNorm
 from .registry import FAMILIES, memory_input, memory_models
 from .rules import convert_children

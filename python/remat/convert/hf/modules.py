@@ -16,16 +16,30 @@ import torch
 from torch import nn
 
 from ..._guards import fallback, hook_reason, plain_reason
-from ..._linears import fused_saved_bytes, projections
+from ..._linears import fused_saved_bytes, projection, projections, widths
 from ...ops.attention import attention
 from ...ops.fused import fused_mlp, norm_linears
-from ...specs import Linear, gelu, norm_of
-from ..patterns import activation_reason, gelu_approximate
+from ...specs import Activation, Linear, gelu, norm_of
+from ..patterns import (
+    MLP,
+    activation_reason,
+    fusable,
+    gated_activation_name,
+    gated_activation_reason,
+    gelu_approximate,
+    uniform_reason,
+)
 from ..swap import strip
 
 # A transformers MLP module: the names of its fc1, activation, fc2 and (or None) dropout after fc2,
-# and the remat class it is swapped to (None: _RematMLP; BLOOM's takes the residual too).
+# and the remat class it is swapped to (None: _RematMLP; BLOOM's takes the residual too). A gated
+# MLP (mixin _RematGatedMLP) names its (gate, up) projections as fc1, or its one gate_up projection.
 MLPParts = collections.namedtuple("MLPParts", "fc1 act fc2 dropout mixin", defaults=(None,))
+
+
+def fc1_names(parts):
+    """The names of the projections reading an MLP's input: (fc1,), or a gated MLP's (gate, up)."""
+    return parts.fc1 if isinstance(parts.fc1, tuple) else (parts.fc1,)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,26 +182,45 @@ class _RematModule:
         return strip(self, self.remat_stock)
 
 
-class RematFusedLayerNorm(_RematModule, nn.LayerNorm):
-    """A pre-LN block's LayerNorm whose consumer (the attention's q/k/v projection or the MLP's
-    fc1) applies it, fused: while their handoff holds, forward returns its input. Still an
-    nn.LayerNorm with its own weight, bias and eps (same objects, same state_dict keys, found by
-    isinstance checks such as weight-decay groups); remat_revert() gives the stock module back."""
+class _RematFusedNorm(_RematModule):
+    """A pre-norm block's norm (an nn.LayerNorm, or a transformers RMSNorm class: LlamaRMSNorm,
+    GemmaRMSNorm, ...) whose consumer (the attention's q/k/v projection or the MLP's first
+    projection) applies it, fused: while their handoff holds, forward returns its input; otherwise
+    the stock module's own forward runs. Still an instance of its stock class with its own weight
+    and eps (same objects, same state_dict keys, found by isinstance checks such as weight-decay
+    groups); remat_revert() gives the stock module back."""
 
-    remat_stock = nn.LayerNorm
+    remat_prefix = "RematFused"
+    remat_style = None  # None: a LayerNorm; else the RMSNorm rounding (remat.specs.RMS_NORM_STYLES)
 
     def forward(self, hidden_states):
         if self.remat_handoff.reason() is None:
             return hidden_states
-        return nn.LayerNorm.forward(self, hidden_states)
+        return self.remat_stock.forward(self, hidden_states)
 
     def extra_repr(self):
         return f"{super().extra_repr()}, applied fused by the next projection"
 
 
+class RematFusedLayerNorm(_RematFusedNorm, nn.LayerNorm):
+    """The fused norm of an nn.LayerNorm (see _RematFusedNorm)."""
+
+    remat_stock = nn.LayerNorm
+
+
+def stock_norm(norm, hidden_states):
+    """What the fused norm `norm` computes by its stock module's own forward."""
+    return norm.remat_stock.forward(norm, hidden_states)
+
+
+def norm_spec(norm):
+    """The remat.specs.Norm of the fused norm `norm`: a LayerNorm, or an RMSNorm in its style."""
+    return norm_of(norm, norm.remat_style)
+
+
 def _layer_norm_reason(norm):
-    """Why a RematFusedLayerNorm's parameters cannot be read by a fused op at this call, or None."""
-    return plain_reason(norm, (RematFusedLayerNorm,), "the fused LayerNorm")
+    """Why a fused norm's parameters cannot be read by a fused op at this call, or None."""
+    return plain_reason(norm, (type(norm),), "the fused norm")
 
 
 def _normed_outputs(x, norm, modules, recompute, labels):
@@ -199,7 +232,7 @@ def _normed_outputs(x, norm, modules, recompute, labels):
     reason = reason or _layer_norm_reason(norm)
     if reason:
         return None, reason
-    return norm_linears(x, norm_of(norm), linears, recompute), None
+    return norm_linears(x, norm_spec(norm), linears, recompute), None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,6 +249,15 @@ class _RematMLP(_RematModule):
     takes the residual and adds it), subclasses this with its own remat_finish."""
 
     remat_parts: "MLPParts"  # the stock module's submodule names, given by its family
+    remat_need_bias = True  # remat.mlp takes LayerNorms with a bias only
+    remat_dropped = "the GELU output is"  # what the report says it does not keep
+
+    @classmethod
+    def remat_parts_reason(cls, module, parts):
+        """Why fc1 -> act -> fc2 of the stock `module` is not remat.mlp (fc1 and fc2 Linear-like,
+        peft's LoRA included; a GELU), or None."""
+        return fusable(MLP, [module._modules[n] for n in (parts.fc1, parts.act, parts.fc2)],
+                       labels=["fc1", "activation", "fc2"])
 
     def forward(self, hidden_states, *args, **kwargs):
         parts = self.remat_parts
@@ -226,12 +268,12 @@ class _RematMLP(_RematModule):
         if reason:
             self._remat_fallback(reason)
             if norm is not None:
-                hidden_states = nn.LayerNorm.forward(norm, hidden_states)
+                hidden_states = stock_norm(norm, hidden_states)
             return self.remat_stock.forward(self, hidden_states, *args, **kwargs)
         self._remat_fallback(norm_reason)
         act = gelu(gelu_approximate(self._modules[parts.act]))
         fc1, fc2 = linears
-        out = fused_mlp(hidden_states, fc1, act, fc2, norm_of(norm) if norm is not None else None,
+        out = fused_mlp(hidden_states, fc1, act, fc2, norm_spec(norm) if norm is not None else None,
                         self.remat_recompute)
         return self.remat_finish(out, *args, **kwargs)
 
@@ -250,6 +292,63 @@ class _RematMLP(_RematModule):
 
     def extra_repr(self):
         return f"on remat.mlp, recompute={self.remat_recompute}"
+
+
+def _gated_widths_reason(names, shapes):
+    """Why gate/up (or gate_up) and down of `shapes` ((in, out) each) do not chain, or None."""
+    *ups, (ffn, out) = shapes
+    if len(ups) == 2 and ups[0] != ups[1]:
+        return f"{names[0]} and {names[1]} have different shapes (in, out) {ups[0]} and {ups[1]}"
+    gated = ups[0][1] if len(ups) == 2 else ups[0][1] / 2
+    if gated != ffn or out != ups[0][0]:
+        return f"widths do not chain: {ups[0][0]}->{ups[0][1]} then {ffn}->{out}"
+    return None
+
+
+class _RematGatedMLP(_RematModule):
+    """A transformers gated MLP (LlamaMLP, GemmaMLP, Phi3MLP, ...) on remat's fused gated MLP:
+    down(act(gate(x)) * up(x)), or with one gate_up projection (gate first, as Phi-3's) chunked in
+    two; keeps x, gate and up outputs only (never act(gate) nor the product), with the norm before
+    it fused in when it was handed over. Any call remat cannot compute runs the stock forward."""
+
+    remat_parts: "MLPParts"
+    remat_need_bias = False  # the norm in front may be an RMSNorm, or a LayerNorm without bias
+    remat_dropped = "act(gate) and act(gate) * up are"
+
+    @classmethod
+    def remat_parts_reason(cls, module, parts):
+        """Why the stock `module`'s projections and activation are not a gated MLP remat fuses, or None."""
+        linears = [module._modules[n] for n in (*fc1_names(parts), parts.fc2)]
+        names = (*fc1_names(parts), parts.fc2)
+        reason = next(filter(None, (projection(m, n)[1] for m, n in zip(linears, names))), None)
+        reason = reason or gated_activation_reason(module._modules[parts.act], parts.act)
+        return reason or _gated_widths_reason(names, [widths(m) for m in linears]) or uniform_reason(*linears)
+
+    def forward(self, hidden_states):
+        parts = self.remat_parts
+        names = (*fc1_names(parts), parts.fc2)
+        norm, norm_reason = _handed_over(self)
+        linears, reason = projections([self._modules[n] for n in names], list(names))
+        reason = reason or gated_activation_reason(self._modules[parts.act], parts.act) \
+            or (_layer_norm_reason(norm) if norm is not None else None)
+        if reason:
+            self._remat_fallback(reason)
+            if norm is not None:
+                hidden_states = stock_norm(norm, hidden_states)
+            return self.remat_stock.forward(self, hidden_states)
+        self._remat_fallback(norm_reason)
+        *ups, down = linears
+        act = Activation(gated_activation_name(self._modules[parts.act]), gated=True)
+        return fused_mlp(hidden_states, tuple(ups) if len(ups) == 2 else ups[0], act, down,
+                         norm_spec(norm) if norm is not None else None, self.remat_recompute)
+
+    def remat_saved_bytes(self):
+        """Bytes per token kept less than stock: act(gate) and the product (down's input, where it trains)."""
+        down = self._modules[self.remat_parts.fc2]
+        return fused_saved_bytes(fc2=down, gated=True) if self.remat_recompute else 0
+
+    def extra_repr(self):
+        return f"on remat's fused gated MLP, recompute={self.remat_recompute}"
 
 
 class _RematPassThrough(_RematModule):
@@ -293,10 +392,10 @@ class _RematNormedLinear(_RematModule):
         if reason:
             self._remat_fallback(reason)
             if norm is not None:
-                input = nn.LayerNorm.forward(norm, input)
+                input = stock_norm(norm, input)
             return self.remat_stock.forward(self, input)
         self._remat_fallback(None)
-        return norm_linears(input, norm_of(norm), [linear], self.remat_recompute)[0]
+        return norm_linears(input, norm_spec(norm), [linear], self.remat_recompute)[0]
 
 
 class _RematLayerMLP(_RematModule):
@@ -322,12 +421,12 @@ class _RematLayerMLP(_RematModule):
         if reason:  # the handoff holds, so input is what the first producer got: compute them here
             self._remat_fallback(reason)
             if norm is not None:
-                input = nn.LayerNorm.forward(norm, input)
+                input = stock_norm(norm, input)
             hidden = act.remat_stock.forward(act, fc1.remat_stock.forward(fc1, input))
             return self.remat_stock.forward(self, hidden)
         self._remat_fallback(None)
         return fused_mlp(input, fc1_linear, gelu(gelu_approximate(act, act.remat_stock)), fc2_linear,
-                         norm_of(norm) if norm is not None else None, self.remat_recompute)
+                         norm_spec(norm) if norm is not None else None, self.remat_recompute)
 
     def remat_saved_bytes(self):
         """Bytes per token kept less than stock: the GELU output, where this fc2 trains."""
@@ -493,7 +592,7 @@ class _RematAttention(_RematModule):
         if reason is not None:
             self._remat_fallback(reason)
             if norm is not None:
-                hidden_states = nn.LayerNorm.forward(norm, hidden_states)
+                hidden_states = stock_norm(norm, hidden_states)
             return self.remat_stock.forward(self, hidden_states, *args, **kwargs)
         self._remat_fallback(norm_reason)
         return self.remat_forward(outputs, call, self.remat_causal(call, hidden_states.shape[1]))

@@ -33,6 +33,9 @@ class Family:
     layers: Mapping[str, tuple] = dataclasses.field(default_factory=dict)  # layer class name -> wirings
     layer_mlps: Mapping[str, LayerMLP] = dataclasses.field(default_factory=dict)  # layer class name -> LayerMLP
     pairs: Mapping[str, tuple] = dataclasses.field(default_factory=dict)  # layer class name -> FFN pair
+    # RMSNorm classes its layers' wirings may fuse: class name -> the remat.specs.Norm style rounding as
+    # its forward does ("llama", "gemma", "t5"); checked against that forward when a norm is fused.
+    norms: Mapping[str, str] = dataclasses.field(default_factory=dict)
     # Attention classes kept stock on purpose: class name -> why (the report says it).
     stock_attention: Mapping[str, str] = dataclasses.field(default_factory=dict)
     # Cross-attention children of a layer (the same class as its self-attention): layer class name -> names.
@@ -46,7 +49,8 @@ class Family:
     model_types: tuple = ()  # the config model_types whose models this family's memory_input serves
 
     def classes(self):
-        return {*self.attention, *self.mlps, *self.layers, *self.layer_mlps, *self.pairs, *self.stock_attention}
+        return {*self.attention, *self.mlps, *self.layers, *self.layer_mlps, *self.pairs, *self.stock_attention,
+                *self.norms}
 
 
 FAMILIES = {}
@@ -81,6 +85,11 @@ def layer_mlp(name):
 
 def pair_rule(name):
     return _merged("pairs").get(name)
+
+
+def norm_style(name):
+    """The RMSNorm style of the transformers norm class `name`, or None (not an RMSNorm a family names)."""
+    return _merged("norms").get(name)
 
 
 def stock_attention_reason(name):

@@ -11,19 +11,22 @@ import torch
 from torch import nn
 
 from ..._guards import hook_reason
-from ..._linears import fused_saved_bytes, is_falcon_linear, projection, widths
+from ..._linears import base_layer, fused_saved_bytes, is_falcon_linear, projection, widths
 from ..._numerics import rel_error
 from ...ops.attention import HEAD_DIMS
+from ...ops.rms_norm import rms_norm_output_ref, rms_norm_rstd_ref
 from ..patterns import MLP, fusable, layer_norm_fusable
 from ..swap import join, with_class
 from .modules import (
     RematFusedLayerNorm,
     _RematFused,
+    _RematFusedNorm,
     _RematIntermediate,
     _RematLayerMLP,
     _RematMLP,
     _RematNormedLinear,
     _RematOutput,
+    fc1_names,
     link,
     remat_class,
     submodule,
@@ -35,6 +38,7 @@ from .registry import (
     layer_mlp,
     layer_rule,
     mlp_parts,
+    norm_style,
     pair_rule,
     stock_attention_reason,
 )
@@ -135,8 +139,11 @@ def _swapped_attention(module, recompute, path):
     return _swapped(module, mixin, recompute, path, remat_cache_arg=_cache_argument(mixin, type(module)))
 
 
-def _fused_layer_norm(norm, path):
-    new = with_class(norm, RematFusedLayerNorm)
+def _fused_norm(norm, path):
+    """The fused norm for the stock LayerNorm or RMSNorm `norm` (RematFusedLayerNorm, RematFused<RMSNorm class>)."""
+    style = norm_style(type(norm).__name__) if type(norm) is not nn.LayerNorm else None
+    cls = RematFusedLayerNorm if style is None else remat_class(_RematFusedNorm, type(norm), remat_style=style)
+    new = with_class(norm, cls)
     new.__dict__["remat_path"] = path
     return new
 
@@ -258,23 +265,24 @@ def _attention_rule(parent, name, module, recompute, path, report):
 def _mlp_candidate(module, recompute, path):
     """(the swapped MLP for `module`, None) or (None, why not)."""
     parts = mlp_parts(type(module).__name__)
-    fc1, act, fc2 = (getattr(module, n, None) for n in (parts.fc1, parts.act, parts.fc2))
-    if fc1 is None or fc2 is None or act is None:
-        return None, f"{type(module).__name__} lacks the expected submodules {parts.fc1}, {parts.act}, {parts.fc2}"
-    reason = _instance_reason(module) or _mlp_reason(fc1, act, fc2)
+    names = (*fc1_names(parts), parts.act, parts.fc2)
+    if not all(isinstance(getattr(module, n, None), nn.Module) for n in names):
+        return None, f"{type(module).__name__} lacks the expected submodules {', '.join(names)}"
+    mixin = parts.mixin or _RematMLP
+    reason = _instance_reason(module) or mixin.remat_parts_reason(module, parts)
     if reason:
         return None, reason
-    return _swapped(module, parts.mixin or _RematMLP, recompute, path, remat_parts=parts), None
+    return _swapped(module, mixin, recompute, path, remat_parts=parts), None
 
 
 def _mlp_row(path, name, module, new, norm_name=None):
     parts = mlp_parts(type(module).__name__)
-    chain = f"{parts.fc1} -> {type(getattr(module, parts.act)).__name__} -> {parts.fc2}"
+    chain = f"{' / '.join(fc1_names(parts))} -> {type(getattr(module, parts.act)).__name__} -> {parts.fc2}"
     if parts.dropout:
         chain += f" (+ {parts.dropout})"
     if norm_name:
         chain = f"{norm_name} -> {chain}"
-    kept = "the GELU output is not kept" + (f", nor {norm_name}'s output" if norm_name else "")
+    kept = f"{new.remat_dropped} not kept" + (f", nor {norm_name}'s output" if norm_name else "")
     return join(path, name), module, f"swapped to {type(new).__name__}", f"fused {chain}: {kept}", \
         new.remat_saved_bytes
 
@@ -283,7 +291,7 @@ def _mlp_rule(parent, name, module, recompute, path, report):
     new, reason = _mlp_candidate(module, recompute, join(path, name))
     if reason:
         return reason
-    fc1 = getattr(module, mlp_parts(type(module).__name__).fc1)
+    fc1 = getattr(module, fc1_names(mlp_parts(type(module).__name__))[0])
     reason = _self_probe(module, new, widths(fc1)[0], fc1.weight)
     if reason:
         return reason
@@ -296,10 +304,11 @@ def _mlp_rule(parent, name, module, recompute, path, report):
 # Layers: LayerNorms handed over to the modules after them, MLPs the layer holds itself
 # ---------------------------------------------------------------------------------------------
 
-# What each consumer of a LayerNorm keeps besides x: fp32 mean and rstd, 4 + 4 bytes per token. A
-# LayerNorm feeding several consumers (a parallel layer) is applied inside each one's fused op,
-# so each keeps its own pair (x, one storage, is kept once).
+# What each consumer of a LayerNorm keeps besides x: fp32 mean and rstd, 4 + 4 bytes per token (an
+# RMSNorm: rstd, 4). A LayerNorm feeding several consumers (a parallel layer) is applied inside each
+# one's fused op, so each keeps its own statistics (x, one storage, is kept once).
 _STATS_BYTES = 8
+_RMS_STATS_BYTES = 4
 
 
 @dataclasses.dataclass
@@ -339,11 +348,11 @@ def _mlp_consumer(layer, name, recompute, path):
     new, reason = _mlp_candidate(module, recompute, join(path, name))
     if reason:
         return None, reason
-    fc1 = module._modules[new.remat_parts.fc1]
-    return _Consumer(name, {name: new}, (f"{name}.{new.remat_parts.fc1}",), f"{name}.{new.remat_parts.fc1}",
-                     widths(fc1)[0], fc1.weight,
+    readers = tuple(f"{name}.{n}" for n in fc1_names(new.remat_parts))
+    fc1 = submodule(layer, readers[0])
+    return _Consumer(name, {name: new}, readers, " and ".join(readers), widths(fc1)[0], base_layer(fc1).weight,
                      lambda report, norm_name: report.add(*_mlp_row(path, name, module, new, norm_name)),
-                     need_bias=True), None
+                     need_bias=new.remat_need_bias), None
 
 
 def _plain_linear_reason(module, label):
@@ -422,19 +431,46 @@ def _consumer(layer, consumer_path, layers, recompute, path):
 
 
 def _fusable_norm(layer, norm_name, layers):
+    """(the norm, None) when `norm_name` is a norm the rules fuse (an exact nn.LayerNorm, or an RMSNorm
+    class a family names), else (it or None, why not)."""
     norm = layer._modules.get(norm_name)
     if "layernorm" not in layers:
         return None, "layers excludes layernorm"
-    if type(norm) is not nn.LayerNorm:
-        return None, f"{norm_name} is {type(norm).__name__}, not exactly nn.LayerNorm"
+    if type(norm) is not nn.LayerNorm and not (norm_style(type(norm).__name__) and _from_transformers(norm)):
+        return None, f"{norm_name} is {type(norm).__name__}, not exactly nn.LayerNorm nor an RMSNorm remat matches"
     return norm, _instance_reason(norm) or hook_reason(layer)
+
+
+def _rms_norm_reason(norm, width):
+    """None when the stock RMSNorm `norm` is the norm of its family's style over `width` features, rounded
+    as that style rounds (checked on a random input in the weight's dtype and in bf16), else why not."""
+    style = norm_style(type(norm).__name__)
+    weight = getattr(norm, "weight", None)
+    eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, float):
+        return f"{type(norm).__name__} has no 1-D weight and float eps (or variance_epsilon)"
+    if weight.shape[0] != width:
+        return f"{type(norm).__name__} width {weight.shape[0]} != the Linear's in_features {width}"
+    if weight.is_meta:
+        return None
+    x = torch.randn(6, width, generator=torch.Generator().manual_seed(3))
+    for dtype in dict.fromkeys((weight.dtype, torch.bfloat16)):
+        xi = x.to(weight.device, dtype)
+        with torch.no_grad():
+            want = norm(xi)
+            got = rms_norm_output_ref(xi, weight, rms_norm_rstd_ref(xi, eps), style)
+        if want.dtype != got.dtype or not torch.equal(want, got):
+            return (f"{type(norm).__name__}'s forward does not round as remat's {style!r} RMSNorm on {dtype} input: "
+                    "this transformers version's norm differs")
+    return None
 
 
 def _norm_reason(layer, norm_name, consumers, layers, recompute):
     """(the LayerNorm, None) when it can be handed over to all of `consumers`, else (it or None, why not)."""
     norm, reason = _fusable_norm(layer, norm_name, layers)
     for consumer in consumers if reason is None else ():
-        reason = layer_norm_fusable(norm, consumer.width, need_bias=consumer.need_bias) or \
+        reason = (layer_norm_fusable(norm, consumer.width, need_bias=consumer.need_bias)
+                  if type(norm) is nn.LayerNorm else _rms_norm_reason(norm, consumer.width)) or \
             next(filter(None, (projection(submodule(layer, r), r)[1] for r in consumer.readers)), None)
         if reason:
             break
@@ -452,11 +488,12 @@ def _norm_row(report, path, layer, norm_name, norm, new_norm, consumers):
     def saves():
         if not new_norm.__dict__.get("remat_recompute", True):
             return 0
-        extra_stats = _STATS_BYTES * (len(consumers) - 1)
+        stats = _STATS_BYTES if new_norm.remat_style is None else _RMS_STATS_BYTES
+        extra_stats = stats * (len(consumers) - 1)
         return fused_saved_bytes(new_norm, [submodule(layer, r) for r in readers]) - extra_stats
 
-    note = f"; its x is kept once, and fp32 mean/rstd by each of the {len(consumers)}" if len(consumers) > 1 else ""
-    report.add(join(path, norm_name), norm, "swapped to RematFusedLayerNorm",
+    note = f"; its x is kept once, and fp32 statistics by each of the {len(consumers)}" if len(consumers) > 1 else ""
+    report.add(join(path, norm_name), norm, f"swapped to {type(new_norm).__name__}",
                f"applied inside {applied}, fused into {into}; returns its input{note}", saves)
 
 
@@ -470,7 +507,7 @@ def _hand_over(layer, norm_name, consumer_paths, layers, recompute, path, report
         _norm_reason(layer, norm_name, consumers, layers, recompute)
     reason = reason or norm_reason
     if reason is None:
-        fused_norm = _fused_layer_norm(norm, join(path, norm_name))
+        fused_norm = _fused_norm(norm, join(path, norm_name))
         fused_norm.__dict__["remat_recompute"] = recompute
         members = {norm_name: fused_norm}
         producers = {"norm": norm_name}
@@ -552,7 +589,7 @@ def _layer_rule(layer, layers, recompute, path, report):
             report.add(join(path, norm_name), layer._modules[norm_name], "skipped", reason)
         else:
             fused |= _hand_over(layer, norm_name, consumer_paths, layers, recompute, path, report)
-    handled = {p for p in fused if "." not in p}
+    handled = {p for p in fused if "." not in p} | _rms_norms_reported(layer, wiring, path, report)
     for consumer_path in dict.fromkeys(p for _, paths in wiring for p in paths if p not in fused):
         handled |= _alone(layer, consumer_path, layers, recompute, path, report)
     if parts is not None and parts.fc1 in fused:
@@ -568,6 +605,19 @@ def _layer_rule(layer, layers, recompute, path, report):
                        "cross-attention (keys and values from the encoder): it runs as it is")
             handled.add(name)
     return handled
+
+
+def _rms_norms_reported(layer, wiring, path, report):
+    """The names of the layer's RMSNorm children whose rows the layer rule writes: those of its wiring
+    (fused, or skipped with the reason) and the others, which normalise a block's output (Gemma2's
+    post_attention_layernorm and post_feedforward_layernorm) and stay as they are."""
+    wired = {norm_name for norm_name, _ in wiring}
+    names = {name for name, child in layer._modules.items() if norm_style(type(child).__name__)}
+    for name in sorted(names - wired):
+        report.add(join(path, name), layer._modules[name], "skipped",
+                   "normalises a block's output before the residual add, not the input of a projection: "
+                   "nothing for remat to fuse it into; it runs as it is")
+    return names
 
 
 def _pair_rule(layer, recompute, path, report):

@@ -1,0 +1,12 @@
+"""Mistral: as Llama (llama.py). A sliding window shorter than the sequence runs the stock attention
+for that call (its mask hides more than the future); the norms and the MLP still fuse."""
+
+from .llama import _RematRotaryAttention, llama_like
+from .registry import register
+
+
+class _RematMistralAttention(_RematRotaryAttention):
+    pass
+
+
+register(llama_like("mistral", "Mistral", _RematMistralAttention))

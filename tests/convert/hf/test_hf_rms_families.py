@@ -1,0 +1,251 @@
+"""remat.convert on the Hugging Face families built from RMSNorms and gated MLPs (tiny random configs,
+no downloads): Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, Gemma2 and Gemma3 (text). The same loss and
+gradients as stock, the same checkpoint, the exact bytes no longer kept (derived per family), and the
+reasons for what stays stock: Gemma2's softcapped attention, the norms of a block's output."""
+
+import collections
+import importlib
+import json
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_hf_families import assert_skipped_as_expected, swapped_counts
+
+from remat import memory
+from remat.convert.hf import registry
+
+from hf_models import (
+    BATCH,
+    HEADS,
+    HIDDEN,
+    KV_HEADS,
+    LAYERS,
+    SEQ,
+    assert_same_step,
+    build,
+    family_inputs,
+    loss_and_grads,
+    remat_attention_calls,
+)
+from numerics import saved_bytes
+
+conv = importlib.import_module("remat.convert")
+
+HEAD_DIM = HIDDEN // HEADS
+F32 = 4  # bytes: the tests run in fp32
+TOKENS = BATCH * SEQ
+OUTPUT_NORMS = "normalises a block's output"
+SOFTCAP = "softcapping"
+
+# family -> (its class prefix, attention on remat, {reason substring: count} of the rows left stock);
+# every family's model.norm (the final norm, read by the LM head) stays stock too.
+Case = collections.namedtuple("Case", "prefix attention skipped")
+CASES = {
+    "llama": Case("Llama", True, {}),
+    "mistral": Case("Mistral", True, {}),
+    "qwen2": Case("Qwen2", True, {}),
+    "qwen3": Case("Qwen3", True, {}),
+    "phi3": Case("Phi3", True, {}),
+    "gemma": Case("Gemma", True, {}),
+    # softcapped attention (the default 50.0): its input_layernorm cannot fuse either
+    "gemma2": Case("Gemma2", False, {SOFTCAP: 2 * LAYERS, OUTPUT_NORMS: 2 * LAYERS}),
+    "gemma3": Case("Gemma3", True, {OUTPUT_NORMS: 2 * LAYERS}),
+}
+FINAL_NORM = "RMSNorm"  # the generic rule's row for model.norm
+
+
+def build_case(name, **overrides):
+    # Gemma3's cache for its sliding layers is not a plain DynamicCache: a call with a cache runs the
+    # stock attention (test_gemma3_sliding_cache_runs_stock); training needs none.
+    return build(name, use_cache=False, **overrides)
+
+
+def expected_skips(name):
+    return {**CASES[name].skipped, FINAL_NORM: 1}
+
+
+def expected_swaps(name):
+    case = CASES[name]
+    norms = 2 if case.attention else 1
+    swaps = {f"Remat{case.prefix}MLP": LAYERS, f"RematFused{case.prefix}RMSNorm": norms * LAYERS}
+    if case.attention:
+        swaps[f"Remat{case.prefix}Attention"] = LAYERS
+    return swaps
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_same_loss_gradients_and_checkpoint(target, name):
+    device, _ = target
+    stock, _ = build_case(name)
+    stock.to(device)
+    converted, report = conv.convert(stock, report=True)
+    counts = swapped_counts(report)
+    for cls, count in expected_swaps(name).items():
+        assert counts[cls] == count, f"{cls}: {counts[cls]} != {count}\n{report}"
+    assert_skipped_as_expected(report, expected_skips(name))
+    state, converted_state = stock.state_dict(), converted.state_dict()
+    assert list(converted_state) == list(state)
+    assert all(torch.equal(converted_state[k], v) for k, v in state.items())
+    converted.load_state_dict(state, strict=True)
+    batch = family_inputs(name, device)
+    _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, batch))
+    assert calls == (LAYERS if CASES[name].attention else 0)
+
+
+# --- What autograd keeps: derived per family, asserted exactly -------------------------------------
+
+
+def attention_output_copy(name, device):
+    """Bytes per token the stock o_proj keeps of a copy of the attention output (fp32), or 0: where
+    SDPA's output takes q's layout (B, H, S, D) (CPU), the stock reshape copies it; remat.attention
+    lays it out (B, S, H, D). q is built as the stock forward builds it, with its own rotary function
+    (Phi-3's partial-rotary torch.cat makes q (B, H, S, D) itself)."""
+    stock_file = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    q = torch.randn(1, 3, HEADS, HEAD_DIM, device=device, requires_grad=True).transpose(1, 2)
+    cos = torch.randn(1, 3, HEAD_DIM, device=device)
+    q, _ = stock_file.apply_rotary_pos_emb(q, q, cos, cos)
+    out = F.scaled_dot_product_attention(q, q, q)
+    return 0 if out.transpose(1, 2).is_contiguous() else F32 * HIDDEN
+
+
+def expected_saving(name, ffn, device):
+    """(bytes the converted model keeps less in one training step, the report's bytes per token) (docs/memory.md):
+
+    mlp   act(gate) and act(gate) * up, ffn wide each: the fused gated MLP keeps x, gate and up only
+    norm  an RMSNorm's x̂ = x·rstd and its output y = w·x̂ (or x̂·(1 + w)), hidden wide each: the fused
+          projections keep x and the fp32 rstd, which stock keeps too; the report counts y only (a
+          lower bound: fused_saved_bytes)
+    gemma GemmaRMSNorm's stock forward also keeps 1 + w in fp32 (hidden wide, once per norm, not per token)
+    and the attention output copy the stock backend makes (attention_output_copy).
+    """
+    norms = 2 if CASES[name].attention else 1
+    mlp, norm = 2 * F32 * ffn, 2 * F32 * HIDDEN
+    copy = attention_output_copy(name, device) if CASES[name].attention else 0
+    per_layer = mlp + norms * norm + copy
+    constant = LAYERS * norms * F32 * HIDDEN if name.startswith("gemma") else 0
+    return LAYERS * TOKENS * per_layer + constant, LAYERS * (mlp + norms * F32 * HIDDEN)
+
+
+def measure(model, batch):
+    return saved_bytes(lambda: model(**batch).loss, exclude=list(model.parameters()))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_saved_bytes_per_layer(target, name):
+    device, _ = target
+    stock, ffn = build_case(name)
+    stock.to(device)
+    batch = family_inputs(name, device)
+    saving, report_saving = expected_saving(name, ffn, device)
+    before = measure(stock, batch)
+    converted, report = conv.convert(stock, report=True)
+    assert before - measure(converted, batch) == saving
+    assert report.saved_bytes_per_token() == report_saving
+
+
+@pytest.mark.parametrize("name", ["llama", "phi3", "gemma3"])
+def test_save_pretrained_round_trip(tmp_path, name):
+    stock, _ = build_case(name)
+    converted = conv.convert(stock)
+    converted.save_pretrained(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = type(stock).from_pretrained(tmp_path).train()
+    state, loaded_state = stock.state_dict(), loaded.state_dict()
+    assert list(loaded_state) == list(state)
+    assert all(torch.equal(loaded_state[k], v) for k, v in state.items())
+    batch = family_inputs(name, "cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**batch).loss, stock(**batch).loss, rtol=0, atol=0)
+        torch.testing.assert_close(conv.convert(loaded)(**batch).loss, converted(**batch).loss, rtol=0, atol=0)
+
+
+# --- What stays stock, and why ---------------------------------------------------------------------
+
+
+def test_a_norm_whose_forward_rounds_otherwise_stays_stock(monkeypatch):
+    """The style a family names is checked against the norm's own forward, bitwise, in bf16 too: as
+    if LlamaRMSNorm rounded as torch.nn.RMSNorm does, no norm fuses, and the report says why."""
+    monkeypatch.setitem(registry.FAMILIES["llama"].norms, "LlamaRMSNorm", "torch")
+    stock, _ = build_case("llama")
+    converted, report = conv.convert(stock, report=True)
+    reasons = [row.reason for row in report.skipped if "input_layernorm" in row.path]
+    assert len(reasons) == LAYERS and all("does not round as remat's 'torch' RMSNorm" in r for r in reasons), \
+        str(report)
+    assert swapped_counts(report)["RematFusedLlamaRMSNorm"] == 0
+    assert_same_step(stock, converted, family_inputs("llama", "cpu"))
+
+
+def test_an_activation_the_gated_kernels_lack_stays_stock():
+    stock, _ = build_case("llama", hidden_act="relu")
+    _, report = conv.convert(stock, report=True)
+    reasons = [row.reason for row in report.skipped if row.path.endswith("post_attention_layernorm")]
+    assert len(reasons) == LAYERS and all("not an activation remat's gated MLP computes" in r for r in reasons)
+
+
+def test_a_sliding_window_shorter_than_the_sequence_runs_the_stock_attention():
+    """Mistral's window reaches sdpa only through the mask: a window of 4 over 8 tokens hides more than
+    the future, so each attention call runs stock (with its norm applied first); the MLPs still fuse."""
+    stock, _ = build_case("mistral", sliding_window=4)
+    converted, report = conv.convert(stock, report=True)
+    assert swapped_counts(report)["RematMistralAttention"] == LAYERS
+    batch = family_inputs("mistral", "cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, batch))
+    assert calls == 0
+    assert any("hides more than the future" in str(w.message) for w in caught)
+
+
+def test_gemma2_without_softcapping_runs_remat_attention():
+    stock, _ = build_case("gemma2", attn_logit_softcapping=None)
+    converted, report = conv.convert(stock, report=True)
+    assert swapped_counts(report)["RematGemma2Attention"] == LAYERS
+    _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, family_inputs("gemma2", "cpu")))
+    assert calls == LAYERS
+
+
+def test_gemma3_sliding_cache_runs_stock():
+    """With the config's use_cache=True (also in training), Gemma3's sliding layers hold a
+    DynamicSlidingWindowLayer cache: the attention runs stock for those calls, as the same step."""
+    stock, _ = build("gemma3")
+    converted = conv.convert(stock)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_same_step(stock, converted, family_inputs("gemma3", "cpu"))
+    assert any("not a plain DynamicCache" in str(w.message) for w in caught)
+
+
+# --- LoRA (peft) on every projection of Llama ---------------------------------------------------------
+
+
+def test_lora_on_every_projection_of_llama():
+    peft = pytest.importorskip("peft")
+    stock, _ = build_case("llama")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)
+    stock_peft = peft.get_peft_model(stock, config)
+    converted_peft = conv.convert(__import__("copy").deepcopy(stock_peft))
+    batch = family_inputs("llama", "cpu")
+    _, calls = remat_attention_calls(lambda: assert_same_step(stock_peft, converted_peft, batch))
+    assert calls == LAYERS
+    _, grads = loss_and_grads(converted_peft, batch)
+    lora = [k for k in grads if "lora_" in k]
+    assert len(lora) == 2 * len(targets) * LAYERS and all(grads[k] is not None for k in lora)
+
+
+# --- remat memory --------------------------------------------------------------------------------------
+
+
+def test_remat_memory_reads_a_llama_config(tmp_path):
+    stock, ffn = build_case("llama")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(stock.config.to_dict()))
+    results = {r.policy: r for r in memory.run(str(path), batch=BATCH, seq=SEQ, out_dir=str(tmp_path),
+                                               device="cpu", dtype=torch.float32)}
+    # the base model (no LM head) runs the same layers: the same saving, without the per-model constant
+    saving, _ = expected_saving("llama", ffn, "cpu")
+    assert results["eager"].saved_bytes - results["remat"].saved_bytes == saving
+    assert KV_HEADS < HEADS  # GQA is what these configs test
