@@ -51,6 +51,12 @@ def tensor_reason(name, tensor):
     return None
 
 
+def from_transformers(kind):
+    """Whether the class `kind` is defined by transformers (judged by its module: transformers need not
+    be imported)."""
+    return kind.__module__.startswith("transformers.")
+
+
 def plain_reason(module, classes, label=None):
     """None when `module` is exactly one of `classes`, without hooks or parametrizations, its own
     parameters plain floating tensors; else why not (naming `label`, or the class)."""

@@ -18,7 +18,7 @@ never silently fused.
 import torch
 from torch import nn
 
-from ._guards import hook_reason, plain_reason
+from ._guards import from_transformers, hook_reason, plain_reason
 from ._numerics import rel_error
 from .specs import Linear, LoRA
 
@@ -26,7 +26,7 @@ from .specs import Linear, LoRA
 def _is_transformers_class(module, name):
     """By class name and origin: transformers need not be imported."""
     kind = type(module)
-    return kind.__name__ == name and kind.__module__.startswith("transformers.")
+    return kind.__name__ == name and from_transformers(kind)
 
 
 def is_conv1d(module):

@@ -25,7 +25,7 @@ import collections
 from torch import nn
 
 from .. import nn as remat_nn
-from .._guards import hook_reason
+from .._guards import from_transformers, hook_reason
 from .._linears import base_layer, projection, widths
 
 Pattern = collections.namedtuple("Pattern", "name roles")
@@ -50,7 +50,7 @@ def gelu_approximate(module, kind=None):
     kind = kind or type(module)
     if kind in (nn.GELU, remat_nn.GELU):
         return module.approximate if module.approximate in ("none", "tanh") else None
-    if kind.__module__.startswith("transformers."):
+    if from_transformers(kind):
         return TRANSFORMERS_GELUS.get(kind.__name__)
     return None
 
@@ -72,7 +72,7 @@ def gated_activation_name(module, kind=None):
     """The gated kernels' name ("silu", "gelu" or "gelu_tanh") of the activation module applied to
     the gate, for the modules remat computes exactly, else None. kind: as for gelu_approximate."""
     kind = kind or type(module)
-    if kind is nn.SiLU or (kind.__module__.startswith("transformers.") and kind.__name__ in TRANSFORMERS_SILUS):
+    if kind is nn.SiLU or (from_transformers(kind) and kind.__name__ in TRANSFORMERS_SILUS):
         return "silu"
     return {"none": "gelu", "tanh": "gelu_tanh"}.get(gelu_approximate(module, kind))
 

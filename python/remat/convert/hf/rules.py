@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..._guards import hook_reason
+from ..._guards import from_transformers, hook_reason
 from ..._linears import base_layer, fused_saved_bytes, is_falcon_linear, projection, widths
 from ..._numerics import rel_error
 from ...ops.attention import HEAD_DIMS
@@ -44,10 +44,6 @@ from .registry import (
 )
 
 ATTENTION_SUFFIXES = ("Attention",)
-
-
-def _from_transformers(module):
-    return type(module).__module__.startswith("transformers.")
 
 
 def _mlp_reason(fc1, act, fc2):
@@ -414,11 +410,11 @@ def _consumer(layer, consumer_path, layers, recompute, path):
     or (None, why not)."""
     module = submodule(layer, consumer_path)
     kind = type(module).__name__
-    if attention_mixin(kind) and _from_transformers(module):
+    if attention_mixin(kind) and from_transformers(type(module)):
         if "attention" not in layers:
             return None, "layers excludes attention"
         return _attention_consumer(layer, consumer_path, recompute, path)
-    if mlp_parts(kind) and _from_transformers(module):
+    if mlp_parts(kind) and from_transformers(type(module)):
         if "mlp" not in layers:
             return None, "layers excludes mlp"
         return _mlp_consumer(layer, consumer_path, recompute, path)
@@ -436,7 +432,7 @@ def _fusable_norm(layer, norm_name, layers):
     norm = layer._modules.get(norm_name)
     if "layernorm" not in layers:
         return None, "layers excludes layernorm"
-    if type(norm) is not nn.LayerNorm and not (norm_style(type(norm).__name__) and _from_transformers(norm)):
+    if type(norm) is not nn.LayerNorm and not (norm_style(type(norm).__name__) and from_transformers(type(norm))):
         return None, f"{norm_name} is {type(norm).__name__}, not exactly nn.LayerNorm nor an RMSNorm remat matches"
     return norm, _instance_reason(norm) or hook_reason(layer)
 
@@ -562,7 +558,7 @@ def _wiring(layer):
 def _alone(layer, consumer_path, layers, recompute, path, report):
     """Convert the module at `consumer_path` of `layer` without the LayerNorm before it; the names handled."""
     module = submodule(layer, consumer_path)
-    if attention_mixin(type(module).__name__) and _from_transformers(module) and "attention" in layers:
+    if attention_mixin(type(module).__name__) and from_transformers(type(module)) and "attention" in layers:
         reason = _attention_rule(layer, consumer_path, module, recompute, path, report)
         if reason:
             report.add(join(path, consumer_path), module, "skipped", reason)
@@ -658,19 +654,19 @@ def _pair_rule(layer, recompute, path, report):
 
 
 def _holds_ruled_attention(module):
-    return any(attention_mixin(type(m).__name__) and _from_transformers(m) for m in module.modules())
+    return any(attention_mixin(type(m).__name__) and from_transformers(type(m)) for m in module.modules())
 
 
 def convert_children(parent, layers, recompute, path, report):
     """Apply the family rules to `parent`'s children; returns the names convert must not touch."""
     handled = set()
     kind = type(parent).__name__
-    if pair_rule(kind) and _from_transformers(parent) and "mlp" in layers:
+    if pair_rule(kind) and from_transformers(type(parent)) and "mlp" in layers:
         handled |= _pair_rule(parent, recompute, path, report) or set()
-    if _has_layer_rule(kind) and _from_transformers(parent):
+    if _has_layer_rule(kind) and from_transformers(type(parent)):
         handled |= _layer_rule(parent, layers, recompute, path, report)
     for name, child in list(parent._modules.items()):
-        if child is None or name in handled or not _from_transformers(child):
+        if child is None or name in handled or not from_transformers(type(child)):
             continue
         kind = type(child).__name__
         if mlp_parts(kind) and "mlp" in layers:
