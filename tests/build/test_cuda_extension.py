@@ -69,7 +69,7 @@ def transposed(m, n):
 # (op, argument builder on fake CUDA tensors, the error). x is (4, 8) float32 unless said.
 BAD_ARGUMENTS = {
     "gelu approximate": ("gelu_fwd", lambda x: (x, None, "exact"),
-                         "gelu: approximate must be 'none' or 'tanh', got 'exact'"),
+                         "gelu: approximate must be 'none', 'tanh' or 'quick', got 'exact'"),
     "gelu x on cpu": ("gelu_fwd", lambda x: (cpu(4, 8), None, "none"), "gelu: x must be a CUDA tensor, got device cpu"),
     "gelu x 3-D": ("gelu_fwd", lambda x: (cuda(2, 4, 8), None, "none"),
                    r"gelu: x must be 2-D \(M, N\), got shape \[2, 4, 8\]"),
