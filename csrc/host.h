@@ -137,9 +137,10 @@ inline float* float_ptr_or_null(const at::Tensor& t) { return t.defined() ? t.da
 
 // ---------------------------------------------------------------------------------- outputs ----
 
-// A new (M, N) output like the rows X: contiguous, X's dtype and device.
-inline at::Tensor empty_rows(const at::Tensor& x) {
-  return at::empty({x.size(0), x.size(1)}, x.options().memory_format(at::MemoryFormat::Contiguous));
+// A new (M, N) output like the rows X: contiguous, on X's device, in DTYPE (default X's).
+inline at::Tensor empty_rows(const at::Tensor& x, std::optional<at::ScalarType> dtype = std::nullopt) {
+  return at::empty({x.size(0), x.size(1)},
+                   x.options().dtype(dtype.value_or(x.scalar_type())).memory_format(at::MemoryFormat::Contiguous));
 }
 
 // What an op returns in place of an output that was not asked for: empty(0) in X's dtype.
