@@ -116,11 +116,11 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocksPerSm) gelu_fwd_ke
 //
 // Nothing but x (and the bias) is needed: one pass reads x and dy once, rebuilds h, the gate and
 // gelu'(h) in registers, writes dx and, with RECOMPUTE_OUTPUT, y = gelu(h) through the forward's
-// own activation_gate/activation_value (bitwise equal). dbias sums the fp32 products dy * gelu'(h), not dx
-// rounded to T: each thread accumulates its pack over its rows in increasing row order; the BY
-// threads of a pack column are then summed in ty order through shared memory, and block
-// (column tile, g) writes columns of row g of the (G, N) buffer DBp; sum_partial_rows_kernel
-// adds the G rows in a fixed order. G depends only on (M, N, VEC, SM count), never on
+// own activation_gate/activation_value (bitwise equal). dbias sums the fp32 products
+// dy * gelu'(h), not dx rounded to T: each thread accumulates its pack over its rows in
+// increasing row order; the BY threads of a pack column are then summed in ty order through
+// shared memory, and block (column tile, g) writes columns of row g of the (G, N) buffer DBp;
+// sum_partial_rows_kernel adds the G rows in a fixed order. G depends only on (M, N, VEC, SM count), never on
 // RECOMPUTE_OUTPUT, so dbias is bitwise the same with and without it.
 // Launch: block (BX, BY), BX * BY = kTileThreads; grid (ceil(N / VEC / BX), G).
 // ---------------------------------------------------------------------------------------------
@@ -268,15 +268,16 @@ struct BwdPointers {
 };
 
 template <typename T, int VEC, bool HAS_BIAS, bool RECOMPUTE_OUTPUT>
-void launch_bwd_kernel(const BwdPointers& p, float* dbp, const Rows& r, const TileLaunch& l, Activation approximate,
-                       cudaStream_t stream) {
+void launch_bwd_kernel(const BwdPointers& p, float* dbp, const Rows& r, const TileLaunch& l,
+                       Activation approximate, cudaStream_t stream) {
   auto run = [&](auto kernel) {
     kernel<<<l.grid, l.block, 0, stream>>>(static_cast<const T*>(p.dy), static_cast<const T*>(p.x), p.b,
                                            static_cast<T*>(p.dx), static_cast<T*>(p.y), dbp, r.M, r.N,
                                            r.dy_stride, r.x_stride);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  dispatch_gelu(approximate, [&](auto a) { run(gelu_bwd_kernel<T, VEC, HAS_BIAS, decltype(a)::value, RECOMPUTE_OUTPUT>); });
+  dispatch_gelu(approximate,
+                [&](auto a) { run(gelu_bwd_kernel<T, VEC, HAS_BIAS, decltype(a)::value, RECOMPUTE_OUTPUT>); });
 }
 
 // Launches the backward; returns the (G, N) fp32 dbias partials with a bias, else undefined.
