@@ -75,22 +75,14 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocksPerSm) gated_fwd_k
   constexpr int kUnroll = gated_unroll(VEC);
   const int col0 = (blockIdx.x * blockDim.x + threadIdx.x) * VEC;
   if (col0 >= N) return;  // N is a multiple of VEC: a pack is all in or all out
-  const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
-  for (int64_t row0 = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; row0 < M;
-       row0 += row_step * kUnroll) {
-    Pack<T, VEC> gp[kUnroll], up[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t row = row0 + u * row_step;
-      if (row < M) {
+  Pack<T, VEC> gp[kUnroll], up[kUnroll];
+  for_each_tile_row<kUnroll>(
+      M,
+      [&](int u, int64_t row) {
         gp[u] = load_raw_pack<T, VEC>(Gate + row * gate_stride + col0);
         up[u] = load_raw_pack<T, VEC>(Up + row * up_stride + col0);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t row = row0 + u * row_step;
-      if (row < M) {
+      },
+      [&](int u, int64_t row) {
         float y[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
@@ -99,9 +91,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocksPerSm) gated_fwd_k
           y[j] = gated_product(a, to_float(up[u].v[j]));
         }
         store_pack<T, VEC>(Y + row * N + col0, y);
-      }
-    }
-  }
+      });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -125,23 +115,15 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocksPerSm) gated_bwd_k
   constexpr int kUnroll = gated_unroll(VEC);
   const int col0 = (blockIdx.x * blockDim.x + threadIdx.x) * VEC;
   if (col0 >= N) return;
-  const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
-  for (int64_t row0 = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; row0 < M;
-       row0 += row_step * kUnroll) {
-    Pack<T, VEC> gp[kUnroll], up[kUnroll], dp[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t row = row0 + u * row_step;
-      if (row < M) {
+  Pack<T, VEC> gp[kUnroll], up[kUnroll], dp[kUnroll];
+  for_each_tile_row<kUnroll>(
+      M,
+      [&](int u, int64_t row) {
         gp[u] = load_raw_pack<T, VEC>(Gate + row * gate_stride + col0);
         up[u] = load_raw_pack<T, VEC>(Up + row * up_stride + col0);
         dp[u] = load_raw_pack<T, VEC>(DY + row * dy_stride + col0);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t row = row0 + u * row_step;
-      if (row < M) {
+      },
+      [&](int u, int64_t row) {
         float d_gate[VEC], d_up[VEC], y[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
@@ -158,9 +140,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocksPerSm) gated_bwd_k
         store_pack<T, VEC>(grad_row + col0, d_gate);
         store_pack<T, VEC>(grad_row + N + col0, d_up);
         if constexpr (RECOMPUTE_OUTPUT) store_pack<T, VEC>(Y + row * N + col0, y);
-      }
-    }
-  }
+      });
 }
 
 // =============================================================================================

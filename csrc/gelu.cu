@@ -81,19 +81,10 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocksPerSm) gelu_fwd_ke
     fill<VEC>(b, 0.f);  // unused
   }
 
-  const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
-  for (int64_t row0 = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; row0 < M;
-       row0 += row_step * kUnroll) {
-    Pack<T, VEC> xp[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t row = row0 + u * row_step;
-      if (row < M) xp[u] = load_raw_pack<T, VEC>(X + row * x_stride + col0);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t row = row0 + u * row_step;
-      if (row < M) {
+  Pack<T, VEC> xp[kUnroll];
+  for_each_tile_row<kUnroll>(
+      M, [&](int u, int64_t row) { xp[u] = load_raw_pack<T, VEC>(X + row * x_stride + col0); },
+      [&](int u, int64_t row) {
         float y[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
@@ -102,9 +93,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocksPerSm) gelu_fwd_ke
           y[j] = activation_value(h, activation_gate<A>(h, aux));
         }
         store_pack<T, VEC>(Y + row * N + col0, y);
-      }
-    }
-  }
+      });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -145,22 +134,14 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocksPerSm) gelu_bwd_ke
     } else {
       fill<VEC>(b, 0.f);  // unused
     }
-    const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
-    for (int64_t row0 = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; row0 < M;
-         row0 += row_step * kUnroll) {
-      Pack<T, VEC> xp[kUnroll], gp[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t row = row0 + u * row_step;
-        if (row < M) {
+    Pack<T, VEC> xp[kUnroll], gp[kUnroll];
+    for_each_tile_row<kUnroll>(
+        M,
+        [&](int u, int64_t row) {
           xp[u] = load_raw_pack<T, VEC>(X + row * x_stride + col0);
           gp[u] = load_raw_pack<T, VEC>(DY + row * dy_stride + col0);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t row = row0 + u * row_step;
-        if (row < M) {
+        },
+        [&](int u, int64_t row) {
           float dx[VEC], y[VEC];
 #pragma unroll
           for (int j = 0; j < VEC; ++j) {
@@ -173,9 +154,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocksPerSm) gelu_bwd_ke
           }
           store_pack<T, VEC>(DX + row * N + col0, dx);
           if constexpr (RECOMPUTE_OUTPUT) store_pack<T, VEC>(Y + row * N + col0, y);
-        }
-      }
-    }
+        });
   }
 
   if constexpr (HAS_BIAS) {
