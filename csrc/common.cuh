@@ -78,6 +78,30 @@ __device__ __forceinline__ void fill(float* out, float value) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Row loop of the elementwise tiles (host.h): thread (tx, ty) of block (bx, by) takes the rows
+// by * BY + ty + k * G * BY (G = gridDim.y), UNROLL at a time: load(u, row) for each of them first,
+// so all their loads are in flight together, then compute(u, row) for each. U indexes the caller's
+// per-row registers (a compile-time constant once unrolled).
+// ---------------------------------------------------------------------------------------------
+template <int UNROLL, typename Load, typename Compute>
+__device__ __forceinline__ void for_each_tile_row(int64_t M, Load&& load, Compute&& compute) {
+  const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
+  for (int64_t row0 = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; row0 < M;
+       row0 += row_step * UNROLL) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int64_t row = row0 + u * row_step;
+      if (row < M) load(u, row);
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int64_t row = row0 + u * row_step;
+      if (row < M) compute(u, row);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Deterministic sums. The xor butterfly gives every lane the same bitwise result (each step
 // adds the same two values, and fp32 addition is commutative), independent of scheduling.
 // ---------------------------------------------------------------------------------------------

@@ -1,5 +1,9 @@
-// LayerNorm forward and backward (with optional recomputation of the output) over the last dim
-// of a 2-D tensor. All math in fp32; no atomics, so every result is bitwise deterministic.
+// LayerNorm and RMSNorm forward and backward (with optional recomputation of the output) over the
+// last dim of a 2-D tensor. All math in fp32; no atomics, so every result is bitwise deterministic.
+//
+// RMSNorm is a mode of the same kernels (NormMode::kRms): xhat = x * rstd with rstd from the mean
+// of squares, only the fp32 rstd stored (4 bytes a row), no bias, and each stock module's
+// rounding of y (the styles "torch", "llama", "gemma", "t5": rms_rounding on the host side).
 //
 // Kernels, top to bottom:
 //   layer_norm_fwd_kernel           row cached in registers (N <= kMaxRegisterWidthFwd)
@@ -7,22 +11,28 @@
 //   layer_norm_bwd_kernel           row cached in registers (N <= kMaxRegisterWidthBwd)
 //   layer_norm_bwd_looped_kernel    any N
 //   sum_partial_rows_kernel         (common.cuh) (G, N) fp32 partials -> (N,) dw and db, one launch
-// then the launchers, the entry points and their registration as torch.ops.remat_C.layer_norm_fwd/_bwd.
+// then the launchers, the entry points and their registration as torch.ops.remat_C.layer_norm_fwd/_bwd
+// and rms_norm_fwd/_bwd.
 // Register kernels run one warp per row (kRowsPerWarpBlock rows per block) for narrow rows and
 // one block per row otherwise; the host picks the elements per thread (EPT) and block size.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/core/ScalarType.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/util/string_view.h>
 #include <torch/library.h>
 
 #include "common.cuh"
@@ -34,6 +44,23 @@ namespace {
 constexpr int kMaxThreads = 512;          // block size cap of every LayerNorm kernel
 constexpr int kRowsPerWarpBlock = 4;      // rows (warps) per block in one-warp-per-row mode
 constexpr int kLoopedThreads = 512;       // block size of the looped kernels
+
+// ---------------------------------------------------------------------------------------------
+// What the kernels compute. LayerNorm: xhat = (x - mean) * rstd, y = xhat * w + b in x's type.
+// RMSNorm (kRms): xhat = x * rstd (the same code with mean = 0), rstd = 1/sqrt(mean(x^2) + eps),
+// no mean stored and no bias; y = round(xhat) * w' stored as Out, where round is the rounding of
+// xhat to Normed and back (none for float) and w' = w, or 1 + w formed in fp32 for Gemma's norm
+// (the kernels' runtime weight_plus_one). dy has y's type.
+// ---------------------------------------------------------------------------------------------
+template <bool kRmsNorm, typename Out, typename Normed = float>
+struct NormMode {
+  static constexpr bool kRms = kRmsNorm;
+  using Y = Out;         // storage type of y and dy
+  using Round = Normed;  // xhat is rounded to this type before the weight multiply
+};
+
+template <typename T>
+using LayerNormMode = NormMode<false, T>;
 
 // ---------------------------------------------------------------------------------------------
 // Shared per-element math. Forward and the recomputing backward both call these, so the
@@ -60,6 +87,37 @@ __device__ __forceinline__ float corrected_var(float2 dev, float inv_n) {
 // y = xhat * w + b; a missing weight is w = 1, a missing bias b = 0 (exact).
 __device__ __forceinline__ float affine(float xhat, float w, float b) { return __fmaf_rn(xhat, w, b); }
 
+// y of MODE from xhat: xhat rounded to Mode::Round (unchanged for float), then affine.
+template <typename Mode>
+__device__ __forceinline__ float norm_output(float xhat, float w, float b) {
+  if constexpr (std::is_same_v<typename Mode::Round, float>) {
+    return affine(xhat, w, b);
+  } else {
+    return affine(to_float(from_float<typename Mode::Round>(xhat)), w, b);
+  }
+}
+
+// dx from wdy = dy * w', xhat, the row means c1 = mean(wdy * xhat) and c2 = mean(wdy) (LayerNorm
+// only: RMSNorm has no mean to differentiate), and rstd; derived above layer_norm_bwd_kernel.
+template <bool kRms>
+__device__ __forceinline__ float input_grad(float wdy, float xhat, float c1, float c2, float rstd) {
+  if constexpr (kRms) {
+    return rstd * (wdy - xhat * c1);
+  } else {
+    return rstd * (wdy - (xhat * c1 + c2));
+  }
+}
+
+// The row's mean as the forward stored it; 0 for RMSNorm (which stores none).
+template <bool kRms>
+__device__ __forceinline__ float load_mean(const float* __restrict__ Mean, int64_t row) {
+  if constexpr (kRms) {
+    return 0.f;
+  } else {
+    return Mean[row];
+  }
+}
+
 // Loads VEC parameters at P + col0 (stored as PT: fp32 or x's dtype) as fp32, or VALUE when P is
 // null (weight/bias absent).
 template <typename PT, int VEC>
@@ -68,6 +126,19 @@ __device__ __forceinline__ void load_param(const PT* __restrict__ P, int col0, f
     load_pack<PT, VEC>(P + col0, out);
   } else {
     fill<VEC>(out, value);
+  }
+}
+
+// Loads VEC weights at W + col0 as the kernels multiply by them: w (1 when W is null), or 1 + w
+// in fp32 for an RMSNorm with plus_one (Gemma's norm forms 1.0 + weight.float()).
+template <typename Mode, typename PT, int VEC>
+__device__ __forceinline__ void load_weight(const PT* __restrict__ W, int col0, bool plus_one, float* out) {
+  load_param<PT, VEC>(W, col0, 1.f, out);
+  if constexpr (Mode::kRms) {
+    if (plus_one) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) out[j] = __fadd_rn(out[j], 1.f);
+    }
   }
 }
 
@@ -110,20 +181,21 @@ __device__ __forceinline__ void load_row(const T* __restrict__ row, int nvalid, 
 
 // ---------------------------------------------------------------------------------------------
 // Forward, row in registers. Each row group (a warp, or the block) owns one row:
-//   mean, var: corrected two-pass statistics over the cached values; rstd = 1/sqrt(var+eps)
-//   y = (x - mean) * rstd * w + b
+//   LayerNorm: mean, var: corrected two-pass statistics over the cached values
+//   RMSNorm:   mean = 0, var = mean(x^2) (one reduction)
+//   rstd = 1/sqrt(var+eps), y = norm_output((x - mean) * rstd, w', b)
 // Launch: warp mode block (32, kRowsPerWarpBlock), grid ceil(M / kRowsPerWarpBlock);
 //         block mode block (threads, 1) with threads * EPT >= N, grid M.
 // ---------------------------------------------------------------------------------------------
-template <typename T, typename PT, int VEC, int EPT, bool kWarpPerRow>
+template <typename T, typename PT, int VEC, int EPT, bool kWarpPerRow, typename Mode>
 __global__ void __launch_bounds__(kMaxThreads, 1) layer_norm_fwd_kernel(
     const T* __restrict__ X,   // (M, N), row stride x_stride, unit column stride
     const PT* __restrict__ W,  // (N,) or null
-    const PT* __restrict__ B,  // (N,) or null
-    T* __restrict__ Y,            // (M, N) contiguous
-    float* __restrict__ Mean,     // (M,)
+    const PT* __restrict__ B,  // (N,) or null (always for RMSNorm)
+    typename Mode::Y* __restrict__ Y,  // (M, N) contiguous
+    float* __restrict__ Mean,     // (M,); unused for RMSNorm
     float* __restrict__ Rstd,     // (M,)
-    int64_t M, int N, float inv_n, int64_t x_stride, float eps) {
+    int64_t M, int N, float inv_n, int64_t x_stride, float eps, bool weight_plus_one) {
   static_assert(EPT % VEC == 0, "EPT must be a multiple of VEC");
   constexpr int ITERS = EPT / VEC;
   __shared__ float buf[kMaxThreads / kWarpSize];
@@ -139,59 +211,68 @@ __global__ void __launch_bounds__(kMaxThreads, 1) layer_norm_fwd_kernel(
   float v[EPT];
   load_row<T, VEC, ITERS>(X + row * x_stride, nvalid, t, threads, v);
 
-  float sum = 0.f;
+  float mean = 0.f, var;
+  if constexpr (Mode::kRms) {
+    float squares = 0.f;
 #pragma unroll
-  for (int e = 0; e < EPT; ++e) sum += v[e];
-  const float rough_mean = row_sum<kWarpPerRow>(sum, buf) * inv_n;
+    for (int e = 0; e < EPT; ++e) squares += v[e] * v[e];  // zeros past N
+    var = row_sum<kWarpPerRow>(squares, buf) * inv_n;
+  } else {
+    float sum = 0.f;
+#pragma unroll
+    for (int e = 0; e < EPT; ++e) sum += v[e];
+    const float rough_mean = row_sum<kWarpPerRow>(sum, buf) * inv_n;
 
-  float2 dev = make_float2(0.f, 0.f);  // sums of deviations from rough_mean and of their squares
+    float2 dev = make_float2(0.f, 0.f);  // sums of deviations from rough_mean and of their squares
 #pragma unroll
-  for (int i = 0; i < ITERS; ++i) {
-    if (i < nvalid) {
+    for (int i = 0; i < ITERS; ++i) {
+      if (i < nvalid) {
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float d = v[i * VEC + j] - rough_mean;
-        dev.x += d;
-        dev.y += d * d;
+        for (int j = 0; j < VEC; ++j) {
+          const float d = v[i * VEC + j] - rough_mean;
+          dev.x += d;
+          dev.y += d * d;
+        }
       }
     }
+    dev = row_sum<kWarpPerRow>(dev, dev_buf);
+    mean = corrected_mean(rough_mean, dev, inv_n);
+    var = corrected_var(dev, inv_n);
   }
-  dev = row_sum<kWarpPerRow>(dev, dev_buf);
-  const float mean = corrected_mean(rough_mean, dev, inv_n);
-  const float rstd = __frsqrt_rn(corrected_var(dev, inv_n) + eps);
+  const float rstd = __frsqrt_rn(var + eps);
   if (t == 0) {
-    Mean[row] = mean;
+    if constexpr (!Mode::kRms) Mean[row] = mean;
     Rstd[row] = rstd;
   }
 
-  T* y_row = Y + row * static_cast<int64_t>(N);
+  typename Mode::Y* y_row = Y + row * static_cast<int64_t>(N);
 #pragma unroll
   for (int i = 0; i < ITERS; ++i) {
     const int col0 = chunk_col<VEC>(i, t, threads);
     if (i < nvalid) {
       float w[VEC], b[VEC], out[VEC];
-      load_param<PT, VEC>(W, col0, 1.f, w);
+      load_weight<Mode, PT, VEC>(W, col0, weight_plus_one, w);
       load_param<PT, VEC>(B, col0, 0.f, b);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) out[j] = affine(normalize(v[i * VEC + j], mean, rstd), w[j], b[j]);
-      store_pack<T, VEC>(y_row + col0, out);
+      for (int j = 0; j < VEC; ++j) out[j] = norm_output<Mode>(normalize(v[i * VEC + j], mean, rstd), w[j], b[j]);
+      store_pack<typename Mode::Y, VEC>(y_row + col0, out);
     }
   }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Forward, any N: one block (kLoopedThreads) per row, three passes over the row in global
-// memory (sum, deviations and their squares, output). Grid M.
+// Forward, any N: one block (kLoopedThreads) per row, passes over the row in global memory:
+// LayerNorm sum, deviations and their squares, output; RMSNorm squares, output. Grid M.
 // ---------------------------------------------------------------------------------------------
-template <typename T, typename PT, int VEC>
+template <typename T, typename PT, int VEC, typename Mode>
 __global__ void __launch_bounds__(kLoopedThreads, 1) layer_norm_fwd_looped_kernel(
     const T* __restrict__ X,   // (M, N), row stride x_stride
     const PT* __restrict__ W,  // (N,) or null
-    const PT* __restrict__ B,  // (N,) or null
-    T* __restrict__ Y,            // (M, N) contiguous
-    float* __restrict__ Mean,     // (M,)
+    const PT* __restrict__ B,  // (N,) or null (always for RMSNorm)
+    typename Mode::Y* __restrict__ Y,  // (M, N) contiguous
+    float* __restrict__ Mean,     // (M,); unused for RMSNorm
     float* __restrict__ Rstd,     // (M,)
-    int N, float inv_n, int64_t x_stride, float eps) {
+    int N, float inv_n, int64_t x_stride, float eps, bool weight_plus_one) {
   __shared__ float buf[kLoopedThreads / kWarpSize];
   __shared__ float2 dev_buf[kLoopedThreads / kWarpSize];
   const int64_t row = blockIdx.x;
@@ -199,43 +280,56 @@ __global__ void __launch_bounds__(kLoopedThreads, 1) layer_norm_fwd_looped_kerne
   const int first = threadIdx.x * VEC;
   const int step = blockDim.x * VEC;
 
-  float sum = 0.f;
-  for (int col0 = first; col0 < N; col0 += step) {
-    float v[VEC];
-    load_pack<T, VEC>(x_row + col0, v);
+  float mean = 0.f, var;
+  if constexpr (Mode::kRms) {
+    float squares = 0.f;
+    for (int col0 = first; col0 < N; col0 += step) {
+      float v[VEC];
+      load_pack<T, VEC>(x_row + col0, v);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) sum += v[j];
-  }
-  const float rough_mean = block_sum(sum, buf) * inv_n;
-
-  float2 dev = make_float2(0.f, 0.f);  // sums of deviations from rough_mean and of their squares
-  for (int col0 = first; col0 < N; col0 += step) {
-    float v[VEC];
-    load_pack<T, VEC>(x_row + col0, v);
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      const float d = v[j] - rough_mean;
-      dev.x += d;
-      dev.y += d * d;
+      for (int j = 0; j < VEC; ++j) squares += v[j] * v[j];
     }
+    var = block_sum(squares, buf) * inv_n;
+  } else {
+    float sum = 0.f;
+    for (int col0 = first; col0 < N; col0 += step) {
+      float v[VEC];
+      load_pack<T, VEC>(x_row + col0, v);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) sum += v[j];
+    }
+    const float rough_mean = block_sum(sum, buf) * inv_n;
+
+    float2 dev = make_float2(0.f, 0.f);  // sums of deviations from rough_mean and of their squares
+    for (int col0 = first; col0 < N; col0 += step) {
+      float v[VEC];
+      load_pack<T, VEC>(x_row + col0, v);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float d = v[j] - rough_mean;
+        dev.x += d;
+        dev.y += d * d;
+      }
+    }
+    dev = block_sum(dev, dev_buf);
+    mean = corrected_mean(rough_mean, dev, inv_n);
+    var = corrected_var(dev, inv_n);
   }
-  dev = block_sum(dev, dev_buf);
-  const float mean = corrected_mean(rough_mean, dev, inv_n);
-  const float rstd = __frsqrt_rn(corrected_var(dev, inv_n) + eps);
+  const float rstd = __frsqrt_rn(var + eps);
   if (threadIdx.x == 0) {
-    Mean[row] = mean;
+    if constexpr (!Mode::kRms) Mean[row] = mean;
     Rstd[row] = rstd;
   }
 
-  T* y_row = Y + row * static_cast<int64_t>(N);
+  typename Mode::Y* y_row = Y + row * static_cast<int64_t>(N);
   for (int col0 = first; col0 < N; col0 += step) {
     float v[VEC], w[VEC], b[VEC];
     load_pack<T, VEC>(x_row + col0, v);
-    load_param<PT, VEC>(W, col0, 1.f, w);
+    load_weight<Mode, PT, VEC>(W, col0, weight_plus_one, w);
     load_param<PT, VEC>(B, col0, 0.f, b);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) v[j] = affine(normalize(v[j], mean, rstd), w[j], b[j]);
-    store_pack<T, VEC>(y_row + col0, v);
+    for (int j = 0; j < VEC; ++j) v[j] = norm_output<Mode>(normalize(v[j], mean, rstd), w[j], b[j]);
+    store_pack<typename Mode::Y, VEC>(y_row + col0, v);
   }
 }
 
@@ -245,16 +339,17 @@ __global__ void __launch_bounds__(kLoopedThreads, 1) layer_norm_fwd_looped_kerne
 // copies and later reads only its own chunks (slot (stage, tensor, chunk) at
 // ((stage * 2 + tensor) * ITERS + chunk) * block threads + thread: consecutive threads,
 // consecutive 16 bytes), so no barrier is needed, only a wait for its own copies. Vectorised
-// rows only (cp.async moves 16-byte chunks here); the kernel then takes kPrefetchBytes<ITERS> x
-// block threads of dynamic shared memory.
+// rows whose dy has x's type only (cp.async moves one 16-byte chunk of each here); the kernel
+// then takes kPrefetchBytes<ITERS> x block threads of dynamic shared memory.
 // ---------------------------------------------------------------------------------------------
-template <typename T, int VEC>
-constexpr bool kPrefetch = VEC * static_cast<int>(sizeof(T)) == kMaxVecBytes;
+template <typename T, int VEC, typename Mode>
+constexpr bool kPrefetch =
+    VEC * static_cast<int>(sizeof(T)) == kMaxVecBytes && std::is_same_v<T, typename Mode::Y>;
 
 template <int ITERS>
 constexpr int kPrefetchBytes = 2 * 2 * ITERS * kMaxVecBytes;  // a thread's: 2 stages x (x, dy) x chunks
 
-template <typename T, int VEC, int ITERS>
+template <typename T, int VEC, int ITERS, bool kRms>
 struct RowPrefetch {
   uint4* slots;  // this thread's first slot
   int stride;    // slots between a thread's consecutive chunks (the block's thread count)
@@ -278,7 +373,7 @@ struct RowPrefetch {
     mean = next_mean;
     rstd = next_rstd;
     if (row < M) {
-      next_mean = Mean[row];
+      next_mean = load_mean<kRms>(Mean, row);
       next_rstd = Rstd[row];
 #pragma unroll
       for (int i = 0; i < ITERS; ++i) {
@@ -320,6 +415,12 @@ struct RowPrefetch {
 //        = rstd * (wdy_k - mean_i(wdy_i) - xhat_k * mean_i(wdy_i * xhat_i))
 //   dw_i = sum_rows dy_i * xhat_i,   db_i = sum_rows dy_i
 //
+// RMSNorm: xhat_i = x_i * rstd, rstd = (mean(x^2) + eps)^(-1/2), so d rstd/dx_k = -rstd^2 xhat_k / N
+// as above but without the mean's term:
+//   dx_k = rstd * (wdy_k - xhat_k * mean_i(wdy_i * xhat_i))
+// with w' = 1 + w in wdy for Gemma's norm (dw unchanged: d w'/d w = 1). The rounding of xhat
+// before the weight multiply is taken as the identity, as autograd takes the stock modules' casts.
+//
 // mean and rstd are the fp32 values the forward stored, so xhat (and with RECOMPUTE_OUTPUT, y)
 // are recomputed bitwise as the forward computed them. dw/db: block g accumulates fp32 partial
 // sums over the rows it owns (grid-stride, fixed grid G) and writes row g of the (G, N) buffers
@@ -328,19 +429,19 @@ struct RowPrefetch {
 // Register kernel launch: warp mode block (32, kRowsPerWarpBlock), block mode (threads, 1) with
 // threads * EPT >= N; grid G <= rows / rows_per_block, so every block owns at least one row group.
 // ---------------------------------------------------------------------------------------------
-template <typename T, typename PT, int VEC, int EPT, bool kWarpPerRow, bool RECOMPUTE_OUTPUT>
+template <typename T, typename PT, int VEC, int EPT, bool kWarpPerRow, bool RECOMPUTE_OUTPUT, typename Mode>
 __global__ void __launch_bounds__(kMaxThreads, 1) layer_norm_bwd_kernel(
-    const T* __restrict__ DY,        // (M, N), row stride dy_stride
+    const typename Mode::Y* __restrict__ DY,  // (M, N), row stride dy_stride
     const T* __restrict__ X,         // (M, N), row stride x_stride
     const PT* __restrict__ W,        // (N,) or null
     const PT* __restrict__ B,        // (N,) or null (read only when RECOMPUTE_OUTPUT)
-    const float* __restrict__ Mean,  // (M,)
+    const float* __restrict__ Mean,  // (M,); unused for RMSNorm
     const float* __restrict__ Rstd,  // (M,)
     T* __restrict__ DX,              // (M, N) contiguous
-    T* __restrict__ Y,               // (M, N) contiguous, written when RECOMPUTE_OUTPUT
+    typename Mode::Y* __restrict__ Y,  // (M, N) contiguous, written when RECOMPUTE_OUTPUT
     float* __restrict__ DWp,         // (G, N) partial dw, or null (no weight)
     float* __restrict__ DBp,         // (G, N) partial db, or null (no bias)
-    int64_t M, int N, float inv_n, int64_t dy_stride, int64_t x_stride) {
+    int64_t M, int N, float inv_n, int64_t dy_stride, int64_t x_stride, bool weight_plus_one) {
   static_assert(EPT % VEC == 0, "EPT must be a multiple of VEC");
   constexpr int ITERS = EPT / VEC;
   constexpr int kRows = kWarpPerRow ? kRowsPerWarpBlock : 1;
@@ -351,8 +452,9 @@ __global__ void __launch_bounds__(kMaxThreads, 1) layer_norm_bwd_kernel(
   const int nvalid = valid_chunks<VEC>(N, t, threads);
   const int64_t row_step = static_cast<int64_t>(gridDim.x) * kRows;
   const int64_t first_row = static_cast<int64_t>(blockIdx.x) * kRows + (kWarpPerRow ? threadIdx.y : 0);
-  RowPrefetch<T, VEC, ITERS> prefetch(nvalid, t, threads);
-  if constexpr (kPrefetch<T, VEC>) prefetch.issue(X, DY, Mean, Rstd, first_row, M, x_stride, dy_stride);
+  constexpr bool kPrefetchRows = kPrefetch<T, VEC, Mode>;
+  RowPrefetch<T, VEC, ITERS, Mode::kRms> prefetch(nvalid, t, threads);
+  if constexpr (kPrefetchRows) prefetch.issue(X, DY, Mean, Rstd, first_row, M, x_stride, dy_stride);
 
   float dw_acc[EPT], db_acc[EPT];
 #pragma unroll
@@ -363,7 +465,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) layer_norm_bwd_kernel(
   for (int64_t row = first_row; row < M; row += row_step) {
     float xv[EPT], gv[EPT];  // x then xhat; dy then wdy
     float mean, rstd;
-    if constexpr (kPrefetch<T, VEC>) {
+    if constexpr (kPrefetchRows) {
       // The loads of the next row start now, before this row's reductions; this row's landed.
       prefetch.issue(X, DY, Mean, Rstd, row + row_step, M, x_stride, dy_stride);
       prefetch.take(xv, gv);
@@ -371,19 +473,19 @@ __global__ void __launch_bounds__(kMaxThreads, 1) layer_norm_bwd_kernel(
       rstd = prefetch.rstd;
     } else {
       load_row<T, VEC, ITERS>(X + row * x_stride, nvalid, t, threads, xv);
-      load_row<T, VEC, ITERS>(DY + row * dy_stride, nvalid, t, threads, gv);
-      mean = Mean[row];
+      load_row<typename Mode::Y, VEC, ITERS>(DY + row * dy_stride, nvalid, t, threads, gv);
+      mean = load_mean<Mode::kRms>(Mean, row);
       rstd = Rstd[row];
     }
 
-    float2 sums = make_float2(0.f, 0.f);  // (sum wdy * xhat, sum wdy)
+    float2 sums = make_float2(0.f, 0.f);  // (sum wdy * xhat, sum wdy); RMSNorm uses the first only
 #pragma unroll
     for (int i = 0; i < ITERS; ++i) {
       const int col0 = chunk_col<VEC>(i, t, threads);
       const bool valid = i < nvalid;
       float w[VEC];
       if (valid) {
-        load_param<PT, VEC>(W, col0, 1.f, w);
+        load_weight<Mode, PT, VEC>(W, col0, weight_plus_one, w);
       } else {
         fill<VEC>(w, 0.f);
       }
@@ -393,7 +495,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) layer_norm_bwd_kernel(
         const float xhat = valid ? normalize(xv[e], mean, rstd) : 0.f;
         const float dy = gv[e];  // 0 past N
         dw_acc[e] += dy * xhat;
-        db_acc[e] += dy;
+        if constexpr (!Mode::kRms) db_acc[e] += dy;
         const float wdy = dy * w[j];
         sums.x += wdy * xhat;
         sums.y += wdy;
@@ -415,16 +517,16 @@ __global__ void __launch_bounds__(kMaxThreads, 1) layer_norm_bwd_kernel(
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
           const int e = i * VEC + j;
-          out[j] = rstd * (gv[e] - (xv[e] * c1 + c2));
+          out[j] = input_grad<Mode::kRms>(gv[e], xv[e], c1, c2, rstd);
         }
         store_pack<T, VEC>(dx_row + col0, out);
         if constexpr (RECOMPUTE_OUTPUT) {
           float w[VEC], b[VEC];
-          load_param<PT, VEC>(W, col0, 1.f, w);
+          load_weight<Mode, PT, VEC>(W, col0, weight_plus_one, w);
           load_param<PT, VEC>(B, col0, 0.f, b);
 #pragma unroll
-          for (int j = 0; j < VEC; ++j) out[j] = affine(xv[i * VEC + j], w[j], b[j]);
-          store_pack<T, VEC>(Y + row * static_cast<int64_t>(N) + col0, out);
+          for (int j = 0; j < VEC; ++j) out[j] = norm_output<Mode>(xv[i * VEC + j], w[j], b[j]);
+          store_pack<typename Mode::Y, VEC>(Y + row * static_cast<int64_t>(N) + col0, out);
         }
       }
     }
@@ -474,19 +576,20 @@ __global__ void __launch_bounds__(kMaxThreads, 1) layer_norm_bwd_kernel(
 // memory (each column always belongs to the same thread: no races, fixed order; DWp/DBp must
 // be zero-initialised). Pass 2 re-reads x, dy and writes dx (and y).
 // ---------------------------------------------------------------------------------------------
-template <typename T, typename PT, int VEC, bool RECOMPUTE_OUTPUT>
+template <typename T, typename PT, int VEC, bool RECOMPUTE_OUTPUT, typename Mode>
 __global__ void __launch_bounds__(kLoopedThreads, 1) layer_norm_bwd_looped_kernel(
-    const T* __restrict__ DY,        // (M, N), row stride dy_stride
+    const typename Mode::Y* __restrict__ DY,  // (M, N), row stride dy_stride
     const T* __restrict__ X,         // (M, N), row stride x_stride
     const PT* __restrict__ W,        // (N,) or null
     const PT* __restrict__ B,        // (N,) or null (read only when RECOMPUTE_OUTPUT)
-    const float* __restrict__ Mean,  // (M,)
+    const float* __restrict__ Mean,  // (M,); unused for RMSNorm
     const float* __restrict__ Rstd,  // (M,)
     T* __restrict__ DX,              // (M, N) contiguous
-    T* __restrict__ Y,               // (M, N) contiguous, written when RECOMPUTE_OUTPUT
+    typename Mode::Y* __restrict__ Y,  // (M, N) contiguous, written when RECOMPUTE_OUTPUT
     float* __restrict__ DWp,         // (G, N) zero-initialised partial dw, or null
     float* __restrict__ DBp,         // (G, N) zero-initialised partial db, or null
-    int64_t M, int N, float inv_n, int64_t dy_stride, int64_t x_stride) {
+    int64_t M, int N, float inv_n, int64_t dy_stride, int64_t x_stride, bool weight_plus_one) {
+  using Y_T = typename Mode::Y;
   __shared__ float2 buf[kLoopedThreads / kWarpSize];
   const int first = threadIdx.x * VEC;
   const int step = blockDim.x * VEC;
@@ -494,16 +597,16 @@ __global__ void __launch_bounds__(kLoopedThreads, 1) layer_norm_bwd_looped_kerne
 
   for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {
     const T* x_row = X + row * x_stride;
-    const T* dy_row = DY + row * dy_stride;
-    const float mean = Mean[row];
+    const Y_T* dy_row = DY + row * dy_stride;
+    const float mean = load_mean<Mode::kRms>(Mean, row);
     const float rstd = Rstd[row];
 
     float2 sums = make_float2(0.f, 0.f);
     for (int col0 = first; col0 < N; col0 += step) {
       float x[VEC], dy[VEC], w[VEC], dw[VEC], db[VEC];
       load_pack<T, VEC>(x_row + col0, x);
-      load_pack<T, VEC>(dy_row + col0, dy);
-      load_param<PT, VEC>(W, col0, 1.f, w);
+      load_pack<Y_T, VEC>(dy_row + col0, dy);
+      load_weight<Mode, PT, VEC>(W, col0, weight_plus_one, w);
       if (DWp != nullptr) load_pack<float, VEC>(DWp + part + col0, dw);
       if (DBp != nullptr) load_pack<float, VEC>(DBp + part + col0, db);
 #pragma unroll
@@ -527,20 +630,20 @@ __global__ void __launch_bounds__(kLoopedThreads, 1) layer_norm_bwd_looped_kerne
     for (int col0 = first; col0 < N; col0 += step) {
       float x[VEC], dy[VEC], w[VEC], out[VEC];
       load_pack<T, VEC>(x_row + col0, x);
-      load_pack<T, VEC>(dy_row + col0, dy);
-      load_param<PT, VEC>(W, col0, 1.f, w);
+      load_pack<Y_T, VEC>(dy_row + col0, dy);
+      load_weight<Mode, PT, VEC>(W, col0, weight_plus_one, w);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         x[j] = normalize(x[j], mean, rstd);  // xhat
-        out[j] = rstd * (dy[j] * w[j] - (x[j] * c1 + c2));
+        out[j] = input_grad<Mode::kRms>(dy[j] * w[j], x[j], c1, c2, rstd);
       }
       store_pack<T, VEC>(dx_row + col0, out);
       if constexpr (RECOMPUTE_OUTPUT) {
         float b[VEC];
         load_param<PT, VEC>(B, col0, 0.f, b);
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) out[j] = affine(x[j], w[j], b[j]);
-        store_pack<T, VEC>(Y + row * static_cast<int64_t>(N) + col0, out);
+        for (int j = 0; j < VEC; ++j) out[j] = norm_output<Mode>(x[j], w[j], b[j]);
+        store_pack<Y_T, VEC>(Y + row * static_cast<int64_t>(N) + col0, out);
       }
     }
   }
@@ -588,35 +691,38 @@ int backward_grid(Kernel kernel, int threads_per_block, int dynamic_shared, int6
   return static_cast<int>(std::min(row_groups, resident));
 }
 
-constexpr const char* kOp = "layer_norm";  // the op family every error message starts with
+// The op families every error message starts with.
+constexpr const char* kLayerNorm = "layer_norm";
+constexpr const char* kRmsNorm = "rms_norm";
 
 // check_rows, and the row counts the kernels index with int: N >= 1 (a mean over no columns is
 // undefined) and M within int.
-void check_input(const at::Tensor& t, const char* name) {
-  check_rows(kOp, t, name);
-  TORCH_CHECK(t.size(1) >= 1, kOp, ": ", name, " must have N >= 1 columns, got shape ", t.sizes());
-  TORCH_CHECK(t.size(0) <= std::numeric_limits<int>::max(), kOp, ": ", name, " has too many rows: M = ",
+void check_input(const char* op, const at::Tensor& t, const char* name) {
+  check_rows(op, t, name);
+  TORCH_CHECK(t.size(1) >= 1, op, ": ", name, " must have N >= 1 columns, got shape ", t.sizes());
+  TORCH_CHECK(t.size(0) <= std::numeric_limits<int>::max(), op, ": ", name, " has too many rows: M = ",
               t.size(0));
 }
 
-// mean or rstd from layer_norm_fwd: (M,) contiguous float32 on x's device.
-void check_stat(const at::Tensor& s, const char* name, const at::Tensor& x) {
-  TORCH_CHECK(s.device() == x.device(), kOp, ": ", name, " is on ", s.device(), " but x is on ", x.device());
-  TORCH_CHECK(s.scalar_type() == at::kFloat, kOp, ": ", name, " must be float32, got ", s.scalar_type());
-  TORCH_CHECK(s.dim() == 1 && s.size(0) == x.size(0), kOp, ": ", name, " must have shape (", x.size(0),
+// mean or rstd from the forward: (M,) contiguous float32 on x's device.
+void check_stat(const char* op, const at::Tensor& s, const char* name, const at::Tensor& x) {
+  TORCH_CHECK(s.device() == x.device(), op, ": ", name, " is on ", s.device(), " but x is on ", x.device());
+  TORCH_CHECK(s.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", s.scalar_type());
+  TORCH_CHECK(s.dim() == 1 && s.size(0) == x.size(0), op, ": ", name, " must have shape (", x.size(0),
               ",), got ", s.sizes());
-  TORCH_CHECK(s.is_contiguous(), kOp, ": ", name, " must be contiguous");
+  TORCH_CHECK(s.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
-// The kernels read weight and bias in their own dtype, fp32 or x's (no conversion per call), both
-// the same.
+// The LayerNorm kernels read weight and bias in their own dtype, fp32 or x's (no conversion per
+// call), both the same.
 void check_param_dtypes(const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                         const at::Tensor& x) {
   for (const auto* p : {&weight, &bias}) {
-    TORCH_CHECK(!present(*p) || (*p)->scalar_type() == at::kFloat || (*p)->scalar_type() == x.scalar_type(), kOp,
-                ": weight and bias must be float32 or x's dtype ", x.scalar_type(), ", got ", (*p)->scalar_type());
+    TORCH_CHECK(!present(*p) || (*p)->scalar_type() == at::kFloat || (*p)->scalar_type() == x.scalar_type(),
+                kLayerNorm, ": weight and bias must be float32 or x's dtype ", x.scalar_type(), ", got ",
+                (*p)->scalar_type());
   }
-  TORCH_CHECK(!present(weight) || !present(bias) || weight->scalar_type() == bias->scalar_type(), kOp,
+  TORCH_CHECK(!present(weight) || !present(bias) || weight->scalar_type() == bias->scalar_type(), kLayerNorm,
               ": weight and bias must have the same dtype, got ", weight->scalar_type(), " and ",
               bias->scalar_type());
 }
@@ -646,24 +752,26 @@ struct FwdArgs {
   const void* x;
   const void* w;  // in PT, or null
   const void* b;
-  void* y;
-  float* mean;
+  void* y;        // in Mode::Y
+  float* mean;    // null for RMSNorm
   float* rstd;
   int64_t M;
   int N;
   float inv_n;  // 1 / N, computed once on the host (no IEEE division in the kernels)
   int64_t x_stride;
   float eps;
+  bool weight_plus_one;  // RMSNorm only: scale by 1 + w
 };
 
-template <typename T, typename PT, int VEC>
+template <typename T, typename PT, int VEC, typename Mode>
 void launch_fwd(const FwdArgs& a, const RowConfig& cfg, cudaStream_t stream) {
   const T* x = static_cast<const T*>(a.x);
   const PT* w = static_cast<const PT*>(a.w);
   const PT* b = static_cast<const PT*>(a.b);
-  T* y = static_cast<T*>(a.y);
+  auto* y = static_cast<typename Mode::Y*>(a.y);
   auto run = [&](auto kernel, dim3 grid, dim3 block) {
-    kernel<<<grid, block, 0, stream>>>(x, w, b, y, a.mean, a.rstd, a.M, a.N, a.inv_n, a.x_stride, a.eps);
+    kernel<<<grid, block, 0, stream>>>(x, w, b, y, a.mean, a.rstd, a.M, a.N, a.inv_n, a.x_stride, a.eps,
+                                       a.weight_plus_one);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   const dim3 warp_block(kWarpSize, kRowsPerWarpBlock);
@@ -671,38 +779,50 @@ void launch_fwd(const FwdArgs& a, const RowConfig& cfg, cudaStream_t stream) {
   const dim3 row_grid(static_cast<unsigned>(a.M));
   const dim3 row_block(cfg.threads);
   if (cfg.ept == 0) {
-    layer_norm_fwd_looped_kernel<T, PT, VEC><<<row_grid, row_block, 0, stream>>>(x, w, b, y, a.mean, a.rstd, a.N,
-                                                                              a.inv_n, a.x_stride, a.eps);
+    layer_norm_fwd_looped_kernel<T, PT, VEC, Mode><<<row_grid, row_block, 0, stream>>>(
+        x, w, b, y, a.mean, a.rstd, a.N, a.inv_n, a.x_stride, a.eps, a.weight_plus_one);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   } else if (cfg.warp_per_row) {
-    if (cfg.ept == 8) run(layer_norm_fwd_kernel<T, PT, VEC, 8, true>, warp_grid, warp_block);
-    else run(layer_norm_fwd_kernel<T, PT, VEC, 16, true>, warp_grid, warp_block);
+    if (cfg.ept == 8) run(layer_norm_fwd_kernel<T, PT, VEC, 8, true, Mode>, warp_grid, warp_block);
+    else run(layer_norm_fwd_kernel<T, PT, VEC, 16, true, Mode>, warp_grid, warp_block);
   } else if (cfg.ept == 8) {
-    run(layer_norm_fwd_kernel<T, PT, VEC, 8, false>, row_grid, row_block);
+    run(layer_norm_fwd_kernel<T, PT, VEC, 8, false, Mode>, row_grid, row_block);
   } else if constexpr (VEC > 1) {  // pick_config: EPT 16/32 only for vectorised rows
-    if (cfg.ept == 16) run(layer_norm_fwd_kernel<T, PT, VEC, 16, false>, row_grid, row_block);
-    else run(layer_norm_fwd_kernel<T, PT, VEC, 32, false>, row_grid, row_block);
+    if (cfg.ept == 16) run(layer_norm_fwd_kernel<T, PT, VEC, 16, false, Mode>, row_grid, row_block);
+    else run(layer_norm_fwd_kernel<T, PT, VEC, 32, false, Mode>, row_grid, row_block);
   } else {
-    TORCH_CHECK(false, kOp, ": internal error, no forward kernel for EPT ", cfg.ept);
+    TORCH_CHECK(false, "internal error, no norm forward kernel for EPT ", cfg.ept);
+  }
+}
+
+// The forward of x (its rows vectorised when they allow it) for parameters in PT and MODE.
+template <typename T, typename PT, typename Mode>
+void run_fwd(const FwdArgs& args, const at::Tensor& x, cudaStream_t stream) {
+  constexpr int kVec = max_vec<T>();
+  if (vectorizable(x.data_ptr(), x.stride(0), args.M, args.N, kVec)) {
+    launch_fwd<T, PT, kVec, Mode>(args, pick_config(args.N, /*forward=*/true, /*vectorized=*/true), stream);
+  } else {
+    launch_fwd<T, PT, 1, Mode>(args, pick_config(args.N, /*forward=*/true, /*vectorized=*/false), stream);
   }
 }
 
 // ----------------------------------------- backward ----------------------------------------
 
 struct BwdArgs {
-  const void* dy;
+  const void* dy;  // in Mode::Y
   const void* x;
   const void* w;  // in PT, or null
   const void* b;
-  const float* mean;
+  const float* mean;  // null for RMSNorm
   const float* rstd;
   void* dx;
-  void* y;
+  void* y;  // in Mode::Y; null unless recompute_output
   int64_t M;
   int N;
   float inv_n;
   int64_t dy_stride;
   int64_t x_stride;
+  bool weight_plus_one;
 };
 
 struct Partials {
@@ -712,15 +832,15 @@ struct Partials {
 };
 
 // Launches the backward kernel for CFG; returns the partial dw/db buffers it filled.
-template <typename T, typename PT, int VEC, bool RECOMPUTE_OUTPUT>
+template <typename T, typename PT, int VEC, bool RECOMPUTE_OUTPUT, typename Mode>
 Partials launch_bwd(const BwdArgs& a, const RowConfig& cfg, bool need_dw, bool need_db,
                     const at::TensorOptions& float_opts, int device, cudaStream_t stream) {
-  const T* dy = static_cast<const T*>(a.dy);
+  const auto* dy = static_cast<const typename Mode::Y*>(a.dy);
   const T* x = static_cast<const T*>(a.x);
   const PT* w = static_cast<const PT*>(a.w);
   const PT* b = static_cast<const PT*>(a.b);
   T* dx = static_cast<T*>(a.dx);
-  T* y = static_cast<T*>(a.y);
+  auto* y = static_cast<typename Mode::Y*>(a.y);
   Partials parts{};
   // G is sized with the RECOMPUTE_OUTPUT variant of each kernel (the one with more registers, so
   // the fewest resident blocks) whichever variant runs: the order of the dw/db sums, and so their
@@ -743,7 +863,7 @@ Partials launch_bwd(const BwdArgs& a, const RowConfig& cfg, bool need_dw, bool n
     parts.db = make(need_db);
     kernel<<<dim3(parts.G), block, shared, stream>>>(dy, x, w, b, a.mean, a.rstd, dx, y,
                                                      float_ptr_or_null(parts.dw), float_ptr_or_null(parts.db), a.M,
-                                                     a.N, a.inv_n, a.dy_stride, a.x_stride);
+                                                     a.N, a.inv_n, a.dy_stride, a.x_stride, a.weight_plus_one);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   // The register kernel at EPT elements a thread, one warp or one block per row.
@@ -751,15 +871,15 @@ Partials launch_bwd(const BwdArgs& a, const RowConfig& cfg, bool need_dw, bool n
     constexpr int kEpt = decltype(ept)::value;
     constexpr bool kWarp = decltype(warp_per_row)::value;
     const dim3 block = kWarp ? dim3(kWarpSize, kRowsPerWarpBlock) : dim3(cfg.threads);
-    run(layer_norm_bwd_kernel<T, PT, VEC, kEpt, kWarp, RECOMPUTE_OUTPUT>,
-        layer_norm_bwd_kernel<T, PT, VEC, kEpt, kWarp, true>, block, kWarp ? kRowsPerWarpBlock : 1, false,
-        kPrefetch<T, VEC> ? kPrefetchBytes<kEpt / VEC> : 0);
+    run(layer_norm_bwd_kernel<T, PT, VEC, kEpt, kWarp, RECOMPUTE_OUTPUT, Mode>,
+        layer_norm_bwd_kernel<T, PT, VEC, kEpt, kWarp, true, Mode>, block, kWarp ? kRowsPerWarpBlock : 1, false,
+        kPrefetch<T, VEC, Mode> ? kPrefetchBytes<kEpt / VEC> : 0);
   };
   using Ept8 = std::integral_constant<int, 8>;
   using Ept16 = std::integral_constant<int, 16>;
   if (cfg.ept == 0) {
-    run(layer_norm_bwd_looped_kernel<T, PT, VEC, RECOMPUTE_OUTPUT>, layer_norm_bwd_looped_kernel<T, PT, VEC, true>,
-        dim3(cfg.threads), 1, true, 0);
+    run(layer_norm_bwd_looped_kernel<T, PT, VEC, RECOMPUTE_OUTPUT, Mode>,
+        layer_norm_bwd_looped_kernel<T, PT, VEC, true, Mode>, dim3(cfg.threads), 1, true, 0);
   } else if (cfg.warp_per_row) {
     if (cfg.ept == 8) run_register(Ept8{}, std::true_type{});
     else run_register(Ept16{}, std::true_type{});
@@ -768,9 +888,118 @@ Partials launch_bwd(const BwdArgs& a, const RowConfig& cfg, bool need_dw, bool n
   } else if constexpr (VEC > 1) {  // pick_config: EPT 16 only for vectorised rows
     run_register(Ept16{}, std::false_type{});
   } else {
-    TORCH_CHECK(false, kOp, ": internal error, no backward kernel for EPT ", cfg.ept);
+    TORCH_CHECK(false, "internal error, no norm backward kernel for EPT ", cfg.ept);
   }
   return parts;
+}
+
+// The backward of x and dy (vectorised when both allow it) for parameters in PT and MODE;
+// returns the partial dw/db buffers.
+template <typename T, typename PT, typename Mode>
+Partials run_bwd(const BwdArgs& args, const at::Tensor& x, const at::Tensor& dy, bool recompute_output,
+                 bool need_dw, bool need_db, cudaStream_t stream) {
+  constexpr int kVec = max_vec<T>();
+  const bool vec = vectorizable(x.data_ptr(), x.stride(0), args.M, args.N, kVec) &&
+                   vectorizable(dy.data_ptr(), dy.stride(0), args.M, args.N, kVec);
+  const RowConfig cfg = pick_config(args.N, /*forward=*/false, vec);
+  const at::TensorOptions float_opts = x.options().dtype(at::kFloat);
+  const int device = x.device().index();
+  if (vec && recompute_output) {
+    return launch_bwd<T, PT, kVec, true, Mode>(args, cfg, need_dw, need_db, float_opts, device, stream);
+  } else if (vec) {
+    return launch_bwd<T, PT, kVec, false, Mode>(args, cfg, need_dw, need_db, float_opts, device, stream);
+  } else if (recompute_output) {
+    return launch_bwd<T, PT, 1, true, Mode>(args, cfg, need_dw, need_db, float_opts, device, stream);
+  } else {
+    return launch_bwd<T, PT, 1, false, Mode>(args, cfg, need_dw, need_db, float_opts, device, stream);
+  }
+}
+
+// ----------------------------------------- RMSNorm styles -----------------------------------
+
+enum class RmsStyle { kTorch, kLlama, kGemma, kT5 };
+
+constexpr std::pair<const char*, RmsStyle> kRmsStyles[] = {
+    {"torch", RmsStyle::kTorch}, {"llama", RmsStyle::kLlama}, {"gemma", RmsStyle::kGemma}, {"t5", RmsStyle::kT5}};
+
+// How a style's stock module rounds y, every product in fp32 (the rounding of xhat to a 16-bit
+// type and the product of two 16-bit values are exact in fp32, so one rounding of the fp32
+// product to y's type is the stock module's):
+//   torch  torch.nn.RMSNorm / F.rms_norm: y = (xhat * w) cast to x's dtype.
+//   llama  LlamaRMSNorm: xhat cast to x's dtype, then w * that in the promoted dtype of w and x.
+//   gemma  GemmaRMSNorm: y = (xhat * (1 + w)) cast to x's dtype, 1 + w formed in fp32.
+//   t5     T5LayerNorm: xhat cast to w's dtype when that is 16-bit, then w * that, in w's dtype.
+struct RmsRounding {
+  at::ScalarType normed;  // xhat is rounded to this before the weight multiply (float: not rounded)
+  at::ScalarType y;       // y's dtype, and dy's
+  bool weight_plus_one;   // scale by 1 + w instead of w
+};
+
+RmsRounding rms_rounding(RmsStyle style, const at::Tensor& x, const std::optional<at::Tensor>& weight) {
+  const at::ScalarType x_type = x.scalar_type();
+  if (!present(weight)) return {at::kFloat, x_type, false};  // style "torch" (check_weight_required)
+  const at::ScalarType w_type = weight->scalar_type();
+  switch (style) {
+    case RmsStyle::kLlama:
+      return {x_type, c10::promoteTypes(x_type, w_type), false};
+    case RmsStyle::kGemma:
+      return {at::kFloat, x_type, true};
+    case RmsStyle::kT5:
+      return {w_type, w_type, false};  // rounding to an fp32 weight's dtype is no rounding
+    case RmsStyle::kTorch:
+    default:
+      return {at::kFloat, x_type, false};
+  }
+}
+
+void check_weight_required(RmsStyle style, c10::string_view name, const std::optional<at::Tensor>& weight) {
+  TORCH_CHECK(present(weight) || style == RmsStyle::kTorch, kRmsNorm, ": weight is required for style '",
+              std::string(name.data(), name.size()), "' (its stock module always has one)");
+}
+
+void check_eps(double eps) {
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, kRmsNorm, ": eps must be a non-negative float, got ", eps);
+}
+
+// The RMSNorm weight as the kernels read it: in its own dtype when that is fp32 or x's, else
+// converted once to fp32 (exact); undefined when absent.
+at::Tensor rms_weight(const std::optional<at::Tensor>& weight, const at::Tensor& x) {
+  if (!present(weight)) return at::Tensor();
+  const at::ScalarType type = weight->scalar_type();
+  return type == at::kFloat || type == x.scalar_type() ? aligned(*weight) : param_as_float(weight);
+}
+
+// Calls f(PT{}, Mode{}) for the RMSNorm kernels of x type T that round as R, with PT the storage
+// type of the weight as rms_weight gives it (W_TYPE: fp32 or x's). Only the combinations
+// rms_rounding produces are compiled: per 16-bit x type six, per fp32 x three.
+template <typename T, typename F>
+void dispatch_rms_mode(at::ScalarType w_type, const RmsRounding& r, F&& f) {
+  constexpr at::ScalarType kX = c10::CppTypeToScalarType<T>::value;
+  auto weight_is = [&](at::ScalarType expected) {
+    TORCH_CHECK(w_type == expected, "internal error: rms_norm weight read as ", w_type, ", expected ", expected);
+  };
+  if (r.y == kX && r.normed == at::kFloat) {  // torch, gemma; every style on fp32 x with an fp32 y
+    dispatch_param_type<T>(w_type, [&](auto pt) { f(pt, NormMode<true, T>{}); });
+  } else if (r.y == kX) {  // llama, t5 with a weight of x's 16-bit dtype: xhat rounded to it
+    weight_is(kX);
+    f(T{}, NormMode<true, T, T>{});
+  } else if (r.y == at::kFloat) {  // 16-bit x, a weight of another dtype: llama (xhat rounded), t5
+    weight_is(at::kFloat);
+    if (r.normed == at::kFloat) f(float{}, NormMode<true, float>{});
+    else f(float{}, NormMode<true, float, T>{});
+  } else {  // t5 with a 16-bit weight of another dtype than x: xhat and y in the weight's dtype
+    weight_is(at::kFloat);
+    auto in_weight_type = [&](auto out) {
+      using Out = decltype(out);
+      if constexpr (std::is_same_v<Out, T>) {
+        TORCH_CHECK(false, "internal error: rms_norm y in x's dtype reached the other-dtype kernels");
+      } else {
+        f(float{}, NormMode<true, Out, Out>{});
+      }
+    };
+    if (r.y == at::kBFloat16) in_weight_type(c10::BFloat16{});
+    else in_weight_type(c10::Half{});
+  }
 }
 
 // =============================================================================================
@@ -783,9 +1012,9 @@ Partials launch_bwd(const BwdArgs& a, const RowConfig& cfg, bool need_dw, bool n
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
     const at::Tensor& x, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     double eps) {
-  check_input(x, "x");
-  check_param(kOp, weight, "weight", x);
-  check_param(kOp, bias, "bias", x);
+  check_input(kLayerNorm, x, "x");
+  check_param(kLayerNorm, weight, "weight", x);
+  check_param(kLayerNorm, bias, "bias", x);
   check_param_dtypes(weight, bias, x);
   const int64_t M = x.size(0);
   const int64_t N = x.size(1);
@@ -799,17 +1028,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
   const at::Tensor b = aligned_param(bias);
   const FwdArgs args{x.data_ptr(), ptr_or_null(w), ptr_or_null(b), y.data_ptr(),
                      mean.data_ptr<float>(), rstd.data_ptr<float>(), M, static_cast<int>(N),
-                     1.f / static_cast<float>(N), x.stride(0), static_cast<float>(eps)};
+                     1.f / static_cast<float>(N), x.stride(0), static_cast<float>(eps), false};
   cudaStream_t stream = current_stream(x);
   REMAT_DISPATCH_FLOAT_TYPES(x.scalar_type(), "remat_layer_norm_fwd", [&] {
-    constexpr int kVec = max_vec<scalar_t>();
-    dispatch_param_type<scalar_t>(param_type(weight, bias, x), [&](auto param) {
-      using PT = decltype(param);
-      if (vectorizable(x.data_ptr(), x.stride(0), M, N, kVec)) {
-        launch_fwd<scalar_t, PT, kVec>(args, pick_config(N, /*forward=*/true, /*vectorized=*/true), stream);
-      } else {
-        launch_fwd<scalar_t, PT, 1>(args, pick_config(N, /*forward=*/true, /*vectorized=*/false), stream);
-      }
+    dispatch_param_type<scalar_t>(param_type(weight, bias, x), [&](auto pt) {
+      run_fwd<scalar_t, decltype(pt), LayerNormMode<scalar_t>>(args, x, stream);
     });
   });
   return {y, mean, rstd};
@@ -823,13 +1046,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
     const at::Tensor& dy, const at::Tensor& x, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd,
     bool recompute_output) {
-  check_input(x, "x");
-  check_input(dy, "dy");
-  check_like_x(kOp, dy, "dy", x);
-  check_param(kOp, weight, "weight", x);
-  check_param(kOp, bias, "bias", x);
-  check_stat(mean, "mean", x);
-  check_stat(rstd, "rstd", x);
+  check_input(kLayerNorm, x, "x");
+  check_input(kLayerNorm, dy, "dy");
+  check_like_x(kLayerNorm, dy, "dy", x);
+  check_param(kLayerNorm, weight, "weight", x);
+  check_param(kLayerNorm, bias, "bias", x);
+  check_stat(kLayerNorm, mean, "mean", x);
+  check_stat(kLayerNorm, rstd, "rstd", x);
   check_param_dtypes(weight, bias, x);
 
   const int64_t M = x.size(0);
@@ -846,42 +1069,100 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
   const BwdArgs args{dy.data_ptr(), x.data_ptr(), ptr_or_null(w), ptr_or_null(b),
                      mean.data_ptr<float>(), rstd.data_ptr<float>(), dx.data_ptr(),
                      recompute_output ? y.data_ptr() : nullptr, M, static_cast<int>(N),
-                     1.f / static_cast<float>(N), dy.stride(0), x.stride(0)};
-  const int device = x.device().index();
+                     1.f / static_cast<float>(N), dy.stride(0), x.stride(0), false};
   cudaStream_t stream = current_stream(x);
-  const at::TensorOptions float_opts = x.options().dtype(at::kFloat);
-  const bool has_w = present(weight);
-  const bool has_b = present(bias);
   Partials parts;
   REMAT_DISPATCH_FLOAT_TYPES(x.scalar_type(), "remat_layer_norm_bwd", [&] {
-    constexpr int kVec = max_vec<scalar_t>();
-    const bool vec =
-        vectorizable(x.data_ptr(), x.stride(0), M, N, kVec) && vectorizable(dy.data_ptr(), dy.stride(0), M, N, kVec);
-    const RowConfig cfg = pick_config(N, /*forward=*/false, vec);
-    dispatch_param_type<scalar_t>(param_type(weight, bias, x), [&](auto param) {
-      using PT = decltype(param);
-      if (vec && recompute_output) {
-        parts = launch_bwd<scalar_t, PT, kVec, true>(args, cfg, has_w, has_b, float_opts, device, stream);
-      } else if (vec) {
-        parts = launch_bwd<scalar_t, PT, kVec, false>(args, cfg, has_w, has_b, float_opts, device, stream);
-      } else if (recompute_output) {
-        parts = launch_bwd<scalar_t, PT, 1, true>(args, cfg, has_w, has_b, float_opts, device, stream);
-      } else {
-        parts = launch_bwd<scalar_t, PT, 1, false>(args, cfg, has_w, has_b, float_opts, device, stream);
-      }
+    dispatch_param_type<scalar_t>(param_type(weight, bias, x), [&](auto pt) {
+      parts = run_bwd<scalar_t, decltype(pt), LayerNormMode<scalar_t>>(args, x, dy, recompute_output,
+                                                                        present(weight), present(bias), stream);
     });
   });
   sum_partial_rows(parts.dw, dw, parts.db, db, stream);  // dw and db in one launch
   return {dx, dw, db, y};
 }
 
+// x (M, N) float32/float16/bfloat16 with stride(1) == 1; weight None (style "torch" only) or (N,)
+// of any of those dtypes; eps a finite float >= 0; style "torch", "llama", "gemma" or "t5"
+// (rms_rounding). Returns y (M, N) contiguous in the style's y dtype (x's, but for "llama" and
+// "t5" with a weight of another dtype) and rstd (M,) float32.
+std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                                                double eps, c10::string_view style) {
+  const RmsStyle s = parse_choice(kRmsNorm, "style", style, kRmsStyles);
+  check_input(kRmsNorm, x, "x");
+  check_param(kRmsNorm, weight, "weight", x);
+  check_weight_required(s, style, weight);
+  check_eps(eps);
+  const RmsRounding r = rms_rounding(s, x, weight);
+  const int64_t M = x.size(0);
+  const int64_t N = x.size(1);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor y = empty_rows(x, r.y);
+  at::Tensor rstd = at::empty({M}, x.options().dtype(at::kFloat));
+  if (M == 0) return {y, rstd};
+
+  const at::Tensor w = rms_weight(weight, x);
+  const FwdArgs args{x.data_ptr(), ptr_or_null(w), nullptr, y.data_ptr(), nullptr, rstd.data_ptr<float>(), M,
+                     static_cast<int>(N), 1.f / static_cast<float>(N), x.stride(0), static_cast<float>(eps),
+                     r.weight_plus_one};
+  cudaStream_t stream = current_stream(x);
+  REMAT_DISPATCH_FLOAT_TYPES(x.scalar_type(), "remat_rms_norm_fwd", [&] {
+    dispatch_rms_mode<scalar_t>(w.defined() ? w.scalar_type() : x.scalar_type(), r, [&](auto pt, auto mode) {
+      run_fwd<scalar_t, decltype(pt), decltype(mode)>(args, x, stream);
+    });
+  });
+  return {y, rstd};
+}
+
+// dy (M, N) in the style's y dtype; x, weight, style as rms_norm_fwd; rstd (M,) float32 from it.
+// Returns dx (M, N) contiguous in x.dtype; dw (N,) in weight.dtype (empty(0) of x.dtype without a
+// weight), summed over rows in a fixed order; y (M, N) bitwise as rms_norm_fwd wrote it when
+// recompute_output (else empty(0) of y's dtype).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
+                                                            const std::optional<at::Tensor>& weight,
+                                                            const at::Tensor& rstd, c10::string_view style,
+                                                            bool recompute_output) {
+  const RmsStyle s = parse_choice(kRmsNorm, "style", style, kRmsStyles);
+  check_input(kRmsNorm, x, "x");
+  check_input(kRmsNorm, dy, "dy");
+  check_shape_like(kRmsNorm, dy, "dy", x, "x");
+  check_param(kRmsNorm, weight, "weight", x);
+  check_weight_required(s, style, weight);
+  check_stat(kRmsNorm, rstd, "rstd", x);
+  const RmsRounding r = rms_rounding(s, x, weight);
+  TORCH_CHECK(dy.scalar_type() == r.y, kRmsNorm, ": dy must have y's dtype ", r.y, ", got ", dy.scalar_type());
+
+  const int64_t M = x.size(0);
+  const int64_t N = x.size(1);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor dx = empty_rows(x);
+  at::Tensor y = recompute_output ? empty_rows(x, r.y) : at::empty({0}, x.options().dtype(r.y));
+  at::Tensor dw = param_grad(weight, x);
+  if (M == 0) return {dx, dw, y};
+
+  const at::Tensor w = rms_weight(weight, x);
+  const BwdArgs args{dy.data_ptr(), x.data_ptr(), ptr_or_null(w), nullptr, nullptr, rstd.data_ptr<float>(),
+                     dx.data_ptr(), recompute_output ? y.data_ptr() : nullptr, M, static_cast<int>(N),
+                     1.f / static_cast<float>(N), dy.stride(0), x.stride(0), r.weight_plus_one};
+  cudaStream_t stream = current_stream(x);
+  Partials parts;
+  REMAT_DISPATCH_FLOAT_TYPES(x.scalar_type(), "remat_rms_norm_bwd", [&] {
+    dispatch_rms_mode<scalar_t>(w.defined() ? w.scalar_type() : x.scalar_type(), r, [&](auto pt, auto mode) {
+      parts = run_bwd<scalar_t, decltype(pt), decltype(mode)>(args, x, dy, recompute_output, present(weight),
+                                                              /*need_db=*/false, stream);
+    });
+  });
+  if (present(weight)) sum_partial_rows(parts.dw, dw, stream);
+  return {dx, dw, y};
+}
+
 }  // namespace
 }  // namespace remat
 
 // =============================================================================================
-// Registration: the schemas (torch.ops.remat_C.layer_norm_*; tensor contract above and in
-// remat/ops/layer_norm.py) and their CUDA kernels. The fake kernels and autograd are
-// registered from Python.
+// Registration: the schemas (torch.ops.remat_C.layer_norm_* and rms_norm_*; tensor contract above
+// and in remat/ops/layer_norm.py and remat/ops/rms_norm_reference.py) and their CUDA kernels. The
+// fake kernels and autograd are registered from Python.
 // =============================================================================================
 
 TORCH_LIBRARY_FRAGMENT(remat_C, m) {
@@ -889,9 +1170,15 @@ TORCH_LIBRARY_FRAGMENT(remat_C, m) {
   m.def(
       "layer_norm_bwd(Tensor dy, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd, "
       "bool recompute_output) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("rms_norm_fwd(Tensor x, Tensor? weight, float eps, str style) -> (Tensor, Tensor)");
+  m.def(
+      "rms_norm_bwd(Tensor dy, Tensor x, Tensor? weight, Tensor rstd, str style, bool recompute_output) "
+      "-> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(remat_C, CUDA, m) {
   m.impl("layer_norm_fwd", &remat::layer_norm_fwd);
   m.impl("layer_norm_bwd", &remat::layer_norm_bwd);
+  m.impl("rms_norm_fwd", &remat::rms_norm_fwd);
+  m.impl("rms_norm_bwd", &remat::rms_norm_bwd);
 }

@@ -162,22 +162,32 @@ def sass_functions(obj, arch):
     return {names[mangled]: body for mangled, body in bodies.items()}
 
 
-# The register backward kernels on vectorised rows (16-byte packs: VEC 8 for 16-bit x, 4 for fp32).
-PREFETCHING_BACKWARD = re.compile(r"layer_norm_bwd_kernel<(c10::BFloat16|c10::Half), [^,]+, 8, |"
-                                  r"layer_norm_bwd_kernel<float, float, 4, ")
+# A register backward kernel: layer_norm_bwd_kernel<x, parameter, VEC, EPT, warp per row, recompute,
+# NormMode<RMSNorm?, y's type (dy's too), xhat's rounding> >.
+BACKWARD_KERNEL = re.compile(r"layer_norm_bwd_kernel<(?P<x>[\w:]+), [\w:]+, (?P<vec>\d+), \d+, \w+, \w+, "
+                             r"[\w:() ]*NormMode<\w+, (?P<y>[\w:]+), ")
+PACK_ELEMENTS = {"float": "4", "c10::Half": "8", "c10::BFloat16": "8"}  # 16 bytes of x
+
+
+def prefetches_rows(name):
+    """The register backward kernels that prefetch: vectorised rows (16-byte packs of x) whose dy
+    has x's type (cp.async copies one 16-byte chunk of each)."""
+    m = BACKWARD_KERNEL.search(name)
+    return bool(m) and m["vec"] == PACK_ELEMENTS[m["x"]] and m["y"] == m["x"]
 
 
 @requires_nvcc
 @pytest.mark.parametrize("arch", ARCHS)
 def test_layer_norm_backward_loads_the_next_row_before_its_reductions(arch):
-    """In each register backward kernel on vectorised rows: the row loop issues cp.async copies
-    (LDGSTS) of the next row before this row's first warp shuffle, and the wait before that
-    shuffle leaves one copy group in flight (DEPBAR.LE SB0, 0x1): the next row's loads overlap
-    this row's reductions."""
+    """In each register backward kernel on vectorised rows whose dy has x's type: the row loop
+    issues cp.async copies (LDGSTS) of the next row before this row's first warp shuffle, and the
+    wait before that shuffle leaves one copy group in flight (DEPBAR.LE SB0, 0x1): the next row's
+    loads overlap this row's reductions."""
     _, obj = compile_source(os.path.join(CSRC, "layer_norm.cu"))
-    kernels = {name: body for name, body in sass_functions(obj, arch).items() if PREFETCHING_BACKWARD.search(name)}
-    # 5 (x, parameter) dtype pairs x 4 (elements a thread, warp or block per row) x recompute or not
-    assert len(kernels) == 5 * 4 * 2, sorted(kernels)
+    kernels = {name: body for name, body in sass_functions(obj, arch).items() if prefetches_rows(name)}
+    # (5 LayerNorm (x, parameter) dtype pairs + 7 RMSNorm modes with y in x's dtype: 1 for fp32 x,
+    # 3 for each 16-bit x) x 4 (elements a thread, warp or block per row) x recompute or not
+    assert len(kernels) == (5 + 7) * 4 * 2, sorted(kernels)
     for name, body in kernels.items():
         (loop,) = [loop for loop in sass_loops(body) if any(t.startswith("SHFL.BFLY") for t in loop)]
         first_shuffle = next(i for i, t in enumerate(loop) if t.startswith("SHFL.BFLY"))
@@ -185,6 +195,28 @@ def test_layer_norm_backward_loads_the_next_row_before_its_reductions(arch):
         assert any(t.startswith("LDGSTS") for t in before), f"{name}: no cp.async before the reductions"
         waits = [t for t in before if t.startswith("DEPBAR.LE SB0")]
         assert waits and waits[-1] == "DEPBAR.LE SB0, 0x1", f"{name}: waits {waits}"
+
+
+# A gated kernel: gated_{fwd,bwd}_kernel<T, VEC, ...>.
+GATED_KERNEL = re.compile(r"gated_(fwd|bwd)_kernel<(?P<t>[\w:]+), (?P<vec>\d+), ")
+
+
+@requires_nvcc
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gated_kernels_on_aligned_rows_access_memory_in_16_byte_packs(arch):
+    """Every global load and store of the gated kernels compiled for 16-byte packs (VEC 8 for
+    16-bit types, 4 for fp32) is one 16-byte access: gate, up and dy in, y, d_gate and d_up out."""
+    _, obj = compile_source(os.path.join(CSRC, "gated.cu"))
+    packed = {}
+    for name, body in sass_functions(obj, arch).items():
+        m = GATED_KERNEL.search(name)
+        if m and m["vec"] == PACK_ELEMENTS[m["t"]]:
+            packed[name] = body
+    # 3 dtypes x 3 activations x round_activation or not, forward + backward (recompute or not)
+    assert len(packed) == 3 * 3 * 2 * 3, sorted(packed)
+    for name, body in packed.items():
+        accesses = re.findall(r"\b(?:LDG|STG)\.E[.\w]*", body)
+        assert accesses and all(".128" in a for a in accesses), f"{name}: {sorted(set(accesses))}"
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no host C++ compiler")
