@@ -148,10 +148,13 @@ def fusable(pattern, modules, labels=None):
 def unsupported_reason(module):
     """Why a module remat recognises is not converted (RMSNorm, gated MLPs), or None."""
     if type(module).__name__.endswith("RMSNorm"):  # torch.nn.RMSNorm, LlamaRMSNorm, ...
-        return "RMSNorm: remat has no RMSNorm kernel yet; it runs as it is and saves nothing"
+        return ("RMSNorm: no fusion with a Linear after it applies here (remat fuses RMSNorms in the Hugging "
+                "Face families it knows, and in remat.nn.RMSNormLinear and GatedMLP); it runs as it is and "
+                "saves nothing")
     children = set(module._modules)
     if any(names <= children for names in GATED_MLP_NAMES):
-        return "gated MLP (act(gate) * up -> down): not fused yet; it runs as it is and saves nothing"
+        return ("gated MLP (act(gate) * up -> down): not fused outside the Hugging Face families remat knows "
+                "(remat.nn.GatedMLP.from_modules builds one); it runs as it is and saves nothing")
     return None
 
 

@@ -162,6 +162,6 @@ FAMILY = OpFamily(
     calls=(PublicCall("gated_activation", {"gate": (2, 3, _WIDTH), "up": (2, 3, _WIDTH)},
                       lambda t: gated_activation(t["gate"], t["up"], "silu"), _stock_swiglu, inputs=("gate", "up")),),
     triton="gated",
-    cuda=False,
+    cuda=True,
 )
 gated_fwd, gated_bwd = FAMILY.forward_op, FAMILY.backward_op

@@ -212,6 +212,6 @@ FAMILY = OpFamily(
                       lambda t: F.rms_norm(t["x"], (_WIDTH,), t["weight"], 1e-6)),),
     triton="layer_norm",
     triton_launchers=("rms_norm_fwd", "rms_norm_bwd"),
-    cuda=False,
+    cuda=True,
 )
 rms_norm_fwd, rms_norm_bwd = FAMILY.forward_op, FAMILY.backward_op
