@@ -102,24 +102,22 @@ def sanitize_calls(device, dtype):
         yield functools.partial(_remat, x, w, b)
 
 
-def cases(device, dtypes, quick, sizes=None):
+def row_norm_cases(op, device, dtypes, quick, sizes, impls, make_inputs, build, check):
+    """The Cases of a row-wise norm (LayerNorm, RMSNorm): every width, forward and forward + backward,
+    at the byte model in this module's docstring. make_inputs(rows, width, dtype, device); build(mode)."""
     rows = GPU_ROWS if device.type == "cuda" else CPU_ROWS
     widths = sizes or ((QUICK_WIDTHS if quick else GPU_WIDTHS) if device.type == "cuda" else CPU_WIDTHS)
-    impls = implementations(device)
-    check = check_against(_build("fwd+bwd")(_torch))
     for dtype in dtypes:
         elem = torch.finfo(dtype).bits // 8
         for width in widths:
             for mode, factor in (("fwd", 2), ("fwd+bwd", 5)):
                 yield Case(
-                    op="layernorm",
-                    mode=mode,
-                    dtype=dtype,
-                    shape=f"M={rows} N={width}",
-                    size=width,
-                    unit="GB/s",
-                    work=factor * rows * width * elem,
-                    make_inputs=_make_inputs(rows, width, dtype, device),
-                    implementations=[impl.implementation(_build(mode)) for impl in impls],
-                    check=check,
+                    op=op, mode=mode, dtype=dtype, shape=f"M={rows} N={width}", size=width, unit="GB/s",
+                    work=factor * rows * width * elem, make_inputs=make_inputs(rows, width, dtype, device),
+                    implementations=[impl.implementation(build(mode)) for impl in impls], check=check,
                 )
+
+
+def cases(device, dtypes, quick, sizes=None):
+    return row_norm_cases("layernorm", device, dtypes, quick, sizes, implementations(device), _make_inputs, _build,
+                          check_against(_build("fwd+bwd")(_torch)))

@@ -13,10 +13,10 @@ import torch
 
 import remat
 
-from .cases import Case, Variant, check_against, op_built
-from .layer_norm import CPU_ROWS, CPU_WIDTHS, GPU_ROWS, GPU_WIDTHS, QUICK_WIDTHS, awkward_rows, ours_by_backend
+from .cases import Variant, check_against, op_built
+from .layer_norm import awkward_rows, ours_by_backend, row_norm_cases
 
-SIZES_MEAN = "widths N"  # what cases(sizes=...), `remat bench --shapes`, sets
+SIZES_MEAN = "widths N"  # what cases(sizes=...), `remat bench --shapes`, sets (LayerNorm's widths by default)
 EPS = 1e-6
 
 
@@ -83,23 +83,5 @@ def sanitize_calls(device, dtype):
 
 
 def cases(device, dtypes, quick, sizes=None):
-    rows = GPU_ROWS if device.type == "cuda" else CPU_ROWS
-    widths = sizes or ((QUICK_WIDTHS if quick else GPU_WIDTHS) if device.type == "cuda" else CPU_WIDTHS)
-    impls = implementations(device)
-    check = check_against(_build("fwd+bwd")(_torch))
-    for dtype in dtypes:
-        elem = torch.finfo(dtype).bits // 8
-        for width in widths:
-            for mode, factor in (("fwd", 2), ("fwd+bwd", 5)):
-                yield Case(
-                    op="rms_norm",
-                    mode=mode,
-                    dtype=dtype,
-                    shape=f"M={rows} N={width}",
-                    size=width,
-                    unit="GB/s",
-                    work=factor * rows * width * elem,
-                    make_inputs=_make_inputs(rows, width, dtype, device),
-                    implementations=[impl.implementation(_build(mode)) for impl in impls],
-                    check=check,
-                )
+    return row_norm_cases("rms_norm", device, dtypes, quick, sizes, implementations(device), _make_inputs, _build,
+                          check_against(_build("fwd+bwd")(_torch)))
