@@ -110,5 +110,6 @@ def test_gpu_table_keeps_rates_and_peer_ratios():
 def test_shapes_option_reaches_every_suite_on_cpu():
     """--shapes sets the sizes on CPU too (GELU's row count was ignored there)."""
     shapes = {suite: {case.shape for case in bench.SUITES[suite].cases(CPU, [torch.float32], quick=True, sizes=[48])}
-              for suite in ("layernorm", "gelu", "mlp")}
-    assert shapes == {"layernorm": {"M=256 N=48"}, "gelu": {"M=48 N=1000"}, "mlp": {"T=128 h=48 f=192"}}
+              for suite in ("layernorm", "rms_norm", "gelu", "gated", "mlp")}
+    assert shapes == {"layernorm": {"M=256 N=48"}, "rms_norm": {"M=256 N=48"}, "gelu": {"M=48 N=1000"},
+                      "gated": {"M=48 N=1000"}, "mlp": {"T=128 h=48 f=192", "T=128 h=48 f=129 (gated)"}}
