@@ -3,7 +3,7 @@ each benchmark suite (a row for each, also when it failed or ran out of time), w
 file is. Reads only what the steps left in the output folder (no torch import: quick, and it
 still works when the GPU environment is broken).
 
-    python bench/summarize.py OUT_DIR [--budget 480] [--elapsed SECONDS]
+    python bench/summarize.py OUT_DIR [--budget 560] [--elapsed SECONDS]
 """
 
 import argparse
@@ -12,7 +12,7 @@ import math
 import os
 import xml.etree.ElementTree as ElementTree
 
-SUITES = ("layernorm", "gelu", "mlp", "attention", "block")
+SUITES = ("layernorm", "rms_norm", "gelu", "gated", "mlp", "attention", "block")  # as gpu_check.sh runs them
 TAGS = ("device", "driver", "torch", "cuda", "triton", "commit")
 
 
@@ -191,7 +191,7 @@ def main(argv=None):
     parser.add_argument("out_dir")
     parser.add_argument("--suites", nargs="+", default=list(SUITES))
     parser.add_argument("--test-groups", nargs="+", default=["kernels", "rest", "exhaustive"])
-    parser.add_argument("--budget", type=int, default=480)
+    parser.add_argument("--budget", type=int, default=560)
     parser.add_argument("--elapsed", type=int, help="seconds the run took so far")
     args = parser.parse_args(argv)
     steps = read_steps(args.out_dir)

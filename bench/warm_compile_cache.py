@@ -13,7 +13,8 @@ Nothing here is timed, and Inductor's choice among kernel configurations, which 
 first launch, is not kept (its autotune cache is off here): the benchmark times those itself, on
 a quiet GPU, while these processes run beside other work.
 
-    python bench/warm_compile_cache.py [--suites layernorm gelu mlp attention block] [--dtype bf16] [--jobs N]
+    python bench/warm_compile_cache.py [--suites layernorm rms_norm gelu gated mlp attention block]
+        [--dtype bf16] [--jobs N]
 """
 
 import argparse
@@ -21,7 +22,7 @@ import concurrent.futures
 import multiprocessing
 import time
 
-SUITES = ("layernorm", "gelu", "mlp", "attention", "block")
+SUITES = ("layernorm", "rms_norm", "gelu", "gated", "mlp", "attention", "block")
 
 
 def compiled_implementations(suite, dtype_name, device):
