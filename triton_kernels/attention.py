@@ -51,7 +51,6 @@ from . import _autotune
 from ._common import TYPE_NAMES, cdiv, next_power_of_2, on_input_device, unit_last_stride
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
-LN2 = 0.6931471805599453  # ln(2): log(x) = log2(x) * LN2
 
 # Head dims the kernels are compiled and tested for (checked by the op layer; others fall back).
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)

@@ -1,4 +1,12 @@
-"""The one relative error remat measures with: the benchmarks' checks, the conversion probes, the tests."""
+"""The one relative error remat measures with (the benchmarks' checks, the conversion probes, the tests),
+and the dtype the references compute in."""
+
+import torch
+
+
+def math_dtype(x):
+    """float64 for a float64 tensor (the tests' oracles), else float32: what the references compute in."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def rel_error(out, ref):

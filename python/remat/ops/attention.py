@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _backend
+from .._numerics import math_dtype
 from .._validate import (
     autocast_dtype,
     cast_for_autocast,
@@ -52,9 +53,6 @@ HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the Triton kernels' head dims (see tri
 # ---------------------------------------------------------------------------------------------
 
 
-def _math_dtype(x):
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
 
 def _visible_mask(seqlen_q, seqlen_k, device):
     """(seqlen_q, seqlen_k) bool, True where query i may see key j (causal, bottom-right aligned)."""
@@ -68,7 +66,7 @@ def _expand_kv(t, heads):
 
 def _probabilities(q, k, causal, softmax_scale):
     """(p, lse) in the math dtype: p (B, H, Sq, Sk) with zero rows where nothing is visible."""
-    dtype = _math_dtype(q)
+    dtype = math_dtype(q)
     s = (q.to(dtype) @ _expand_kv(k, q.shape[1]).to(dtype).transpose(-1, -2)) * softmax_scale
     if causal:
         s = s.masked_fill(~_visible_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
@@ -118,7 +116,7 @@ def _attention_bwd_ref(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of attention_fwd, recomputing the probabilities from q and k, by the same
     derivation as the kernels (see triton_kernels/attention.py)."""
-    dtype = _math_dtype(q)
+    dtype = math_dtype(q)
     heads, kv_heads = q.shape[1], k.shape[1]
     p, _ = _probabilities(q, k, causal, softmax_scale)
     do_f = do.to(dtype)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _backend
+from .._numerics import math_dtype
 from .._validate import (
     autocast_dtype,
     cast_for_autocast,
@@ -28,16 +29,13 @@ from ._family import OpFamily, OpSamples, PublicCall, grad_leaves
 # ---------------------------------------------------------------------------------------------
 
 
-def _math_dtype(x):
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
 
 def layer_norm_fwd_ref(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(y, mean, rstd) for x of shape (M, N), last dim of stride 1; mean/rstd in fp32 (float64 for
     float64 input)."""
-    xf = x.to(_math_dtype(x))
+    xf = x.to(math_dtype(x))
     mean, rstd = _statistics(xf, eps)
     # y is normalised with the stored fp32 mean, as the backward recomputes it, so a recomputed y
     # is bitwise the forward's.
@@ -82,13 +80,13 @@ def layer_norm_bwd_ref(
 
     dw, db and y are empty (shape (0,)) where there is no weight, no bias, or no recompute.
     """
-    math_dtype = _math_dtype(x)
-    x_hat = (x.to(math_dtype) - mean[:, None].to(math_dtype)) * rstd[:, None].to(math_dtype)
-    dy_f = dy.to(math_dtype)
-    w_dy = dy_f * weight.to(math_dtype) if weight is not None else dy_f
+    compute = math_dtype(x)
+    x_hat = (x.to(compute) - mean[:, None].to(compute)) * rstd[:, None].to(compute)
+    dy_f = dy.to(compute)
+    w_dy = dy_f * weight.to(compute) if weight is not None else dy_f
     c1 = (w_dy * x_hat).mean(dim=1, keepdim=True)
     c2 = w_dy.mean(dim=1, keepdim=True)
-    dx = (w_dy - x_hat * c1 - c2) * rstd[:, None].to(math_dtype)
+    dx = (w_dy - x_hat * c1 - c2) * rstd[:, None].to(compute)
     dw = (dy_f * x_hat).sum(dim=0).to(weight.dtype) if weight is not None else _absent(x)
     db = dy_f.sum(dim=0).to(bias.dtype) if bias is not None else _absent(x)
     y = _affine(x_hat, weight, bias).to(x.dtype) if recompute_output else _absent(x)
@@ -134,7 +132,7 @@ def _backward(ctx, dy, _dmean, _drstd):
     if _backend.backward_is_differentiated():
         # create_graph=True: the reference's formula, which a second backward can differentiate,
         # with the statistics recomputed from x: the saved ones are constants to autograd.
-        mean, rstd = _statistics(x.to(_math_dtype(x)), ctx.eps)
+        mean, rstd = _statistics(x.to(math_dtype(x)), ctx.eps)
         dx, dw, db, _ = layer_norm_bwd_ref(dy, x, weight, bias, mean, rstd, False)
     else:
         dx, dw, db, _ = layer_norm_bwd(dy, x, weight, bias, mean, rstd, False)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _backend
+from .._numerics import math_dtype
 from .._validate import check_choice, check_eps, check_float_tensor, check_optional_param, rows_with_unit_stride
 from ._family import OpFamily, OpSamples, PublicCall, grad_leaves
 from .layer_norm import normalized_width
@@ -35,19 +36,16 @@ STYLES = ("torch", "llama", "gemma", "t5")
 # ---------------------------------------------------------------------------------------------
 
 
-def _math_dtype(x):
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
 
 def default_eps(dtype):
     """The eps torch's rms_norm uses for eps=None: that of its computation dtype, float32 for every
     input dtype but float64 (not finfo(dtype).eps: bfloat16's would be 2**-7)."""
-    return torch.finfo(_math_dtype(torch.empty((), dtype=dtype))).eps
+    return torch.finfo(math_dtype(torch.empty((), dtype=dtype))).eps
 
 
 def rms_norm_rstd_ref(x, eps):
     """rstd (M,) of x (M, N), with the operations the stock modules use for it; differentiable."""
-    xf = x.to(_math_dtype(x))
+    xf = x.to(math_dtype(x))
     return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps).squeeze(-1)
 
 
@@ -62,8 +60,8 @@ def output_dtype(style, x_dtype, weight):
 
 def rms_norm_output_ref(x, weight, rstd, style):
     """y from x and its rstd, rounded as the stock module of `style` rounds it."""
-    math_dtype = _math_dtype(x)
-    x_hat = x.to(math_dtype) * rstd[:, None].to(math_dtype)
+    compute = math_dtype(x)
+    x_hat = x.to(compute) * rstd[:, None].to(compute)
     if weight is None:
         return x_hat.to(x.dtype)
     if style == "torch":
@@ -71,7 +69,7 @@ def rms_norm_output_ref(x, weight, rstd, style):
     if style == "llama":
         return weight * x_hat.to(x.dtype)
     if style == "gemma":
-        return (x_hat * (1.0 + weight.to(math_dtype))).to(x.dtype)
+        return (x_hat * (1.0 + weight.to(compute))).to(x.dtype)
     if weight.dtype in (torch.float16, torch.bfloat16):  # t5
         x_hat = x_hat.to(weight.dtype)
     return weight * x_hat
@@ -92,14 +90,14 @@ def rms_norm_bwd_ref(
     With x̂ = x · rstd and g = dy · w' (w' = 1 + w for gemma, w otherwise):
     dx = rstd · (g − x̂ · mean(g · x̂)),  dw = Σ over rows of dy · x̂.
     """
-    math_dtype = _math_dtype(x)
-    x_hat = x.to(math_dtype) * rstd[:, None].to(math_dtype)
-    dy_f = dy.to(math_dtype)
+    compute = math_dtype(x)
+    x_hat = x.to(compute) * rstd[:, None].to(compute)
+    dy_f = dy.to(compute)
     g = dy_f
     if weight is not None:
-        g = dy_f * (weight.to(math_dtype) + 1.0 if style == "gemma" else weight.to(math_dtype))
+        g = dy_f * (weight.to(compute) + 1.0 if style == "gemma" else weight.to(compute))
     c1 = (g * x_hat).mean(dim=1, keepdim=True)
-    dx = ((g - x_hat * c1) * rstd[:, None].to(math_dtype)).to(x.dtype)
+    dx = ((g - x_hat * c1) * rstd[:, None].to(compute)).to(x.dtype)
     dw = (dy_f * x_hat).sum(dim=0).to(weight.dtype) if weight is not None else x.new_empty((0,))
     y = rms_norm_output_ref(x, weight, rstd, style) if recompute_output else \
         x.new_empty((0,), dtype=output_dtype(style, x.dtype, weight))
