@@ -99,6 +99,11 @@ def _activation_name(module):
     return "gelu_tanh" if module.approximate == "tanh" else "gelu"
 
 
+def _stock_gelu(h, approximate):
+    """The stock computation of a GELU remat computes: torch's, or QuickGELU's formula (transformers')."""
+    return h * torch.sigmoid(1.702 * h) if approximate == "quick" else F.gelu(h, approximate=approximate)
+
+
 def _check_recompute(recompute):
     if not isinstance(recompute, bool):
         raise TypeError(f"recompute must be True or False, got {recompute!r}")
@@ -237,7 +242,7 @@ class MLP(torch.nn.Module):
             fallback(self, reason)
             h = self.fc1(norm(x) if norm is not None else x)
             act = self.__dict__.get("remat_activation")  # the GELU module convert fused, if any
-            return self.fc2(act(h) if act is not None else F.gelu(h, approximate=approximate))
+            return self.fc2(act(h) if act is not None else _stock_gelu(h, approximate))
         fc1, fc2 = linears
         _input_checked(x, fc1.weight.shape[1], self)
         return fused_mlp(x, fc1, Activation(self.activation), fc2, norm_of(norm) if norm is not None else None,

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import remat
+from remat._guards import RematFallbackWarning
 
 from numerics import activation_bytes, assert_close_to_ref, assert_compiled_matches_eager, rel_error
 
@@ -199,3 +200,17 @@ def test_bad_input_is_named(call, error, words):
     with pytest.raises(error) as caught:
         call()
     assert words in str(caught.value)
+
+
+def test_quick_gelu_mlp_and_its_stock_fallback_agree(target):
+    """remat.nn.MLP(activation="gelu_quick") fuses QuickGELU (x·σ(1.702x)); a hook on fc1 makes it run
+    the layers one after the other, with QuickGELU's own formula: the same output."""
+    device, _ = target
+    ours = randomize(remat.nn.MLP(16, 40, activation="gelu_quick")).to(device)
+    x = torch.randn(5, 16, device=device)
+    fused = ours(x)
+    stock = ours.fc2(ours.fc1(x) * torch.sigmoid(1.702 * ours.fc1(x)))
+    assert rel_error(fused, stock) < 1e-5
+    ours.fc1.register_forward_hook(lambda *args: None)
+    with pytest.warns(RematFallbackWarning):
+        assert rel_error(ours(x), stock) < 1e-5
