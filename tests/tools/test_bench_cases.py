@@ -28,7 +28,7 @@ def test_backend_is_in_force_for_the_backward_too(monkeypatch):
     seen = []
     choose = _backend.choose
     monkeypatch.setattr(_backend, "choose",
-                        lambda op, device: seen.append(_backend.get_backend()) or choose(op, device))
+                        lambda op, device, **kw: seen.append(_backend.get_backend()) or choose(op, device, **kw))
     x = torch.randn(8, 16, requires_grad=True)
 
     def step():
