@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 import remat
 
-from .cases import Case, Variant, check_against, op_built
-from .layer_norm import awkward_rows, ours_by_backend
+from .cases import Case, check_against, op_built
+from .layer_norm import awkward_rows, peer_variants
 
 GPU_ROWS, GPU_WIDTH, QUICK_ROWS = 32768, 8192, 8192
 CPU_ROWS, CPU_WIDTH = 256, 1000
@@ -58,15 +58,8 @@ def _liger(activation):
 
 def implementations(device, activation):
     """A Variant (a function of the (M, 2N) projection output) for every implementation."""
-    impls = [Variant(name, True, _remat(activation), backend) for name, backend in ours_by_backend(device)]
-    impls += [Variant("torch", False, _torch(activation)),
-              Variant("torch.compile", False, lambda gate_up: _compiled(activation)(gate_up), compiles=True)]
-    if device.type == "cuda":
-        try:
-            impls.append(Variant("liger", False, _liger(activation)))
-        except Exception:  # not installed, or installed but broken against this torch/triton
-            pass
-    return impls
+    return peer_variants(device, _remat(activation), _torch(activation),
+                         lambda gate_up: _compiled(activation)(gate_up), lambda: _liger(activation))
 
 
 def _make_inputs(rows, width, dtype, device):

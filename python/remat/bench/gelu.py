@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 import remat
 
-from .cases import Case, Variant, check_against, op_built
-from .layer_norm import awkward_rows, ours_by_backend
+from .cases import Case, check_against, op_built
+from .layer_norm import awkward_rows, peer_variants
 
 GPU_ROWS, GPU_WIDTH, QUICK_ROWS = 32768, 8192, 8192
 CPU_ROWS, CPU_WIDTH = 256, 1000
@@ -37,10 +37,8 @@ def _compiled(approximate):
 
 def implementations(device, approximate):
     """A Variant (a function of x and the bias) for every implementation."""
-    impls = [Variant(name, True, _remat(approximate), backend) for name, backend in ours_by_backend(device)]
-    impls += [Variant("torch", False, _torch(approximate)),
-              Variant("torch.compile", False, lambda x, b: _compiled(approximate)(x, b), compiles=True)]
-    return impls
+    return peer_variants(device, _remat(approximate), _torch(approximate),
+                         lambda x, b: _compiled(approximate)(x, b))
 
 
 def _make_inputs(rows, width, dtype, device, with_bias):

@@ -50,17 +50,22 @@ def ours_by_backend(device):
     return [(f"remat-{backend}", backend) for backend in ("triton", "cuda") if remat.backends()[backend][0]]
 
 
-def implementations(device):
-    """A Variant (a function of x, weight, bias) for every implementation that can run on `device`."""
-    impls = [Variant(name, True, _remat, backend) for name, backend in ours_by_backend(device)]
-    impls += [Variant("torch", False, _torch),
-              Variant("torch.compile", False, lambda x, w, b: _compiled()(x, w, b), compiles=True)]
-    if device.type == "cuda":
+def peer_variants(device, ours, stock, compiled, liger=None):
+    """The Variants of an op: `ours` on each remat backend, then `stock` eager and `compiled` (stock under
+    torch.compile), and on a GPU Liger's, when `liger()` builds it."""
+    impls = [Variant(name, True, ours, backend) for name, backend in ours_by_backend(device)]
+    impls += [Variant("torch", False, stock), Variant("torch.compile", False, compiled, compiles=True)]
+    if liger is not None and device.type == "cuda":
         try:
-            impls.append(Variant("liger", False, _liger()))
+            impls.append(Variant("liger", False, liger()))
         except Exception:  # not installed, or installed but broken against this torch/triton
             pass
     return impls
+
+
+def implementations(device):
+    """A Variant (a function of x, weight, bias) for every implementation that can run on `device`."""
+    return peer_variants(device, _remat, _torch, lambda x, w, b: _compiled()(x, w, b), _liger)
 
 
 def _make_inputs(rows, width, dtype, device):

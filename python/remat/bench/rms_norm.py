@@ -13,8 +13,8 @@ import torch
 
 import remat
 
-from .cases import Variant, check_against, op_built
-from .layer_norm import awkward_rows, ours_by_backend, row_norm_cases
+from .cases import check_against, op_built
+from .layer_norm import awkward_rows, peer_variants, row_norm_cases
 
 SIZES_MEAN = "widths N"  # what cases(sizes=...), `remat bench --shapes`, sets (LayerNorm's widths by default)
 EPS = 1e-6
@@ -43,15 +43,7 @@ def _liger():
 
 def implementations(device):
     """A Variant (a function of x, weight) for every implementation that can run on `device`."""
-    impls = [Variant(name, True, _remat, backend) for name, backend in ours_by_backend(device)]
-    impls += [Variant("torch", False, _torch),
-              Variant("torch.compile", False, lambda x, w: _compiled()(x, w), compiles=True)]
-    if device.type == "cuda":
-        try:
-            impls.append(Variant("liger", False, _liger()))
-        except Exception:  # not installed, or installed but broken against this torch/triton
-            pass
-    return impls
+    return peer_variants(device, _remat, _torch, lambda x, w: _compiled()(x, w), _liger)
 
 
 def _make_inputs(rows, width, dtype, device):
