@@ -5,9 +5,10 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from numerics import rel_error
+from numerics import rel_error, saved_bytes
 
 # The hf extra's floor (pyproject.toml). Older releases have other attention forward signatures:
 # remat.hf then leaves those classes stock and says why (test_probe_refuses_an_attention_forward_
@@ -17,6 +18,8 @@ transformers = pytest.importorskip("transformers", minversion="5.24")
 GRAD_TOL = 1e-4
 BATCH, SEQ, VOCAB, LAYERS = 2, 8, 100, 2
 HIDDEN, HEADS, FFN = 64, 2, 128  # head dim 32: one of remat's attention kernel head dims
+HEAD_DIM = HIDDEN // HEADS
+F32 = 4  # bytes: the family tests run in fp32
 
 
 def gpt2(**overrides):
@@ -281,3 +284,16 @@ RMS_FAMILIES = {
     "gemma2": _decoder("Gemma2Config", "Gemma2ForCausalLM", **_GEMMA),
     "gemma3": _decoder("Gemma3TextConfig", "Gemma3ForCausalLM", **_GEMMA),
 }
+
+
+def step_saved_bytes(model, batch):
+    """Bytes autograd keeps for one training forward of `model` on `batch` (its parameters left out)."""
+    return saved_bytes(lambda: model(**batch).loss, exclude=list(model.parameters()))
+
+
+def attention_output_copy_bytes(q):
+    """Bytes per token a stock output projection keeps of a copy of SDPA's output, for q (B, H, S, D) as
+    the stock forward builds it: where SDPA's output takes q's layout (B, H, S, D) (CPU), the stock
+    transpose(1, 2).reshape copies it (fp32, hidden wide); remat.attention lays it out (B, S, H, D)."""
+    out = F.scaled_dot_product_attention(q, q, q)
+    return 0 if out.transpose(1, 2).is_contiguous() else F32 * HIDDEN

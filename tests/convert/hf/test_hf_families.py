@@ -20,6 +20,8 @@ from remat._guards import RematFallbackWarning
 
 from hf_models import (
     BATCH,
+    F32,
+    HEAD_DIM,
     HEADS,
     HIDDEN,
     LAYERS,
@@ -27,18 +29,18 @@ from hf_models import (
     WHISPER_FRAMES,
     OpCounter,
     assert_same_step,
+    attention_output_copy_bytes,
     build,
     family_inputs,
     loss_and_grads,
     remat_attention_calls,
+    step_saved_bytes,
     transformers,
 )
 from numerics import rel_error, saved_bytes
 
 conv = importlib.import_module("remat.convert")
 
-HEAD_DIM = HIDDEN // HEADS
-F32 = 4  # bytes: the tests run in fp32
 STATS = 8  # fp32 mean and rstd per token: what a second consumer of one LayerNorm keeps besides x
 STOCK_INDEX_BYTES = 16  # Falcon's new architecture indexes k and v with [-2] and [-1]: two 1-element int64 indices
 
@@ -130,10 +132,7 @@ def attention_output_copy(family, device):
     builds it: a view of the projection (B, S, H, D) transposed; Phi's rotary (a torch.cat over the
     head dim) and Whisper's .contiguous() make it (B, H, S, D) itself."""
     q = torch.randn(1, 3, HEADS, HEAD_DIM, device=device, requires_grad=True).transpose(1, 2)
-    if family in ("phi", "whisper"):
-        q = q.contiguous()
-    out = F.scaled_dot_product_attention(q, q, q)
-    return 0 if out.transpose(1, 2).is_contiguous() else F32 * HIDDEN
+    return attention_output_copy_bytes(q.contiguous() if family in ("phi", "whisper") else q)
 
 
 def sdpa_mask_bytes(device, kv_heads):
@@ -210,10 +209,6 @@ ONE_OP_GELU = {"phi": {"hidden_act": "gelu_pytorch_tanh"}, "gptj": {"activation_
                "clip": {"hidden_act": "gelu"}}
 
 
-def measure(model, batch):
-    return saved_bytes(lambda: model(**batch).loss, exclude=list(model.parameters()))
-
-
 @pytest.mark.parametrize("name", CASES)
 def test_saved_bytes_per_layer(target, name):
     device, _ = target
@@ -221,16 +216,16 @@ def test_saved_bytes_per_layer(target, name):
     stock.to(device)
     batch = family_inputs(CASES[name].family, device)
     expected = expected_saving(name, ffn, device)
-    before = measure(stock, batch)
+    before = step_saved_bytes(stock, batch)
     converted, report = conv.convert(stock, report=True)
-    assert before - measure(converted, batch) == expected.fused + expected.attention
+    assert before - step_saved_bytes(converted, batch) == expected.fused + expected.attention
     assert report.saved_bytes_per_token() == expected.report_fused + expected.report_attention
     # recompute=False keeps the LayerNorm and GELU outputs again (a LayerNorm feeding two modules
     # stays stock: each would keep its own output); what remat.attention keeps less remains.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", conv.RematWarning)
         kept_model, kept_report = conv.convert(stock, recompute=False, report=True)
-    assert before - measure(kept_model, batch) == expected.attention
+    assert before - step_saved_bytes(kept_model, batch) == expected.attention
     assert kept_report.saved_bytes_per_token() == expected.report_attention
 
 
@@ -244,7 +239,8 @@ def test_gelu_new_keeps_three_more_intermediates():
     expected = expected_saving("phi", ffn, "cpu")
     converted, report = conv.convert(stock, report=True)
     extra = LAYERS * BATCH * SEQ * 3 * F32 * ffn
-    assert measure(stock, batch) - measure(converted, batch) == expected.fused + expected.attention + extra
+    saving = step_saved_bytes(stock, batch) - step_saved_bytes(converted, batch)
+    assert saving == expected.fused + expected.attention + extra
     assert report.saved_bytes_per_token() == expected.report_fused
 
 
@@ -257,7 +253,8 @@ def test_quick_gelu_keeps_its_sigmoid_more():
     expected = expected_saving("clip", ffn, "cpu")
     converted, report = conv.convert(stock, report=True)
     extra = LAYERS * (BATCH * SEQ + BATCH * 5) * F32 * ffn
-    assert measure(stock, batch) - measure(converted, batch) == expected.fused + expected.attention + extra
+    saving = step_saved_bytes(stock, batch) - step_saved_bytes(converted, batch)
+    assert saving == expected.fused + expected.attention + extra
     assert report.saved_bytes_per_token() == expected.report_fused
 
 

@@ -10,7 +10,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from test_hf_families import assert_skipped_as_expected, swapped_counts
 
 from remat import memory
@@ -18,23 +17,24 @@ from remat.convert.hf import registry
 
 from hf_models import (
     BATCH,
+    F32,
+    HEAD_DIM,
     HEADS,
     HIDDEN,
     KV_HEADS,
     LAYERS,
     SEQ,
     assert_same_step,
+    attention_output_copy_bytes,
     build,
     family_inputs,
     loss_and_grads,
     remat_attention_calls,
+    step_saved_bytes,
 )
-from numerics import saved_bytes
 
 conv = importlib.import_module("remat.convert")
 
-HEAD_DIM = HIDDEN // HEADS
-F32 = 4  # bytes: the tests run in fp32
 TOKENS = BATCH * SEQ
 OUTPUT_NORMS = "normalises a block's output"
 SOFTCAP = "softcapping"
@@ -106,8 +106,7 @@ def attention_output_copy(name, device):
     q = torch.randn(1, 3, HEADS, HEAD_DIM, device=device, requires_grad=True).transpose(1, 2)
     cos = torch.randn(1, 3, HEAD_DIM, device=device)
     q, _ = stock_file.apply_rotary_pos_emb(q, q, cos, cos)
-    out = F.scaled_dot_product_attention(q, q, q)
-    return 0 if out.transpose(1, 2).is_contiguous() else F32 * HIDDEN
+    return attention_output_copy_bytes(q)
 
 
 def expected_saving(name, ffn, device):
@@ -128,10 +127,6 @@ def expected_saving(name, ffn, device):
     return LAYERS * TOKENS * per_layer + constant, LAYERS * (mlp + norms * F32 * HIDDEN)
 
 
-def measure(model, batch):
-    return saved_bytes(lambda: model(**batch).loss, exclude=list(model.parameters()))
-
-
 @pytest.mark.parametrize("name", CASES)
 def test_saved_bytes_per_layer(target, name):
     device, _ = target
@@ -139,9 +134,9 @@ def test_saved_bytes_per_layer(target, name):
     stock.to(device)
     batch = family_inputs(name, device)
     saving, report_saving = expected_saving(name, ffn, device)
-    before = measure(stock, batch)
+    before = step_saved_bytes(stock, batch)
     converted, report = conv.convert(stock, report=True)
-    assert before - measure(converted, batch) == saving
+    assert before - step_saved_bytes(converted, batch) == saving
     assert report.saved_bytes_per_token() == report_saving
 
 
