@@ -1,6 +1,7 @@
 """Measures shared by the tests: numerical error against a reference, bytes saved by autograd, and
 the bf16 rounding of the Triton interpreter."""
 
+import copy
 import functools
 
 import torch
@@ -124,3 +125,13 @@ def round_interpreter_bf16_casts_to_nearest():
         raise RuntimeError("patching triton.runtime.interpreter._convert_float did not make the interpreter's "
                            "fp32 -> bf16 casts round to nearest")
     return True
+
+
+def float64_step(module, x, dy):
+    """(y, dx, {parameter name: grad}) of a float64 copy of `module` on x with output gradient dy: the
+    oracle the fused layers' tests hold every output and gradient to."""
+    module64 = copy.deepcopy(module).double()
+    x64 = x.detach().double().requires_grad_()
+    y = module64(x64)
+    y.backward(dy.double())
+    return y, x64.grad, {name: p.grad for name, p in module64.named_parameters()}

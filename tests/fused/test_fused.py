@@ -1,6 +1,5 @@
 """Fused layers: LayerNormLinear, MLP, LayerNormMLP against the unfused torch stacks, and their exact memory."""
 
-import copy
 
 import pytest
 import torch
@@ -8,7 +7,7 @@ import torch
 import remat
 from remat._guards import RematFallbackWarning
 
-from numerics import activation_bytes, assert_close_to_ref, assert_compiled_matches_eager, rel_error
+from numerics import activation_bytes, assert_close_to_ref, assert_compiled_matches_eager, float64_step, rel_error
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -38,18 +37,6 @@ def build(kind, hidden, ffn, dtype, device, recompute=True, activation="gelu"):
     return ours.to(device, dtype), stock.to(device)
 
 
-def float64_grads(module, x, dy):
-    x64 = x.detach().double().requires_grad_()
-    module64 = _clone_double(module)
-    y = module64(x64)
-    y.backward(dy.double())
-    return y, x64.grad, {name: p.grad for name, p in module64.named_parameters()}
-
-
-def _clone_double(module):
-    return copy.deepcopy(module).double()
-
-
 KINDS = ["LayerNormLinear", "MLP", "LayerNormMLP"]
 
 
@@ -64,7 +51,7 @@ def test_matches_float64_stock_stack(target, kind, dtype, recompute):
     dy = torch.randn(3, 7, ours(x).shape[-1], device=device).to(dtype)
     y = ours(x)
     y.backward(dy)
-    want_y, want_dx, want_grads = float64_grads(stock, x, dy)
+    want_y, want_dx, want_grads = float64_step(stock, x, dy)
     assert y.dtype == dtype
     assert_close_to_ref("y", y, want_y, dtype)
     assert_close_to_ref("dx", x.grad, want_dx, dtype)

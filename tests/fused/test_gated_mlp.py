@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import remat
 
-from numerics import REL_TOL, activation_bytes, assert_close_to_ref, rel_error
+from numerics import REL_TOL, activation_bytes, assert_close_to_ref, float64_step, rel_error
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 STOCK_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh")}
@@ -52,14 +52,6 @@ def randomized(module):
         for p in module.parameters():
             p.copy_(torch.randn_like(p) * (1 / p.shape[-1] ** 0.5 if p.dim() == 2 else 0.3) + (p.dim() == 1))
     return module
-
-
-def float64_step(module, x, dy):
-    module64 = copy.deepcopy(module).double()
-    x64 = x.detach().double().requires_grad_()
-    y = module64(x64)
-    y.backward(dy.double())
-    return y, x64.grad, {name: p.grad for name, p in module64.named_parameters()}
 
 
 CONFIGS = [  # (activation, bias, norm, fused_projection)
