@@ -7,7 +7,14 @@ import torch
 import remat
 from remat._guards import RematFallbackWarning
 
-from numerics import activation_bytes, assert_close_to_ref, assert_compiled_matches_eager, float64_step, rel_error
+from numerics import (
+    activation_bytes,
+    assert_close_to_ref,
+    assert_compiled_matches_eager,
+    float64_step,
+    rel_error,
+    saved_bytes,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -144,6 +151,66 @@ def test_layer_norm_mlp_saves_ten_bytes_per_token_and_width(target, recompute):
     kept = 2 * tokens * hidden + 8 * tokens * hidden  # x and the fc1 output
     dropped = 2 * tokens * hidden + 8 * tokens * hidden  # LayerNorm output and GELU output
     assert activation_bytes(ours, x) == kept + statistics + (0 if recompute else dropped)
+
+
+def _parallel_layer(x, norm, q, fc1, fc2, shared):
+    """A parallel layer's two consumers of one norm (Phi's attention q/k/v and MLP), summed."""
+    from remat.ops.fused import fused_mlp, norm_linears
+
+    (attention,) = norm_linears(x, norm, [q], shared=shared)
+    return attention + fused_mlp(x, fc1, remat.specs.gelu("tanh"), fc2, norm, shared=shared)
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
+def test_parallel_consumers_of_one_norm_keep_its_statistics_once(target, kind):
+    """Given one SharedStatistics, the second fused op applying the norm to the same x keeps the
+    first one's statistics: 4 bytes per row less per statistic, the same gradients; an x changed
+    in place in between, or another x, gets its own."""
+    from remat.ops.fused import SharedStatistics
+    from remat.specs import Linear, Norm
+
+    device, _ = target
+    tokens, hidden, ffn = 37, 24, 40
+    g = torch.Generator().manual_seed(5)
+    param = lambda *shape: torch.randn(*shape, generator=g).to(device).requires_grad_()  # noqa: E731
+    if kind == "layer_norm":
+        norm = Norm(param(hidden), param(hidden), 1e-5)
+    else:
+        norm = Norm(param(hidden), None, 1e-5, kind, "llama")
+    q, fc1 = Linear(param(hidden, hidden), None), Linear(param(ffn, hidden), param(ffn))
+    fc2 = Linear(param(hidden, ffn))
+    params = [t for t in (norm.weight, norm.bias, q.weight, fc1.weight, fc1.bias, fc2.weight) if t is not None]
+    statistics = (2 if kind == "layer_norm" else 1) * tokens * 4
+    x = torch.randn(tokens, hidden, generator=g).to(device).requires_grad_()
+
+    def step(shared):
+        kept = saved_bytes(lambda: _parallel_layer(x, norm, q, fc1, fc2, shared).square().sum().backward(),
+                           exclude=params)
+        grads = [t.grad.clone() for t in (x, *params)]
+        for t in (x, *params):
+            t.grad = None
+        return kept, grads
+
+    alone, alone_grads = step(None)
+    shared, shared_grads = step(SharedStatistics())
+    assert alone - shared == statistics
+    for a, b in zip(alone_grads, shared_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    holder = SharedStatistics()
+    from remat.ops.fused import norm_linears
+
+    with torch.no_grad():
+        first = x.detach().clone()
+        norm_linears(first, norm, [q], shared=holder)
+        assert holder.lookup(first) is None  # nothing kept them without autograd: nothing to share
+    first.requires_grad_()
+    out = norm_linears(first, norm, [q], shared=holder)  # its graph keeps the statistics alive
+    assert holder.lookup(first) is not None and holder.lookup(first.detach().clone()) is None
+    with torch.no_grad():
+        first.add_(1.0)
+    assert holder.lookup(first) is None
+    del out
 
 
 # --- contract -----------------------------------------------------------------------------------

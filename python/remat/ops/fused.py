@@ -20,6 +20,7 @@ eager PyTorch does, so tests and benchmarks can compare the two modes.
 """
 
 import collections
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -137,6 +138,60 @@ def _kept(keep, *tensors):
     return tensors if keep else (None,) * len(tensors)
 
 
+class SharedStatistics:
+    """The fp32 row statistics a fused op computed of one norm over one input, handed to the next
+    fused op applying the same norm to the same input (a parallel layer's attention and MLP, Phi's
+    and GPT-J's), which keeps these very tensors for its backward instead of its own: saved once.
+
+    The same kernel on the same input gives the same statistics bit for bit, so either op's are
+    the other's. Holds weak references only: the statistics live while some backward keeps them,
+    and the input must be the same tensor object, not modified in place since. Not used while
+    torch.compile traces (each op then keeps its own).
+    """
+
+    def __init__(self):
+        self._entry = None
+
+    def lookup(self, x):
+        """The statistics stored for `x`, if still alive, else None."""
+        if self._entry is None:
+            return None
+        ref, version, stats = self._entry
+        if ref() is not x or x._version != version:
+            return None
+        stats = tuple(s() for s in stats)
+        return None if any(s is None for s in stats) else stats
+
+    def store(self, x, stats):
+        self._entry = (weakref.ref(x), x._version, tuple(weakref.ref(s) for s in stats))
+
+
+class _StatisticsSlot:
+    """What one fused op call exchanges with a SharedStatistics: the statistics given, and those kept."""
+
+    def __init__(self, given):
+        self.given, self.kept = given, None
+
+    def exchange(self, stats):
+        self.kept = self.given if self.given is not None else stats
+        return self.kept
+
+
+def _exchange(slot, stats):
+    return stats if slot is None else slot.exchange(stats)
+
+
+def _sharing(shared, x, call):
+    """call(slot): the fused op with the statistics `shared` holds for `x`, storing those it kept."""
+    if shared is None or torch.compiler.is_compiling():
+        return call(None)
+    slot = _StatisticsSlot(shared.lookup(x))
+    out = call(slot)
+    if slot.kept:
+        shared.store(x, slot.kept)
+    return out
+
+
 class _LayerNormLinears(torch.autograd.Function):
     """outs[i] = Linear_i(LayerNorm(x)) [+ its LoRA adapters] on rows x (M, K), for one or more Linears
     reading the same LayerNorm (ViT's q, k, v): LayerNorm(x) is computed once, and x with one fp32
@@ -146,15 +201,16 @@ class _LayerNormLinears(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, norm_weight, norm_bias, norm_layout, recompute, layout, *tensors):
+    def forward(ctx, x, norm_weight, norm_bias, norm_layout, recompute, layout, slot, *tensors):
         linears = _unpack_linears(tensors, layout)
-        needs = _unpack_needs(ctx.needs_input_grad[6:], layout)
+        needs = _unpack_needs(ctx.needs_input_grad[7:], layout)
         need_norm_grad = any(ctx.needs_input_grad[:3])  # the LayerNorm's backward runs
         need_normed = any(n.weight or any(a[0] for a in n.adapters) for n in needs)  # for each dW and dA
         # Rebuilding LN(x) pays only where x is kept anyway, for the LayerNorm's own backward;
         # otherwise LN(x) is kept as eager keeps it (it is smaller than x and its statistics).
         rebuild = recompute and need_norm_grad
         normed, stats = _norm_forward(norm_layout, x, norm_weight, norm_bias)
+        stats = _exchange(slot, stats)
         outs, intermediates = [], []
         for linear in linears:
             out, ts = _add_adapters(F.linear(normed, linear.weight, linear.bias), normed, linear.adapters)
@@ -198,7 +254,7 @@ class _LayerNormLinears(torch.autograd.Function):
             dx if need_x else None,
             d_norm_weight if need_nw and norm_weight is not None else None,
             d_norm_bias if need_nb and norm_bias is not None else None,
-            None, None, None, *flat,
+            None, None, None, None, *flat,
         )
 
 
@@ -272,9 +328,9 @@ class _MLP(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, layout, x, norm_weight, norm_bias, *tensors):
+    def forward(ctx, layout, x, norm_weight, norm_bias, slot, *tensors):
         linears = _unpack_linears(tensors, layout.linears)
-        needs = _unpack_needs(ctx.needs_input_grad[4:], layout.linears)
+        needs = _unpack_needs(ctx.needs_input_grad[5:], layout.linears)
         ups, down, up_needs, down_needs = linears[:-1], linears[-1], needs[:-1], needs[-1]
         has_norm = layout.norm is not None
         need_norm_grad = has_norm and any(ctx.needs_input_grad[1:4])
@@ -284,6 +340,7 @@ class _MLP(torch.autograd.Function):
         need_activation = down_needs.weight or any(a[0] for a in down_needs.adapters)  # for dW2 and down's dA
         if has_norm:
             up_input, stats = _norm_forward(layout.norm, x, norm_weight, norm_bias)
+            stats = _exchange(slot, stats)
         else:
             up_input, stats = x, ()
         kernel_bias = _bias_in_kernel(layout.act, ups)
@@ -376,6 +433,7 @@ class _MLP(torch.autograd.Function):
             dx if need_x else None,
             d_norm_weight if need_nw and norm_weight is not None else None,
             d_norm_bias if need_nb and norm_bias is not None else None,
+            None,  # the statistics slot
             *flat_ups, *flat_down,
         )
 
@@ -485,13 +543,18 @@ def _cast_linears(dtype, linears):
             if isinstance(lin, Linear) else lin for lin in linears]
 
 
-def norm_linears(x, norm, linears, recompute=True):
+def norm_linears(x, norm, linears, recompute=True, shared=None):
     """[Linear_i(norm(x)) + its LoRA adapters] for each remat.specs.Linear(weight, bias, adapters) in
     `linears`, all reading one remat.specs.Norm (as ViT's q, k and v do).
 
     The norm is computed once; autograd keeps x and one fp32 mean/rstd pair (and each adapter's
-    rank-r A(norm(x))), and rebuilds norm(x) for every dW and dA.
+    rank-r A(norm(x))), and rebuilds norm(x) for every dW and dA. shared: a SharedStatistics of
+    this norm, when other fused ops apply it to the same x: the statistics are then kept once.
     """
+    return _sharing(shared, x, lambda slot: _norm_linears(x, norm, linears, recompute, slot))
+
+
+def _norm_linears(x, norm, linears, recompute, slot):
     check_float_tensor("x", x)
     check_norm(norm)
     if not isinstance(linears, (tuple, list)) or not linears or not all(isinstance(lin, Linear) for lin in linears):
@@ -500,7 +563,7 @@ def norm_linears(x, norm, linears, recompute=True):
     if autocast_dtype(x.device.type) is not None:
         dtype = autocast_dtype(x.device.type)
         with torch.autocast(x.device.type, enabled=False):
-            return norm_linears(cast_for_autocast(dtype, x)[0], norm, _cast_linears(dtype, linears), recompute)
+            return _norm_linears(cast_for_autocast(dtype, x)[0], norm, _cast_linears(dtype, linears), recompute, slot)
     names = [("weight", "bias", "adapters")] if len(linears) == 1 else \
         [(f"linears[{i}].weight", f"linears[{i}].bias", f"linears[{i}].adapters") for i in range(len(linears))]
     rows = _rows(x)
@@ -515,7 +578,7 @@ def norm_linears(x, norm, linears, recompute=True):
         layout.append(scales)
     norm_weight, norm_bias = _contiguous(norm.weight, norm.bias)
     outs = _LayerNormLinears.apply(rows, norm_weight, norm_bias, _norm_layout(norm), bool(recompute), tuple(layout),
-                                   *tensors)
+                                   slot, *tensors)
     return [out.view(*x.shape[:-1], linear.weight.shape[0]) for out, linear in zip(outs, linears)]
 
 
@@ -531,7 +594,7 @@ def _up_projections(fc1, act):
     return [fc1], ("fc1",)
 
 
-def fused_mlp(x, fc1, act, fc2, norm=None, recompute=True):
+def fused_mlp(x, fc1, act, fc2, norm=None, recompute=True, shared=None):
     """fc2(act(fc1(x))), with `norm` (a remat.specs.Norm) applied to x first when given; fc1 and fc2 are
     remat.specs.Linear, with their LoRA adapters; act a remat.specs.Activation.
 
@@ -540,7 +603,12 @@ def fused_mlp(x, fc1, act, fc2, norm=None, recompute=True):
 
     Autograd keeps x, the fc1 output h (gate and up when gated; and fp32 norm statistics with the
     norm, and each adapter's rank-r intermediate), and rebuilds act(h) (and norm(x)) in the backward.
+    shared: a SharedStatistics of the norm, as for norm_linears.
     """
+    return _sharing(shared, x, lambda slot: _fused_mlp(x, fc1, act, fc2, norm, recompute, slot))
+
+
+def _fused_mlp(x, fc1, act, fc2, norm, recompute, slot):
     check_float_tensor("x", x)
     check_activation(act)
     ups, names = _up_projections(fc1, act)
@@ -552,8 +620,8 @@ def fused_mlp(x, fc1, act, fc2, norm=None, recompute=True):
         dtype = autocast_dtype(x.device.type)
         with torch.autocast(x.device.type, enabled=False):
             *ups, fc2 = _cast_linears(dtype, [*ups, fc2])
-            return fused_mlp(cast_for_autocast(dtype, x)[0], ups if len(ups) == 2 else ups[0], act, fc2, norm,
-                             recompute)
+            return _fused_mlp(cast_for_autocast(dtype, x)[0], ups if len(ups) == 2 else ups[0], act, fc2, norm,
+                              recompute, slot)
     rows = _rows(x)
     if norm is not None:
         _check_width_against_norm(x, norm.weight, ups[0].weight)
@@ -573,7 +641,7 @@ def fused_mlp(x, fc1, act, fc2, norm=None, recompute=True):
         tensors += [linear.weight, *_contiguous(linear.bias), *flat]  # a bias may go to the GELU kernel
         scales.append(linear_scales)
     layout = _MLPLayout(_norm_layout(norm) if norm is not None else None, act, bool(recompute), tuple(scales))
-    out = _MLP.apply(layout, rows, norm_weight, norm_bias, *tensors)
+    out = _MLP.apply(layout, rows, norm_weight, norm_bias, slot, *tensors)
     return out.view(*x.shape[:-1], fc2.weight.shape[0])
 
 

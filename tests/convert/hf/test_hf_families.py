@@ -41,7 +41,6 @@ from numerics import rel_error, saved_bytes
 
 conv = importlib.import_module("remat.convert")
 
-STATS = 8  # fp32 mean and rstd per token: what a second consumer of one LayerNorm keeps besides x
 STOCK_INDEX_BYTES = 16  # Falcon's new architecture indexes k and v with [-2] and [-1]: two 1-element int64 indices
 
 # case -> (family, config overrides, {swapped class: count}, remat attention kernels per step,
@@ -159,7 +158,7 @@ def expected_saving(name, ffn, device):
     gelu  the GELU output (fc2's input), ffn wide: the fused MLP keeps the fc1 output only
     norm  a LayerNorm's output, hidden wide: the fused projections keep x and mean/rstd instead;
           one LayerNorm feeding two modules (Phi, GPT-J, Falcon-7B) is applied inside both, which keep
-          the same x once and each its own fp32 mean/rstd: norm - STATS
+          the same x and the same fp32 mean/rstd once: norm
     gqa   Falcon's new architecture: the stock forward copies each group's k and v out to all heads
     and what depends on the stock attention's backend: the attention output copy, Falcon's mask.
     """
@@ -175,13 +174,13 @@ def expected_saving(name, ffn, device):
         per_layer = gelu + 2 * norm
         return Saving(LAYERS * (tokens + BATCH * 5) * per_layer, 0, 2 * LAYERS * per_layer, 0)
     if name in ("phi", "gptj"):
-        per_layer = gelu + norm - STATS
+        per_layer = gelu + norm
         return Saving(LAYERS * tokens * per_layer, LAYERS * tokens * copy, LAYERS * per_layer, 0)
     if name.startswith("falcon"):
         config = CASES[name].overrides
         new = config.get("new_decoder_architecture", False)
         one_norm = config.get("num_ln_in_parallel_attn") == 1 or not config  # Falcon-7B's default: one
-        per_layer = gelu + (norm - STATS if one_norm else 2 * norm)
+        per_layer = gelu + (norm if one_norm else 2 * norm)
         gqa = 2 * (HEADS - 1) * HEAD_DIM * F32 if new else 0
         mask = sdpa_mask_bytes(device, 1 if new or config.get("multi_query", True) else HEADS)
         index = LAYERS * STOCK_INDEX_BYTES if new else 0

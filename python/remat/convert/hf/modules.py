@@ -18,7 +18,7 @@ from torch import nn
 from ..._guards import fallback, hook_reason, plain_reason
 from ..._linears import fused_saved_bytes, projection, projections, widths
 from ...ops.attention import attention
-from ...ops.fused import fused_mlp, norm_linears
+from ...ops.fused import SharedStatistics, fused_mlp, norm_linears
 from ...specs import Activation, Linear, gelu, norm_of
 from ..patterns import (
     MLP,
@@ -76,6 +76,10 @@ class Handoff:
     (BART's activation_dropout): the handoff holds only while that dropout does nothing (p = 0, or
     the layer in eval mode).
 
+    A LayerNorm with several consumers gets one SharedStatistics (statistics): the first consumer's
+    fused op leaves its fp32 statistics there, and the next ones, applying it to the same x, keep
+    those instead of their own, so the layer keeps x and the statistics once.
+
     It holds only while every member sits in its place in the layer without hooks, and so do the
     modules between the layer and it (checked at every call, by each member): otherwise each
     producer runs its own forward and each consumer takes what it gets, as stock. The layer is held
@@ -87,6 +91,7 @@ class Handoff:
     def __init__(self, layer, producers, consumers, dropout=None):
         self._layer = weakref.ref(layer)
         self.producers, self.consumers, self.dropout = dict(producers), tuple(consumers), dropout
+        self.statistics = SharedStatistics() if len(self.consumers) > 1 else None
 
     def reason(self):
         """None while the handoff holds, else why not."""
@@ -115,6 +120,7 @@ class Handoff:
         memo[id(self)] = new
         new._layer = weakref.ref(memo.get(id(layer), layer)) if layer is not None else self._layer
         new.producers, new.consumers, new.dropout = dict(self.producers), self.consumers, self.dropout
+        new.statistics = SharedStatistics() if self.statistics is not None else None
         return new
 
     def __reduce__(self):  # pickling a model: the layer itself, which pickle keeps once
@@ -137,6 +143,12 @@ def _handed_over(module, role="norm"):
         return None, None
     reason = handoff.reason()
     return (None, _not_fused(handoff, reason)) if reason else (handoff.source(role), None)
+
+
+def _shared_statistics(module):
+    """The SharedStatistics of the norm `module` applies, when other modules apply it too, or None."""
+    handoff = module.__dict__.get("remat_handoff")
+    return handoff.statistics if handoff is not None else None
 
 
 def _not_fused(handoff, reason):
@@ -223,16 +235,17 @@ def _layer_norm_reason(norm):
     return plain_reason(norm, (type(norm),), "the fused norm")
 
 
-def _normed_outputs(x, norm, modules, recompute, labels):
+def _normed_outputs(x, norm, modules, recompute, labels, shared=None):
     """([module(norm(x)) for each module], None), with the LayerNorm fused into the projections when
-    `norm` is given, or (None, why they cannot be fused at this call)."""
+    `norm` is given (its statistics `shared` with other consumers), or (None, why they cannot be
+    fused at this call)."""
     if norm is None:
         return [m(x) for m in modules], None
     linears, reason = projections(modules, labels)
     reason = reason or _layer_norm_reason(norm)
     if reason:
         return None, reason
-    return norm_linears(x, norm_spec(norm), linears, recompute), None
+    return norm_linears(x, norm_spec(norm), linears, recompute, shared), None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,7 +287,7 @@ class _RematMLP(_RematModule):
         act = gelu(gelu_approximate(self._modules[parts.act]))
         fc1, fc2 = linears
         out = fused_mlp(hidden_states, fc1, act, fc2, norm_spec(norm) if norm is not None else None,
-                        self.remat_recompute)
+                        self.remat_recompute, _shared_statistics(self))
         return self.remat_finish(out, *args, **kwargs)
 
     def remat_call_reason(self):
@@ -340,7 +353,8 @@ class _RematGatedMLP(_RematModule):
         *ups, down = linears
         act = Activation(gated_activation_name(self._modules[parts.act]), gated=True)
         return fused_mlp(hidden_states, tuple(ups) if len(ups) == 2 else ups[0], act, down,
-                         norm_spec(norm) if norm is not None else None, self.remat_recompute)
+                         norm_spec(norm) if norm is not None else None, self.remat_recompute,
+                         _shared_statistics(self))
 
     def remat_saved_bytes(self):
         """Bytes per token kept less than stock: act(gate) and the product (down's input, where it trains)."""
@@ -588,7 +602,7 @@ class _RematAttention(_RematModule):
         if reason is None:
             modules = [self._modules[n] for n in self.remat_projections]
             outputs, reason = _normed_outputs(hidden_states, norm, modules, self.remat_recompute,
-                                              self.remat_projections)
+                                              self.remat_projections, _shared_statistics(self))
         if reason is not None:
             self._remat_fallback(reason)
             if norm is not None:

@@ -300,11 +300,10 @@ def _mlp_rule(parent, name, module, recompute, path, report):
 # Layers: LayerNorms handed over to the modules after them, MLPs the layer holds itself
 # ---------------------------------------------------------------------------------------------
 
-# What each consumer of a LayerNorm keeps besides x: fp32 mean and rstd, 4 + 4 bytes per token (an
-# RMSNorm: rstd, 4). A LayerNorm feeding several consumers (a parallel layer) is applied inside each
-# one's fused op, so each keeps its own statistics (x, one storage, is kept once).
-_STATS_BYTES = 8
-_RMS_STATS_BYTES = 4
+# A LayerNorm feeding several consumers (a parallel layer) is applied inside each one's fused op;
+# they keep x (one storage) and, through the handoff's SharedStatistics, one set of fp32 statistics.
+# Under torch.compile each keeps its own: fp32 mean and rstd, 4 + 4 bytes per token (an RMSNorm:
+# rstd, 4) more per further consumer.
 
 
 @dataclasses.dataclass
@@ -484,11 +483,9 @@ def _norm_row(report, path, layer, norm_name, norm, new_norm, consumers):
     def saves():
         if not new_norm.__dict__.get("remat_recompute", True):
             return 0
-        stats = _STATS_BYTES if new_norm.remat_style is None else _RMS_STATS_BYTES
-        extra_stats = stats * (len(consumers) - 1)
-        return fused_saved_bytes(new_norm, [submodule(layer, r) for r in readers]) - extra_stats
+        return fused_saved_bytes(new_norm, [submodule(layer, r) for r in readers])
 
-    note = f"; its x is kept once, and fp32 statistics by each of the {len(consumers)}" if len(consumers) > 1 else ""
+    note = "; its x and fp32 statistics are kept once" if len(consumers) > 1 else ""
     report.add(join(path, norm_name), norm, f"swapped to {type(new_norm).__name__}",
                f"applied inside {applied}, fused into {into}; returns its input{note}", saves)
 
