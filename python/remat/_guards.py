@@ -74,10 +74,10 @@ def plain_reason(module, classes, label=None):
     return None
 
 
-def fallback(module, reason, where=None):
-    """Record that `module` runs its stock forward for this call because of `reason`; the first
-    time for this module and reason, warn (RematFallbackWarning) naming `where` (default: the path
-    convert gave the module). Counts: fallback_counts()."""
+def fallback(module, reason, where=None, runs="its stock forward"):
+    """Record that `module` runs `runs` (its stock forward, or a stock part of it) for this call
+    because of `reason`; the first time for this module and reason, warn (RematFallbackWarning)
+    naming `where` (default: the path convert gave the module). Counts: fallback_counts()."""
     if torch.compiler.is_compiling():
         return  # nothing to record from inside a graph; the eager calls record it
     counts = module.__dict__.setdefault("remat_fallbacks", collections.Counter())
@@ -85,7 +85,7 @@ def fallback(module, reason, where=None):
         if where is None:
             path = module.__dict__.get("remat_path")
             where = f"{path} ({type(module).__name__})" if path else type(module).__name__
-        warnings.warn(f"remat: {where} runs its stock forward: {reason}", RematFallbackWarning, stacklevel=3)
+        warnings.warn(f"remat: {where} runs {runs}: {reason}", RematFallbackWarning, stacklevel=3)
     counts[reason] += 1
 
 

@@ -103,7 +103,9 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def loss_and_grads(model, batch):
+def loss_and_grads(model, batch, seed=None):
+    if seed is not None:  # the same dropout masks for models that draw the same random numbers
+        torch.manual_seed(seed)
     model.zero_grad(set_to_none=True)
     loss = model(**batch).loss
     loss.backward()
@@ -118,9 +120,9 @@ def grad_error(out, ref, total):
     return (out.double() - ref.double()).norm().item() / max(ref.double().norm().item(), 1e-4 * total)
 
 
-def assert_same_step(stock, converted, batch):
-    loss, grads = loss_and_grads(stock, batch)
-    loss_c, grads_c = loss_and_grads(converted, batch)
+def assert_same_step(stock, converted, batch, seed=None):
+    loss, grads = loss_and_grads(stock, batch, seed)
+    loss_c, grads_c = loss_and_grads(converted, batch, seed)
     assert rel_error(loss_c, loss) < GRAD_TOL
     assert grads.keys() == grads_c.keys()
     total = sum(g.double().norm().item() ** 2 for g in grads.values() if g is not None) ** 0.5

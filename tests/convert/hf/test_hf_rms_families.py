@@ -1,7 +1,9 @@
 """remat.convert on the Hugging Face families built from RMSNorms and gated MLPs (tiny random configs,
 no downloads): Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, Gemma2 and Gemma3 (text). The same loss and
 gradients as stock, the same checkpoint, the exact bytes no longer kept (derived per family), and the
-reasons for what stays stock: Gemma2's softcapped attention, the norms of a block's output."""
+reasons for what stays stock: Gemma2's softcapped attention function (its norms and projections fuse), the
+norms of a block's output. A call whose attention remat.attention does not compute (padding, a short sliding
+window, dropout) keeps the fused norm and projections and runs the stock attention function."""
 
 import collections
 import importlib
@@ -18,6 +20,7 @@ from remat.convert.hf import registry
 from hf_models import (
     BATCH,
     F32,
+    FFN,
     HEAD_DIM,
     HEADS,
     HIDDEN,
@@ -37,10 +40,11 @@ conv = importlib.import_module("remat.convert")
 
 TOKENS = BATCH * SEQ
 OUTPUT_NORMS = "normalises a block's output"
-SOFTCAP = "softcapping"
+STOCK_CORE = "runs the stock attention function on its fused q/k/v projections"
 
-# family -> (its class prefix, attention on remat, {reason substring: count} of the rows left stock);
-# every family's model.norm (the final norm, read by the LM head) stays stock too.
+# family -> (its class prefix, attention on remat.attention (else its projections only, and the stock
+# attention function), {reason substring: count} of the rows left stock); every family's model.norm (the
+# final norm, read by the LM head) stays stock too.
 Case = collections.namedtuple("Case", "prefix attention skipped")
 CASES = {
     "llama": Case("Llama", True, {}),
@@ -49,8 +53,8 @@ CASES = {
     "qwen3": Case("Qwen3", True, {}),
     "phi3": Case("Phi3", True, {}),
     "gemma": Case("Gemma", True, {}),
-    # softcapped attention (the default 50.0): its input_layernorm cannot fuse either
-    "gemma2": Case("Gemma2", False, {SOFTCAP: 2 * LAYERS, OUTPUT_NORMS: 2 * LAYERS}),
+    # softcapped attention (the default 50.0): the stock attention function on remat's q/k/v projections
+    "gemma2": Case("Gemma2", False, {OUTPUT_NORMS: 2 * LAYERS}),
     "gemma3": Case("Gemma3", True, {OUTPUT_NORMS: 2 * LAYERS}),
 }
 FINAL_NORM = "RMSNorm"  # the generic rule's row for model.norm
@@ -67,12 +71,8 @@ def expected_skips(name):
 
 
 def expected_swaps(name):
-    case = CASES[name]
-    norms = 2 if case.attention else 1
-    swaps = {f"Remat{case.prefix}MLP": LAYERS, f"RematFused{case.prefix}RMSNorm": norms * LAYERS}
-    if case.attention:
-        swaps[f"Remat{case.prefix}Attention"] = LAYERS
-    return swaps
+    prefix = CASES[name].prefix
+    return {f"Remat{prefix}MLP": LAYERS, f"RematFused{prefix}RMSNorm": 2 * LAYERS, f"Remat{prefix}Attention": LAYERS}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -109,7 +109,7 @@ def attention_output_copy(name, device):
     return attention_output_copy_bytes(q)
 
 
-def expected_saving(name, ffn, device):
+def expected_saving(name, ffn, device, remat_attention=None):
     """(bytes the converted model keeps less in one training step, the report's bytes per token) (docs/memory.md):
 
     mlp   act(gate) and act(gate) * up, ffn wide each: the fused gated MLP keeps x, gate and up only
@@ -117,14 +117,15 @@ def expected_saving(name, ffn, device):
           projections keep x and the fp32 rstd, which stock keeps too; the report counts y only (a
           lower bound: fused_saved_bytes)
     gemma GemmaRMSNorm's stock forward also keeps 1 + w in fp32 (hidden wide, once per norm, not per token)
-    and the attention output copy the stock backend makes (attention_output_copy).
+    and, where remat.attention runs (remat_attention, default: the family's Case), the attention output
+    copy the stock backend makes (attention_output_copy); the stock attention function makes it too.
     """
-    norms = 2 if CASES[name].attention else 1
+    remat_attention = CASES[name].attention if remat_attention is None else remat_attention
     mlp, norm = 2 * F32 * ffn, 2 * F32 * HIDDEN
-    copy = attention_output_copy(name, device) if CASES[name].attention else 0
-    per_layer = mlp + norms * norm + copy
-    constant = LAYERS * norms * F32 * HIDDEN if name.startswith("gemma") else 0
-    return LAYERS * TOKENS * per_layer + constant, LAYERS * (mlp + norms * F32 * HIDDEN)
+    copy = attention_output_copy(name, device) if remat_attention else 0
+    per_layer = mlp + 2 * norm + copy
+    constant = LAYERS * 2 * F32 * HIDDEN if name.startswith("gemma") else 0
+    return LAYERS * TOKENS * per_layer + constant, LAYERS * (mlp + 2 * F32 * HIDDEN)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -180,18 +181,53 @@ def test_an_activation_the_gated_kernels_lack_stays_stock():
     assert len(reasons) == LAYERS and all("not an activation remat's gated MLP computes" in r for r in reasons)
 
 
-def test_a_sliding_window_shorter_than_the_sequence_runs_the_stock_attention():
-    """Mistral's window reaches sdpa only through the mask: a window of 4 over 8 tokens hides more than
-    the future, so each attention call runs stock (with its norm applied first); the MLPs still fuse."""
-    stock, _ = build_case("mistral", sliding_window=4)
+def assert_stock_attention_function_on_fused_projections(name, stock, batch, reason):
+    """Each attention call runs the stock attention function (no remat.attention) for `reason`, on the
+    fused norm and projections: the same step as stock, and the norms' and MLPs' bytes still saved."""
     converted, report = conv.convert(stock, report=True)
-    assert swapped_counts(report)["RematMistralAttention"] == LAYERS
-    batch = family_inputs("mistral", "cpu")
+    assert swapped_counts(report)[f"Remat{CASES[name].prefix}Attention"] == LAYERS
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, batch))
     assert calls == 0
-    assert any("hides more than the future" in str(w.message) for w in caught)
+    assert any(STOCK_CORE in str(w.message) and reason in str(w.message) for w in caught), \
+        [str(w.message) for w in caught]
+    saving, _ = expected_saving(name, FFN, "cpu", remat_attention=False)
+    assert step_saved_bytes(stock, batch) - step_saved_bytes(converted, batch) == saving
+
+
+def test_a_sliding_window_shorter_than_the_sequence_runs_the_stock_attention_function():
+    """Mistral's window reaches sdpa only through the mask: a window of 4 over 8 tokens hides more than
+    the future, so each call hands the fused projections' q, k, v to the stock attention function."""
+    stock, _ = build_case("mistral", sliding_window=4)
+    assert_stock_attention_function_on_fused_projections("mistral", stock, family_inputs("mistral", "cpu"),
+                                                         "hides more than the future")
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_padded_batch_runs_the_stock_attention_function_on_the_fused_projections(side):
+    stock, _ = build_case("llama")
+    batch = family_inputs("llama", "cpu")
+    mask = torch.ones_like(batch["input_ids"])
+    pad = slice(SEQ - 3, None) if side == "right" else slice(0, 3)
+    mask[0, pad] = 0
+    labels = batch["labels"].masked_fill(mask == 0, -100)
+    assert_stock_attention_function_on_fused_projections("llama", stock, {**batch, "attention_mask": mask,
+                                                                          "labels": labels}, "padding")
+
+
+def test_attention_dropout_in_training_runs_the_stock_attention_function_with_the_same_mask():
+    """The fused projections draw no random numbers: the stock attention function's dropout, seeded
+    alike, drops the same probabilities as stock's."""
+    stock, _ = build_case("qwen2", attention_dropout=0.25)
+    batch = family_inputs("qwen2", "cpu")
+    assert loss_and_grads(stock, batch, seed=7)[0] != loss_and_grads(stock, batch, seed=8)[0]  # dropout acts
+    converted = conv.convert(stock)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, batch, seed=7))
+    assert calls == 0
+    assert any("attention dropout in training" in str(w.message) for w in caught)
 
 
 def test_gemma2_without_softcapping_runs_remat_attention():

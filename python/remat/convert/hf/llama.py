@@ -5,6 +5,8 @@ MLP (act(gate_proj(x)) * up_proj(x) -> down_proj) fused with post_attention_laye
 The attention class here is the one of every Llama-like family (Mistral, Qwen2, Qwen3, Phi-3, Gemma):
 each family file subclasses it with what its stock forward reads differently."""
 
+import inspect
+
 from .modules import CACHE_ARGS, MLPParts, _RematGatedMLP, _RematSplitAttention, stock_function
 from .registry import Family, register, rotary_probe_kwargs
 
@@ -12,9 +14,14 @@ from .registry import Family, register, rotary_probe_kwargs
 class _RematRotaryAttention(_RematSplitAttention):
     """q, k, v projections (k and v with num_key_value_heads, GQA), the rotary embedding the model
     passes as position_embeddings (cos, sin), applied by the module's own apply_rotary_pos_emb, the
-    module's `scaling`, and o_proj."""
+    module's `scaling`, and o_proj.
+
+    A call remat.attention does not compute (a padding mask, a sliding window shorter than the
+    sequence, dropout in training, attention weights requested, Gemma2's logit softcapping) keeps
+    the fused norm and projections and runs the stock attention function on their q, k, v."""
 
     remat_cache_arg = CACHE_ARGS
+    remat_stock_core = True
     remat_extra_args = ("position_embeddings",)
     remat_output_projection = "o_proj"
     remat_dropout_attr = "attention_dropout"
@@ -22,16 +29,49 @@ class _RematRotaryAttention(_RematSplitAttention):
 
     # A sliding window (Mistral's, Qwen2's, Gemma2/3's local layers) reaches sdpa and eager attention
     # only through the mask (their attention functions ignore the sliding_window argument): a window
-    # shorter than the sequence makes the mask hide more than the future, and that call runs stock.
+    # shorter than the sequence makes the mask hide more than the future, and that call's attention
+    # runs stock.
 
     @classmethod
     def remat_refuse_reason(cls, module):
-        softcap = getattr(module, "attn_logit_softcapping", None)
-        if softcap is not None:
-            return f"attention logit softcapping ({softcap}): remat.attention has no softcap"
         if cls.remat_qk_norms and not all(hasattr(module, n) for n in ("q_norm", "k_norm")):
             return "lacks the expected q_norm and k_norm"
         return None
+
+    def remat_constant_core_reason(self):
+        softcap = getattr(self, "attn_logit_softcapping", None)
+        if softcap is not None:
+            return f"attention logit softcapping ({softcap}), which remat.attention does not compute"
+        return None
+
+    def remat_stock_attention(self, outputs, call):
+        """The stock forward after its projections: the rotary embedding, the (empty) cache's update,
+        transformers' attention function for the config's implementation with the stock forward's
+        arguments, and o_proj."""
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        q, k, v = self.remat_qkv(outputs, call)
+        cache = self._remat_cache(call)
+        if cache is not None:  # empty (remat_fallback_reason): update() returns these keys and values
+            k, v = cache.update(k, v, self.layer_idx)
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                          stock_function(self, "eager_attention_forward"))
+        o, weights = interface(self, q, k, v, call.get("attention_mask"),
+                               dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling,
+                               **self._remat_stock_attention_kwargs(call))
+        return self.remat_output(o.reshape(*o.shape[:2], -1).contiguous()), weights
+
+    def _remat_stock_attention_kwargs(self, call):
+        """The stock forward's **kwargs, passed on to its attention function, and the family's own
+        arguments: the sliding window (the module's, else the config's; Llama and Gemma pass none)
+        and Gemma2's softcap."""
+        named = {n for n, p in self.remat_signature.parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+        kwargs = {n: value for n, value in call.items() if n not in named and not n.startswith("remat_")}
+        if hasattr(self, "sliding_window") or hasattr(self.config, "sliding_window"):
+            kwargs["sliding_window"] = getattr(self, "sliding_window", getattr(self.config, "sliding_window", None))
+        if hasattr(self, "attn_logit_softcapping"):
+            kwargs["softcap"] = self.attn_logit_softcapping
+        return kwargs
 
     def remat_qkv(self, outputs, call):
         q, k, v = super().remat_qkv(outputs, call)

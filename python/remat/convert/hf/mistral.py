@@ -1,5 +1,5 @@
 """Mistral: as Llama (llama.py). A sliding window shorter than the sequence runs the stock attention
-for that call (its mask hides more than the future); the norms and the MLP still fuse."""
+function for that call (its mask hides more than the future), on the fused norm and projections."""
 
 from .llama import _RematRotaryAttention, llama_like
 from .registry import register

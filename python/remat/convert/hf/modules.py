@@ -190,6 +190,11 @@ class _RematModule:
         elif reason is not None:
             fallback(self, reason)
 
+    def _remat_partly_stock(self, reason, runs):
+        """Record a call on remat's path whose part `runs` is stock's (not a fallback to the probe)."""
+        if self.__dict__.get("remat_trace") is None:
+            fallback(self, reason, runs=runs)
+
     def remat_revert(self):
         return strip(self, self.remat_stock)
 
@@ -588,6 +593,12 @@ class _RematAttention(_RematModule):
     remat_scale_attr = "scaling"  # the attribute holding the softmax scale the stock forward applies
     remat_projections = ()  # the q/k/v projections, reading the hidden states
     remat_output_projection = None  # the output projection (None: the module has none, as BERT's)
+    # Whether the family's stock forward hands q, k and v, after its projections, to transformers'
+    # attention interface (the Llama-like families): then a call whose attention remat.attention
+    # does not compute (remat_core_reason) still takes remat's fused projections, and hands their
+    # q, k and v to the same stock attention function (remat_stock_attention), as stock does.
+    remat_stock_core = False
+    _STOCK_CORE = "the stock attention function on its fused q/k/v projections"
 
     @classmethod
     def remat_refuse_reason(cls, module):
@@ -599,6 +610,10 @@ class _RematAttention(_RematModule):
         norm, norm_reason = _handed_over(self)
         call = self._remat_bind(hidden_states, args, kwargs)
         reason = self.remat_fallback_reason(hidden_states, call)
+        constant = self.remat_constant_core_reason()  # said by the conversion report, not warned per call
+        core = None if reason else constant or self.remat_core_reason(hidden_states, call)
+        if core is not None and not self.remat_stock_core:
+            reason = core
         if reason is None:
             modules = [self._modules[n] for n in self.remat_projections]
             outputs, reason = _normed_outputs(hidden_states, norm, modules, self.remat_recompute,
@@ -609,6 +624,10 @@ class _RematAttention(_RematModule):
                 hidden_states = stock_norm(norm, hidden_states)
             return self.remat_stock.forward(self, hidden_states, *args, **kwargs)
         self._remat_fallback(norm_reason)
+        if core is not None:
+            if core is not constant:
+                self._remat_partly_stock(core, self._STOCK_CORE)
+            return self.remat_stock_attention(outputs, call)
         return self.remat_forward(outputs, call, self.remat_causal(call, hidden_states.shape[1]))
 
     def _remat_bind(self, hidden_states, args, kwargs):
@@ -628,7 +647,8 @@ class _RematAttention(_RematModule):
         return arguments
 
     def remat_fallback_reason(self, hidden_states, call):
-        """None when remat.attention computes this call exactly, else why the stock forward runs."""
+        """None when remat's path takes this call (the fused projections, and remat.attention unless
+        remat_core_reason says otherwise), else why the stock forward runs."""
         if call is None:
             return "arguments the stock forward renames or rejects"
         if hidden_states.dim() != 3:
@@ -638,10 +658,6 @@ class _RematAttention(_RematModule):
             return f"no {', '.join(missing)} (rotary cos, sin)"
         if self.config._attn_implementation not in REMAT_IMPLEMENTATIONS:
             return f"attention implementation {self.config._attn_implementation!r}"
-        if self.training and self.remat_dropout() > 0:
-            return "attention dropout in training"
-        if _attention_weights_requested(self, call):
-            return "attention weights requested (output_attentions)"
         cache = self._remat_cache(call)
         if cache is not None and not _empty_dynamic_cache(cache, getattr(self, "layer_idx", None)):
             return "a KV cache with past keys, or not a plain DynamicCache"
@@ -650,6 +666,20 @@ class _RematAttention(_RematModule):
                   if name not in known and value is not None and value is not False]
         if others:
             return f"arguments that change the attention: {', '.join(sorted(others))}"
+        return None
+
+    def remat_constant_core_reason(self):
+        """Why remat.attention computes no call of this module exactly (a feature its config turns
+        on, for a family with remat_stock_core), or None."""
+        return None
+
+    def remat_core_reason(self, hidden_states, call):
+        """None when remat.attention computes this call's attention exactly, else why not (checked
+        after remat_fallback_reason and remat_constant_core_reason)."""
+        if self.training and self.remat_dropout() > 0:
+            return "attention dropout in training"
+        if _attention_weights_requested(self, call):
+            return "attention weights requested (output_attentions)"
         mask = call.get("attention_mask")
         if mask is not None and torch.compiler.is_compiling():
             return "a materialised mask under torch.compile (reading it would break the graph)"
@@ -671,6 +701,11 @@ class _RematAttention(_RematModule):
             return False
         is_causal = call.get("is_causal")
         return bool(self.is_causal if is_causal is None else is_causal)
+
+    def remat_stock_attention(self, outputs, call):
+        """(output, attention weights or None) of the stock attention function on the projections'
+        `outputs`, for a family with remat_stock_core."""
+        raise NotImplementedError(f"{type(self).__name__} has no stock attention function to call")
 
     def remat_forward(self, outputs, call, causal):
         """(output, None) by remat.attention; the caller has checked remat_fallback_reason."""
