@@ -238,15 +238,40 @@ def test_gemma2_without_softcapping_runs_remat_attention():
     assert calls == LAYERS
 
 
-def test_gemma3_sliding_cache_runs_stock():
+def test_gemma3_sliding_cache_runs_the_stock_attention_function():
     """With the config's use_cache=True (also in training), Gemma3's sliding layers hold a
-    DynamicSlidingWindowLayer cache: the attention runs stock for those calls, as the same step."""
-    stock, _ = build("gemma3")
+    DynamicSlidingWindowLayer cache: those calls hand the fused projections' q, k, v to the stock cache
+    update and attention function; the global layers' calls fill their empty DynamicLayer through
+    remat.attention. The same step, and every norm's bytes saved."""
+    stock, ffn = build("gemma3", layer_types=["sliding_attention"] * (LAYERS - 1) + ["full_attention"])
+    sliding = LAYERS - 1
+    batch = family_inputs("gemma3", "cpu")
     converted = conv.convert(stock)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert_same_step(stock, converted, family_inputs("gemma3", "cpu"))
-    assert any("not a plain DynamicCache" in str(w.message) for w in caught)
+        _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, batch))
+    assert calls == LAYERS - sliding
+    assert any(STOCK_CORE in str(w.message) and "not a plain DynamicCache" in str(w.message) for w in caught)
+    saving, _ = expected_saving("gemma3", ffn, "cpu", remat_attention=False)
+    copies = (LAYERS - sliding) * TOKENS * attention_output_copy("gemma3", "cpu")
+    assert step_saved_bytes(stock, batch) - step_saved_bytes(converted, batch) == saving + copies
+
+
+def test_generation_steps_run_the_stock_attention_function_on_the_cache():
+    """The prefill fills the empty cache through remat.attention; each step after it, with past keys,
+    hands the fused projections' q, k, v to the stock cache update and attention function: the same
+    greedy tokens as stock."""
+    stock, _ = build_case("llama")
+    stock.eval()
+    converted = conv.convert(stock)
+    ids = family_inputs("llama", "cpu")["input_ids"]
+    settings = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0, "use_cache": True}
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, calls = remat_attention_calls(lambda: converted.generate(ids, **settings))
+        torch.testing.assert_close(got, stock.generate(ids, **settings))
+    assert calls == LAYERS  # the prefill
+    assert any(STOCK_CORE in str(w.message) and "past keys" in str(w.message) for w in caught)
 
 
 # --- LoRA (peft) on every projection of Llama ---------------------------------------------------------

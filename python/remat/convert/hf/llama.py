@@ -17,8 +17,9 @@ class _RematRotaryAttention(_RematSplitAttention):
     module's `scaling`, and o_proj.
 
     A call remat.attention does not compute (a padding mask, a sliding window shorter than the
-    sequence, dropout in training, attention weights requested, Gemma2's logit softcapping) keeps
-    the fused norm and projections and runs the stock attention function on their q, k, v."""
+    sequence, dropout in training, attention weights requested, a KV cache with past keys or of
+    another kind, Gemma2's logit softcapping) keeps the fused norm and projections and runs the
+    stock forward's cache update and attention function on their q, k, v."""
 
     remat_cache_arg = CACHE_ARGS
     remat_stock_core = True
@@ -45,33 +46,34 @@ class _RematRotaryAttention(_RematSplitAttention):
         return None
 
     def remat_stock_attention(self, outputs, call):
-        """The stock forward after its projections: the rotary embedding, the (empty) cache's update,
+        """The stock forward after its projections: the rotary embedding, the cache's update,
         transformers' attention function for the config's implementation with the stock forward's
         arguments, and o_proj."""
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         q, k, v = self.remat_qkv(outputs, call)
+        named = {n for n, p in self.remat_signature.parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+        kwargs = {n: value for n, value in call.items() if n not in named and not n.startswith("remat_")}
         cache = self._remat_cache(call)
-        if cache is not None:  # empty (remat_fallback_reason): update() returns these keys and values
-            k, v = cache.update(k, v, self.layer_idx)
+        if cache is not None:  # the stock forward's **kwargs go to the update too (transformers 5.17 passed
+            k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)  # none; every cache ignores them)
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
                                                           stock_function(self, "eager_attention_forward"))
         o, weights = interface(self, q, k, v, call.get("attention_mask"),
                                dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling,
-                               **self._remat_stock_attention_kwargs(call))
+                               **kwargs, **self._remat_family_arguments())
         return self.remat_output(o.reshape(*o.shape[:2], -1).contiguous()), weights
 
-    def _remat_stock_attention_kwargs(self, call):
-        """The stock forward's **kwargs, passed on to its attention function, and the family's own
-        arguments: the sliding window (the module's, else the config's; Llama and Gemma pass none)
-        and Gemma2's softcap."""
-        named = {n for n, p in self.remat_signature.parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
-        kwargs = {n: value for n, value in call.items() if n not in named and not n.startswith("remat_")}
+    def _remat_family_arguments(self):
+        """What the family's stock forward passes its attention function besides dropout and scaling:
+        the sliding window (the module's, else the config's; Llama and Gemma pass none; sdpa and
+        eager read the window from the mask only) and Gemma2's softcap."""
+        arguments = {}
         if hasattr(self, "sliding_window") or hasattr(self.config, "sliding_window"):
-            kwargs["sliding_window"] = getattr(self, "sliding_window", getattr(self.config, "sliding_window", None))
+            arguments["sliding_window"] = getattr(self, "sliding_window", getattr(self.config, "sliding_window", None))
         if hasattr(self, "attn_logit_softcapping"):
-            kwargs["softcap"] = self.attn_logit_softcapping
-        return kwargs
+            arguments["softcap"] = self.attn_logit_softcapping
+        return arguments
 
     def remat_qkv(self, outputs, call):
         q, k, v = super().remat_qkv(outputs, call)

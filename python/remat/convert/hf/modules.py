@@ -658,9 +658,6 @@ class _RematAttention(_RematModule):
             return f"no {', '.join(missing)} (rotary cos, sin)"
         if self.config._attn_implementation not in REMAT_IMPLEMENTATIONS:
             return f"attention implementation {self.config._attn_implementation!r}"
-        cache = self._remat_cache(call)
-        if cache is not None and not _empty_dynamic_cache(cache, getattr(self, "layer_idx", None)):
-            return "a KV cache with past keys, or not a plain DynamicCache"
         known = {"attention_mask", self.remat_cache_arg, *self.remat_extra_args, *self.remat_passthrough}
         others = [name for name, value in call.items()
                   if name not in known and value is not None and value is not False]
@@ -680,6 +677,9 @@ class _RematAttention(_RematModule):
             return "attention dropout in training"
         if _attention_weights_requested(self, call):
             return "attention weights requested (output_attentions)"
+        cache = self._remat_cache(call)
+        if cache is not None and not _empty_dynamic_cache(cache, getattr(self, "layer_idx", None)):
+            return "a KV cache with past keys, or not a plain DynamicCache"
         mask = call.get("attention_mask")
         if mask is not None and torch.compiler.is_compiling():
             return "a materialised mask under torch.compile (reading it would break the graph)"

@@ -234,15 +234,15 @@ def _attention_width(module):
 def _attention_row(path, name, module, new, norm_name=None):
     fused = f"; {norm_name} fused into its q/k/v projection" if norm_name else ""
     constant = new.remat_constant_core_reason()
-    stock = "KV caches with past keys and other implementations than sdpa/eager"
+    stock = "other implementations than sdpa/eager"
     if constant:  # a remat_stock_core family: the stock attention function at every call
         how = f"its projections on remat, then the stock attention function at every call: {constant}{fused}"
     elif new.remat_stock_core:
         how = (f"remat.attention{fused}; the stock attention function on the fused projections for padding or "
-               "sliding-window masks, output_attentions and dropout in training")
+               "sliding-window masks, output_attentions, dropout in training and KV caches with past keys")
     else:
         how = f"remat.attention{fused}"
-        stock = f"padding masks, output_attentions, dropout in training, {stock}"
+        stock = f"padding masks, KV caches with past keys, output_attentions, dropout in training, {stock}"
     return (join(path, name), module, f"swapped to {type(new).__name__}", f"{how}; the stock forward for {stock}",
             new.remat_saved_bytes)
 
