@@ -414,7 +414,7 @@ class _RematNormedLinear(_RematModule):
                 input = stock_norm(norm, input)
             return self.remat_stock.forward(self, input)
         self._remat_fallback(None)
-        return norm_linears(input, norm_spec(norm), [linear], self.remat_recompute)[0]
+        return norm_linears(input, norm_spec(norm), [linear], self.remat_recompute, _shared_statistics(self))[0]
 
 
 class _RematLayerMLP(_RematModule):
