@@ -45,14 +45,14 @@ EXPERTS = "its experts (MixtralExperts) are 3-D parameters"
 # --- T5 ----------------------------------------------------------------------------------------------
 
 
-def t5_swaps(ffn, decoder=True):
+def t5_swaps(ffn, decoder=True, layers=LAYERS):
     """The swaps of a T5 model: per block, its self-attention norm into q, k and v, the FFN's norm into
     the gated FFN (or the ReLU FFN's wi), and in the decoder the cross-attention's norm into its q."""
-    stacks, decoders = (2, LAYERS) if decoder else (1, 0)
+    stacks, decoders = (2, layers) if decoder else (1, 0)
     gated = ffn == "gated-gelu"
-    return {"RematFusedT5LayerNorm": 2 * stacks * LAYERS + decoders,
-            "RematNormedLinear": 3 * stacks * LAYERS + decoders + (0 if gated else stacks * LAYERS),
-            "RematT5DenseGatedActDense": stacks * LAYERS if gated else 0}
+    return {"RematFusedT5LayerNorm": 2 * stacks * layers + decoders,
+            "RematNormedLinear": 3 * stacks * layers + decoders + (0 if gated else stacks * layers),
+            "RematT5DenseGatedActDense": stacks * layers if gated else 0}
 
 
 def t5_skips(ffn, decoder=True):
@@ -63,7 +63,7 @@ def t5_skips(ffn, decoder=True):
     return {k: v for k, v in skips.items() if v}
 
 
-def t5_saving(ffn, decoder=True):
+def t5_saving(ffn, decoder=True, layers=LAYERS):
     """(bytes the converted T5 keeps less in one fp32 training step, the report's bytes per token):
 
     norm   T5LayerNorm's stock forward keeps x, its rstd, x̂ = x·rstd and y = w·x̂; the fused projection
@@ -78,10 +78,10 @@ def t5_saving(ffn, decoder=True):
     norm = 2 * F32 * HIDDEN
     encoder_block = (norm - 2 * RSTD) + norm + (5 * F32 * FFN if gated else 0)
     report_block = (F32 * HIDDEN - 2 * RSTD) + F32 * HIDDEN + (2 * F32 * FFN if gated else 0)
-    saving, report = LAYERS * TOKENS * encoder_block, LAYERS * report_block
+    saving, report = layers * TOKENS * encoder_block, layers * report_block
     if decoder:
-        saving += LAYERS * TOKENS * (encoder_block + norm)
-        report += LAYERS * (report_block + F32 * HIDDEN)
+        saving += layers * TOKENS * (encoder_block + norm)
+        report += layers * (report_block + F32 * HIDDEN)
     return saving, report
 
 
@@ -152,27 +152,12 @@ def test_t5_encoder_model():
     assert_same_step(stock_loss, converted_loss, batch)
 
 
-def test_t5_save_pretrained_round_trip(tmp_path):
-    stock, _ = build("t5")
-    converted = conv.convert(stock)
-    converted.save_pretrained(tmp_path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        loaded = type(stock).from_pretrained(tmp_path).train()
-    assert_same_checkpoint(stock, loaded)
-    batch = family_inputs("t5", "cpu")
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(**batch).loss, stock(**batch).loss, rtol=0, atol=0)
-        torch.testing.assert_close(conv.convert(loaded)(**batch).loss, converted(**batch).loss, rtol=0, atol=0)
-
-
 def test_t5_dropout_before_wo_runs_the_gated_ffn_stock_in_training():
     """dropout_rate (T5's default 0.1) applies between the gated product and wo: each training call of
     the FFN runs stock (the norm before it applied first), the same step with the same dropout masks;
-    in eval the fused FFN runs."""
-    stock, _ = build("t5", dropout_rate=0.1)
-    converted, report = conv.convert(stock, report=True)
-    assert_t5_report(report, "gated-gelu")
+    in eval the fused FFN runs. (One block a stack: the rules are those of the tests above.)"""
+    stock, _ = build("t5", dropout_rate=0.1, num_layers=1)
+    converted = conv.convert(stock)
     batch = family_inputs("t5", "cpu")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -216,17 +201,18 @@ def test_t5_self_attention_norm_stays_stock_without_recompute():
     assert swapped_counts(report)["RematFusedT5LayerNorm"] == 3 * LAYERS
 
 
-@pytest.mark.parametrize("prefix, model_type", [("MT5", "mt5"), ("UMT5", "umt5")])
-def test_t5_copies_share_the_rules(prefix, model_type):
-    """mT5 and UMT5 copy T5's modules under their own names: the same swaps, and the same loss."""
-    config = getattr(transformers, f"{prefix}Config")(**build("t5")[0].config.to_dict())
+@pytest.mark.parametrize("prefix", ["MT5", "UMT5"])
+def test_t5_copies_share_the_rules(prefix):
+    """mT5 and UMT5 copy T5's modules under their own names: the same swaps (one block a stack), and the
+    same loss."""
+    config = getattr(transformers, f"{prefix}Config")(**build("t5", num_layers=1)[0].config.to_dict())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         stock = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).train()
     converted, report = conv.convert(stock, report=True)
     counts = swapped_counts(report)
     expected = {k.replace("T5", prefix, 1) if k != "RematNormedLinear" else k: v
-                for k, v in t5_swaps("gated-gelu").items()}
+                for k, v in t5_swaps("gated-gelu", layers=1).items()}
     assert {k: counts[k] for k in expected} == expected, str(report)
     batch = family_inputs("t5", "cpu")
     with torch.no_grad():
@@ -236,12 +222,12 @@ def test_t5_copies_share_the_rules(prefix, model_type):
 # --- Mixtral -----------------------------------------------------------------------------------------
 
 
-def mixtral_saving(device):
+def mixtral_saving(device, layers=LAYERS):
     """(bytes the converted Mixtral keeps less in one fp32 training step, the report's bytes per token):
     input_layernorm's x̂ and y no longer kept (the report counts y), and the attention output copy the
     stock backend makes; the MoE block and the norm before it run stock."""
     per_layer = 2 * F32 * HIDDEN + attention_output_copy("mixtral", device)
-    return LAYERS * TOKENS * per_layer, LAYERS * F32 * HIDDEN
+    return layers * TOKENS * per_layer, layers * F32 * HIDDEN
 
 
 def test_mixtral_fuses_the_attention_and_says_why_the_experts_stay_stock(target):
@@ -270,17 +256,18 @@ def test_mixtral_fuses_the_attention_and_says_why_the_experts_stay_stock(target)
     assert calls == LAYERS
 
 
-def test_mixtral_save_pretrained_round_trip(tmp_path):
-    stock, _ = build("mixtral", use_cache=False)
+@pytest.mark.parametrize("name", ["t5", "mixtral"])
+def test_save_pretrained_round_trip(tmp_path, name):
+    stock, _ = build(name, use_cache=False)
     converted = conv.convert(stock)
     converted.save_pretrained(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         loaded = type(stock).from_pretrained(tmp_path).train()
     assert_same_checkpoint(stock, loaded)
-    batch = family_inputs("mixtral", "cpu")
+    batch = family_inputs(name, "cpu")
     with torch.no_grad():
-        torch.testing.assert_close(conv.convert(loaded)(**batch).loss, converted(**batch).loss, rtol=0, atol=0)
+        torch.testing.assert_close(loaded(**batch).loss, stock(**batch).loss, rtol=0, atol=0)
 
 
 # --- remat memory ------------------------------------------------------------------------------------
@@ -289,11 +276,12 @@ def test_mixtral_save_pretrained_round_trip(tmp_path):
 @pytest.mark.parametrize("name", ["t5", "mixtral"])
 def test_remat_memory_reads_the_config(tmp_path, name):
     """`remat memory --model config.json` builds T5Model (the same ids into its encoder and decoder) or
-    MixtralModel and counts exactly the saving derived above (no LM head: it changes nothing here)."""
-    stock, _ = build(name)
+    MixtralModel and counts exactly the saving derived above (no LM head: it changes nothing here); one
+    block a stack, as the policies each convert or copy the model."""
+    stock, _ = build(name, **{"t5": {"num_layers": 1}, "mixtral": {"num_hidden_layers": 1}}[name])
     path = tmp_path / "config.json"
     path.write_text(json.dumps(stock.config.to_dict()))
     results = {r.policy: r for r in memory.run(str(path), batch=BATCH, seq=SEQ, out_dir=str(tmp_path),
                                                device="cpu", dtype=torch.float32)}
-    saving, _ = t5_saving("gated-gelu") if name == "t5" else mixtral_saving("cpu")
+    saving, _ = t5_saving("gated-gelu", layers=1) if name == "t5" else mixtral_saving("cpu", layers=1)
     assert results["eager"].saved_bytes - results["remat"].saved_bytes == saving

@@ -39,7 +39,7 @@ class _RematT5GatedMLP(_RematGatedMLP):
     @classmethod
     def remat_parts_reason(cls, module, parts):
         names = (*parts.fc1, parts.fc2)
-        if not isinstance(module._modules.get("dropout"), nn.Dropout):
+        if type(module._modules.get("dropout")) is not nn.Dropout:
             return f"{type(module).__name__} lacks the expected dropout (nn.Dropout) before {parts.fc2}"
         if all(projection(module._modules[n], n)[1] is None for n in names):
             wi, wo = (base_layer(module._modules[n]).weight.dtype for n in (parts.fc1[0], parts.fc2))
@@ -50,9 +50,11 @@ class _RematT5GatedMLP(_RematGatedMLP):
         return super().remat_parts_reason(module, parts)
 
     def remat_call_reason(self):
-        p = self.dropout.p
-        if self.training and p > 0:
-            return f"dropout (p={p}) between act(wi_0) * wi_1 and wo in training"
+        dropout = self._modules.get("dropout")
+        if type(dropout) is not nn.Dropout:
+            return "its dropout before wo is no longer an nn.Dropout"
+        if self.training and dropout.p > 0:
+            return f"dropout (p={dropout.p}) between act(wi_0) * wi_1 and wo in training"
         return None
 
 
