@@ -55,11 +55,11 @@ def t5_swaps(ffn, decoder=True, layers=LAYERS):
             "RematT5DenseGatedActDense": stacks * layers if gated else 0}
 
 
-def t5_skips(ffn, decoder=True):
-    stacks, decoders = (2, LAYERS) if decoder else (1, 0)
-    skips = {BIAS: stacks * LAYERS, CROSS: decoders}
+def t5_skips(ffn, decoder=True, layers=LAYERS):
+    stacks, decoders = (2, layers) if decoder else (1, 0)
+    skips = {BIAS: stacks * layers, CROSS: decoders}
     if ffn == "relu":
-        skips[RELU_FFN] = stacks * LAYERS
+        skips[RELU_FFN] = stacks * layers
     return {k: v for k, v in skips.items() if v}
 
 
@@ -109,11 +109,11 @@ class _Seeded(torch.nn.Module):
         return self.model(**batch)
 
 
-def assert_t5_report(report, ffn, decoder=True):
+def assert_t5_report(report, ffn, decoder=True, layers=LAYERS):
     counts = swapped_counts(report)
-    for cls, count in t5_swaps(ffn, decoder).items():
+    for cls, count in t5_swaps(ffn, decoder, layers).items():
         assert counts[cls] == count, f"{cls}: {counts[cls]} != {count}\n{report}"
-    assert_skipped_as_expected(report, t5_skips(ffn, decoder))
+    assert_skipped_as_expected(report, t5_skips(ffn, decoder, layers))
 
 
 def assert_same_checkpoint(stock, converted):
@@ -123,21 +123,33 @@ def assert_same_checkpoint(stock, converted):
     converted.load_state_dict(state, strict=True)
 
 
-@pytest.mark.parametrize("ffn", ["gated-gelu", "relu"])
-def test_t5_same_loss_gradients_checkpoint_and_saved_bytes(target, ffn):
-    device, _ = target
-    stock, _ = build("t5", feed_forward_proj=ffn)
+def converted_case(device, name, **overrides):
+    """(stock, converted, report, batch, bytes autograd keeps for the stock step) of `name`'s tiny model."""
+    stock, _ = build(name, **overrides)
     stock.to(device)
-    batch = family_inputs("t5", device)
+    batch = family_inputs(name, device)
     before = step_saved_bytes(stock, batch)
     converted, report = conv.convert(stock, report=True)
-    assert_t5_report(report, ffn)
-    assert_same_checkpoint(stock, converted)
-    saving, report_saving = t5_saving(ffn)
-    assert before - step_saved_bytes(converted, batch) == saving
-    assert report.saved_bytes_per_token() == report_saving
+    return stock, converted, report, batch, before
+
+
+def assert_saving_and_same_step(case, expected, attention_calls):
+    """The step keeps exactly expected[0] bytes less, the report says expected[1] per token, and the loss
+    and every gradient are stock's, with `attention_calls` remat attention kernels run."""
+    stock, converted, report, batch, before = case
+    assert before - step_saved_bytes(converted, batch) == expected[0]
+    assert report.saved_bytes_per_token() == expected[1]
     _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, batch))
-    assert calls == 0  # the attention runs stock
+    assert calls == attention_calls
+
+
+@pytest.mark.parametrize("ffn, layers", [("gated-gelu", LAYERS), ("relu", 1)])  # ReLU: one block a stack
+def test_t5_same_loss_gradients_checkpoint_and_saved_bytes(target, ffn, layers):
+    case = converted_case(target[0], "t5", feed_forward_proj=ffn, num_layers=layers)
+    stock, converted, report, _, _ = case
+    assert_t5_report(report, ffn, layers=layers)
+    assert_same_checkpoint(stock, converted)
+    assert_saving_and_same_step(case, t5_saving(ffn, layers=layers), attention_calls=0)  # the attention runs stock
 
 
 def test_t5_encoder_model():
@@ -231,12 +243,8 @@ def mixtral_saving(device, layers=LAYERS):
 
 
 def test_mixtral_fuses_the_attention_and_says_why_the_experts_stay_stock(target):
-    device, _ = target
-    stock, _ = build("mixtral", use_cache=False)
-    stock.to(device)
-    batch = family_inputs("mixtral", device)
-    before = step_saved_bytes(stock, batch)
-    converted, report = conv.convert(stock, report=True)
+    case = converted_case(target[0], "mixtral", use_cache=False)
+    stock, converted, report, _, _ = case
     counts = swapped_counts(report)
     assert counts["RematMixtralAttention"] == LAYERS and counts["RematFusedMixtralRMSNorm"] == LAYERS, str(report)
     # per layer: the MoE block and post_attention_layernorm, both for the experts; and the final norm
@@ -249,11 +257,7 @@ def test_mixtral_fuses_the_attention_and_says_why_the_experts_stay_stock(target)
         assert type(layer.mlp.experts) is stock_file.MixtralExperts
         assert type(layer.post_attention_layernorm) is stock_file.MixtralRMSNorm
     assert_same_checkpoint(stock, converted)
-    saving, report_saving = mixtral_saving(device)
-    assert before - step_saved_bytes(converted, batch) == saving
-    assert report.saved_bytes_per_token() == report_saving
-    _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, batch))
-    assert calls == LAYERS
+    assert_saving_and_same_step(case, mixtral_saving(target[0]), attention_calls=LAYERS)
 
 
 @pytest.mark.parametrize("name", ["t5", "mixtral"])
