@@ -175,7 +175,8 @@ def test_t5_dropout_before_wo_runs_the_gated_ffn_stock_in_training():
         warnings.simplefilter("always")
         assert_same_step(_Seeded(stock), _Seeded(converted), batch)
     assert any("dropout (p=0.1) between act(wi_0) * wi_1 and wo in training" in str(w.message) for w in caught)
-    stock.eval(), converted.eval()
+    stock.eval()
+    converted.eval()
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")  # no call runs stock in eval
         torch.testing.assert_close(converted(**batch).loss, stock(**batch).loss)
