@@ -1,5 +1,5 @@
 """Mixtral: the attention as Mistral's (rotary, GQA; llama.py) with input_layernorm fused into q/k/v.
-The sparse MoE block stays stock: transformers 5 holds its experts (MixtralExperts) as 3-D
+The sparse MoE block stays stock: transformers 5.24 holds its experts (MixtralExperts) as 3-D
 parameters, one per projection for all the experts, not as Linear modules, which remat's fused gated
 MLP takes. post_attention_layernorm, in front of it, stays stock too: its output feeds the router
 and, gathered per expert, each expert's projection, so a fusion into the router alone keeps it all
