@@ -143,14 +143,16 @@ HF_MODELS = hf_memory_models()
 
 
 class _LastHidden(torch.nn.Module):
-    """A Hugging Face model as a tensor-to-tensor module: input ids (or pixels) to the last hidden state."""
+    """A Hugging Face model as a tensor-to-tensor module: input ids (or pixels) to the last hidden state.
+    input_name: the model's input, or a tuple of inputs each given x (T5's encoder and decoder ids)."""
 
     def __init__(self, model, input_name):
         super().__init__()
-        self.model, self.input_name = model, input_name
+        self.model = model
+        self.input_names = (input_name,) if isinstance(input_name, str) else tuple(input_name)
 
     def forward(self, x):
-        return self.model(**{self.input_name: x}).last_hidden_state
+        return self.model(**dict.fromkeys(self.input_names, x)).last_hidden_state
 
 
 def model_names():

@@ -71,7 +71,7 @@ DECODERS = ("gpt2", "gpt_neox")
 def build(family, **overrides):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, ffn = {**FAMILIES, **GELU_FAMILIES, **RMS_FAMILIES}[family](**overrides)
+        model, ffn = {**FAMILIES, **GELU_FAMILIES, **RMS_FAMILIES, **T5_MOE_FAMILIES}[family](**overrides)
     with torch.no_grad():  # LayerNorms away from ones/zeros
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
@@ -285,6 +285,26 @@ RMS_FAMILIES = {
     "gemma": _decoder("GemmaConfig", "GemmaForCausalLM", **_GEMMA),
     "gemma2": _decoder("Gemma2Config", "Gemma2ForCausalLM", **_GEMMA),
     "gemma3": _decoder("Gemma3TextConfig", "Gemma3ForCausalLM", **_GEMMA),
+}
+
+
+# --- T5 and Mixtral (tests/convert/hf/test_hf_t5_mixtral.py) --------------------------------------
+# As above: 2 layers (each stack), hidden 64, 2 heads of 32, FFN 128, no dropout. T5 v1.1's gated
+# tanh GELU FFN by default (feed_forward_proj="relu": the original T5's); Mixtral with 4 experts, 2 a token.
+_T5 = dict(vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=FFN, num_layers=LAYERS, num_heads=HEADS,
+           dropout_rate=0.0, feed_forward_proj="gated-gelu", decoder_start_token_id=0, **_SPECIAL)
+
+
+def _t5(model_class):
+    def builder(**overrides):
+        return getattr(transformers, model_class)(transformers.T5Config(**{**_T5, **overrides})), FFN
+    return builder
+
+
+T5_MOE_FAMILIES = {
+    "t5": _t5("T5ForConditionalGeneration"),
+    "t5_encoder": _t5("T5EncoderModel"),
+    "mixtral": _decoder("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2),
 }
 
 

@@ -348,7 +348,7 @@ class _RematGatedMLP(_RematModule):
         norm, norm_reason = _handed_over(self)
         linears, reason = projections([self._modules[n] for n in names], list(names))
         reason = reason or gated_activation_reason(self._modules[parts.act], parts.act) \
-            or (_layer_norm_reason(norm) if norm is not None else None)
+            or (_layer_norm_reason(norm) if norm is not None else None) or self.remat_call_reason()
         if reason:
             self._remat_fallback(reason)
             if norm is not None:
@@ -360,6 +360,11 @@ class _RematGatedMLP(_RematModule):
         return fused_mlp(hidden_states, tuple(ups) if len(ups) == 2 else ups[0], act, down,
                          norm_spec(norm) if norm is not None else None, self.remat_recompute,
                          _shared_statistics(self))
+
+    def remat_call_reason(self):
+        """Why this module's stock forward computes something else than down(act(gate(x)) * up(x)) now
+        (T5's dropout before wo in training), or None."""
+        return None
 
     def remat_saved_bytes(self):
         """Bytes per token kept less than stock: act(gate) and the product (down's input, where it trains)."""

@@ -38,19 +38,23 @@ class Family:
     norms: Mapping[str, str] = dataclasses.field(default_factory=dict)
     # Attention classes kept stock on purpose: class name -> why (the report says it).
     stock_attention: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # MLP classes kept stock on purpose: class name -> (module) -> why (the report says it; a norm wired
+    # into one stays stock with that reason: Mixtral's experts, T5's ReLU FFN).
+    stock_mlps: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
     # Cross-attention children of a layer (the same class as its self-attention): layer class name -> names.
     cross_attention: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
     layer_reason: Callable | None = None  # (layer) -> why its LayerNorms do not feed its wiring (post-LN), or None
     probe_kwargs: Callable | None = None  # (module, param) -> keyword arguments a probe call needs
     memory_models: Mapping[str, tuple] = dataclasses.field(default_factory=dict)  # name -> (model_type, fields)
     # (config, batch, seq, device, dtype) -> (input name, input, tokens per sequence) for `remat memory`,
-    # for models whose input is not input_ids; None: input_ids of (batch, seq).
+    # for models whose input is not input_ids alone (a tuple of names: each is given the input, as T5's
+    # encoder and decoder ids); None: input_ids of (batch, seq).
     memory_input: Callable | None = None
     model_types: tuple = ()  # the config model_types whose models this family's memory_input serves
 
     def classes(self):
         return {*self.attention, *self.mlps, *self.layers, *self.layer_mlps, *self.pairs, *self.stock_attention,
-                *self.norms}
+                *self.stock_mlps, *self.norms}
 
 
 FAMILIES = {}
@@ -94,6 +98,12 @@ def norm_style(name):
 
 def stock_attention_reason(name):
     return _merged("stock_attention").get(name)
+
+
+def stock_mlp_reason(module):
+    """Why the transformers MLP `module` stays stock, if its family keeps its class stock, else None."""
+    reason = _merged("stock_mlps").get(type(module).__name__)
+    return reason(module) if reason is not None else None
 
 
 def cross_attention(name):

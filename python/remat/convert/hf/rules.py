@@ -41,6 +41,7 @@ from .registry import (
     norm_style,
     pair_rule,
     stock_attention_reason,
+    stock_mlp_reason,
 )
 
 ATTENTION_SUFFIXES = ("Attention",)
@@ -405,7 +406,7 @@ def _linear_consumer(layer, linear_path, recompute, path):
 
     def rows(report, norm_name):
         report.add(join(path, linear_path), module, f"swapped to {type(new).__name__}",
-                   f"{norm_name} applied inside it, fused (x and mean/rstd kept, never {norm_name}'s output)",
+                   f"{norm_name} applied inside it, fused (x and its fp32 statistics kept, never {norm_name}'s output)",
                    lambda: 0)
 
     return _Consumer(linear_path, {linear_path: new}, (linear_path,), linear_path, module.in_features,
@@ -425,6 +426,9 @@ def _consumer(layer, consumer_path, layers, recompute, path):
         if "mlp" not in layers:
             return None, "layers excludes mlp"
         return _mlp_consumer(layer, consumer_path, recompute, path)
+    reason = stock_mlp_reason(module) if from_transformers(type(module)) else None
+    if reason:
+        return None, reason
     parts = layer_mlp(type(layer).__name__)
     if parts is not None and consumer_path == parts.fc1 and "mlp" in layers:
         consumer, reason = _layer_mlp_consumer(layer, parts, recompute, path)
@@ -686,7 +690,10 @@ def convert_children(parent, layers, recompute, path, report):
             handled.add(name)
         elif stock_attention_reason(kind) and "attention" in layers:
             report.add(join(path, name), child, "skipped", stock_attention_reason(kind))
-        elif kind.endswith(ATTENTION_SUFFIXES) and "attention" in layers and not _holds_ruled_attention(child):
+        elif stock_mlp_reason(child) and "mlp" in layers:  # its children are still converted one by one
+            report.add(join(path, name), child, "skipped", stock_mlp_reason(child))
+        elif kind.endswith(ATTENTION_SUFFIXES) and "attention" in layers and not _has_layer_rule(kind) \
+                and not _holds_ruled_attention(child):  # T5LayerSelfAttention has its layer rule
             report.add(join(path, name), child, "skipped", f"no remat rule for {kind}: it runs as it is")
         elif _unruled_layer(child):
             report.add(join(path, name), child, "skipped",
