@@ -47,13 +47,14 @@ def _compile(dtype_name, items, device="cuda"):
         o = torch.empty(1, SEQLEN, HEADS, d, device=device, dtype=dtype).transpose(1, 2)  # as attention_fwd's
         lse, delta = (torch.zeros(1, HEADS, SEQLEN, device=device) for _ in range(2))
         dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+        scores = attention._score_options(q, k, lse, causal, d**-0.5, -1, -1, 0.0, None)  # no window, cap or ALiBi
         try:
             if kind == "fwd":
-                attention._launch_fwd(q, k, v, o, lse, causal, d**-0.5, config)
+                attention._launch_fwd(q, k, v, o, lse, scores, d**-0.5, config)
             elif kind == "dkdv":
-                attention._launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, d**-0.5, config)
+                attention._launch_dkdv(q, k, v, do, lse, delta, dk, dv, scores, d**-0.5, config)
             else:
-                attention._launch_dq(q, k, v, do, lse, delta, dq, causal, d**-0.5, config)
+                attention._launch_dq(q, k, v, do, lse, delta, dq, scores, d**-0.5, config)
         except Exception as error:  # e.g. out of shared memory on this GPU: the tuner skips it too
             errors.append(f"{kind} d{d} causal={causal} {config}: {type(error).__name__}")
     if device == "cuda":

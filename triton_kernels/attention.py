@@ -42,6 +42,7 @@ Conventions:
 """
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -162,10 +163,11 @@ def seqlen_class(seqlen_q, seqlen_k):
     return min(max(next_power_of_2(max(seqlen_q, seqlen_k)), low), high)
 
 
-def tuning_key(kind, head_dim, causal, dtype, gpu, seqlen_q, seqlen_k):
-    """The cache key of one tuning decision. gpu: name and compute capability (_gpu_signature)."""
-    return "|".join([kind, f"d{head_dim}", "causal" if causal else "full", str(dtype).replace("torch.", ""), gpu,
-                     f"s{seqlen_class(seqlen_q, seqlen_k)}", f"triton-{triton.__version__}"])
+def tuning_key(kind, head_dim, causal, dtype, gpu, seqlen_q, seqlen_k, variant=None):
+    """The cache key of one tuning decision. gpu: name and compute capability (_gpu_signature).
+    variant: the kernel variant's name in place of "causal" / "full" (a window, softcapping, ALiBi)."""
+    return "|".join([kind, f"d{head_dim}", variant or ("causal" if causal else "full"), str(dtype).replace("torch.", ""),
+                     gpu, f"s{seqlen_class(seqlen_q, seqlen_k)}", f"triton-{triton.__version__}"])
 
 
 @functools.cache
@@ -188,21 +190,25 @@ def _may_time(sample):
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def _config_for(kind, head_dim, dtype, causal, seqlen_q, seqlen_k, device, may_time, run):
+def _config_for(kind, head_dim, dtype, causal, seqlen_q, seqlen_k, device, may_time, run, variant=None):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of kernel `kind`: the interpreter's on CPU, the
-    table entry with REMAT_AUTOTUNE=0, else the tuned one (timing run(config) on first use)."""
+    table entry with REMAT_AUTOTUNE=0, else the tuned one (timing run(config) on first use).
+    variant: as in tuning_key."""
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
     if not _autotune.enabled():
         return candidates(kind, head_dim, dtype)[0]
     gpu = _gpu_signature(device)
     options = candidates(kind, head_dim, dtype, hopper=gpu.endswith(" sm_90"), causal=causal)
-    key = tuning_key(kind, head_dim, causal, dtype, gpu, seqlen_q, seqlen_k)
+    key = tuning_key(kind, head_dim, causal, dtype, gpu, seqlen_q, seqlen_k, variant)
     return _TUNER.best(key, options, run, may_time=may_time)
 
 
-def _select_config(kind, q, k, causal, run):
-    return _config_for(kind, q.shape[-1], q.dtype, causal, q.shape[2], k.shape[2], q.device, _may_time(q), run)
+def _select_config(kind, q, k, scores, run):
+    # A windowed kernel has masked steps on both edges, as the causal one has on its diagonal:
+    # it takes the causal candidates (the non-causal-only tile spills with masked steps).
+    return _config_for(kind, q.shape[-1], q.dtype, scores.CAUSAL or scores.WINDOW, q.shape[2], k.shape[2], q.device,
+                       _may_time(q), run, scores.variant)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,13 +274,96 @@ def _dot(a, b, IEEE_FP32: tl.constexpr):
 
 
 @triton.jit
-def _visible(rows, cols, seqlen_q, seqlen_k, CAUSAL: tl.constexpr):
+def _visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right, CAUSAL: tl.constexpr,
+             WINDOW: tl.constexpr):
     # (len(rows), len(cols)) mask of the (query, key) pairs that take part: both in range and,
-    # when causal, key j at most i + (Sk - Sq) (bottom-right aligned).
+    # when causal, key j at most i + (Sk - Sq) (bottom-right aligned); with a window, j within
+    # [i + (Sk - Sq) - window_left, i + (Sk - Sq) + window_right] (the launcher folds causal into
+    # window_right = 0 and passes CAUSAL=False then).
     ok = (rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k)
     if CAUSAL:
         ok = ok & (cols[None, :] <= rows[:, None] + (seqlen_k - seqlen_q))
+    if WINDOW:
+        diagonal = rows[:, None] + (seqlen_k - seqlen_q)
+        ok = ok & (cols[None, :] >= diagonal - window_left) & (cols[None, :] <= diagonal + window_right)
     return ok
+
+
+@triton.jit
+def _tanh(x):
+    # tanh from exp2 (no tanh in every Triton version's core language): exp2 overflows to inf for
+    # large x, giving exactly 1, and underflows to 0 for very negative x, giving exactly -1.
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
+
+
+@triton.jit
+def _modified_scores(s, q_pos, k_pos, qk_scale, softcap_in, softcap_out, alibi_slope, seqlen_q, seqlen_k,
+                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    # (scores, t) for raw scores s = q . k at query positions q_pos and key positions k_pos (both
+    # broadcast to s's shape): scores in base 2 after logit softcapping, c * tanh(scale * s / c)
+    # (softcap_in = scale / c, softcap_out = c * log2(e)), then the ALiBi bias
+    # -slope * |i + Sk - Sq - j| (alibi_slope in base 2). t = tanh(scale * s / c), which the
+    # backward needs for the cap's derivative scale * (1 - t^2); s itself without softcapping.
+    if SOFTCAP:
+        t = _tanh(s * softcap_in)
+        scores = t * softcap_out
+    else:
+        t = s
+        scores = s * qk_scale
+    if ALIBI:
+        distance = tl.abs(q_pos + (seqlen_k - seqlen_q) - k_pos).to(tl.float32)
+        scores = scores - alibi_slope * distance
+    return scores, t
+
+
+@triton.jit
+def _load_alibi_slope(Alibi, batch, head, stride_ab, ALIBI: tl.constexpr):
+    # The ALiBi slope of (batch, head) in base 2 (stride_ab is 0 for slopes shared by the batch);
+    # 0 without ALiBi (never used then).
+    if ALIBI:
+        return tl.load(Alibi + batch * stride_ab + head) * 1.4426950408889634
+    else:
+        return 0.0
+
+
+@triton.jit
+def _clamped_ranges(start, full_lo, full_hi, end):
+    # Orders the four block boundaries of a windowed loop so that start <= full_lo <= full_hi <=
+    # end: masked [start, full_lo), unmasked [full_lo, full_hi), masked [full_hi, end). start,
+    # full_lo and full_hi stay multiples of the block size or become end (the ranges after are empty).
+    start = tl.minimum(start, end)
+    full_lo = tl.minimum(tl.maximum(full_lo, start), end)
+    full_hi = tl.maximum(tl.minimum(full_hi, end), full_lo)
+    return start, full_lo, full_hi, end
+
+
+@triton.jit
+def _window_key_ranges(start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    # (start, full_lo, full_hi, end) over the keys for the query rows [start_m, start_m + BLOCK_M)
+    # with a window: key blocks below start or from end on are seen by no row (skipped), those in
+    # [full_lo, full_hi) by every existing row (unmasked), the rest in part (masked).
+    diagonal = seqlen_k - seqlen_q
+    last_row = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
+    end = tl.minimum(seqlen_k, tl.maximum(0, last_row + diagonal + window_right + 1))
+    start = (tl.maximum(0, start_m + diagonal - window_left) // BLOCK_N) * BLOCK_N
+    full_lo = tl.cdiv(tl.maximum(0, last_row + diagonal - window_left), BLOCK_N) * BLOCK_N
+    full_hi = (tl.minimum(seqlen_k, tl.maximum(0, start_m + diagonal + window_right + 1)) // BLOCK_N) * BLOCK_N
+    return _clamped_ranges(start, full_lo, full_hi, end)
+
+
+@triton.jit
+def _window_query_ranges(start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    # The same over the query rows for the keys [start_n, start_n + BLOCK_N): row i sees key j iff
+    # j - (Sk - Sq) - window_right <= i <= j - (Sk - Sq) + window_left.
+    diagonal = seqlen_k - seqlen_q
+    last_col = tl.minimum(start_n + BLOCK_N, seqlen_k) - 1
+    end = tl.minimum(seqlen_q, tl.maximum(0, last_col - diagonal + window_left + 1))
+    start = (tl.maximum(0, start_n - diagonal - window_right) // BLOCK_M) * BLOCK_M
+    full_lo = tl.cdiv(tl.maximum(0, last_col - diagonal - window_right), BLOCK_M) * BLOCK_M
+    full_hi = (tl.minimum(seqlen_q, tl.maximum(0, start_n - diagonal + window_left + 1)) // BLOCK_M) * BLOCK_M
+    return _clamped_ranges(start, full_lo, full_hi, end)
 
 
 @triton.jit
@@ -296,19 +385,32 @@ def _key_ranges(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.
 
 @triton.jit
 def _fwd_step(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, rows, cols, offs_d, seqlen_q, seqlen_k, qk_scale,
-              HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE_FP32: tl.constexpr, MASKED: tl.constexpr):
+              window_left, window_right, softcap_in, softcap_out, alibi_slope,
+              HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+              ALIBI: tl.constexpr, IEEE_FP32: tl.constexpr, MASKED: tl.constexpr):
     # One key block of the online softmax: returns the updated (acc, l_i, m_i). Unmasked blocks
     # (every key in range and visible to every row) load without the key bounds, skip both
     # selects, and fold the scale into the exponent's argument (one FMA per score), which
     # needs qk_scale >= 0 for max(s) * qk_scale to be the row maximum (the launcher ensures it).
+    # With softcapping or ALiBi the scores are formed explicitly first (_modified_scores).
     if MASKED:
         kv_mask = _tile_mask(cols, seqlen_k, offs_d, HEAD_DIM)
     else:  # every key in range: only the head-dim padding is masked
         kv_mask = (offs_d < HEAD_DIM)[None, :]
     kt = tl.load(_tile_ptrs_t(K, cols, stride_kn, offs_d), mask=tl.trans(kv_mask), other=0.0)
     s = _dot(q, kt, IEEE_FP32)
-    if MASKED:
-        visible = _visible(rows, cols, seqlen_q, seqlen_k, CAUSAL)
+    if SOFTCAP or ALIBI:
+        s, _ = _modified_scores(s, rows[:, None], cols[None, :], qk_scale, softcap_in, softcap_out, alibi_slope,
+                                seqlen_q, seqlen_k, SOFTCAP, ALIBI)
+        if MASKED:
+            visible = _visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right, CAUSAL, WINDOW)
+            s = tl.where(visible, s, -1.0e30)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        if MASKED:  # zeroed explicitly (see the plain masked case below)
+            p = tl.where(visible, p, 0.0)
+    elif MASKED:
+        visible = _visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right, CAUSAL, WINDOW)
         s = tl.where(visible, s * qk_scale, -1.0e30)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Zeroed explicitly: in a row with no visible key yet, m_new is -1e30 too and
@@ -331,25 +433,35 @@ def _attn_fwd_kernel(
     V,  # (B, H_kv, Sk, D) strides stride_vb, stride_vh, stride_vn, 1
     O,  # (B, H, Sq, D) output, strides stride_ob, stride_oh, stride_om, 1
     LSE,  # (B, H, Sq) fp32 output (natural log), strides stride_lb, stride_lh, 1
+    Alibi,  # (B, H) fp32 ALiBi slopes, strides stride_ab (0 when shared by the batch), 1; read if ALIBI
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
     stride_lb, stride_lh,
+    stride_ab,
     heads,  # H
     seqlen_q,
     seqlen_k,
     qk_scale,  # softmax_scale * log2(e)
+    window_left,  # keys left of the diagonal a row sees (used if WINDOW)
+    window_right,  # keys right of the diagonal a row sees (used if WINDOW)
+    softcap_in,  # softmax_scale / softcap (used if SOFTCAP)
+    softcap_out,  # softcap * log2(e) (used if SOFTCAP)
     GROUP: tl.constexpr,  # H // H_kv: query heads per key/value head
     HEAD_DIM: tl.constexpr,  # D
     D_PAD: tl.constexpr,  # next power of two >= D
     CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,  # a sliding window (causal folded in); CAUSAL is False then
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
     IEEE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query rows per program
     BLOCK_N: tl.constexpr,  # keys per step
 ):
     # Grid (cdiv(Sq, BLOCK_M) * H * B,): one query block of one head per program.
     block, batch, head = _program_coords(tl.cdiv(seqlen_q, BLOCK_M), heads)
+    alibi_slope = _load_alibi_slope(Alibi, batch, head, stride_ab, ALIBI)
     if CAUSAL:
         block = _heaviest_first(block, tl.cdiv(seqlen_q, BLOCK_M))
     start_m = block * BLOCK_M
@@ -372,17 +484,30 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
 
-    # Key blocks [0, full_end) are visible to every row of this block: no mask at all there.
-    # Blocks [full_end, end_n) straddle the causal diagonal or the end of the keys: masked.
+    # Key blocks [full_start, full_end) are visible to every row of this block: no mask at all
+    # there. Blocks [full_end, end_n) straddle the causal diagonal or the end of the keys: masked.
     # Causal: blocks right of the diagonal are skipped entirely (a row block whose rows see no
-    # key at all runs zero iterations).
-    full_end, end_n = _key_ranges(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
-    for start_n in range(0, full_end, BLOCK_N):
+    # key at all runs zero iterations). A window also skips the blocks left of it and masks the
+    # blocks [first_n, full_start) on its left edge; without one full_start is 0.
+    if WINDOW:
+        first_n, full_start, full_end, end_n = _window_key_ranges(start_m, seqlen_q, seqlen_k, window_left,
+                                                                  window_right, BLOCK_M, BLOCK_N)
+        for start_n in range(first_n, full_start, BLOCK_N):
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, rows, start_n + offs_n, offs_d,
+                                      seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_in,
+                                      softcap_out, alibi_slope, HEAD_DIM, CAUSAL, WINDOW, SOFTCAP, ALIBI, IEEE_FP32,
+                                      True)
+    else:
+        full_start = 0
+        full_end, end_n = _key_ranges(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    for start_n in range(full_start, full_end, BLOCK_N):
         acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, rows, start_n + offs_n, offs_d,
-                                  seqlen_q, seqlen_k, qk_scale, HEAD_DIM, CAUSAL, IEEE_FP32, False)
+                                  seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_in, softcap_out,
+                                  alibi_slope, HEAD_DIM, CAUSAL, WINDOW, SOFTCAP, ALIBI, IEEE_FP32, False)
     for start_n in range(full_end, end_n, BLOCK_N):
         acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, rows, start_n + offs_n, offs_d,
-                                  seqlen_q, seqlen_k, qk_scale, HEAD_DIM, CAUSAL, IEEE_FP32, True)
+                                  seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_in, softcap_out,
+                                  alibi_slope, HEAD_DIM, CAUSAL, WINDOW, SOFTCAP, ALIBI, IEEE_FP32, True)
 
     # A row that saw no key (l_i == 0) gets o = 0 and lse = -inf (log of an empty sum).
     seen = l_i > 0.0
@@ -480,27 +605,37 @@ def _query_ranges(start_n, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: t
 
 @triton.jit
 def _dkdv_step(dk, dv, k, v, Qh, DOh, LSEh, Deltah, stride_qm, stride_dom, rows, cols, offs_d, seqlen_q, seqlen_k,
-               qk_scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE_FP32: tl.constexpr, MASKED: tl.constexpr):
+               qk_scale, window_left, window_right, softcap_in, softcap_out, alibi_slope, HEAD_DIM: tl.constexpr,
+               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+               IEEE_FP32: tl.constexpr, MASKED: tl.constexpr):
     # One query block's contribution to dK and dV of a key block: returns the updated (dk, dv).
     q, do, lse, delta = _load_query_rows(Qh, DOh, LSEh, Deltah, rows, stride_qm, stride_dom, offs_d, seqlen_q,
                                          HEAD_DIM)
     # P^T recomputed: (BLOCK_N, BLOCK_M).
     st = _dot(k, tl.trans(q), IEEE_FP32)
-    if MASKED:
-        visible_t = tl.trans(_visible(rows, cols, seqlen_q, seqlen_k, CAUSAL))
-        pt = tl.where(visible_t, tl.exp2(st * qk_scale - lse[None, :]), 0.0)
+    if SOFTCAP or ALIBI:
+        st, tt = _modified_scores(st, rows[None, :], cols[:, None], qk_scale, softcap_in, softcap_out, alibi_slope,
+                                  seqlen_q, seqlen_k, SOFTCAP, ALIBI)
+        pt = tl.exp2(st - lse[None, :])
     else:
         pt = tl.exp2(st * qk_scale - lse[None, :])
+    if MASKED:
+        visible_t = tl.trans(_visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right, CAUSAL, WINDOW))
+        pt = tl.where(visible_t, pt, 0.0)
     dv += _dot(pt.to(do.dtype), do, IEEE_FP32)
     dpt = _dot(v, tl.trans(do), IEEE_FP32)
     dst = pt * (dpt - delta[None, :])
+    if SOFTCAP:  # through the cap: d(c tanh(x / c)) / dx = 1 - tanh^2
+        dst = dst * (1.0 - tt * tt)
     dk += _dot(dst.to(q.dtype), q, IEEE_FP32)
     return dk, dv
 
 
 @triton.jit
 def _dq_step(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, rows, cols, offs_d, seqlen_q, seqlen_k, qk_scale,
-             HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, IEEE_FP32: tl.constexpr, MASKED: tl.constexpr):
+             window_left, window_right, softcap_in, softcap_out, alibi_slope, HEAD_DIM: tl.constexpr,
+             CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+             IEEE_FP32: tl.constexpr, MASKED: tl.constexpr):
     # One key block's contribution to dQ of a query block: returns the updated dq. Unmasked
     # blocks load without the key bounds (all keys in range) and skip the select.
     if MASKED:
@@ -510,14 +645,20 @@ def _dq_step(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, rows, cols, offs
     k = tl.load(_tile_ptrs(K, cols, stride_kn, offs_d), mask=kv_mask, other=0.0)
     v = tl.load(_tile_ptrs(V, cols, stride_vn, offs_d), mask=kv_mask, other=0.0)
     s = _dot(q, tl.trans(k), IEEE_FP32)
-    if MASKED:
-        # Keys past seqlen_k must get P = 0: their zero scores would give exp2(-lse) otherwise.
-        visible = _visible(rows, cols, seqlen_q, seqlen_k, CAUSAL)
-        p = tl.where(visible, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+    if SOFTCAP or ALIBI:
+        s, t = _modified_scores(s, rows[:, None], cols[None, :], qk_scale, softcap_in, softcap_out, alibi_slope,
+                                seqlen_q, seqlen_k, SOFTCAP, ALIBI)
+        p = tl.exp2(s - lse[:, None])
     else:
         p = tl.exp2(s * qk_scale - lse[:, None])
+    if MASKED:
+        # Keys past seqlen_k must get P = 0: their zero scores would give exp2(-lse) otherwise.
+        visible = _visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right, CAUSAL, WINDOW)
+        p = tl.where(visible, p, 0.0)
     dp = _dot(do, tl.trans(v), IEEE_FP32)
     ds = p * (dp - delta[:, None])
+    if SOFTCAP:  # through the cap, as in _dkdv_step
+        ds = ds * (1.0 - t * t)
     return dq + _dot(ds.to(k.dtype), k, IEEE_FP32)
 
 
@@ -531,6 +672,7 @@ def _attn_bwd_dkdv_kernel(
     Delta,  # (B, H, Sq) fp32, same strides as LSE
     DK,  # (B, H_kv, Sk, D) output, strides stride_dkb, stride_dkh, stride_dkn, 1
     DV,  # (B, H_kv, Sk, D) output, strides stride_dvb, stride_dvh, stride_dvn, 1
+    Alibi,  # (B, H) fp32 ALiBi slopes, as in the forward
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -538,15 +680,20 @@ def _attn_bwd_dkdv_kernel(
     stride_lb, stride_lh,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
+    stride_ab,
     kv_heads,  # H_kv
     seqlen_q,
     seqlen_k,
     qk_scale,  # softmax_scale * log2(e)
     softmax_scale,
+    window_left, window_right, softcap_in, softcap_out,  # as in the forward
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
     IEEE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query rows per step
     BLOCK_N: tl.constexpr,  # keys per program
@@ -572,20 +719,35 @@ def _attn_bwd_dkdv_kernel(
     # Query blocks [first, full) straddle the causal diagonal: masked. From full on every query
     # row sees every key of this block (unmasked; the query tail past seqlen_q is loaded as
     # zeros, which add exactly 0 to dK and dV). Keys past seqlen_k in this block are computed
-    # but never stored.
-    first, full = _query_ranges(start_n, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    # but never stored. A window ends the unmasked blocks at full_end, masks those on its far
+    # edge [full_end, end_m) and skips the rest; without one full_end is seqlen_q.
+    if WINDOW:
+        first, full, full_end, end_m = _window_query_ranges(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                                                            BLOCK_M, BLOCK_N)
+    else:
+        first, full = _query_ranges(start_n, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+        full_end = seqlen_q
     for g in range(GROUP):
         head = kv_head * GROUP + g
         Qh = Q + batch * stride_qb + head * stride_qh
         DOh = DO + batch * stride_dob + head * stride_doh
         LSEh = LSE + batch * stride_lb + head * stride_lh
         Deltah = Delta + batch * stride_lb + head * stride_lh
+        alibi_slope = _load_alibi_slope(Alibi, batch, head, stride_ab, ALIBI)
         for start_m in range(first, full, BLOCK_M):
             dk, dv = _dkdv_step(dk, dv, k, v, Qh, DOh, LSEh, Deltah, stride_qm, stride_dom, start_m + offs_m, cols,
-                                offs_d, seqlen_q, seqlen_k, qk_scale, HEAD_DIM, CAUSAL, IEEE_FP32, True)
-        for start_m in range(full, seqlen_q, BLOCK_M):
+                                offs_d, seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_in,
+                                softcap_out, alibi_slope, HEAD_DIM, CAUSAL, WINDOW, SOFTCAP, ALIBI, IEEE_FP32, True)
+        for start_m in range(full, full_end, BLOCK_M):
             dk, dv = _dkdv_step(dk, dv, k, v, Qh, DOh, LSEh, Deltah, stride_qm, stride_dom, start_m + offs_m, cols,
-                                offs_d, seqlen_q, seqlen_k, qk_scale, HEAD_DIM, CAUSAL, IEEE_FP32, False)
+                                offs_d, seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_in,
+                                softcap_out, alibi_slope, HEAD_DIM, CAUSAL, WINDOW, SOFTCAP, ALIBI, IEEE_FP32, False)
+        if WINDOW:
+            for start_m in range(full_end, end_m, BLOCK_M):
+                dk, dv = _dkdv_step(dk, dv, k, v, Qh, DOh, LSEh, Deltah, stride_qm, stride_dom, start_m + offs_m,
+                                    cols, offs_d, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+                                    softcap_in, softcap_out, alibi_slope, HEAD_DIM, CAUSAL, WINDOW, SOFTCAP, ALIBI,
+                                    IEEE_FP32, True)
 
     dk *= softmax_scale
     tl.store(_tile_ptrs(DK, cols, stride_dkn, offs_d), dk.to(DK.dtype.element_ty), mask=kv_mask)
@@ -601,27 +763,34 @@ def _attn_bwd_dq_kernel(
     LSE,  # (B, H, Sq) fp32, natural log, strides stride_lb, stride_lh, 1
     Delta,  # (B, H, Sq) fp32, same strides as LSE
     DQ,  # (B, H, Sq, D) output, strides stride_dqb, stride_dqh, stride_dqm, 1
+    Alibi,  # (B, H) fp32 ALiBi slopes, as in the forward
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
     stride_lb, stride_lh,
     stride_dqb, stride_dqh, stride_dqm,
+    stride_ab,
     heads,  # H
     seqlen_q,
     seqlen_k,
     qk_scale,  # softmax_scale * log2(e)
     softmax_scale,
+    window_left, window_right, softcap_in, softcap_out,  # as in the forward
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
     IEEE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query rows per program
     BLOCK_N: tl.constexpr,  # keys per step
 ):
     # Grid (cdiv(Sq, BLOCK_M) * H * B,).
     block, batch, head = _program_coords(tl.cdiv(seqlen_q, BLOCK_M), heads)
+    alibi_slope = _load_alibi_slope(Alibi, batch, head, stride_ab, ALIBI)
     if CAUSAL:
         block = _heaviest_first(block, tl.cdiv(seqlen_q, BLOCK_M))
     start_m = block * BLOCK_M
@@ -640,14 +809,26 @@ def _attn_bwd_dq_kernel(
     q, do, lse, delta = _load_query_rows(Q, DO, LSE, Delta, rows, stride_qm, stride_dom, offs_d, seqlen_q, HEAD_DIM)
     dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
 
-    # As in the forward: key blocks below full_end unmasked, the diagonal and the key tail masked.
-    full_end, end_n = _key_ranges(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
-    for start_n in range(0, full_end, BLOCK_N):
+    # As in the forward: key blocks in [full_start, full_end) unmasked, the diagonal, the key tail
+    # and a window's left edge masked.
+    if WINDOW:
+        first_n, full_start, full_end, end_n = _window_key_ranges(start_m, seqlen_q, seqlen_k, window_left,
+                                                                  window_right, BLOCK_M, BLOCK_N)
+        for start_n in range(first_n, full_start, BLOCK_N):
+            dq = _dq_step(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, rows, start_n + offs_n, offs_d,
+                          seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_in, softcap_out,
+                          alibi_slope, HEAD_DIM, CAUSAL, WINDOW, SOFTCAP, ALIBI, IEEE_FP32, True)
+    else:
+        full_start = 0
+        full_end, end_n = _key_ranges(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    for start_n in range(full_start, full_end, BLOCK_N):
         dq = _dq_step(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, rows, start_n + offs_n, offs_d,
-                      seqlen_q, seqlen_k, qk_scale, HEAD_DIM, CAUSAL, IEEE_FP32, False)
+                      seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_in, softcap_out,
+                      alibi_slope, HEAD_DIM, CAUSAL, WINDOW, SOFTCAP, ALIBI, IEEE_FP32, False)
     for start_n in range(full_end, end_n, BLOCK_N):
         dq = _dq_step(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, rows, start_n + offs_n, offs_d,
-                      seqlen_q, seqlen_k, qk_scale, HEAD_DIM, CAUSAL, IEEE_FP32, True)
+                      seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_in, softcap_out,
+                      alibi_slope, HEAD_DIM, CAUSAL, WINDOW, SOFTCAP, ALIBI, IEEE_FP32, True)
 
     dq *= softmax_scale
     tl.store(_tile_ptrs(DQ, rows, stride_dqm, offs_d), dq.to(DQ.dtype.element_ty),
@@ -660,32 +841,80 @@ def _attn_bwd_dq_kernel(
 # Each kernel launch takes its configuration last, so autotuning can time the same call with
 # each candidate. The timed runs write the launcher's own fresh outputs (never the caller's
 # tensors; the inputs are only read), and the final launch rewrites every element of them.
-def _common_constexprs(q, k, causal):
+class _ScoreOptions(NamedTuple):
+    """How the scores are masked and modified, as the kernels take it (see _score_options)."""
+
+    CAUSAL: bool  # the plain causal mask (False when a window carries it)
+    WINDOW: bool
+    SOFTCAP: bool
+    ALIBI: bool
+    window_left: int
+    window_right: int
+    softcap_in: float
+    softcap_out: float
+    alibi: torch.Tensor  # (B, H) view of the slopes; the lse when there are none (never read then)
+    variant: str | None  # the tuning key's name for the kernel variant (None: plain causal or full)
+
+    def runtime_args(self):
+        return self.window_left, self.window_right, self.softcap_in, self.softcap_out
+
+    def constexprs(self):
+        return dict(CAUSAL=self.CAUSAL, WINDOW=self.WINDOW, SOFTCAP=self.SOFTCAP, ALIBI=self.ALIBI)
+
+
+def _score_options(q, k, lse, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes):
+    """The kernels' arguments for causal masking, a sliding window (window_left, window_right:
+    keys a query row sees left and right of its diagonal, -1 unbounded), logit softcapping
+    (softcap > 0) and ALiBi slopes ((H,) or (B, H) fp32, or None).
+
+    Causal is a window bound window_right = 0: with a left bound as well it runs as a window.
+    Unbounded sides of a window become Sq + Sk, past every key any row could see (the bounds
+    stay small integers however large the caller's are)."""
+    unbounded = q.shape[2] + k.shape[2]
+    left = unbounded if window_left < 0 else min(window_left, unbounded)
+    right = 0 if causal else (unbounded if window_right < 0 else min(window_right, unbounded))
+    window = window_left >= 0 or (window_right >= 0 and not causal)
+    alibi = lse
+    if alibi_slopes is not None:
+        alibi = alibi_slopes.to(torch.float32).contiguous().expand(q.shape[0], q.shape[1])
+    capped = softcap > 0
+    variant = "+".join(name for name, on in (("window", window), ("causal", causal and not window),
+                                             ("softcap", capped), ("alibi", alibi_slopes is not None)) if on)
+    return _ScoreOptions(
+        CAUSAL=bool(causal) and not window, WINDOW=window, SOFTCAP=capped, ALIBI=alibi_slopes is not None,
+        window_left=left if window else 0, window_right=right if window else 0,
+        softcap_in=softmax_scale / softcap if capped else 0.0, softcap_out=softcap * LOG2E if capped else 0.0,
+        alibi=alibi, variant=variant if (window or capped or alibi_slopes is not None) else None,
+    )
+
+
+def _common_constexprs(q, k, scores):
     head_dim = q.shape[-1]
     return dict(
         GROUP=q.shape[1] // k.shape[1],
         HEAD_DIM=head_dim,
         D_PAD=padded_head_dim(head_dim),
-        CAUSAL=bool(causal),
         IEEE_FP32=q.dtype == torch.float32,
+        **scores.constexprs(),
     )
 
 
-def _launch_fwd(q, k, v, o, lse, causal, softmax_scale, config):
+def _launch_fwd(q, k, v, o, lse, scores, softmax_scale, config):
     block_m, block_n, warps, stages = config
     batch, heads, seqlen_q, _ = q.shape
     _attn_fwd_kernel[(cdiv(seqlen_q, block_m) * heads * batch,)](
-        q, k, v, o, lse,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
-        heads, seqlen_q, k.shape[2], softmax_scale * LOG2E,
+        q, k, v, o, lse, scores.alibi,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2], scores.alibi.stride(0),
+        heads, seqlen_q, k.shape[2], softmax_scale * LOG2E, *scores.runtime_args(),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
-        **_common_constexprs(q, k, causal),
+        **_common_constexprs(q, k, scores),
     )
 
 
 @on_input_device
-def attention_fwd(q, k, v, causal, softmax_scale):
-    """(o, lse): o (B, H, Sq, D) in q's dtype laid out as (B, Sq, H, D), lse (B, H, Sq) fp32 natural log."""
+def attention_fwd(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+    """(o, lse): o (B, H, Sq, D) in q's dtype laid out as (B, Sq, H, D), lse (B, H, Sq) fp32 natural log.
+    window_left, window_right, softcap, alibi_slopes: see _score_options."""
     q, k, v = (unit_last_stride(t) for t in (q, k, v))
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
@@ -700,34 +929,35 @@ def attention_fwd(q, k, v, causal, softmax_scale):
         # The forward's unmasked steps take the row maximum of the unscaled scores, which needs
         # a non-negative scale: c q k^T = |c| q (-k)^T. (A copy of k, for this odd case only.)
         k, softmax_scale = -k, -softmax_scale
-    launch = functools.partial(_launch_fwd, q, k, v, o, lse, causal, softmax_scale)
-    launch(_select_config("fwd", q, k, causal, launch))
+    scores = _score_options(q, k, lse, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes)
+    launch = functools.partial(_launch_fwd, q, k, v, o, lse, scores, softmax_scale)
+    launch(_select_config("fwd", q, k, scores, launch))
     return o, lse
 
 
-def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, softmax_scale, config):
+def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, scores, softmax_scale, config):
     block_m, block_n, warps, stages = config
     batch, kv_heads, seqlen_k, _ = k.shape
     _attn_bwd_dkdv_kernel[(cdiv(seqlen_k, block_n) * kv_heads * batch,)](
-        q, k, v, do, lse, delta, dk, dv,
+        q, k, v, do, lse, delta, dk, dv, scores.alibi,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
-        *dk.stride()[:3], *dv.stride()[:3],
-        kv_heads, q.shape[2], seqlen_k, softmax_scale * LOG2E, softmax_scale,
+        *dk.stride()[:3], *dv.stride()[:3], scores.alibi.stride(0),
+        kv_heads, q.shape[2], seqlen_k, softmax_scale * LOG2E, softmax_scale, *scores.runtime_args(),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
-        **_common_constexprs(q, k, causal),
+        **_common_constexprs(q, k, scores),
     )
 
 
-def _launch_dq(q, k, v, do, lse, delta, dq, causal, softmax_scale, config):
+def _launch_dq(q, k, v, do, lse, delta, dq, scores, softmax_scale, config):
     block_m, block_n, warps, stages = config
     batch, heads, seqlen_q, _ = q.shape
     _attn_bwd_dq_kernel[(cdiv(seqlen_q, block_m) * heads * batch,)](
-        q, k, v, do, lse, delta, dq,
+        q, k, v, do, lse, delta, dq, scores.alibi,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
-        *dq.stride()[:3],
-        heads, seqlen_q, k.shape[2], softmax_scale * LOG2E, softmax_scale,
+        *dq.stride()[:3], scores.alibi.stride(0),
+        heads, seqlen_q, k.shape[2], softmax_scale * LOG2E, softmax_scale, *scores.runtime_args(),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
-        **_common_constexprs(q, k, causal),
+        **_common_constexprs(q, k, scores),
     )
 
 
@@ -740,7 +970,8 @@ def _launch_preprocess(o, do, delta, block_m):
 
 
 @on_input_device
-def attention_bwd(do, q, k, v, o, lse, causal, softmax_scale):
+def attention_bwd(do, q, k, v, o, lse, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0,
+                  alibi_slopes=None):
     """(dq, dk, dv), contiguous, in the shapes and dtypes of q, k, v."""
     do, q, k, v, o = (unit_last_stride(t) for t in (do, q, k, v, o))
     lse = lse.contiguous()
@@ -755,10 +986,11 @@ def attention_bwd(do, q, k, v, o, lse, causal, softmax_scale):
     delta = torch.empty_like(lse)
     _launch_preprocess(o, do, delta, _PRE_BLOCK_M if q.device.type == "cuda" else _PRE_BLOCK_M_INTERPRETER)
 
-    launch = functools.partial(_launch_dkdv, q, k, v, do, lse, delta, dk, dv, causal, softmax_scale)
-    launch(_select_config("dkdv", q, k, causal, launch))
-    launch = functools.partial(_launch_dq, q, k, v, do, lse, delta, dq, causal, softmax_scale)
-    launch(_select_config("dq", q, k, causal, launch))
+    scores = _score_options(q, k, lse, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes)
+    launch = functools.partial(_launch_dkdv, q, k, v, do, lse, delta, dk, dv, scores, softmax_scale)
+    launch(_select_config("dkdv", q, k, scores, launch))
+    launch = functools.partial(_launch_dq, q, k, v, do, lse, delta, dq, scores, softmax_scale)
+    launch(_select_config("dq", q, k, scores, launch))
     return dq, dk, dv
 
 
@@ -772,6 +1004,14 @@ def attention_bwd(do, q, k, v, o, lse, causal, softmax_scale):
 # (heads, seqlen) per shape. GQA group sizes are constexprs too; production launches any, but the
 # group only changes the trip count of an outer loop, so one value (1: heads == kv_heads) is compiled.
 AOT_SHAPES = {"div16": (16, 256), "ragged": (3, 255)}
+# The kernel variants besides plain causal and non-causal: name -> (causal, keyword arguments of
+# attention_fwd / attention_bwd). Each feature alone, and all three at once (the most registers).
+AOT_FEATURES = {
+    "window": (True, dict(window_left=100)),
+    "softcap": (False, dict(softcap=30.0)),
+    "alibi": (True, dict(alibi_slopes="per-head")),
+    "window+softcap+alibi": (False, dict(window_left=100, window_right=27, softcap=30.0, alibi_slopes="per-batch")),
+}
 
 
 def _aot_tensors(dtype, head_dim, shape):
@@ -782,25 +1022,41 @@ def _aot_tensors(dtype, head_dim, shape):
     return q, k, v, do, o, lse, delta
 
 
-def _aot_launch(kind, dtype, head_dim, causal, shape, config):
+def _aot_scores(q, k, lse, causal, features, scale):
+    options = dict(window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, **features)
+    if options["alibi_slopes"] is not None:  # "per-head": (H,), "per-batch": (B, H)
+        per_batch = options["alibi_slopes"] == "per-batch"
+        options["alibi_slopes"] = torch.empty(q.shape[:2] if per_batch else q.shape[1:2])
+    return _score_options(q, k, lse, causal, scale, **options)
+
+
+def _aot_launch(kind, dtype, head_dim, causal, shape, config, features=None):
     q, k, v, do, o, lse, delta = _aot_tensors(dtype, head_dim, shape)
     scale = head_dim**-0.5
+    scores = _aot_scores(q, k, lse, causal, features or {}, scale)
     if kind == "fwd":
-        _launch_fwd(q, k, v, o, lse, causal, scale, config)
+        _launch_fwd(q, k, v, o, lse, scores, scale, config)
     elif kind == "dkdv":
-        _launch_dkdv(q, k, v, do, lse, delta, torch.empty_like(k), torch.empty_like(v), causal, scale, config)
+        _launch_dkdv(q, k, v, do, lse, delta, torch.empty_like(k), torch.empty_like(v), scores, scale, config)
     elif kind == "dq":
-        _launch_dq(q, k, v, do, lse, delta, torch.empty_like(q), causal, scale, config)
+        _launch_dq(q, k, v, do, lse, delta, torch.empty_like(q), scores, scale, config)
     else:  # the backward's preprocess
         _launch_preprocess(o, do, delta, _PRE_BLOCK_M)
 
 
+def _aot_variants(causals, features):
+    """(name, causal, feature keywords) of the kernel variants to compile."""
+    plain = [("causal" if causal else "full", causal, None) for causal in causals]
+    return plain + [(name, *AOT_FEATURES[name]) for name in features]
+
+
 def aot_cases(dtypes=(torch.float16, torch.bfloat16, torch.float32), head_dims=HEAD_DIMS, causals=(False, True),
-              shapes=tuple(AOT_SHAPES)):
+              shapes=tuple(AOT_SHAPES), features=tuple(AOT_FEATURES)):
     """Launches of every configuration the launchers above can use on a GPU: each autotuning
-    candidate (the table entry among them) of each kernel, and the preprocess, at each shape.
+    candidate (the table entry among them) of each kernel, and the preprocess, at each shape;
+    for plain causal and non-causal attention (causals) and the variants of AOT_FEATURES (features).
     The Hopper-only candidates carry archs=(90,): they are launched, and compiled, on sm_90 only.
-    Keys: name, launch, archs, kind, table (True for the fixed-table entry), shape.
+    Keys: name, launch, archs, kind, table (True for the fixed-table entry), shape, variant.
 
     Distinct configurations only: head dims 80 and 96 compile separately from 128 (HEAD_DIM is
     a constexpr) although they share its block sizes.
@@ -808,17 +1064,20 @@ def aot_cases(dtypes=(torch.float16, torch.bfloat16, torch.float32), head_dims=H
     cases = []
     for dtype, head_dim, shape in ((t, d, s) for t in dtypes for d in head_dims for s in shapes):
         tag = f"{TYPE_NAMES[dtype]}_d{head_dim}"
-        for causal in causals:
+        for variant, causal, keywords in _aot_variants(causals, features):
+            # The candidates _select_config offers the variant: a window takes the causal ones.
+            tuned_causal = causal or "window_left" in (keywords or {})
             for kind in KINDS:
-                everywhere = candidates(kind, head_dim, dtype, causal=causal)
-                for config in candidates(kind, head_dim, dtype, hopper=True, causal=causal):
+                everywhere = candidates(kind, head_dim, dtype, causal=tuned_causal)
+                for config in candidates(kind, head_dim, dtype, hopper=True, causal=tuned_causal):
                     bm, bn, w, st = config
                     cases.append(dict(
-                        name=f"{kind}_{tag}_{'causal' if causal else 'full'}_BM{bm}_BN{bn}_w{w}_s{st}_{shape}",
-                        launch=functools.partial(_aot_launch, kind, dtype, head_dim, causal, shape, config),
+                        name=f"{kind}_{tag}_{variant}_BM{bm}_BN{bn}_w{w}_s{st}_{shape}",
+                        launch=functools.partial(_aot_launch, kind, dtype, head_dim, causal, shape, config, keywords),
                         archs=None if config in everywhere else (90,), kind=kind, table=config == everywhere[0],
-                        shape=shape,
+                        shape=shape, variant=variant,
                     ))
         cases.append(dict(name=f"pre_{tag}_BM{_PRE_BLOCK_M}_{shape}", archs=None, kind="pre", table=True, shape=shape,
-                          launch=functools.partial(_aot_launch, "pre", dtype, head_dim, False, shape, None)))
+                          variant=None, launch=functools.partial(_aot_launch, "pre", dtype, head_dim, False, shape,
+                                                                 None)))
     return cases

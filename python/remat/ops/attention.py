@@ -18,7 +18,8 @@ Backends: CUDA tensors run the Triton kernels for backend "triton" and also for 
 no CUDA-extension attention; "cuda" runs the Triton kernel). CPU tensors run the Triton kernel
 under TRITON_INTERPRET=1, else the reference. Head dims outside HEAD_DIMS run the reference on
 CPU; on CUDA, those and GPUs Triton cannot target (compute capability < 8.0) fall back to
-torch.nn.functional.scaled_dot_product_attention with a one-time warning.
+torch.nn.functional.scaled_dot_product_attention with a one-time warning (to the reference when a
+window, softcapping or ALiBi is asked for).
 
 Block sizes on a GPU are autotuned: the first call per (head dim, causal, dtype, GPU, length
 class) times a few candidate configurations and keeps the fastest, remembered in
@@ -30,6 +31,7 @@ fixed configuration runs.
 
 import math
 import warnings
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -54,9 +56,17 @@ HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the Triton kernels' head dims (see tri
 
 
 
-def _visible_mask(seqlen_q, seqlen_k, device):
-    """(seqlen_q, seqlen_k) bool, True where query i may see key j (causal, bottom-right aligned)."""
-    return torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device).tril(seqlen_k - seqlen_q)
+def _visible_mask(seqlen_q, seqlen_k, device, window_left=-1, window_right=0):
+    """(seqlen_q, seqlen_k) bool, True where query i may see key j: i + Sk - Sq - window_left <= j <=
+    i + Sk - Sq + window_right, -1 meaning unbounded. The defaults give the causal mask (bottom-right aligned)."""
+    distance = (torch.arange(seqlen_k, device=device)[None, :] - torch.arange(seqlen_q, device=device)[:, None]
+                - (seqlen_k - seqlen_q))  # j - (i + Sk - Sq): how far right of row i's diagonal key j lies
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if window_left >= 0:
+        visible &= distance >= -window_left
+    if window_right >= 0:
+        visible &= distance <= window_right
+    return visible
 
 
 def _expand_kv(t, heads):
@@ -64,27 +74,47 @@ def _expand_kv(t, heads):
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
-def _probabilities(q, k, causal, softmax_scale):
-    """(p, lse) in the math dtype: p (B, H, Sq, Sk) with zero rows where nothing is visible."""
+def _alibi_bias(alibi_slopes, seqlen_q, seqlen_k, dtype):
+    """-slope * |i + Sk - Sq - j|, broadcastable to (B, H, Sq, Sk), for slopes (H,) or (B, H)."""
+    diagonal = torch.arange(seqlen_q, device=alibi_slopes.device)[:, None] + (seqlen_k - seqlen_q)
+    distance = (diagonal - torch.arange(seqlen_k, device=alibi_slopes.device)[None, :]).abs().to(dtype)
+    return -alibi_slopes.to(dtype)[..., None, None] * distance
+
+
+def _scores(q, k, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+    """The scaled scores in the math dtype, softcapped, with ALiBi, -inf where masked: (B, H, Sq, Sk)."""
     dtype = math_dtype(q)
     s = (q.to(dtype) @ _expand_kv(k, q.shape[1]).to(dtype).transpose(-1, -2)) * softmax_scale
-    if causal:
-        s = s.masked_fill(~_visible_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        s = s + _alibi_bias(alibi_slopes, q.shape[2], k.shape[2], dtype)
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    visible = _visible_mask(seqlen_q, seqlen_k, q.device, window_left, 0 if causal else window_right)
+    return s.masked_fill(~visible, float("-inf"))
+
+
+def _probabilities(q, k, causal, softmax_scale, *features):
+    """(p, lse) in the math dtype: p (B, H, Sq, Sk) with zero rows where nothing is visible.
+    features: window_left, window_right, softcap, alibi_slopes (see attention)."""
+    s = _scores(q, k, causal, softmax_scale, *features)
     lse = torch.logsumexp(s, dim=-1)
     # A fully masked row has lse = -inf; subtracting 0 there keeps exp(-inf) = 0 instead of NaN.
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
     return p, lse
 
 
-def attention_ref(q, k, v, causal=False, softmax_scale=None):
+def attention_ref(q, k, v, causal=False, softmax_scale=None, window_left=-1, window_right=-1, softcap=0.0,
+                  alibi_slopes=None):
     """(o, lse) by an explicit softmax; differentiable, materialises (B, H, Sq, Sk).
 
     o in q's dtype, lse in fp32 (float64 for float64 input). Used by the tests (in float64) and
-    as the CPU fallback without the interpreter.
+    as the CPU fallback without the interpreter. The features as in attention (window_size split
+    into window_left and window_right).
     """
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    p, lse = _probabilities(q, k, causal, softmax_scale)
+    p, lse = _probabilities(q, k, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes)
     o = p @ _expand_kv(v, q.shape[1]).to(p.dtype)
     return o.to(q.dtype), lse
 
@@ -99,9 +129,11 @@ def new_output(q):
     return q.new_empty((batch, seqlen_q, heads, head_dim)).transpose(1, 2)
 
 
-def _attention_fwd_ref(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:
+def _attention_fwd_ref(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float, window_left: int = -1,
+                       window_right: int = -1, softcap: float = 0.0,
+                       alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(o, lse): o (B, H, Sq, D) in q's dtype, laid out as (B, Sq, H, D); lse (B, H, Sq) fp32 natural log."""
-    o, lse = attention_ref(q, k, v, causal, softmax_scale)
+    o, lse = attention_ref(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes)
     return new_output(q).copy_(o), lse.to(torch.float32).contiguous()
 
 
@@ -112,19 +144,23 @@ def _group_sum(t, kv_heads):
 
 
 def _attention_bwd_ref(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, softmax_scale: float
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, softmax_scale: float,
+    window_left: int = -1, window_right: int = -1, softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of attention_fwd, recomputing the probabilities from q and k, by the same
     derivation as the kernels (see triton_kernels/attention.py)."""
     dtype = math_dtype(q)
     heads, kv_heads = q.shape[1], k.shape[1]
-    p, _ = _probabilities(q, k, causal, softmax_scale)
+    p, _ = _probabilities(q, k, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes)
     do_f = do.to(dtype)
     v_f = _expand_kv(v, heads).to(dtype)
     dv = p.transpose(-1, -2) @ do_f
     dp = do_f @ v_f.transpose(-1, -2)
     delta = (do_f * o.to(dtype)).sum(dim=-1, keepdim=True)
     ds = p * (dp - delta)
+    if softcap > 0:  # through the cap: d(c tanh(x / c)) / dx = 1 - tanh(x / c)^2
+        capped = (q.to(dtype) @ _expand_kv(k, heads).to(dtype).transpose(-1, -2)) * (softmax_scale / softcap)
+        ds = ds * (1 - torch.tanh(capped) ** 2)
     dq = (ds @ _expand_kv(k, heads).to(dtype)) * softmax_scale
     dk = (ds.transpose(-1, -2) @ q.to(dtype)) * softmax_scale
     return dq.to(q.dtype), _group_sum(dk, kv_heads).to(k.dtype), _group_sum(dv, kv_heads).to(v.dtype)
@@ -135,33 +171,37 @@ def _attention_bwd_ref(
 # ---------------------------------------------------------------------------------------------
 
 
-def _attention_fwd_fake(q, k, v, causal, softmax_scale):
+def _attention_fwd_fake(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0,
+                        alibi_slopes=None):
     batch, heads, seqlen_q, _ = q.shape
     return new_output(q), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
 
 
-def _attention_bwd_fake(do, q, k, v, o, lse, causal, softmax_scale):
+def _attention_bwd_fake(do, q, k, v, o, lse, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0,
+                        alibi_slopes=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale = inputs
+    q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
-    ctx.causal, ctx.softmax_scale = causal, softmax_scale
+    # The slopes (H or B x H floats) are saved with the rest: a few bytes, and saved tensors keep
+    # working under torch.compile and activation checkpointing.
+    ctx.save_for_backward(q, k, v, o, lse, alibi_slopes)
+    ctx.scalars = causal, softmax_scale, window_left, window_right, softcap
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, do, _dlse):
-    q, k, v, o, lse = ctx.saved_tensors
+    q, k, v, o, lse, alibi_slopes = ctx.saved_tensors
     if do.stride(-1) != 1:
         do = do.contiguous()  # the kernels read rows with unit stride
     # Under create_graph=True the reference's formula, which a second backward can differentiate:
     # it recomputes the probabilities from q and k, and o, a differentiable output, carries its
     # own dependence on q, k and v.
     backward = _attention_bwd_ref if _backend.backward_is_differentiated() else attention_bwd
-    dq, dk, dv = backward(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale)
-    return dq, dk, dv, None, None
+    dq, dk, dv = backward(do, q, k, v, o, lse, *ctx.scalars, alibi_slopes)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,6 +240,15 @@ def _fallback_reason(q, k, v):
     if not _triton_can_target(index):
         return "the GPU's compute capability is below 8.0, which the Triton kernels need"
     return None
+
+
+def _fallback(q, k, v, causal, softmax_scale, return_lse, features):
+    """SDPA for plain and causal attention; with a window, softcapping or ALiBi the differentiable
+    reference (SDPA has no softcap, and the reference computes every feature the kernels do)."""
+    if features == _NO_FEATURES:
+        return _sdpa_fallback(q, k, v, causal, softmax_scale, return_lse)
+    o, lse = attention_ref(q, k, v, causal, softmax_scale, *features)
+    return (o, lse.detach().to(torch.float32)) if return_lse else o
 
 
 def _sdpa_fallback(q, k, v, causal, softmax_scale, return_lse):
@@ -258,7 +307,44 @@ def _unit_last_stride(t):
     return t if t.stride(-1) == 1 or t.numel() == 0 else t.contiguous()
 
 
-def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, attn_mask=None):
+_NO_FEATURES = (-1, -1, 0.0, None)  # (window_left, window_right, softcap, alibi_slopes): plain attention
+
+
+def _check_window_size(window_size):
+    """(left, right) from window_size: a pair of ints >= -1."""
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(isinstance(w, bool) or not isinstance(w, int) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), -1 for unbounded, got {window_size!r}")
+    if any(w < -1 for w in window_size):
+        raise ValueError(f"window_size must have values >= -1 (-1: unbounded), got {tuple(window_size)}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def _check_softcap(softcap):
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite float >= 0 (0: no softcapping), got {softcap!r}")
+    return float(softcap)
+
+
+def _check_alibi_slopes(alibi_slopes, q):
+    if alibi_slopes is None:
+        return
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must have dtype torch.float32, got {alibi_slopes.dtype}")
+    check_same_device("alibi_slopes", alibi_slopes, "q", q)
+    batch, heads = q.shape[:2]
+    if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes must have shape ({heads},) or ({batch}, {heads}) (heads, or batch and heads "
+                         f"of q), got {tuple(alibi_slopes.shape)}")
+    if alibi_slopes.requires_grad and torch.is_grad_enabled():
+        raise ValueError("alibi_slopes must not require grad: attention gives no gradient for the slopes "
+                         "(as FlashAttention); pass alibi_slopes.detach()")
+
+
+def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, attn_mask=None, window_size=(-1, -1),
+              softcap=0.0, alibi_slopes=None):
     """softmax(softmax_scale * q k^T) v, like F.scaled_dot_product_attention, FlashAttention-style.
 
     q: (batch, heads, seqlen_q, head_dim); k, v: (batch, kv_heads, seqlen_k, head_dim) with
@@ -267,20 +353,34 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, attn_
     seqlen_k. softmax_scale: default 1/sqrt(head_dim). Returns o (batch, heads, seqlen_q,
     head_dim), and with return_lse=True also the fp32 natural-log log-sum-exp per query row
     (batch, heads, seqlen_q), -inf for rows that see no key (not differentiable). attn_mask: None
-    only, for code written for scaled_dot_product_attention: the kernels mask causally, nothing else.
+    only, for code written for scaled_dot_product_attention: the kernels mask causally or by a window.
 
-    Autograd saves q, k, v, o and the lse (4 bytes per query row and head). A double backward works:
-    a backward with create_graph=True runs the differentiable reference instead of the kernel, which
-    materialises (batch, heads, seqlen_q, seqlen_k) as PyTorch's math backend does.
+    As FlashAttention's flash_attn_func:
+    - window_size=(left, right): a sliding window, -1 unbounded; query i sees key j when
+      i + Sk - Sq - left <= j <= i + Sk - Sq + right. With causal=True, right is 0.
+    - softcap: logit softcapping, s -> softcap * tanh(s / softcap) on the scaled scores; 0 is off.
+    - alibi_slopes: fp32 (heads,) or (batch, heads); adds -slope * |i + Sk - Sq - j| to the
+      (softcapped) scaled scores. Not differentiable.
+    Key blocks wholly outside the window are skipped: a window costs in proportion to its width.
+
+    Autograd saves q, k, v, o and the lse (4 bytes per query row and head), and the ALiBi slopes.
+    A double backward works: a backward with create_graph=True runs the differentiable reference
+    instead of the kernel, which materialises (batch, heads, seqlen_q, seqlen_k) as PyTorch's math
+    backend does.
     """
     if attn_mask is not None:
-        raise ValueError("attn_mask must be None: remat.attention masks causally only (causal=True); for other "
-                         "masks call torch.nn.functional.scaled_dot_product_attention")
+        raise ValueError("attn_mask must be None: remat.attention masks causally (causal=True) or by a sliding "
+                         "window (window_size) only; for other masks call "
+                         "torch.nn.functional.scaled_dot_product_attention")
     _check_qkv(q, k, v)
+    window_left, window_right = _check_window_size(window_size)
+    softcap = _check_softcap(softcap)
+    _check_alibi_slopes(alibi_slopes, q)
     dtype = autocast_dtype(q.device.type)
-    if dtype is not None:  # as scaled_dot_product_attention: computed in the autocast dtype
+    if dtype is not None:  # as scaled_dot_product_attention: computed in the autocast dtype (the slopes stay fp32)
         with torch.autocast(q.device.type, enabled=False):
-            return attention(*cast_for_autocast(dtype, q, k, v), causal, softmax_scale, return_lse)
+            return attention(*cast_for_autocast(dtype, q, k, v), causal, softmax_scale, return_lse,
+                             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
     if not isinstance(return_lse, bool):
@@ -293,12 +393,14 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, attn_
         raise ValueError(f"softmax_scale must be a finite float or None, got {softmax_scale!r}")
     softmax_scale = float(softmax_scale)
 
+    features = (window_left, window_right, softcap, alibi_slopes)
     reason = _fallback_reason(q, k, v)
     if reason is not None:
         _warn_fallback_once(reason)
-        return _sdpa_fallback(q, k, v, causal, softmax_scale, return_lse)
+        return _fallback(q, k, v, causal, softmax_scale, return_lse, features)
 
-    o, lse = attention_fwd(_unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v), causal, softmax_scale)
+    o, lse = attention_fwd(_unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v), causal, softmax_scale,
+                           *features)
     return (o, lse) if return_lse else o
 
 
@@ -334,15 +436,19 @@ def multihead_self_attention(x, in_proj_weight, in_proj_bias, out_proj_weight, o
 
 def _samples(device):
     """GQA (2 query heads on 1 key/value head), seqlen_q 9 != seqlen_k 12 (masked tails, the causal
-    mask off the diagonal), causal and not; the forward's inputs require grad (so opcheck checks
-    its autograd too), the backward's do not."""
+    mask off the diagonal), causal and not, with and without the window, softcap and ALiBi; the
+    forward's inputs require grad (so opcheck checks its autograd too), the backward's do not."""
     q = torch.randn(1, 2, 9, 32, device=device)
     k, v = torch.randn(1, 1, 12, 32, device=device), torch.randn(1, 1, 12, 32, device=device)
     forward, backward = [], []
-    for causal in (False, True):
-        forward.append((*grad_leaves(q, k, v), causal, 0.25))
-        o, lse = _attention_fwd_ref(q, k, v, causal, 0.25)
-        backward.append((torch.randn_like(o), q, k, v, o, lse, causal, 0.25))
+    # Plain, causal; a causal window with per-head ALiBi; a two-sided window with softcapping and
+    # per-batch ALiBi.
+    variants = [(False, ()), (True, ()), (True, (4, -1, 0.0, torch.rand(2, device=device))),
+                (False, (3, 5, 2.0, torch.rand(1, 2, device=device)))]
+    for causal, features in variants:
+        forward.append((*grad_leaves(q, k, v), causal, 0.25, *features))
+        o, lse = _attention_fwd_ref(q, k, v, causal, 0.25, *features)
+        backward.append((torch.randn_like(o), q, k, v, o, lse, causal, 0.25, *features))
     return OpSamples(forward, backward)
 
 
