@@ -147,7 +147,7 @@ def fusable(pattern, modules, labels=None):
 
 def unsupported_reason(module):
     """Why a module remat recognises is not converted (RMSNorm, gated MLPs), or None."""
-    if type(module).__name__.endswith("RMSNorm"):  # torch.nn.RMSNorm, LlamaRMSNorm, ...
+    if type(module).__name__.endswith(("RMSNorm", "T5LayerNorm")):  # torch.nn.RMSNorm, LlamaRMSNorm, (M)T5's, ...
         return ("RMSNorm: no fusion with a Linear after it applies here (remat fuses RMSNorms in the Hugging "
                 "Face families it knows, and in remat.nn.RMSNormLinear and GatedMLP); it runs as it is and "
                 "saves nothing")

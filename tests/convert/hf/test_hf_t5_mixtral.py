@@ -56,7 +56,7 @@ def t5_swaps(ffn, decoder=True, layers=LAYERS):
 
 def t5_skips(ffn, decoder=True, layers=LAYERS):
     stacks, decoders = (2, layers) if decoder else (1, 0)
-    skips = {BIAS: stacks * layers, CROSS: decoders}
+    skips = {BIAS: stacks * layers, CROSS: decoders, "RMSNorm: no fusion": stacks}  # each stack's final_layer_norm
     if ffn == "relu":
         skips[RELU_FFN] = stacks * layers
     return {k: v for k, v in skips.items() if v}
