@@ -1,9 +1,9 @@
 """remat.convert on the Hugging Face families built from RMSNorms and gated MLPs (tiny random configs,
 no downloads): Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, Gemma2 and Gemma3 (text). The same loss and
 gradients as stock, the same checkpoint, the exact bytes no longer kept (derived per family), and the
-reasons for what stays stock: Gemma2's softcapped attention function (its norms and projections fuse), the
-norms of a block's output. A call whose attention remat.attention does not compute (padding, a short sliding
-window, dropout) keeps the fused norm and projections and runs the stock attention function."""
+reasons for what stays stock: the norms of a block's output. Sliding windows and Gemma2's softcap run on
+remat.attention; a call whose attention remat.attention does not compute (padding, dropout, a cache with past
+keys) keeps the fused norm and projections and runs the stock attention function."""
 
 import collections
 import importlib
@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from test_hf_families import assert_skipped_as_expected, swapped_counts
+from test_hf_families import assert_skipped_as_expected, sdpa_mask_bytes, swapped_counts
 
 from remat import memory
 from remat.convert.hf import registry
@@ -53,8 +53,8 @@ CASES = {
     "qwen3": Case("Qwen3", True, {}),
     "phi3": Case("Phi3", True, {}),
     "gemma": Case("Gemma", True, {}),
-    # softcapped attention (the default 50.0): the stock attention function on remat's q/k/v projections
-    "gemma2": Case("Gemma2", False, {OUTPUT_NORMS: 2 * LAYERS}),
+    # softcapped attention (the default 50.0) on remat.attention's softcap
+    "gemma2": Case("Gemma2", True, {OUTPUT_NORMS: 2 * LAYERS}),
     "gemma3": Case("Gemma3", True, {OUTPUT_NORMS: 2 * LAYERS}),
 }
 FINAL_NORM = "RMSNorm"  # the generic rule's row for model.norm
@@ -109,6 +109,18 @@ def attention_output_copy(name, device):
     return attention_output_copy_bytes(q)
 
 
+def stock_attention_extra(name, device):
+    """Bytes per token the stock attention keeps more than remat.attention (q, k, v, its output and
+    the fp32 lse). sdpa: the copy of its output that o_proj keeps (attention_output_copy). eager
+    (Gemma2's default): keys and values repeated to every head (GQA), the softcap's tanh and the
+    probabilities (seq wide per head), and o_proj's input, a copy of the output; remat's k and v
+    (kv heads) and lse are not."""
+    if name != "gemma2":
+        return attention_output_copy(name, device)
+    stock = 2 * HEADS * HEAD_DIM * F32 + 2 * HEADS * SEQ * F32
+    return stock - 2 * KV_HEADS * HEAD_DIM * F32 - 4 * HEADS
+
+
 def expected_saving(name, ffn, device, remat_attention=None):
     """(bytes the converted model keeps less in one training step, the report's bytes per token) (docs/memory.md):
 
@@ -117,13 +129,12 @@ def expected_saving(name, ffn, device, remat_attention=None):
           projections keep x and the fp32 rstd, which stock keeps too; the report counts y only (a
           lower bound: fused_saved_bytes)
     gemma GemmaRMSNorm's stock forward also keeps 1 + w in fp32 (hidden wide, once per norm, not per token)
-    and, where remat.attention runs (remat_attention, default: the family's Case), the attention output
-    copy the stock backend makes (attention_output_copy); the stock attention function makes it too.
+    and, where remat.attention runs (remat_attention, default: the family's Case), what the stock
+    attention keeps more (stock_attention_extra); the stock attention function keeps it too.
     """
     remat_attention = CASES[name].attention if remat_attention is None else remat_attention
     mlp, norm = 2 * F32 * ffn, 2 * F32 * HIDDEN
-    copy = attention_output_copy(name, device) if remat_attention else 0
-    per_layer = mlp + 2 * norm + copy
+    per_layer = mlp + 2 * norm + (stock_attention_extra(name, device) if remat_attention else 0)
     constant = LAYERS * 2 * F32 * HIDDEN if name.startswith("gemma") else 0
     return LAYERS * TOKENS * per_layer + constant, LAYERS * (mlp + 2 * F32 * HIDDEN)
 
@@ -196,12 +207,36 @@ def assert_stock_attention_function_on_fused_projections(name, stock, batch, rea
     assert step_saved_bytes(stock, batch) - step_saved_bytes(converted, batch) == saving
 
 
-def test_a_sliding_window_shorter_than_the_sequence_runs_the_stock_attention_function():
-    """Mistral's window reaches sdpa only through the mask: a window of 4 over 8 tokens hides more than
-    the future, so each call hands the fused projections' q, k, v to the stock attention function."""
-    stock, _ = build_case("mistral", sliding_window=4)
-    assert_stock_attention_function_on_fused_projections("mistral", stock, family_inputs("mistral", "cpu"),
-                                                         "hides more than the future")
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "gemma3"])
+def test_a_sliding_window_shorter_than_the_sequence_runs_on_remat_attention(name):
+    """A window of 4 over 8 tokens reaches sdpa and eager only through the mask, which then hides the
+    future and the keys 4 or more before each query: remat.attention's window_size=(3, 0) computes it
+    (Gemma2 with its softcap too; Gemma2/3 with one global layer and one sliding one). Stock sdpa also
+    keeps a float copy of each sliding layer's mask, which remat.attention never reads."""
+    layers = {"layer_types": ["sliding_attention", "full_attention"]} if name.startswith("gemma") else {}
+    stock, ffn = build_case(name, sliding_window=4, **layers)
+    batch = family_inputs(name, "cpu")
+    saving, _ = expected_saving(name, ffn, "cpu")
+    if stock.config._attn_implementation == "sdpa":
+        sliding = LAYERS - 1 if layers else LAYERS
+        saving += sliding * TOKENS * sdpa_mask_bytes("cpu", KV_HEADS)
+    before = step_saved_bytes(stock, batch)
+    converted = conv.convert(stock)
+    _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, batch))
+    assert calls == LAYERS
+    assert before - step_saved_bytes(converted, batch) == saving
+
+
+def test_softcap_with_sdpa_raises_as_stock():
+    """Stock sdpa attention refuses a softcap (Gemma2 is built eager; a config switched to sdpa after):
+    the converted model hands the same call to it, and raises as stock does."""
+    stock, _ = build_case("gemma2")
+    converted = conv.convert(stock)
+    stock.config._attn_implementation = converted.config._attn_implementation = "sdpa"
+    batch = family_inputs("gemma2", "cpu")
+    for model in (stock, converted):
+        with pytest.raises(ValueError, match="softcap"):
+            model(**batch)
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -230,7 +265,7 @@ def test_attention_dropout_in_training_runs_the_stock_attention_function_with_th
     assert any("attention dropout in training" in str(w.message) for w in caught)
 
 
-def test_gemma2_without_softcapping_runs_remat_attention():
+def test_gemma2_without_softcapping_runs_remat_attention_without_it():
     stock, _ = build_case("gemma2", attn_logit_softcapping=None)
     converted, report = conv.convert(stock, report=True)
     assert swapped_counts(report)["RematGemma2Attention"] == LAYERS

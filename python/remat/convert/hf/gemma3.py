@@ -1,6 +1,6 @@
 """Gemma3 (text, Gemma3ForCausalLM): as Gemma2 (gemma2.py), with q_norm and k_norm (Gemma3RMSNorm over
-each head's dims) before the rotary embedding, and its local (sliding-window) layers on remat
-for every call whose window covers the sequence."""
+each head's dims) before the rotary embedding, and its local (sliding-window) layers on
+remat.attention's window_size."""
 
 from .gemma2 import WIRING
 from .llama import _RematRotaryAttention, llama_like

@@ -16,10 +16,11 @@ class _RematRotaryAttention(_RematSplitAttention):
     passes as position_embeddings (cos, sin), applied by the module's own apply_rotary_pos_emb, the
     module's `scaling`, and o_proj.
 
-    A call remat.attention does not compute (a padding mask, a sliding window shorter than the
-    sequence, dropout in training, attention weights requested, a KV cache with past keys or of
-    another kind, Gemma2's logit softcapping) keeps the fused norm and projections and runs the
-    stock forward's cache update and attention function on their q, k, v."""
+    A sliding window (its mask: the future and the keys a window back hidden) and Gemma2's logit
+    softcapping run on remat.attention's window_size and softcap. A call remat.attention does not
+    compute (a padding mask, dropout in training, attention weights requested, a KV cache with past
+    keys or of another kind) keeps the fused norm and projections and runs the stock forward's cache
+    update and attention function on their q, k, v."""
 
     remat_cache_arg = CACHE_ARGS
     remat_stock_core = True
@@ -30,8 +31,8 @@ class _RematRotaryAttention(_RematSplitAttention):
 
     # A sliding window (Mistral's, Qwen2's, Gemma2/3's local layers) reaches sdpa and eager attention
     # only through the mask (their attention functions ignore the sliding_window argument): a window
-    # shorter than the sequence makes the mask hide more than the future, and that call's attention
-    # runs stock.
+    # shorter than the sequence makes the mask hide the keys more than sliding_window - 1 before each
+    # query too (transformers' sliding_window_overlay), which remat_windows lets the mask check find.
 
     @classmethod
     def remat_refuse_reason(cls, module):
@@ -41,9 +42,22 @@ class _RematRotaryAttention(_RematSplitAttention):
 
     def remat_constant_core_reason(self):
         softcap = getattr(self, "attn_logit_softcapping", None)
-        if softcap is not None:
-            return f"attention logit softcapping ({softcap}), which remat.attention does not compute"
+        implementation = self.config._attn_implementation
+        if softcap is not None and implementation != "eager":  # stock sdpa raises on a softcap: so does this
+            return f"attention logit softcapping ({softcap}) with the {implementation!r} implementation"
         return None
+
+    def remat_windows(self):
+        # the module's window (Qwen2's, Gemma2/3's sliding layers), else the config's (Mistral's, Phi-3's)
+        windows = {getattr(self, "sliding_window", None), getattr(self.config, "sliding_window", None)}
+        return tuple(w - 1 for w in windows if isinstance(w, int) and w > 0)
+
+    def remat_features(self, call):
+        features = super().remat_features(call)
+        softcap = getattr(self, "attn_logit_softcapping", None)
+        if softcap is not None:  # eager attention's: tanh on the scaled scores before the mask
+            features["softcap"] = float(softcap)
+        return features
 
     def remat_stock_attention(self, outputs, call):
         """The stock forward after its projections: the rotary embedding, the cache's update,

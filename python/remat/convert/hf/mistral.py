@@ -1,5 +1,5 @@
-"""Mistral: as Llama (llama.py). A sliding window shorter than the sequence runs the stock attention
-function for that call (its mask hides more than the future), on the fused norm and projections."""
+"""Mistral: as Llama (llama.py); its sliding window (config.sliding_window) runs on remat.attention's
+window_size."""
 
 from .llama import _RematRotaryAttention, llama_like
 from .registry import register

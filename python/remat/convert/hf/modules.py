@@ -524,8 +524,10 @@ def _merge_heads(o):
     return o.transpose(1, 2).flatten(2)
 
 
-def _mask_pattern(mask, seq_q, seq_k):
-    """"full" or "causal" when the 4-D mask hides nothing or exactly the future, else None.
+def _mask_pattern(mask, seq_q, seq_k, windows=()):
+    """"full" or "causal" when the 4-D mask hides nothing or exactly the future, ("causal", left)
+    when it hides the future and every key more than `left` before its query (a sliding window of
+    left + 1 keys, for a `left` among `windows`), else None.
 
     bool masks: True = visible (sdpa). Float masks are added to the scores (eager): 0 = visible,
     and a hidden entry must be -inf or the dtype's minimum, so that its probability is exactly 0.
@@ -546,7 +548,13 @@ def _mask_pattern(mask, seq_q, seq_k):
     if bool(visible.all()):
         return "full"
     causal = torch.ones(seq_q, seq_k, dtype=torch.bool, device=mask.device).tril(seq_k - seq_q)
-    return "causal" if bool(torch.equal(visible, causal.expand_as(visible))) else None
+    if bool(torch.equal(visible, causal.expand_as(visible))):
+        return "causal"
+    for left in windows:
+        band = causal.triu(seq_k - seq_q - left)
+        if bool(torch.equal(visible, band.expand_as(visible))):
+            return ("causal", left)
+    return None
 
 
 def _empty_dynamic_cache(cache, layer_idx):
@@ -689,19 +697,23 @@ class _RematAttention(_RematModule):
         if mask is not None and torch.compiler.is_compiling():
             return "a materialised mask under torch.compile (reading it would break the graph)"
         if mask is not None:  # last: the pattern check synchronises with the device
-            pattern = _mask_pattern(mask, hidden_states.shape[1], hidden_states.shape[1])
+            pattern = _mask_pattern(mask, hidden_states.shape[1], hidden_states.shape[1], self.remat_windows())
             if pattern is None:
                 return "an attention mask that hides more than the future (padding)"
-            call["remat_mask_pattern"] = pattern  # read by remat_causal: one check per call
+            call["remat_mask_pattern"] = pattern  # read by remat_causal and remat_features: one check per call
         return None
+
+    def remat_windows(self):
+        """The sliding windows a mask of this module may carry, as the keys each query sees before
+        itself (remat.attention's window_size left), or ()."""
+        return ()
 
     def remat_causal(self, call, seq):
         """Whether this call is causal: by the mask's pattern, or without a mask, as the
         implementation reads none (sdpa: the call's is_causal, else the module's; eager: nothing
         is masked)."""
         if call.get("attention_mask") is not None:
-            pattern = call.get("remat_mask_pattern") or _mask_pattern(call["attention_mask"], seq, seq)
-            return pattern == "causal"
+            return call["remat_mask_pattern"] != "full"
         if self.config._attn_implementation != "sdpa":
             return False
         is_causal = call.get("is_causal")
@@ -718,8 +730,13 @@ class _RematAttention(_RematModule):
         cache = self._remat_cache(call)
         if cache is not None:  # empty: update() stores and returns these very keys and values
             k, v = cache.update(k, v, self.layer_idx)
-        o = attention(q, k, v, causal=causal, softmax_scale=self.remat_scale())
+        o = attention(q, k, v, causal=causal, softmax_scale=self.remat_scale(), **self.remat_features(call))
         return self.remat_output(_merge_heads(o)), None
+
+    def remat_features(self, call):
+        """remat.attention's feature arguments for this call: the sliding window its mask carries."""
+        pattern = call.get("remat_mask_pattern")
+        return {"window_size": (pattern[1], 0)} if isinstance(pattern, tuple) else {}
 
     def remat_scale(self):
         """The softmax scale remat.attention applies to q·kᵀ (1.0 where remat_qkv scales q itself,

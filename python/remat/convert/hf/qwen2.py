@@ -1,5 +1,5 @@
-"""Qwen2: as Llama (llama.py), with q/k/v biases. Sliding-window layers (use_sliding_window) run the
-stock attention for any call whose window is shorter than the sequence; the norms and MLPs fuse."""
+"""Qwen2: as Llama (llama.py), with q/k/v biases. Sliding-window layers (use_sliding_window) run on
+remat.attention's window_size."""
 
 from .llama import _RematRotaryAttention, llama_like
 from .registry import register
