@@ -83,6 +83,12 @@ _FP32_CONFIGS = {
     "dkdv": {32: (16, 32, 4, 2), 64: (16, 32, 4, 2), 128: (16, 32, 8, 1), 256: (16, 16, 8, 1)},
     "dq": {32: (32, 16, 4, 2), 64: (32, 16, 4, 2), 128: (16, 16, 8, 1), 256: (16, 32, 8, 1)},
 }
+# ... and with a window, softcapping or ALiBi at head dims 32 and 64, the only fp32 configuration:
+# the extra live values (positions, tanh) put 8-24 bytes on the stack in several of the tiles above
+# (the fwd and dK/dV table entries among them) on sm_80 or sm_90; these three compile without,
+# for every variant of AOT_FEATURES on both archs.
+_FP32_FEATURE_CONFIGS = {"fwd": (32, 32, 8, 2), "dkdv": (16, 16, 4, 2), "dq": (16, 32, 4, 2)}
+_FP32_FEATURE_HEAD_DIMS = (32, 64)
 # Further autotuning candidates, timed after the table entry on first use per key (see
 # _select_config); the table entry wins ties, so tuning can only pick something faster. Every
 # one compiles without spills on sm_80 and sm_90 (tests/build/test_triton_aot.py). They vary the tile
@@ -134,12 +140,15 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
-def candidates(kind, head_dim, dtype, hopper=False, causal=None):
+def candidates(kind, head_dim, dtype, hopper=False, causal=None, features=False):
     """The (BLOCK_M, BLOCK_N, num_warps, num_stages) configurations of kernel `kind` ("fwd",
     "dkdv", "dq") on a GPU, the fixed-table one first; hopper: on sm_90, with its own extras;
-    causal: those of causal (True) or non-causal (False) attention, None for either."""
+    causal: those of causal (True) or non-causal (False) attention, None for either; features:
+    those of the kernels with a window, softcapping or ALiBi."""
     half = dtype != torch.float32
     d_pad = padded_head_dim(head_dim)
+    if features and not half and d_pad in _FP32_FEATURE_HEAD_DIMS:
+        return [_FP32_FEATURE_CONFIGS[kind]]
     table = (_HALF_CONFIGS if half else _FP32_CONFIGS)[kind][d_pad]
     extra = (_HALF_CANDIDATES if half else _FP32_CANDIDATES)[kind][d_pad]
     if hopper and half:
@@ -166,8 +175,9 @@ def seqlen_class(seqlen_q, seqlen_k):
 def tuning_key(kind, head_dim, causal, dtype, gpu, seqlen_q, seqlen_k, variant=None):
     """The cache key of one tuning decision. gpu: name and compute capability (_gpu_signature).
     variant: the kernel variant's name in place of "causal" / "full" (a window, softcapping, ALiBi)."""
-    return "|".join([kind, f"d{head_dim}", variant or ("causal" if causal else "full"), str(dtype).replace("torch.", ""),
-                     gpu, f"s{seqlen_class(seqlen_q, seqlen_k)}", f"triton-{triton.__version__}"])
+    name = variant or ("causal" if causal else "full")
+    return "|".join([kind, f"d{head_dim}", name, str(dtype).replace("torch.", ""), gpu,
+                     f"s{seqlen_class(seqlen_q, seqlen_k)}", f"triton-{triton.__version__}"])
 
 
 @functools.cache
@@ -193,13 +203,14 @@ def _may_time(sample):
 def _config_for(kind, head_dim, dtype, causal, seqlen_q, seqlen_k, device, may_time, run, variant=None):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of kernel `kind`: the interpreter's on CPU, the
     table entry with REMAT_AUTOTUNE=0, else the tuned one (timing run(config) on first use).
-    variant: as in tuning_key."""
+    variant: as in tuning_key (None: plain attention; else the kernels with features, see candidates)."""
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
+    features = variant is not None
     if not _autotune.enabled():
-        return candidates(kind, head_dim, dtype)[0]
+        return candidates(kind, head_dim, dtype, features=features)[0]
     gpu = _gpu_signature(device)
-    options = candidates(kind, head_dim, dtype, hopper=gpu.endswith(" sm_90"), causal=causal)
+    options = candidates(kind, head_dim, dtype, hopper=gpu.endswith(" sm_90"), causal=causal, features=features)
     key = tuning_key(kind, head_dim, causal, dtype, gpu, seqlen_q, seqlen_k, variant)
     return _TUNER.best(key, options, run, may_time=may_time)
 
@@ -291,9 +302,16 @@ def _visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right, CAUSAL: 
 
 @triton.jit
 def _tanh(x):
-    # tanh from exp2 (no tanh in every Triton version's core language): exp2 overflows to inf for
-    # large x, giving exactly 1, and underflows to 0 for very negative x, giving exactly -1.
-    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
+    # tanh to a few fp32 ulps (no tanh in every Triton version's core language). From exp2 as
+    # (1 - e) / (1 + e), e = exp(-2|x|) in (0, 1], for |x| >= 1/4, where 1 - e >= 0.39 cancels
+    # little; below, where it would (the softcapped scores of c = 50 are mostly there), its Taylor
+    # series to x^9, whose next term is below 1e-8 relative.
+    magnitude = tl.abs(x)
+    e = tl.exp2(magnitude * -2.8853900817779268)  # exp(-2|x|): -2 * log2(e)
+    large = (1.0 - e) / (1.0 + e)
+    x2 = x * x
+    small = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
+    return tl.where(magnitude < 0.25, small, tl.where(x < 0, -large, large))
 
 
 @triton.jit
@@ -1010,7 +1028,7 @@ AOT_FEATURES = {
     "window": (True, dict(window_left=100)),
     "softcap": (False, dict(softcap=30.0)),
     "alibi": (True, dict(alibi_slopes="per-head")),
-    "window+softcap+alibi": (False, dict(window_left=100, window_right=27, softcap=30.0, alibi_slopes="per-batch")),
+    "window-softcap-alibi": (False, dict(window_left=100, window_right=27, softcap=30.0, alibi_slopes="per-batch")),
 }
 
 
@@ -1023,7 +1041,7 @@ def _aot_tensors(dtype, head_dim, shape):
 
 
 def _aot_scores(q, k, lse, causal, features, scale):
-    options = dict(window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, **features)
+    options = {**dict(window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None), **features}
     if options["alibi_slopes"] is not None:  # "per-head": (H,), "per-batch": (B, H)
         per_batch = options["alibi_slopes"] == "per-batch"
         options["alibi_slopes"] = torch.empty(q.shape[:2] if per_batch else q.shape[1:2])
@@ -1068,8 +1086,9 @@ def aot_cases(dtypes=(torch.float16, torch.bfloat16, torch.float32), head_dims=H
             # The candidates _select_config offers the variant: a window takes the causal ones.
             tuned_causal = causal or "window_left" in (keywords or {})
             for kind in KINDS:
-                everywhere = candidates(kind, head_dim, dtype, causal=tuned_causal)
-                for config in candidates(kind, head_dim, dtype, hopper=True, causal=tuned_causal):
+                featured = keywords is not None
+                everywhere = candidates(kind, head_dim, dtype, causal=tuned_causal, features=featured)
+                for config in candidates(kind, head_dim, dtype, hopper=True, causal=tuned_causal, features=featured):
                     bm, bn, w, st = config
                     cases.append(dict(
                         name=f"{kind}_{tag}_{variant}_BM{bm}_BN{bn}_w{w}_s{st}_{shape}",

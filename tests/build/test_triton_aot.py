@@ -42,19 +42,31 @@ def _layer_norm_ci_cases(kernels):
             if case["divisible"] or case["block_n"] == "looped" or case["block_n"] >= 2048]
 
 
-# Attention's full list (3 dtypes x 6 head dims x causal/non-causal x every autotuning candidate
-# of the 3 kernels, plus the preprocess, each at a 16-divisible and a ragged shape: 752 cases on
-# sm_90, 644 on sm_80, ~40 min on two cores) is too slow for CI. CI compiles the benchmarks'
+# Attention's full list (3 dtypes x 6 head dims x causal/non-causal and the feature variants x
+# every autotuning candidate of the 3 kernels, plus the preprocess, each at a 16-divisible and a
+# ragged shape: with the plain variants alone 752 cases on sm_90, 644 on sm_80, ~40 min on two
+# cores) is too slow for CI. CI compiles the benchmarks'
 # configurations, bf16 at head dims 64 and 128, causal and not (fp16 shares the tables): every
 # candidate at the 16-divisible shape (the variant the benchmarks and most training runs launch)
 # and the fixed-table entries at the ragged one; and the fixed-table entries, 16-divisible, of
 # causal bf16 at the padded head dim 96 and at 256 and of causal fp32 at 64 and 256 (the fp32
-# tiles with the least register headroom).
-_ATTENTION_SUBSET = [(dict(dtypes=(torch.bfloat16,), head_dims=(64, 128)),
+# tiles with the least register headroom). The kernel variants with a window, softcapping and
+# ALiBi (AOT_FEATURES): the fixed-table entries, 16-divisible, of bf16 at 64 and 128 and of fp32
+# at 64, for the variant with all three (the most live values) and softcapping alone (the
+# non-causal tables); REMAT_AOT_FULL=1 compiles each variant with every candidate.
+_ATTENTION_SUBSET = [(dict(dtypes=(torch.bfloat16,), head_dims=(64, 128), features=()),
                       lambda case: case["shape"] == "div16" or case["table"]),
-                     (dict(dtypes=(torch.bfloat16,), head_dims=(96, 256), causals=(True,), shapes=("div16",)),
+                     (dict(dtypes=(torch.bfloat16,), head_dims=(96, 256), causals=(True,), shapes=("div16",),
+                           features=()),
                       lambda case: case["table"]),
-                     (dict(dtypes=(torch.float32,), head_dims=(64, 256), causals=(True,), shapes=("div16",)),
+                     (dict(dtypes=(torch.float32,), head_dims=(64, 256), causals=(True,), shapes=("div16",),
+                           features=()),
+                      lambda case: case["table"]),
+                     (dict(dtypes=(torch.bfloat16,), head_dims=(64, 128), causals=(), shapes=("div16",),
+                           features=("window-softcap-alibi", "softcap")),
+                      lambda case: case["table"]),
+                     (dict(dtypes=(torch.float32,), head_dims=(64,), causals=(), shapes=("div16",),
+                           features=("window-softcap-alibi",)),
                       lambda case: case["table"])]
 
 

@@ -4,6 +4,11 @@ FLOP model: forward 4·b·h·s²·d, halved when causal; backward 2.5 times the 
 backward 3.5 times. Inputs are (b, h, s, d), bf16 by default. Checked against SDPA with its
 default backend: output and the gradients of q, k and v; the three modes of a shape share their
 inputs, so its float64 reference is computed once.
+
+Feature cases, causal: a sliding window (Mistral's) and logit softcapping (Gemma 2's), against
+FlexAttention (block mask, score_mod) and, for the window, SDPA's efficient backend with an explicit
+mask (flash and cuDNN take no such mask; nothing in SDPA softcaps). Their FLOP model counts the
+scores computed: the window's b·h·(keys each row sees, summed)·4·d for the forward.
 """
 
 import functools
@@ -31,8 +36,10 @@ def _sdpa(backend):
 
     chosen = getattr(SDPBackend, backend)
 
-    def run(q, k, v, causal):
+    def run(q, k, v, causal, mask=None):
         with sdpa_kernel([chosen]):
+            if mask is not None:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     return run
@@ -57,6 +64,82 @@ def _flex(q, k, v, causal):
     return _flex_compiled()(q, k, v, block_mask=block_mask)
 
 
+# The feature cases: name -> remat.attention's keywords (causal=True besides), by device type.
+WINDOW = {"cuda": 512, "cpu": 32}  # keys left of the diagonal each row sees (window_size=(WINDOW, 0))
+SOFTCAP = 50.0  # Gemma 2's attention softcap
+FEATURES = ("window", "softcap")
+
+
+def feature_keywords(feature, device):
+    return dict(window_size=(WINDOW[device.type], 0)) if feature == "window" else dict(softcap=SOFTCAP)
+
+
+@functools.cache
+def _window_block_mask(seq, window, device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(lambda b, h, q, k: (q >= k) & (q - k <= window), None, None, seq, seq, device=device)
+
+
+def _flex_feature(feature):
+    def softcap(score, b, h, q, k):
+        return SOFTCAP * torch.tanh(score / SOFTCAP)
+
+    def run(q, k, v, causal):
+        if feature == "window":
+            return _flex_compiled()(q, k, v, block_mask=_window_block_mask(q.shape[2], WINDOW["cuda"], str(q.device)))
+        return _flex_compiled()(q, k, v, score_mod=softcap, block_mask=_causal_block_mask(q.shape[2], str(q.device)))
+
+    return run
+
+
+def _sdpa_window(backend=None):
+    """SDPA with the window as an explicit boolean mask (backend None: SDPA's default choice)."""
+    def run(q, k, v, causal):
+        window = WINDOW[q.device.type]
+        mask = remat.ops.attention._visible_mask(q.shape[2], k.shape[2], q.device, window, 0)
+        if backend is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return _sdpa(backend)(q, k, v, mask)
+
+    return run
+
+
+def _reference_in_dtype(feature):
+    """The explicit-softmax reference in the inputs' dtype: the stock computation where SDPA has none."""
+    def run(q, k, v, causal):
+        return remat.ops.attention.attention_ref(q, k, v, True, **_reference_keywords(feature, q.device))[0]
+
+    return run
+
+
+def _reference_keywords(feature, device):
+    if feature == "window":
+        return dict(window_left=WINDOW[device.type], window_right=0)
+    return dict(softcap=SOFTCAP)
+
+
+def _remat_feature(feature):
+    def run(q, k, v, causal):
+        return remat.attention(q, k, v, causal=True, **feature_keywords(feature, q.device))
+
+    return run
+
+
+def feature_implementations(device, feature):
+    """A Variant for every implementation of a feature case, and the stock one its check builds on."""
+    ours = Variant(f"remat-{remat._backend.choose('attention', device, kernels=('triton',))}", True,
+                   _remat_feature(feature))
+    stock = _sdpa_window() if feature == "window" else _reference_in_dtype(feature)
+    if device.type != "cuda":
+        return [ours, Variant("sdpa" if feature == "window" else "reference", False, stock)], stock
+    impls = [ours]
+    if feature == "window":
+        impls.append(Variant("sdpa-efficient", False, _sdpa_window("EFFICIENT_ATTENTION")))
+    impls.append(Variant("flex_attention", False, _flex_feature(feature), compiles=True))
+    return impls, stock
+
+
 def _remat(q, k, v, causal):
     return remat.attention(q, k, v, causal=causal)
 
@@ -77,12 +160,12 @@ def implementations(device):
     return impls
 
 
-_SHARED = {}  # the inputs of the (shape, dtype, causal) being measured: its three modes use them
+_SHARED = {}  # the inputs of the (shape, dtype, variant) being measured: its three modes use them
 
 
-def _make_inputs(shape, dtype, device, causal):
+def _make_inputs(shape, dtype, device, variant):
     def make():
-        key = (shape, dtype, str(device), causal)
+        key = (shape, dtype, str(device), variant)
         if key not in _SHARED:
             _SHARED.clear()  # the previous shape's inputs go before the next are made
             q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
@@ -92,19 +175,21 @@ def _make_inputs(shape, dtype, device, causal):
     return make
 
 
-def _float64_reference(causal):
-    """Outputs of SDPA in float64, a few heads at a time (REFERENCE_CHUNK_BYTES), each chunk's
-    backward run before the next chunk's forward."""
+def _float64_reference(causal, attend=None):
+    """Outputs of SDPA (or of attend(q, k, v, causal)) in float64, a few heads at a time
+    (REFERENCE_CHUNK_BYTES), each chunk's backward run before the next chunk's forward."""
+    attend = attend or _sdpa_default
+
     def reference(inputs):
         q, k, v, do = (t.detach().double() for t in inputs)
         batch, heads, seqlen_q, dim = q.shape
-        flat = [t.reshape(batch * heads, t.shape[2], dim) for t in (q, k, v, do)]
+        flat = [t.reshape(batch * heads, 1, t.shape[2], dim) for t in (q, k, v, do)]  # one head per row
         per_chunk = max(1, REFERENCE_CHUNK_BYTES // (seqlen_q * k.shape[2] * 8))
         parts = {name: [] for name in ("out", "dq", "dk", "dv")}
         for start in range(0, batch * heads, per_chunk):
             q_c, k_c, v_c, do_c = (t[start:start + per_chunk] for t in flat)
             leaves = {"q": q_c.requires_grad_(), "k": k_c.requires_grad_(), "v": v_c.requires_grad_()}
-            found = outputs_and_grads(lambda q_c=q_c, k_c=k_c, v_c=v_c: _sdpa_default(q_c, k_c, v_c, causal),
+            found = outputs_and_grads(lambda q_c=q_c, k_c=k_c, v_c=v_c: attend(q_c, k_c, v_c, causal),
                                       leaves, do_c)
             for name, tensor in found.items():
                 parts[name].append(tensor)
@@ -143,11 +228,36 @@ def cases(device, dtypes, quick, sizes=None):
                 forward_flops = 4 * b * h * s * s * d / (2 if causal else 1)
                 check = check_against(_build("fwd+bwd", causal)(_sdpa_default), _float64_reference(causal))
                 make_inputs = _make_inputs((b, h, s, d), dtype, device, causal)
-                for mode, factor in (("fwd", 1.0), ("bwd", 2.5), ("fwd+bwd", 3.5)):
-                    yield Case(
-                        op="attention" + ("_causal" if causal else ""), mode=mode, dtype=dtype,
-                        shape=f"b={b} h={h} s={s} d={d}", size=s, unit="TFLOP/s", work=factor * forward_flops,
-                        make_inputs=make_inputs,
-                        implementations=[impl.implementation(_build(mode, causal)) for impl in impls],
-                        check=check,
-                    )
+                yield from _modes("attention" + ("_causal" if causal else ""), dtype, (b, h, s, d), forward_flops,
+                                  make_inputs, impls, causal, check)
+        yield from _feature_cases(device, dtype, shapes[0])
+
+
+_MODES = (("fwd", 1.0), ("bwd", 2.5), ("fwd+bwd", 3.5))  # (mode, its FLOPs per forward FLOP)
+
+
+def _modes(op, dtype, shape, forward_flops, make_inputs, impls, causal, check):
+    b, h, s, d = shape
+    for mode, factor in _MODES:
+        yield Case(
+            op=op, mode=mode, dtype=dtype, shape=f"b={b} h={h} s={s} d={d}", size=s, unit="TFLOP/s",
+            work=factor * forward_flops, make_inputs=make_inputs,
+            implementations=[impl.implementation(_build(mode, causal)) for impl in impls], check=check,
+        )
+
+
+def _feature_cases(device, dtype, shape):
+    """The window and softcap cases at one shape (causal), each against its peers."""
+    b, h, s, d = shape
+    for feature in FEATURES:
+        impls, stock = feature_implementations(device, feature)
+        if feature == "window":  # row i sees min(i, WINDOW) + 1 keys
+            window = WINDOW[device.type]
+            scores = sum(min(i, window) + 1 for i in range(s))
+        else:
+            scores = s * (s + 1) // 2
+        reference = _float64_reference(True, _reference_in_dtype(feature))
+        check = check_against(_build("fwd+bwd", True)(stock), reference)
+        make_inputs = _make_inputs((b, h, s, d), dtype, device, f"causal-{feature}")
+        yield from _modes(f"attention_{feature}", dtype, shape, 4 * b * h * scores * d, make_inputs, impls, True,
+                          check)

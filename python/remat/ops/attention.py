@@ -31,7 +31,6 @@ fixed configuration runs.
 
 import math
 import warnings
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -131,7 +130,7 @@ def new_output(q):
 
 def _attention_fwd_ref(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float, window_left: int = -1,
                        window_right: int = -1, softcap: float = 0.0,
-                       alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                       alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(o, lse): o (B, H, Sq, D) in q's dtype, laid out as (B, Sq, H, D); lse (B, H, Sq) fp32 natural log."""
     o, lse = attention_ref(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes)
     return new_output(q).copy_(o), lse.to(torch.float32).contiguous()
@@ -145,7 +144,7 @@ def _group_sum(t, kv_heads):
 
 def _attention_bwd_ref(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, softmax_scale: float,
-    window_left: int = -1, window_right: int = -1, softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+    window_left: int = -1, window_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of attention_fwd, recomputing the probabilities from q and k, by the same
     derivation as the kernels (see triton_kernels/attention.py)."""
