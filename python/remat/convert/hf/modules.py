@@ -518,6 +518,12 @@ def split_heads(t, heads, head_dim):
     return t.unflatten(-1, (heads, head_dim)).transpose(1, 2)
 
 
+def _own_storage(t):
+    """t, copied when it is a view into a larger storage (q of a fused q/k/v projection whose k and v
+    a cache copied): autograd, saving it, would keep the whole storage."""
+    return t.contiguous() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
+
+
 def _merge_heads(o):
     """(B, H, S, D) laid out (B, S, H, D), as remat.attention returns it -> (B, S, H * D), a view:
     the output projection keeps the very storage attention keeps."""
@@ -572,16 +578,16 @@ def _empty_dynamic_cache(cache, layer_idx):
     return layer_type is DynamicLayer and cache.get_seq_length(layer_idx) == 0
 
 
-def _attention_weights_requested(module, kwargs):
+def _attention_weights_requested(module, kwargs, implementation):
     """True when this call may be asked for its attention weights (output_attentions)."""
-    if kwargs.get("output_attentions") or getattr(module.config, "output_attentions", False):
+    if kwargs.get("output_attentions") or getattr(getattr(module, "config", None), "output_attentions", False):
         return True
     # transformers >= 5 collects the weights with forward hooks while a model-level
     # output_attentions=True call runs; the active collector says whether this one does.
     capturing = sys.modules.get("transformers.utils.output_capturing")
     collector = getattr(capturing, "_active_collector", None)
     if collector is None:
-        return module.config._attn_implementation == "eager"  # cannot tell: only eager returns weights
+        return implementation == "eager"  # cannot tell: only eager returns weights
     collected = collector.get()
     return bool(collected) and "attentions" in collected
 
@@ -606,6 +612,7 @@ class _RematAttention(_RematModule):
     remat_scale_attr = "scaling"  # the attribute holding the softmax scale the stock forward applies
     remat_projections = ()  # the q/k/v projections, reading the hidden states
     remat_output_projection = None  # the output projection (None: the module has none, as BERT's)
+    remat_attributes = ("config", "is_causal")  # what the stock module must have besides those (rules.py)
     # Whether the family's stock forward hands q, k and v, after its projections, to transformers'
     # attention interface (the Llama-like families): then a call whose attention remat.attention
     # does not compute (remat_core_reason) still takes remat's fused projections, and hands their
@@ -669,8 +676,8 @@ class _RematAttention(_RematModule):
         missing = [name for name in self.remat_extra_args if call.get(name) is None]
         if missing:
             return f"no {', '.join(missing)} (rotary cos, sin)"
-        if self.config._attn_implementation not in REMAT_IMPLEMENTATIONS:
-            return f"attention implementation {self.config._attn_implementation!r}"
+        if self.remat_implementation() not in REMAT_IMPLEMENTATIONS:
+            return f"attention implementation {self.remat_implementation()!r}"
         known = {"attention_mask", self.remat_cache_arg, *self.remat_extra_args, *self.remat_passthrough}
         others = [name for name, value in call.items()
                   if name not in known and value is not None and value is not False]
@@ -688,7 +695,7 @@ class _RematAttention(_RematModule):
         after remat_fallback_reason and remat_constant_core_reason)."""
         if self.training and self.remat_dropout() > 0:
             return "attention dropout in training"
-        if _attention_weights_requested(self, call):
+        if _attention_weights_requested(self, call, self.remat_implementation()):
             return "attention weights requested (output_attentions)"
         cache = self._remat_cache(call)
         if cache is not None and not _empty_dynamic_cache(cache, getattr(self, "layer_idx", None)):
@@ -703,6 +710,11 @@ class _RematAttention(_RematModule):
             call["remat_mask_pattern"] = pattern  # read by remat_causal and remat_features: one check per call
         return None
 
+    def remat_implementation(self):
+        """The attention implementation the stock forward runs: the config's (a module without an
+        attention interface, as BLOOM's, says "eager")."""
+        return self.config._attn_implementation
+
     def remat_windows(self):
         """The sliding windows a mask of this module may carry, as the keys each query sees before
         itself (remat.attention's window_size left), or ()."""
@@ -714,7 +726,7 @@ class _RematAttention(_RematModule):
         is masked)."""
         if call.get("attention_mask") is not None:
             return call["remat_mask_pattern"] != "full"
-        if self.config._attn_implementation != "sdpa":
+        if self.remat_implementation() != "sdpa":
             return False
         is_causal = call.get("is_causal")
         return bool(self.is_causal if is_causal is None else is_causal)
@@ -728,8 +740,9 @@ class _RematAttention(_RematModule):
         """(output, None) by remat.attention; the caller has checked remat_fallback_reason."""
         q, k, v = self.remat_qkv(outputs, call)
         cache = self._remat_cache(call)
-        if cache is not None:  # empty: update() stores and returns these very keys and values
+        if cache is not None:  # empty: update() returns these keys and values (copied, in transformers 5.24)
             k, v = cache.update(k, v, self.layer_idx)
+            q = _own_storage(q)
         o = attention(q, k, v, causal=causal, softmax_scale=self.remat_scale(), **self.remat_features(call))
         return self.remat_output(_merge_heads(o)), None
 

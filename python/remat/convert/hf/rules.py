@@ -104,7 +104,7 @@ def _attention_reason(module):
         return reason
     if getattr(module, "is_cross_attention", False):
         return "cross-attention (keys and values from the encoder)"
-    expected = (mixin.remat_head_dim_attr, mixin.remat_scale_attr, "config", "is_causal", *mixin.remat_projections,
+    expected = (mixin.remat_head_dim_attr, mixin.remat_scale_attr, *mixin.remat_attributes, *mixin.remat_projections,
                 *filter(None, [mixin.remat_output_projection]))
     missing = [n for n in expected if not hasattr(module, n)]
     if missing:
