@@ -389,6 +389,22 @@ def test_falcon_alibi_keeps_the_stock_attention():
     assert calls == 0
 
 
+def test_bloom_padded_batch_runs_the_stock_attention():
+    """Padding restarts BLOOM's ALiBi positions (and hides keys): those calls run the stock attention, as
+    the same step; without padding the same model runs remat.attention (test_same_loss_gradients...)."""
+    stock, _ = build_case("bloom")
+    converted = conv.convert(stock)
+    batch = family_inputs("bloom", "cpu")
+    mask = torch.ones_like(batch["input_ids"])
+    mask[1, :3] = 0  # left padding
+    batch = {**batch, "attention_mask": mask, "labels": batch["labels"].masked_fill(mask == 0, -100)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, batch))
+    assert calls == 0
+    assert any("RematBloomAttention" in str(w.message) and "padding" in str(w.message) for w in caught)
+
+
 @pytest.mark.parametrize("name, overrides, norm, reason", [
     ("bloom", {"apply_residual_connection_post_layernorm": True}, "input_layernorm",
      "apply_residual_connection_post_layernorm"),
