@@ -39,6 +39,18 @@ Conventions:
   - fp16/bf16: tl.dot on the inputs with fp32 accumulation; P and dS are rounded to the input
     dtype before their matmuls (as FlashAttention does). fp32: tl.dot with
     input_precision="ieee" (full fp32, no tf32), so fp32 results match an fp32 reference.
+
+Features, each a constexpr so that the plain kernels compile to what they were without them
+(FlashAttention's meanings; see _score_options):
+  - WINDOW: a sliding window, key j seen by query i iff i + Sk - Sq - left <= j <= i + Sk - Sq +
+    right; causal is folded in (right = 0). Key (query) blocks wholly outside it are skipped, those
+    on its edges masked, those inside unmasked.
+  - SOFTCAP: s -> c tanh(s / c) on the scaled scores; the backward multiplies dS by 1 - tanh^2.
+  - ALIBI: -slope * |i + Sk - Sq - j| added to the (capped) scaled scores, slopes per head or per
+    (batch, head); it has no gradient.
+  - DROPOUT: on the probabilities before P V (the normaliser sums them undropped), kept ones
+    scaled by 1 / (1 - p). The mask is a function of (seed, batch * H + head, query, key) by
+    Philox (_dropout_kept), drawn again in the backward for dV and dP: never stored.
 """
 
 import functools
@@ -86,9 +98,13 @@ _FP32_CONFIGS = {
 # ... and with a window, softcapping or ALiBi at head dims 32 and 64, the only fp32 configuration:
 # the extra live values (positions, tanh) put 8-24 bytes on the stack in several of the tiles above
 # (the fwd and dK/dV table entries among them) on sm_80 or sm_90; these three compile without,
-# for every variant of AOT_FEATURES on both archs.
+# for every variant of AOT_FEATURES on both archs at head dim 64 (32's tiles are narrower).
 _FP32_FEATURE_CONFIGS = {"fwd": (32, 32, 8, 2), "dkdv": (16, 16, 4, 2), "dq": (16, 32, 4, 2)}
 _FP32_FEATURE_HEAD_DIMS = (32, 64)
+# ... and with dropout, half precision, in place of the table's dQ entry at head dims 32 and 64:
+# its 4 warps spill 16-32 bytes (Philox's rounds on 32 scores a thread); 8 warps on the same tile
+# do not, on sm_80 or sm_90 (checked at head dim 64).
+_HALF_DROPOUT_CONFIGS = {"dq": {32: (128, 32, 8, 3), 64: (128, 32, 8, 3)}}
 # Further autotuning candidates, timed after the table entry on first use per key (see
 # _select_config); the table entry wins ties, so tuning can only pick something faster. Every
 # one compiles without spills on sm_80 and sm_90 (tests/build/test_triton_aot.py). They vary the tile
@@ -140,16 +156,18 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
-def candidates(kind, head_dim, dtype, hopper=False, causal=None, features=False):
+def candidates(kind, head_dim, dtype, hopper=False, causal=None, features=False, dropout=False):
     """The (BLOCK_M, BLOCK_N, num_warps, num_stages) configurations of kernel `kind` ("fwd",
     "dkdv", "dq") on a GPU, the fixed-table one first; hopper: on sm_90, with its own extras;
     causal: those of causal (True) or non-causal (False) attention, None for either; features:
-    those of the kernels with a window, softcapping or ALiBi."""
+    those of the kernels with a window, softcapping, ALiBi or dropout (dropout: with dropout)."""
     half = dtype != torch.float32
     d_pad = padded_head_dim(head_dim)
     if features and not half and d_pad in _FP32_FEATURE_HEAD_DIMS:
         return [_FP32_FEATURE_CONFIGS[kind]]
     table = (_HALF_CONFIGS if half else _FP32_CONFIGS)[kind][d_pad]
+    if dropout and half:
+        table = _HALF_DROPOUT_CONFIGS.get(kind, {}).get(d_pad, table)
     extra = (_HALF_CANDIDATES if half else _FP32_CANDIDATES)[kind][d_pad]
     if hopper and half:
         extra = extra + _HOPPER_HALF_CANDIDATES[kind].get(head_dim, [])
@@ -206,11 +224,11 @@ def _config_for(kind, head_dim, dtype, causal, seqlen_q, seqlen_k, device, may_t
     variant: as in tuning_key (None: plain attention; else the kernels with features, see candidates)."""
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
-    features = variant is not None
+    features = dict(features=variant is not None, dropout="dropout" in (variant or "").split("+"))
     if not _autotune.enabled():
-        return candidates(kind, head_dim, dtype, features=features)[0]
+        return candidates(kind, head_dim, dtype, **features)[0]
     gpu = _gpu_signature(device)
-    options = candidates(kind, head_dim, dtype, hopper=gpu.endswith(" sm_90"), causal=causal, features=features)
+    options = candidates(kind, head_dim, dtype, hopper=gpu.endswith(" sm_90"), causal=causal, **features)
     key = tuning_key(kind, head_dim, causal, dtype, gpu, seqlen_q, seqlen_k, variant)
     return _TUNER.best(key, options, run, may_time=may_time)
 
@@ -345,6 +363,30 @@ def _load_alibi_slope(Alibi, batch, head, stride_ab, ALIBI: tl.constexpr):
 
 
 @triton.jit
+def _dropout_kept(seed, slice_index, q_pos, k_pos, dropout_threshold):
+    # Whether dropout keeps the probability of (query q_pos, key k_pos) in (batch, head) slice
+    # slice_index (= batch * H + head): the top 31 bits of the first word of Philox-4x32-10 with key
+    # `seed` and counter (key position, query position, slice, 0), at least dropout_threshold
+    # (p * 2^31). A function of the positions alone, so the backward regenerates the forward's
+    # mask in any tile shape (remat.ops.attention.dropout_keep_mask computes the same in PyTorch).
+    zero = (q_pos + k_pos) * 0
+    bits, _, _, _ = tl.philox(seed, (k_pos + zero).to(tl.uint32, bitcast=True),
+                              (q_pos + zero).to(tl.uint32, bitcast=True),
+                              (zero + slice_index.to(tl.int32)).to(tl.uint32, bitcast=True),
+                              zero.to(tl.uint32, bitcast=True))
+    return (bits >> 1).to(tl.int32, bitcast=True) >= dropout_threshold
+
+
+@triton.jit
+def _load_seed(Seed, DROPOUT: tl.constexpr):
+    # The dropout seed (one int64); 0 without dropout (never used then).
+    if DROPOUT:
+        return tl.load(Seed)
+    else:
+        return 0
+
+
+@triton.jit
 def _clamped_ranges(start, full_lo, full_hi, end):
     # Orders the four block boundaries of a windowed loop so that start <= full_lo <= full_hi <=
     # end: masked [start, full_lo), unmasked [full_lo, full_hi), masked [full_hi, end). start,
@@ -403,9 +445,9 @@ def _key_ranges(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.
 
 @triton.jit
 def _fwd_step(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, rows, cols, offs_d, seqlen_q, seqlen_k, qk_scale,
-              window_left, window_right, softcap_in, softcap_out, alibi_slope,
+              window_left, window_right, softcap_in, softcap_out, alibi_slope, seed, slice_index, dropout_threshold,
               HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-              ALIBI: tl.constexpr, IEEE_FP32: tl.constexpr, MASKED: tl.constexpr):
+              ALIBI: tl.constexpr, DROPOUT: tl.constexpr, IEEE_FP32: tl.constexpr, MASKED: tl.constexpr):
     # One key block of the online softmax: returns the updated (acc, l_i, m_i). Unmasked blocks
     # (every key in range and visible to every row) load without the key bounds, skip both
     # selects, and fold the scale into the exponent's argument (one FMA per score), which
@@ -439,6 +481,8 @@ def _fwd_step(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, rows, cols, offs_d, 
         p = tl.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
+    if DROPOUT:  # after the normaliser: dropout acts on the probabilities (1 / (1 - p) applied at the end)
+        p = tl.where(_dropout_kept(seed, slice_index, rows[:, None], cols[None, :], dropout_threshold), p, 0.0)
     v = tl.load(_tile_ptrs(V, cols, stride_vn, offs_d), mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE_FP32)
     return acc, l_i, m_new
@@ -452,6 +496,7 @@ def _attn_fwd_kernel(
     O,  # (B, H, Sq, D) output, strides stride_ob, stride_oh, stride_om, 1
     LSE,  # (B, H, Sq) fp32 output (natural log), strides stride_lb, stride_lh, 1
     Alibi,  # (B, H) fp32 ALiBi slopes, strides stride_ab (0 when shared by the batch), 1; read if ALIBI
+    Seed,  # (1,) int64 dropout seed; read if DROPOUT
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -466,6 +511,8 @@ def _attn_fwd_kernel(
     window_right,  # keys right of the diagonal a row sees (used if WINDOW)
     softcap_in,  # softmax_scale / softcap (used if SOFTCAP)
     softcap_out,  # softcap * log2(e) (used if SOFTCAP)
+    dropout_threshold,  # dropout_p * 2^31 (used if DROPOUT)
+    dropout_scale,  # 1 / (1 - dropout_p) (used if DROPOUT)
     GROUP: tl.constexpr,  # H // H_kv: query heads per key/value head
     HEAD_DIM: tl.constexpr,  # D
     D_PAD: tl.constexpr,  # next power of two >= D
@@ -473,6 +520,7 @@ def _attn_fwd_kernel(
     WINDOW: tl.constexpr,  # a sliding window (causal folded in); CAUSAL is False then
     SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr,
     IEEE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query rows per program
     BLOCK_N: tl.constexpr,  # keys per step
@@ -480,6 +528,8 @@ def _attn_fwd_kernel(
     # Grid (cdiv(Sq, BLOCK_M) * H * B,): one query block of one head per program.
     block, batch, head = _program_coords(tl.cdiv(seqlen_q, BLOCK_M), heads)
     alibi_slope = _load_alibi_slope(Alibi, batch, head, stride_ab, ALIBI)
+    seed = _load_seed(Seed, DROPOUT)
+    slice_index = batch * heads + head
     if CAUSAL:
         block = _heaviest_first(block, tl.cdiv(seqlen_q, BLOCK_M))
     start_m = block * BLOCK_M
@@ -513,24 +563,28 @@ def _attn_fwd_kernel(
         for start_n in range(first_n, full_start, BLOCK_N):
             acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, rows, start_n + offs_n, offs_d,
                                       seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_in,
-                                      softcap_out, alibi_slope, HEAD_DIM, CAUSAL, WINDOW, SOFTCAP, ALIBI, IEEE_FP32,
-                                      True)
+                                      softcap_out, alibi_slope, seed, slice_index, dropout_threshold, HEAD_DIM, CAUSAL,
+                                      WINDOW, SOFTCAP, ALIBI, DROPOUT, IEEE_FP32, True)
     else:
         full_start = 0
         full_end, end_n = _key_ranges(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
     for start_n in range(full_start, full_end, BLOCK_N):
         acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, rows, start_n + offs_n, offs_d,
                                   seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_in, softcap_out,
-                                  alibi_slope, HEAD_DIM, CAUSAL, WINDOW, SOFTCAP, ALIBI, IEEE_FP32, False)
+                                  alibi_slope, seed, slice_index, dropout_threshold, HEAD_DIM, CAUSAL, WINDOW, SOFTCAP,
+                                  ALIBI, DROPOUT, IEEE_FP32, False)
     for start_n in range(full_end, end_n, BLOCK_N):
         acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, rows, start_n + offs_n, offs_d,
                                   seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_in, softcap_out,
-                                  alibi_slope, HEAD_DIM, CAUSAL, WINDOW, SOFTCAP, ALIBI, IEEE_FP32, True)
+                                  alibi_slope, seed, slice_index, dropout_threshold, HEAD_DIM, CAUSAL, WINDOW, SOFTCAP,
+                                  ALIBI, DROPOUT, IEEE_FP32, True)
 
     # A row that saw no key (l_i == 0) gets o = 0 and lse = -inf (log of an empty sum).
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     o = acc / l_safe[:, None]
+    if DROPOUT:
+        o = o * dropout_scale
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     tl.store(_tile_ptrs(O, rows, stride_om, offs_d), o.to(O.dtype.element_ty), mask=q_mask)
     tl.store(LSE + rows, lse, mask=rows < seqlen_q)
@@ -623,9 +677,10 @@ def _query_ranges(start_n, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: t
 
 @triton.jit
 def _dkdv_step(dk, dv, k, v, Qh, DOh, LSEh, Deltah, stride_qm, stride_dom, rows, cols, offs_d, seqlen_q, seqlen_k,
-               qk_scale, window_left, window_right, softcap_in, softcap_out, alibi_slope, HEAD_DIM: tl.constexpr,
-               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-               IEEE_FP32: tl.constexpr, MASKED: tl.constexpr):
+               qk_scale, window_left, window_right, softcap_in, softcap_out, alibi_slope, seed, slice_index,
+               dropout_threshold, dropout_scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, IEEE_FP32: tl.constexpr,
+               MASKED: tl.constexpr):
     # One query block's contribution to dK and dV of a key block: returns the updated (dk, dv).
     q, do, lse, delta = _load_query_rows(Qh, DOh, LSEh, Deltah, rows, stride_qm, stride_dom, offs_d, seqlen_q,
                                          HEAD_DIM)
@@ -640,8 +695,13 @@ def _dkdv_step(dk, dv, k, v, Qh, DOh, LSEh, Deltah, stride_qm, stride_dom, rows,
     if MASKED:
         visible_t = tl.trans(_visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right, CAUSAL, WINDOW))
         pt = tl.where(visible_t, pt, 0.0)
-    dv += _dot(pt.to(do.dtype), do, IEEE_FP32)
     dpt = _dot(v, tl.trans(do), IEEE_FP32)
+    if DROPOUT:  # the forward's mask, regenerated: dV from the dropped P, dP through the same mask
+        kept_t = _dropout_kept(seed, slice_index, rows[None, :], cols[:, None], dropout_threshold)
+        dv += _dot(tl.where(kept_t, pt * dropout_scale, 0.0).to(do.dtype), do, IEEE_FP32)
+        dpt = tl.where(kept_t, dpt * dropout_scale, 0.0)
+    else:
+        dv += _dot(pt.to(do.dtype), do, IEEE_FP32)
     dst = pt * (dpt - delta[None, :])
     if SOFTCAP:  # through the cap: d(c tanh(x / c)) / dx = 1 - tanh^2
         dst = dst * (1.0 - tt * tt)
@@ -651,9 +711,10 @@ def _dkdv_step(dk, dv, k, v, Qh, DOh, LSEh, Deltah, stride_qm, stride_dom, rows,
 
 @triton.jit
 def _dq_step(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, rows, cols, offs_d, seqlen_q, seqlen_k, qk_scale,
-             window_left, window_right, softcap_in, softcap_out, alibi_slope, HEAD_DIM: tl.constexpr,
-             CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-             IEEE_FP32: tl.constexpr, MASKED: tl.constexpr):
+             window_left, window_right, softcap_in, softcap_out, alibi_slope, seed, slice_index, dropout_threshold,
+             dropout_scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+             SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, IEEE_FP32: tl.constexpr,
+             MASKED: tl.constexpr):
     # One key block's contribution to dQ of a query block: returns the updated dq. Unmasked
     # blocks load without the key bounds (all keys in range) and skip the select.
     if MASKED:
@@ -674,6 +735,9 @@ def _dq_step(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, rows, cols, offs
         visible = _visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right, CAUSAL, WINDOW)
         p = tl.where(visible, p, 0.0)
     dp = _dot(do, tl.trans(v), IEEE_FP32)
+    if DROPOUT:  # through the forward's mask, as in _dkdv_step
+        kept = _dropout_kept(seed, slice_index, rows[:, None], cols[None, :], dropout_threshold)
+        dp = tl.where(kept, dp * dropout_scale, 0.0)
     ds = p * (dp - delta[:, None])
     if SOFTCAP:  # through the cap, as in _dkdv_step
         ds = ds * (1.0 - t * t)
@@ -691,6 +755,7 @@ def _attn_bwd_dkdv_kernel(
     DK,  # (B, H_kv, Sk, D) output, strides stride_dkb, stride_dkh, stride_dkn, 1
     DV,  # (B, H_kv, Sk, D) output, strides stride_dvb, stride_dvh, stride_dvn, 1
     Alibi,  # (B, H) fp32 ALiBi slopes, as in the forward
+    Seed,  # (1,) int64 dropout seed, as in the forward
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -704,7 +769,7 @@ def _attn_bwd_dkdv_kernel(
     seqlen_k,
     qk_scale,  # softmax_scale * log2(e)
     softmax_scale,
-    window_left, window_right, softcap_in, softcap_out,  # as in the forward
+    window_left, window_right, softcap_in, softcap_out, dropout_threshold, dropout_scale,  # as in the forward
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -712,6 +777,7 @@ def _attn_bwd_dkdv_kernel(
     WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr,
     IEEE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query rows per step
     BLOCK_N: tl.constexpr,  # keys per program
@@ -722,6 +788,7 @@ def _attn_bwd_dkdv_kernel(
     start_n = block * BLOCK_N
     K += batch * stride_kb + kv_head * stride_kh
     V += batch * stride_vb + kv_head * stride_vh
+    seed = _load_seed(Seed, DROPOUT)
     DK += batch * stride_dkb + kv_head * stride_dkh
     DV += batch * stride_dvb + kv_head * stride_dvh
 
@@ -752,20 +819,23 @@ def _attn_bwd_dkdv_kernel(
         LSEh = LSE + batch * stride_lb + head * stride_lh
         Deltah = Delta + batch * stride_lb + head * stride_lh
         alibi_slope = _load_alibi_slope(Alibi, batch, head, stride_ab, ALIBI)
+        slice_index = batch * (kv_heads * GROUP) + head
         for start_m in range(first, full, BLOCK_M):
             dk, dv = _dkdv_step(dk, dv, k, v, Qh, DOh, LSEh, Deltah, stride_qm, stride_dom, start_m + offs_m, cols,
                                 offs_d, seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_in,
-                                softcap_out, alibi_slope, HEAD_DIM, CAUSAL, WINDOW, SOFTCAP, ALIBI, IEEE_FP32, True)
+                                softcap_out, alibi_slope, seed, slice_index, dropout_threshold, dropout_scale,
+                                HEAD_DIM, CAUSAL, WINDOW, SOFTCAP, ALIBI, DROPOUT, IEEE_FP32, True)
         for start_m in range(full, full_end, BLOCK_M):
             dk, dv = _dkdv_step(dk, dv, k, v, Qh, DOh, LSEh, Deltah, stride_qm, stride_dom, start_m + offs_m, cols,
                                 offs_d, seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_in,
-                                softcap_out, alibi_slope, HEAD_DIM, CAUSAL, WINDOW, SOFTCAP, ALIBI, IEEE_FP32, False)
+                                softcap_out, alibi_slope, seed, slice_index, dropout_threshold, dropout_scale,
+                                HEAD_DIM, CAUSAL, WINDOW, SOFTCAP, ALIBI, DROPOUT, IEEE_FP32, False)
         if WINDOW:
             for start_m in range(full_end, end_m, BLOCK_M):
                 dk, dv = _dkdv_step(dk, dv, k, v, Qh, DOh, LSEh, Deltah, stride_qm, stride_dom, start_m + offs_m,
                                     cols, offs_d, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                                    softcap_in, softcap_out, alibi_slope, HEAD_DIM, CAUSAL, WINDOW, SOFTCAP, ALIBI,
-                                    IEEE_FP32, True)
+                                    softcap_in, softcap_out, alibi_slope, seed, slice_index, dropout_threshold,
+                                    dropout_scale, HEAD_DIM, CAUSAL, WINDOW, SOFTCAP, ALIBI, DROPOUT, IEEE_FP32, True)
 
     dk *= softmax_scale
     tl.store(_tile_ptrs(DK, cols, stride_dkn, offs_d), dk.to(DK.dtype.element_ty), mask=kv_mask)
@@ -782,6 +852,7 @@ def _attn_bwd_dq_kernel(
     Delta,  # (B, H, Sq) fp32, same strides as LSE
     DQ,  # (B, H, Sq, D) output, strides stride_dqb, stride_dqh, stride_dqm, 1
     Alibi,  # (B, H) fp32 ALiBi slopes, as in the forward
+    Seed,  # (1,) int64 dropout seed, as in the forward
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -794,7 +865,7 @@ def _attn_bwd_dq_kernel(
     seqlen_k,
     qk_scale,  # softmax_scale * log2(e)
     softmax_scale,
-    window_left, window_right, softcap_in, softcap_out,  # as in the forward
+    window_left, window_right, softcap_in, softcap_out, dropout_threshold, dropout_scale,  # as in the forward
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -802,6 +873,7 @@ def _attn_bwd_dq_kernel(
     WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr,
     IEEE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query rows per program
     BLOCK_N: tl.constexpr,  # keys per step
@@ -809,6 +881,8 @@ def _attn_bwd_dq_kernel(
     # Grid (cdiv(Sq, BLOCK_M) * H * B,).
     block, batch, head = _program_coords(tl.cdiv(seqlen_q, BLOCK_M), heads)
     alibi_slope = _load_alibi_slope(Alibi, batch, head, stride_ab, ALIBI)
+    seed = _load_seed(Seed, DROPOUT)
+    slice_index = batch * heads + head
     if CAUSAL:
         block = _heaviest_first(block, tl.cdiv(seqlen_q, BLOCK_M))
     start_m = block * BLOCK_M
@@ -835,18 +909,21 @@ def _attn_bwd_dq_kernel(
         for start_n in range(first_n, full_start, BLOCK_N):
             dq = _dq_step(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, rows, start_n + offs_n, offs_d,
                           seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_in, softcap_out,
-                          alibi_slope, HEAD_DIM, CAUSAL, WINDOW, SOFTCAP, ALIBI, IEEE_FP32, True)
+                          alibi_slope, seed, slice_index, dropout_threshold, dropout_scale, HEAD_DIM, CAUSAL, WINDOW,
+                          SOFTCAP, ALIBI, DROPOUT, IEEE_FP32, True)
     else:
         full_start = 0
         full_end, end_n = _key_ranges(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
     for start_n in range(full_start, full_end, BLOCK_N):
         dq = _dq_step(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, rows, start_n + offs_n, offs_d,
                       seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_in, softcap_out,
-                      alibi_slope, HEAD_DIM, CAUSAL, WINDOW, SOFTCAP, ALIBI, IEEE_FP32, False)
+                      alibi_slope, seed, slice_index, dropout_threshold, dropout_scale, HEAD_DIM, CAUSAL, WINDOW,
+                      SOFTCAP, ALIBI, DROPOUT, IEEE_FP32, False)
     for start_n in range(full_end, end_n, BLOCK_N):
         dq = _dq_step(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, rows, start_n + offs_n, offs_d,
                       seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_in, softcap_out,
-                      alibi_slope, HEAD_DIM, CAUSAL, WINDOW, SOFTCAP, ALIBI, IEEE_FP32, True)
+                      alibi_slope, seed, slice_index, dropout_threshold, dropout_scale, HEAD_DIM, CAUSAL, WINDOW,
+                      SOFTCAP, ALIBI, DROPOUT, IEEE_FP32, True)
 
     dq *= softmax_scale
     tl.store(_tile_ptrs(DQ, rows, stride_dqm, offs_d), dq.to(DQ.dtype.element_ty),
@@ -860,30 +937,46 @@ def _attn_bwd_dq_kernel(
 # each candidate. The timed runs write the launcher's own fresh outputs (never the caller's
 # tensors; the inputs are only read), and the final launch rewrites every element of them.
 class _ScoreOptions(NamedTuple):
-    """How the scores are masked and modified, as the kernels take it (see _score_options)."""
+    """How the scores and probabilities are masked and modified, as the kernels take it (see _score_options)."""
 
     CAUSAL: bool  # the plain causal mask (False when a window carries it)
     WINDOW: bool
     SOFTCAP: bool
     ALIBI: bool
+    DROPOUT: bool
     window_left: int
     window_right: int
     softcap_in: float
     softcap_out: float
+    dropout_threshold: int
+    dropout_scale: float
     alibi: torch.Tensor  # (B, H) view of the slopes; the lse when there are none (never read then)
+    seed: torch.Tensor  # (1,) int64 dropout seed; the lse without dropout (never read then)
     variant: str | None  # the tuning key's name for the kernel variant (None: plain causal or full)
 
+    def pointers(self):
+        return self.alibi, self.seed
+
     def runtime_args(self):
-        return self.window_left, self.window_right, self.softcap_in, self.softcap_out
+        return (self.window_left, self.window_right, self.softcap_in, self.softcap_out, self.dropout_threshold,
+                self.dropout_scale)
 
     def constexprs(self):
-        return dict(CAUSAL=self.CAUSAL, WINDOW=self.WINDOW, SOFTCAP=self.SOFTCAP, ALIBI=self.ALIBI)
+        return dict(CAUSAL=self.CAUSAL, WINDOW=self.WINDOW, SOFTCAP=self.SOFTCAP, ALIBI=self.ALIBI,
+                    DROPOUT=self.DROPOUT)
 
 
-def _score_options(q, k, lse, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes):
+def dropout_threshold(dropout_p):
+    """The kernels keep a probability when 31 random bits are at least this: p * 2^31."""
+    return min(int(dropout_p * 2**31), 2**31 - 1)
+
+
+def _score_options(q, k, lse, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
+                   dropout_p=0.0, dropout_seed=None):
     """The kernels' arguments for causal masking, a sliding window (window_left, window_right:
     keys a query row sees left and right of its diagonal, -1 unbounded), logit softcapping
-    (softcap > 0) and ALiBi slopes ((H,) or (B, H) fp32, or None).
+    (softcap > 0), ALiBi slopes ((H,) or (B, H) fp32, or None) and dropout (dropout_p > 0 with
+    dropout_seed, a (1,) int64 tensor).
 
     Causal is a window bound window_right = 0: with a left bound as well it runs as a window.
     Unbounded sides of a window become Sq + Sk, past every key any row could see (the bounds
@@ -896,13 +989,18 @@ def _score_options(q, k, lse, causal, softmax_scale, window_left, window_right, 
     if alibi_slopes is not None:
         alibi = alibi_slopes.to(torch.float32).contiguous().expand(q.shape[0], q.shape[1])
     capped = softcap > 0
-    variant = "+".join(name for name, on in (("window", window), ("causal", causal and not window),
-                                             ("softcap", capped), ("alibi", alibi_slopes is not None)) if on)
+    dropout = dropout_p > 0
+    features = (("window", window), ("causal", causal and not window), ("softcap", capped),
+                ("alibi", alibi_slopes is not None), ("dropout", dropout))
+    variant = "+".join(name for name, on in features if on)
     return _ScoreOptions(
         CAUSAL=bool(causal) and not window, WINDOW=window, SOFTCAP=capped, ALIBI=alibi_slopes is not None,
-        window_left=left if window else 0, window_right=right if window else 0,
+        DROPOUT=dropout, window_left=left if window else 0, window_right=right if window else 0,
         softcap_in=softmax_scale / softcap if capped else 0.0, softcap_out=softcap * LOG2E if capped else 0.0,
-        alibi=alibi, variant=variant if (window or capped or alibi_slopes is not None) else None,
+        dropout_threshold=dropout_threshold(dropout_p) if dropout else 0,
+        dropout_scale=1.0 / (1.0 - dropout_p) if dropout else 1.0,
+        alibi=alibi, seed=dropout_seed if dropout else lse,
+        variant=variant if any(on for name, on in features if name != "causal") else None,
     )
 
 
@@ -921,7 +1019,7 @@ def _launch_fwd(q, k, v, o, lse, scores, softmax_scale, config):
     block_m, block_n, warps, stages = config
     batch, heads, seqlen_q, _ = q.shape
     _attn_fwd_kernel[(cdiv(seqlen_q, block_m) * heads * batch,)](
-        q, k, v, o, lse, scores.alibi,
+        q, k, v, o, lse, *scores.pointers(),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2], scores.alibi.stride(0),
         heads, seqlen_q, k.shape[2], softmax_scale * LOG2E, *scores.runtime_args(),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
@@ -930,9 +1028,10 @@ def _launch_fwd(q, k, v, o, lse, scores, softmax_scale, config):
 
 
 @on_input_device
-def attention_fwd(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+def attention_fwd(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                  dropout_p=0.0, dropout_seed=None):
     """(o, lse): o (B, H, Sq, D) in q's dtype laid out as (B, Sq, H, D), lse (B, H, Sq) fp32 natural log.
-    window_left, window_right, softcap, alibi_slopes: see _score_options."""
+    window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed: see _score_options."""
     q, k, v = (unit_last_stride(t) for t in (q, k, v))
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
@@ -947,7 +1046,8 @@ def attention_fwd(q, k, v, causal, softmax_scale, window_left=-1, window_right=-
         # The forward's unmasked steps take the row maximum of the unscaled scores, which needs
         # a non-negative scale: c q k^T = |c| q (-k)^T. (A copy of k, for this odd case only.)
         k, softmax_scale = -k, -softmax_scale
-    scores = _score_options(q, k, lse, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes)
+    scores = _score_options(q, k, lse, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
+                            dropout_p, dropout_seed)
     launch = functools.partial(_launch_fwd, q, k, v, o, lse, scores, softmax_scale)
     launch(_select_config("fwd", q, k, scores, launch))
     return o, lse
@@ -957,7 +1057,7 @@ def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, scores, softmax_scale, config)
     block_m, block_n, warps, stages = config
     batch, kv_heads, seqlen_k, _ = k.shape
     _attn_bwd_dkdv_kernel[(cdiv(seqlen_k, block_n) * kv_heads * batch,)](
-        q, k, v, do, lse, delta, dk, dv, scores.alibi,
+        q, k, v, do, lse, delta, dk, dv, *scores.pointers(),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
         *dk.stride()[:3], *dv.stride()[:3], scores.alibi.stride(0),
         kv_heads, q.shape[2], seqlen_k, softmax_scale * LOG2E, softmax_scale, *scores.runtime_args(),
@@ -970,7 +1070,7 @@ def _launch_dq(q, k, v, do, lse, delta, dq, scores, softmax_scale, config):
     block_m, block_n, warps, stages = config
     batch, heads, seqlen_q, _ = q.shape
     _attn_bwd_dq_kernel[(cdiv(seqlen_q, block_m) * heads * batch,)](
-        q, k, v, do, lse, delta, dq, scores.alibi,
+        q, k, v, do, lse, delta, dq, *scores.pointers(),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
         *dq.stride()[:3], scores.alibi.stride(0),
         heads, seqlen_q, k.shape[2], softmax_scale * LOG2E, softmax_scale, *scores.runtime_args(),
@@ -989,7 +1089,7 @@ def _launch_preprocess(o, do, delta, block_m):
 
 @on_input_device
 def attention_bwd(do, q, k, v, o, lse, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0,
-                  alibi_slopes=None):
+                  alibi_slopes=None, dropout_p=0.0, dropout_seed=None):
     """(dq, dk, dv), contiguous, in the shapes and dtypes of q, k, v."""
     do, q, k, v, o = (unit_last_stride(t) for t in (do, q, k, v, o))
     lse = lse.contiguous()
@@ -1004,7 +1104,8 @@ def attention_bwd(do, q, k, v, o, lse, causal, softmax_scale, window_left=-1, wi
     delta = torch.empty_like(lse)
     _launch_preprocess(o, do, delta, _PRE_BLOCK_M if q.device.type == "cuda" else _PRE_BLOCK_M_INTERPRETER)
 
-    scores = _score_options(q, k, lse, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes)
+    scores = _score_options(q, k, lse, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
+                            dropout_p, dropout_seed)
     launch = functools.partial(_launch_dkdv, q, k, v, do, lse, delta, dk, dv, scores, softmax_scale)
     launch(_select_config("dkdv", q, k, scores, launch))
     launch = functools.partial(_launch_dq, q, k, v, do, lse, delta, dq, scores, softmax_scale)
@@ -1023,12 +1124,14 @@ def attention_bwd(do, q, k, v, o, lse, causal, softmax_scale, window_left=-1, wi
 # group only changes the trip count of an outer loop, so one value (1: heads == kv_heads) is compiled.
 AOT_SHAPES = {"div16": (16, 256), "ragged": (3, 255)}
 # The kernel variants besides plain causal and non-causal: name -> (causal, keyword arguments of
-# attention_fwd / attention_bwd). Each feature alone, and all three at once (the most registers).
+# attention_fwd / attention_bwd). Each feature alone, and the window, softcapping and ALiBi at once
+# (the most live values in the score computation).
 AOT_FEATURES = {
     "window": (True, dict(window_left=100)),
     "softcap": (False, dict(softcap=30.0)),
     "alibi": (True, dict(alibi_slopes="per-head")),
     "window-softcap-alibi": (False, dict(window_left=100, window_right=27, softcap=30.0, alibi_slopes="per-batch")),
+    "dropout": (True, dict(dropout_p=0.1)),
 }
 
 
@@ -1042,6 +1145,8 @@ def _aot_tensors(dtype, head_dim, shape):
 
 def _aot_scores(q, k, lse, causal, features, scale):
     options = {**dict(window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None), **features}
+    if "dropout_p" in options:
+        options["dropout_seed"] = torch.empty(1, dtype=torch.int64)
     if options["alibi_slopes"] is not None:  # "per-head": (H,), "per-batch": (B, H)
         per_batch = options["alibi_slopes"] == "per-batch"
         options["alibi_slopes"] = torch.empty(q.shape[:2] if per_batch else q.shape[1:2])
@@ -1086,9 +1191,9 @@ def aot_cases(dtypes=(torch.float16, torch.bfloat16, torch.float32), head_dims=H
             # The candidates _select_config offers the variant: a window takes the causal ones.
             tuned_causal = causal or "window_left" in (keywords or {})
             for kind in KINDS:
-                featured = keywords is not None
-                everywhere = candidates(kind, head_dim, dtype, causal=tuned_causal, features=featured)
-                for config in candidates(kind, head_dim, dtype, hopper=True, causal=tuned_causal, features=featured):
+                featured = dict(features=keywords is not None, dropout="dropout_p" in (keywords or {}))
+                everywhere = candidates(kind, head_dim, dtype, causal=tuned_causal, **featured)
+                for config in candidates(kind, head_dim, dtype, hopper=True, causal=tuned_causal, **featured):
                     bm, bn, w, st = config
                     cases.append(dict(
                         name=f"{kind}_{tag}_{variant}_BM{bm}_BN{bn}_w{w}_s{st}_{shape}",

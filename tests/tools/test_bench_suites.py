@@ -28,7 +28,10 @@ def _measured(suite, dtype=torch.float32, sizes=None):
 @pytest.mark.parametrize("suite", [suite for suite in bench.SUITES if suite != "block"])  # block: below
 def test_every_implementation_passes_its_check(suite):
     results = _measured(suite)
-    assert results and all(r.check.startswith("ok (") and r.p50_ms > 0 for r in results.values()), results
+    # Cases without a Check (attention with dropout: each implementation draws its own mask) are timed only.
+    checked = {key: r for key, r in results.items() if r.case.check is not None}
+    assert checked and all(r.check.startswith("ok (") for r in checked.values()), checked
+    assert all(r.p50_ms > 0 for r in results.values()), results
 
 
 def test_mlp_memory_is_the_exact_saved_byte_count():

@@ -7,8 +7,11 @@ inputs, so its float64 reference is computed once.
 
 Feature cases, causal: a sliding window (Mistral's) and logit softcapping (Gemma 2's), against
 FlexAttention (block mask, score_mod) and, for the window, SDPA's efficient backend with an explicit
-mask (flash and cuDNN take no such mask; nothing in SDPA softcaps). Their FLOP model counts the
-scores computed: the window's b·h·(keys each row sees, summed)·4·d for the forward.
+mask (flash and cuDNN take no such mask; nothing in SDPA softcaps); dropout (p = 0.1) against SDPA's
+flash and efficient backends (FlexAttention has none). Their FLOP model counts the scores computed:
+the window's b·h·(keys each row sees, summed)·4·d for the forward. The dropout case is timed
+unchecked: every implementation draws its own mask (tests/ops/test_attention_dropout.py checks
+remat's against a reference that rebuilds the same mask).
 """
 
 import functools
@@ -67,11 +70,13 @@ def _flex(q, k, v, causal):
 # The feature cases: name -> remat.attention's keywords (causal=True besides), by device type.
 WINDOW = {"cuda": 512, "cpu": 32}  # keys left of the diagonal each row sees (window_size=(WINDOW, 0))
 SOFTCAP = 50.0  # Gemma 2's attention softcap
-FEATURES = ("window", "softcap")
+DROPOUT_P = 0.1
+FEATURES = ("window", "softcap", "dropout")
 
 
 def feature_keywords(feature, device):
-    return dict(window_size=(WINDOW[device.type], 0)) if feature == "window" else dict(softcap=SOFTCAP)
+    return {"window": dict(window_size=(WINDOW[device.type], 0)), "softcap": dict(softcap=SOFTCAP),
+            "dropout": dict(dropout_p=DROPOUT_P)}[feature]
 
 
 @functools.cache
@@ -126,10 +131,28 @@ def _remat_feature(feature):
     return run
 
 
+def _sdpa_dropout(backend=None):
+    def run(q, k, v, causal):
+        if backend is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=DROPOUT_P)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([getattr(SDPBackend, backend)]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=DROPOUT_P)
+
+    return run
+
+
 def feature_implementations(device, feature):
-    """A Variant for every implementation of a feature case, and the stock one its check builds on."""
+    """A Variant for every implementation of a feature case, and the stock one its check builds on
+    (None for dropout: no two implementations draw the same mask)."""
     ours = Variant(f"remat-{remat._backend.choose('attention', device, kernels=('triton',))}", True,
                    _remat_feature(feature))
+    if feature == "dropout":
+        if device.type != "cuda":
+            return [ours, Variant("sdpa", False, _sdpa_dropout())], None
+        return [ours] + [Variant(f"sdpa-{name}", False, _sdpa_dropout(backend)) for name, backend in
+                         (("flash", "FLASH_ATTENTION"), ("efficient", "EFFICIENT_ATTENTION"))], None
     stock = _sdpa_window() if feature == "window" else _reference_in_dtype(feature)
     if device.type != "cuda":
         return [ours, Variant("sdpa" if feature == "window" else "reference", False, stock)], stock
@@ -247,7 +270,7 @@ def _modes(op, dtype, shape, forward_flops, make_inputs, impls, causal, check):
 
 
 def _feature_cases(device, dtype, shape):
-    """The window and softcap cases at one shape (causal), each against its peers."""
+    """The window, softcap and dropout cases at one shape (causal), each against its peers."""
     b, h, s, d = shape
     for feature in FEATURES:
         impls, stock = feature_implementations(device, feature)
@@ -256,8 +279,8 @@ def _feature_cases(device, dtype, shape):
             scores = sum(min(i, window) + 1 for i in range(s))
         else:
             scores = s * (s + 1) // 2
-        reference = _float64_reference(True, _reference_in_dtype(feature))
-        check = check_against(_build("fwd+bwd", True)(stock), reference)
+        check = None if stock is None else check_against(
+            _build("fwd+bwd", True)(stock), _float64_reference(True, _reference_in_dtype(feature)))
         make_inputs = _make_inputs((b, h, s, d), dtype, device, f"causal-{feature}")
         yield from _modes(f"attention_{feature}", dtype, shape, 4 * b * h * scores * d, make_inputs, impls, True,
                           check)

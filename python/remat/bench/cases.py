@@ -222,7 +222,7 @@ def measure_case(case, timer, rounds=3):
 def check_case(case):
     """Results of the case's Check alone, nothing timed: the smoke test before a benchmark."""
     results, inputs, runnable = _built(case)
-    if runnable:
+    if runnable and case.check is not None:
         _check(case.check, inputs, runnable, results)
     return list(results.values())
 

@@ -19,7 +19,8 @@ no CUDA-extension attention; "cuda" runs the Triton kernel). CPU tensors run the
 under TRITON_INTERPRET=1, else the reference. Head dims outside HEAD_DIMS run the reference on
 CPU; on CUDA, those and GPUs Triton cannot target (compute capability < 8.0) fall back to
 torch.nn.functional.scaled_dot_product_attention with a one-time warning (to the reference when a
-window, softcapping or ALiBi is asked for).
+window, softcapping, ALiBi or dropout is asked for: it computes each as the kernels do, dropout with
+the kernels' own mask).
 
 Block sizes on a GPU are autotuned: the first call per (head dim, causal, dtype, GPU, length
 class) times a few candidate configurations and keeps the fastest, remembered in
@@ -80,6 +81,56 @@ def _alibi_bias(alibi_slopes, seqlen_q, seqlen_k, dtype):
     return -alibi_slopes.to(dtype)[..., None, None] * distance
 
 
+_UINT32 = 0xFFFFFFFF
+_PHILOX_KEYS = (0x9E3779B9, 0xBB67AE85)  # Philox-4x32's key increments, as in triton.language.random
+_PHILOX_ROUNDS = (0xD2511F53, 0xCD9E8D57)  # its round multipliers
+
+
+def _mul_hi_lo(constant, x):
+    """(high, low) 32-bit words of constant * x for uint32 values in int64 tensors, without overflowing int64."""
+    x_hi, x_lo = x >> 16, x & 0xFFFF
+    lo_part, hi_part = constant * x_lo, constant * x_hi  # each below 2^48
+    high = (hi_part + (lo_part >> 16)) >> 16
+    low = (lo_part + ((hi_part & 0xFFFF) << 16)) & _UINT32
+    return high, low
+
+
+def _philox_first_word(seed, c0, c1, c2, c3, rounds=10):
+    """The first output word of Philox-4x32 (Triton's tl.philox) with key `seed` (a Python int) and
+    counters c0..c3 (int64 tensors of uint32 values)."""
+    seed &= 2**64 - 1
+    k0, k1 = seed & _UINT32, seed >> 32
+    for _ in range(rounds):
+        hi_b, lo_b = _mul_hi_lo(_PHILOX_ROUNDS[1], c2)
+        hi_a, lo_a = _mul_hi_lo(_PHILOX_ROUNDS[0], c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _PHILOX_KEYS[0]) & _UINT32, (k1 + _PHILOX_KEYS[1]) & _UINT32
+    return c0
+
+
+def dropout_keep_mask(seed, batch, heads, seqlen_q, seqlen_k, dropout_p, device=None):
+    """(batch, heads, seqlen_q, seqlen_k) bool: where the kernels' dropout keeps a probability for
+    seed (the (1,) int64 tensor the ops take, or an int). The kernels' _dropout_kept in PyTorch: the
+    top 31 bits of Philox's first word for counter (key, query, batch * heads + head, 0), at least
+    dropout_p * 2^31."""
+    seed = int(seed.item()) if isinstance(seed, torch.Tensor) else int(seed)
+    keys = torch.arange(seqlen_k, device=device)[None, None, :]
+    queries = torch.arange(seqlen_q, device=device)[None, :, None]
+    slices = (torch.arange(batch * heads, device=device) & _UINT32)[:, None, None]
+    bits = _philox_first_word(seed, keys, queries, slices, torch.zeros_like(keys))
+    threshold = min(int(dropout_p * 2**31), 2**31 - 1)  # as the kernels' dropout_threshold
+    return ((bits >> 1) >= threshold).view(batch, heads, seqlen_q, seqlen_k)
+
+
+def _dropped(p, dropout_p, dropout_seed):
+    """p with dropout applied as the kernels do (kept entries scaled by 1 / (1 - dropout_p))."""
+    if dropout_p == 0:
+        return p
+    batch, heads, seqlen_q, seqlen_k = p.shape
+    kept = dropout_keep_mask(dropout_seed, batch, heads, seqlen_q, seqlen_k, dropout_p, p.device)
+    return torch.where(kept, p / (1 - dropout_p), 0.0)
+
+
 def _scores(q, k, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
     """The scaled scores in the math dtype, softcapped, with ALiBi, -inf where masked: (B, H, Sq, Sk)."""
     dtype = math_dtype(q)
@@ -104,17 +155,17 @@ def _probabilities(q, k, causal, softmax_scale, *features):
 
 
 def attention_ref(q, k, v, causal=False, softmax_scale=None, window_left=-1, window_right=-1, softcap=0.0,
-                  alibi_slopes=None):
+                  alibi_slopes=None, dropout_p=0.0, dropout_seed=None):
     """(o, lse) by an explicit softmax; differentiable, materialises (B, H, Sq, Sk).
 
     o in q's dtype, lse in fp32 (float64 for float64 input). Used by the tests (in float64) and
     as the CPU fallback without the interpreter. The features as in attention (window_size split
-    into window_left and window_right).
+    into window_left and window_right); dropout with the kernels' mask for dropout_seed.
     """
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     p, lse = _probabilities(q, k, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes)
-    o = p @ _expand_kv(v, q.shape[1]).to(p.dtype)
+    o = _dropped(p, dropout_p, dropout_seed) @ _expand_kv(v, q.shape[1]).to(p.dtype)
     return o.to(q.dtype), lse
 
 
@@ -129,10 +180,11 @@ def new_output(q):
 
 
 def _attention_fwd_ref(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float, window_left: int = -1,
-                       window_right: int = -1, softcap: float = 0.0,
-                       alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                       window_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
+                       dropout_p: float = 0.0, dropout_seed: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(o, lse): o (B, H, Sq, D) in q's dtype, laid out as (B, Sq, H, D); lse (B, H, Sq) fp32 natural log."""
-    o, lse = attention_ref(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes)
+    o, lse = attention_ref(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
+                           dropout_p, dropout_seed)
     return new_output(q).copy_(o), lse.to(torch.float32).contiguous()
 
 
@@ -145,6 +197,7 @@ def _group_sum(t, kv_heads):
 def _attention_bwd_ref(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, softmax_scale: float,
     window_left: int = -1, window_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
+    dropout_p: float = 0.0, dropout_seed: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of attention_fwd, recomputing the probabilities from q and k, by the same
     derivation as the kernels (see triton_kernels/attention.py)."""
@@ -153,8 +206,8 @@ def _attention_bwd_ref(
     p, _ = _probabilities(q, k, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes)
     do_f = do.to(dtype)
     v_f = _expand_kv(v, heads).to(dtype)
-    dv = p.transpose(-1, -2) @ do_f
-    dp = do_f @ v_f.transpose(-1, -2)
+    dv = _dropped(p, dropout_p, dropout_seed).transpose(-1, -2) @ do_f
+    dp = _dropped(do_f @ v_f.transpose(-1, -2), dropout_p, dropout_seed)  # through the same mask
     delta = (do_f * o.to(dtype)).sum(dim=-1, keepdim=True)
     ds = p * (dp - delta)
     if softcap > 0:  # through the cap: d(c tanh(x / c)) / dx = 1 - tanh(x / c)^2
@@ -171,36 +224,38 @@ def _attention_bwd_ref(
 
 
 def _attention_fwd_fake(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0,
-                        alibi_slopes=None):
+                        alibi_slopes=None, dropout_p=0.0, dropout_seed=None):
     batch, heads, seqlen_q, _ = q.shape
     return new_output(q), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
 
 
 def _attention_bwd_fake(do, q, k, v, o, lse, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0,
-                        alibi_slopes=None):
+                        alibi_slopes=None, dropout_p=0.0, dropout_seed=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes = inputs
+    q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed = inputs
     o, lse = output
-    # The slopes (H or B x H floats) are saved with the rest: a few bytes, and saved tensors keep
-    # working under torch.compile and activation checkpointing.
-    ctx.save_for_backward(q, k, v, o, lse, alibi_slopes)
+    # The slopes (H or B x H floats) and the dropout seed (8 bytes) are saved with the rest: a few
+    # bytes, and saved tensors keep working under torch.compile and activation checkpointing. The
+    # dropout mask is not: the backward regenerates it from the seed.
+    ctx.save_for_backward(q, k, v, o, lse, alibi_slopes, dropout_seed)
     ctx.scalars = causal, softmax_scale, window_left, window_right, softcap
+    ctx.dropout_p = dropout_p
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, do, _dlse):
-    q, k, v, o, lse, alibi_slopes = ctx.saved_tensors
+    q, k, v, o, lse, alibi_slopes, dropout_seed = ctx.saved_tensors
     if do.stride(-1) != 1:
         do = do.contiguous()  # the kernels read rows with unit stride
     # Under create_graph=True the reference's formula, which a second backward can differentiate:
     # it recomputes the probabilities from q and k, and o, a differentiable output, carries its
     # own dependence on q, k and v.
     backward = _attention_bwd_ref if _backend.backward_is_differentiated() else attention_bwd
-    dq, dk, dv = backward(do, q, k, v, o, lse, *ctx.scalars, alibi_slopes)
-    return dq, dk, dv, None, None, None, None, None, None
+    dq, dk, dv = backward(do, q, k, v, o, lse, *ctx.scalars, alibi_slopes, ctx.dropout_p, dropout_seed)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,8 +397,22 @@ def _check_alibi_slopes(alibi_slopes, q):
                          "(as FlashAttention); pass alibi_slopes.detach()")
 
 
+def _check_dropout_p(dropout_p):
+    if (isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not math.isfinite(dropout_p)
+            or not 0 <= dropout_p < 1):
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    return float(dropout_p)
+
+
+def _dropout_seed(device):
+    """A (1,) int64 seed drawn from torch's default generator of `device` (advancing it, as torch's
+    own dropout does): torch.manual_seed reproduces it, checkpointing's saved RNG state redraws it,
+    and under torch.compile it is a random op of the graph, not a constant baked into it."""
+    return torch.randint(-2**63, 2**63 - 1, (1,), dtype=torch.int64, device=device)
+
+
 def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, attn_mask=None, window_size=(-1, -1),
-              softcap=0.0, alibi_slopes=None):
+              softcap=0.0, alibi_slopes=None, dropout_p=0.0):
     """softmax(softmax_scale * q k^T) v, like F.scaled_dot_product_attention, FlashAttention-style.
 
     q: (batch, heads, seqlen_q, head_dim); k, v: (batch, kv_heads, seqlen_k, head_dim) with
@@ -360,6 +429,11 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, attn_
     - softcap: logit softcapping, s -> softcap * tanh(s / softcap) on the scaled scores; 0 is off.
     - alibi_slopes: fp32 (heads,) or (batch, heads); adds -slope * |i + Sk - Sq - j| to the
       (softcapped) scaled scores. Not differentiable.
+    - dropout_p: dropout on the probabilities before P V, kept ones scaled by 1 / (1 - dropout_p).
+      The mask is never stored: a counter-based generator (Philox) draws it from a seed taken from
+      torch's generator of q's device at the call, and the backward regenerates it. So
+      torch.manual_seed before two calls gives bitwise-identical outputs and gradients, and
+      activation checkpointing reproduces the forward. Pass 0 in evaluation.
     Key blocks wholly outside the window are skipped: a window costs in proportion to its width.
 
     Autograd saves q, k, v, o and the lse (4 bytes per query row and head), and the ALiBi slopes.
@@ -375,11 +449,12 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, attn_
     window_left, window_right = _check_window_size(window_size)
     softcap = _check_softcap(softcap)
     _check_alibi_slopes(alibi_slopes, q)
+    dropout_p = _check_dropout_p(dropout_p)
     dtype = autocast_dtype(q.device.type)
     if dtype is not None:  # as scaled_dot_product_attention: computed in the autocast dtype (the slopes stay fp32)
         with torch.autocast(q.device.type, enabled=False):
             return attention(*cast_for_autocast(dtype, q, k, v), causal, softmax_scale, return_lse,
-                             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+                             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
     if not isinstance(return_lse, bool):
@@ -393,6 +468,8 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, attn_
     softmax_scale = float(softmax_scale)
 
     features = (window_left, window_right, softcap, alibi_slopes)
+    if dropout_p > 0:
+        features += (dropout_p, _dropout_seed(q.device))
     reason = _fallback_reason(q, k, v)
     if reason is not None:
         _warn_fallback_once(reason)
@@ -441,9 +518,10 @@ def _samples(device):
     k, v = torch.randn(1, 1, 12, 32, device=device), torch.randn(1, 1, 12, 32, device=device)
     forward, backward = [], []
     # Plain, causal; a causal window with per-head ALiBi; a two-sided window with softcapping and
-    # per-batch ALiBi.
+    # per-batch ALiBi; causal with dropout.
+    seed = torch.tensor([1234], dtype=torch.int64, device=device)
     variants = [(False, ()), (True, ()), (True, (4, -1, 0.0, torch.rand(2, device=device))),
-                (False, (3, 5, 2.0, torch.rand(1, 2, device=device)))]
+                (False, (3, 5, 2.0, torch.rand(1, 2, device=device))), (True, (-1, -1, 0.0, None, 0.3, seed))]
     for causal, features in variants:
         forward.append((*grad_leaves(q, k, v), causal, 0.25, *features))
         o, lse = _attention_fwd_ref(q, k, v, causal, 0.25, *features)
