@@ -251,20 +251,6 @@ def test_a_padded_batch_runs_the_stock_attention_function_on_the_fused_projectio
                                                                           "labels": labels}, "padding")
 
 
-def test_attention_dropout_in_training_runs_the_stock_attention_function_with_the_same_mask():
-    """The fused projections draw no random numbers: the stock attention function's dropout, seeded
-    alike, drops the same probabilities as stock's."""
-    stock, _ = build_case("qwen2", attention_dropout=0.25)
-    batch = family_inputs("qwen2", "cpu")
-    assert loss_and_grads(stock, batch, seed=7)[0] != loss_and_grads(stock, batch, seed=8)[0]  # dropout acts
-    converted = conv.convert(stock)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, batch, seed=7))
-    assert calls == 0
-    assert any("attention dropout in training" in str(w.message) for w in caught)
-
-
 def test_gemma2_without_softcapping_runs_remat_attention_without_it():
     stock, _ = build_case("gemma2", attn_logit_softcapping=None)
     converted, report = conv.convert(stock, report=True)

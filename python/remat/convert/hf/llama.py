@@ -16,10 +16,10 @@ class _RematRotaryAttention(_RematSplitAttention):
     passes as position_embeddings (cos, sin), applied by the module's own apply_rotary_pos_emb, the
     module's `scaling`, and o_proj.
 
-    A sliding window (its mask: the future and the keys a window back hidden) and Gemma2's logit
-    softcapping run on remat.attention's window_size and softcap. A call remat.attention does not
-    compute (a padding mask, dropout in training, attention weights requested, a KV cache with past
-    keys or of another kind) keeps the fused norm and projections and runs the stock forward's cache
+    A sliding window (its mask: the future and the keys a window back hidden), Gemma2's logit
+    softcapping and dropout run on remat.attention's window_size, softcap and dropout_p. A call
+    remat.attention does not compute (a padding mask, attention weights requested, a KV cache with
+    past keys or of another kind) keeps the fused norm and projections and runs the stock forward's cache
     update and attention function on their q, k, v."""
 
     remat_cache_arg = CACHE_ARGS

@@ -693,8 +693,6 @@ class _RematAttention(_RematModule):
     def remat_core_reason(self, hidden_states, call):
         """None when remat.attention computes this call's attention exactly, else why not (checked
         after remat_fallback_reason and remat_constant_core_reason)."""
-        if self.training and self.remat_dropout() > 0:
-            return "attention dropout in training"
         if _attention_weights_requested(self, call, self.remat_implementation()):
             return "attention weights requested (output_attentions)"
         cache = self._remat_cache(call)
@@ -747,9 +745,14 @@ class _RematAttention(_RematModule):
         return self.remat_output(_merge_heads(o)), None
 
     def remat_features(self, call):
-        """remat.attention's feature arguments for this call: the sliding window its mask carries."""
+        """remat.attention's feature arguments for this call: the sliding window its mask carries, and
+        in training the attention dropout (remat's own Philox mask, regenerated in the backward: the
+        same distribution as the stock dropout, not the same draws)."""
         pattern = call.get("remat_mask_pattern")
-        return {"window_size": (pattern[1], 0)} if isinstance(pattern, tuple) else {}
+        features = {"window_size": (pattern[1], 0)} if isinstance(pattern, tuple) else {}
+        if self.training and self.remat_dropout() > 0:
+            features["dropout_p"] = float(self.remat_dropout())
+        return features
 
     def remat_scale(self):
         """The softmax scale remat.attention applies to q·kᵀ (1.0 where remat_qkv scales q itself,
