@@ -24,7 +24,7 @@ from .counting import count_forward, saved_bytes_of, split_inputs
 from .solver import Option, fastest_fitting, frontier
 from .units import CHOICES, apply_choices, find_units, is_planned
 
-__all__ = ["CHOICES", "DEVICES", "Plan", "plan", "saved_bytes_of"]
+__all__ = ["CHOICES", "DEVICES", "Plan", "meta_copy", "plan", "saved_bytes_of"]
 
 
 @dataclasses.dataclass
@@ -82,6 +82,11 @@ class Plan:
         if unknown or len(fields["choices"]) != len(fields["units"]):
             raise ValueError(f"text is not a remat plan: one choice of {CHOICES} per unit needed")
         return cls(**fields)
+
+
+def meta_copy(model):
+    """A copy of `model` on the meta device, its weights not copied: to count at any size."""
+    return _shell(model, on_meta=True)
 
 
 def _shell(model, on_meta):

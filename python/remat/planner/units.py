@@ -7,6 +7,7 @@ state_dict keys: its forward is overridden on the instance, and remat.revert rem
 """
 
 import functools
+import inspect
 import warnings
 
 import torch
@@ -46,8 +47,24 @@ def _parent_and_name(model, path):
     return (model.get_submodule(parent_path) if parent_path else model), name
 
 
+# The names Hugging Face layers take a KV cache by. A checkpointed layer must not write to one:
+# its recompute in the backward would append the same keys and values a second time (and under
+# selective checkpointing see longer keys than the forward did). Hugging Face's own gradient
+# checkpointing drops the cache the same way.
+CACHE_ARGUMENTS = ("cache", "layer_past", "past_key_values", "past_key_value")
+
+
 def _checkpointed_forward(module, policy, *args, **kwargs):
     forward = type(module).forward.__get__(module)
+    if not torch.is_grad_enabled():  # no backward to recompute for
+        return forward(*args, **kwargs)
+    bound = inspect.signature(forward).bind(*args, **kwargs)  # GPT-2's blocks take the cache by position
+    if bound.arguments.get("use_cache"):
+        bound.arguments["use_cache"] = False
+    for name in CACHE_ARGUMENTS:
+        if bound.arguments.get(name) is not None:
+            bound.arguments[name] = None
+    args, kwargs = bound.args, bound.kwargs
     if policy is None:
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     context = functools.partial(create_selective_checkpoint_contexts, policy)
