@@ -12,11 +12,13 @@ of them it keeps, by a key that is the same in every run (("out", i, k): unit i'
 ("outside", n): the n-th storage made outside the units), and a plan pays for their union.
 """
 
+import contextlib
 import dataclasses
 import warnings
 
 import torch
 import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 from torch.utils.flop_counter import flop_registry
@@ -163,10 +165,39 @@ class _Counter:
         return ForwardSaves(self.per_unit, self.outside, key_bytes)
 
 
+class _GpuAttentionOnMeta(TorchFunctionMode):
+    """On meta tensors, runs SDPA through the kernels a GPU picks, so that autograd keeps what it
+    keeps there: flash attention (q, k, v, the output laid out (b, s, h, d), the fp32 log-sum-exp)
+    without a mask, memory-efficient attention (the same, and the mask as a bias) with one. Left
+    alone, SDPA takes its math path on meta, which keeps the s x s probabilities."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        return _gpu_sdpa(*args, **kwargs)
+
+
+def _gpu_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if not query.is_meta or query.dim() != 4 or (enable_gqa and key.shape[1] != query.shape[1]):
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa)
+    if attn_mask is None:
+        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
+                                                                  scale=scale)[0]
+    if attn_mask.dtype == torch.bool:  # the GPU turns a boolean mask into an additive one (a new tensor)
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device="meta")
+    batch, heads, length = query.shape[:3]
+    bias = attn_mask.expand(batch, heads, length, key.shape[2])
+    return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, True, dropout_p,
+                                                                  is_causal, scale=scale)[0]
+
+
 def count_forward(model, args, kwargs, units=()):
     """The saves of one training forward of model(*args, **kwargs), attributed to `units` (modules
     of the model, every checkpointed one among them); parameters, buffers and the inputs are not
-    activations and are left out."""
+    activations and are left out. On meta inputs, SDPA keeps what it keeps on a GPU."""
     counter = _Counter([*model.parameters(), *model.buffers(), *_tensors((args, kwargs))], len(units))
     hooks = []
     for i, unit in enumerate(units):
@@ -178,9 +209,10 @@ def count_forward(model, args, kwargs, units=()):
         counter.keep(tensor)
         return tensor
 
+    on_meta = any(t.is_meta for t in _tensors((args, kwargs)))
     try:
-        with warnings.catch_warnings(), _Recorder(counter), torch.autograd.graph.saved_tensors_hooks(
-                pack, lambda t: t):
+        with warnings.catch_warnings(), _GpuAttentionOnMeta() if on_meta else contextlib.nullcontext(), \
+                _Recorder(counter), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             # torch warns that selective checkpointing's cache will go through these hooks one
             # day: each storage would still count once.
             warnings.filterwarnings("ignore", "A saved_tensors_hooks context", FutureWarning)
