@@ -52,3 +52,13 @@ def test_plan_command_prints_and_writes_the_plan(tmp_path, capsys):
 def test_plan_command_with_too_small_a_budget_names_the_least(capsys):
     with pytest.raises(SystemExit, match="below the least this model can keep at these inputs: [0-9]+ bytes"):
         main(["plan", "--model", "tiny", "--batch", "2", "--seq", "16", "--budget", "1KiB"])
+
+
+def test_memory_with_a_budget_prints_the_plans_mix(capsys):
+    from remat.memory import _print_plan
+
+    _print_plan("tiny", 2, 16, 1e-4, torch.bfloat16, torch.device("cpu"))  # 107 kB: less than stock keeps
+    printed = capsys.readouterr().out
+    assert printed.startswith("remat plan, 0.0001 GB kept for the backward: ") and "full" in printed
+    _print_plan("tiny", 2, 16, 1e-7, torch.bfloat16, torch.device("cpu"))
+    assert "below the least this model can keep" in capsys.readouterr().out
