@@ -186,3 +186,18 @@ def test_selectively_checkpointed_gpt2_blocks_train_without_their_kv_cache():
     plan = remat.plan(meta_copy(model), _on_meta(batch), 10**9)
     selective = dataclasses.replace(plan, choices=["selective"] * len(plan.units))
     assert_same_step(model, selective.apply(copy.deepcopy(model)), batch, seed=0)
+
+
+def test_a_planned_model_compiles_and_trains_as_the_stock_one():
+    stack = torch_stack(GPTConfig(hidden=32, heads=2, layers=3))
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    saves, _, _ = measure(stack, (x,))
+    plan = remat.plan(stack, (x,), (saves["full"].total_bytes() + saves["selective"].total_bytes()) // 2)
+    assert {"full", "selective"} <= set(plan.choices)
+    planned = plan.apply(copy.deepcopy(stack))
+    out = torch.compile(planned, backend="aot_eager")(x)
+    out.sum().backward()
+    stack(x).sum().backward()
+    torch.testing.assert_close(out, stack(x))
+    for mine, stock in zip(planned.parameters(), stack.parameters()):
+        torch.testing.assert_close(mine.grad, stock.grad)
