@@ -64,7 +64,7 @@ def test_a_budget_that_remat_fits_uses_no_checkpointing(meta_family):
     assert set(plan.choices) <= {"stock", "remat"} and "remat" in plan.choices
 
 
-@pytest.mark.parametrize("family", ("gpt2", "llama"))  # ViT's plans are checked on meta above
+@pytest.mark.parametrize("family", ["llama"])  # GPT-2 trains in the selective test below; all on meta above
 def test_a_mixed_plan_on_cpu_keeps_what_it_predicts_and_trains_as_the_stock_model(family):
     model, _ = build(family)
     batch = inputs(family, "cpu")

@@ -10,12 +10,14 @@ paid for as soon as the last unit that can keep it is decided, so the kept sets 
 import dataclasses
 import itertools
 
+
 @dataclasses.dataclass(frozen=True)
 class Option:
     choice: str
     internal_bytes: int
     keys: frozenset
     seconds: float
+
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
@@ -25,6 +27,7 @@ class Candidate:
     saved_bytes: int
     seconds: float
 
+
 def _last_use(options, always_kept):
     last = {}
     for i, unit in enumerate(options):
@@ -32,6 +35,7 @@ def _last_use(options, always_kept):
             for key in option.keys - always_kept:
                 last[key] = i
     return last
+
 
 def frontier(options, base_bytes, always_kept, key_bytes):
     """Every plan on the bytes/time Pareto frontier, fewest bytes first. options: per unit, its
@@ -66,10 +70,12 @@ def frontier(options, base_bytes, always_kept, key_bytes):
             best_seconds = plan.seconds
     return front
 
+
 def fastest_fitting(front, budget):
     """The fastest plan of the frontier whose bytes fit the budget, or None."""
     fitting = [p for p in front if p.saved_bytes <= budget]
     return min(fitting, key=lambda p: (p.seconds, p.saved_bytes)) if fitting else None
+
 
 def brute_force(options, base_bytes, always_kept, key_bytes, budget):
     """The same answer by trying every plan (for the tests, on small cases)."""
