@@ -17,23 +17,24 @@ def _bench(args):
 
 
 def _memory(args):
-    import torch
-
     from . import memory
 
     memory.run(args.model, batch=args.batch, seq=args.seq, budget_gb=args.budget, out_dir=args.out,
-               device=args.device,
-               dtype={"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype])
+               device=args.device, dtype=_dtype(args.dtype))
+
+
+def _dtype(name):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
 def _plan(args):
-    import torch
-
     from .planner import command
 
     try:
         command.run(args.model, args.batch, args.seq, args.budget, device=args.device, json_path=args.json,
-                    dtype={"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype])
+                    dtype=_dtype(args.dtype))
     except ValueError as error:  # a budget below the least the model can keep: one line, not a traceback
         sys.exit(f"remat plan: {error}")
 
