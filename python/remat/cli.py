@@ -1,5 +1,6 @@
 """The `remat` command: `remat bench` (kernel microbenchmarks), `remat memory` (a model's memory/time
-trade-off under each policy) and `remat info` (the available backends)."""
+trade-off under each policy), `remat plan` (the fastest per-layer mix of policies for a budget) and
+`remat info` (the available backends)."""
 
 import argparse
 import sys
@@ -16,13 +17,35 @@ def _bench(args):
 
 
 def _memory(args):
-    import torch
-
     from . import memory
 
     memory.run(args.model, batch=args.batch, seq=args.seq, budget_gb=args.budget, out_dir=args.out,
-               device=args.device,
-               dtype={"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype])
+               device=args.device, dtype=_dtype(args.dtype))
+
+
+def _dtype(name):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def _plan(args):
+    from .planner import command
+
+    try:
+        command.run(args.model, args.batch, args.seq, args.budget, device=args.device, json_path=args.json,
+                    dtype=_dtype(args.dtype))
+    except ValueError as error:  # a budget below the least the model can keep: one line, not a traceback
+        sys.exit(f"remat plan: {error}")
+
+
+def _budget(text):
+    from .planner.command import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _info(_args):
@@ -80,6 +103,17 @@ def parser():
     memory.add_argument("--out", default="bench/out/memory", help="folder for the CSV and the PNG frontier")
     memory.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     memory.set_defaults(run=_memory)
+    plan = commands.add_parser("plan", help="the fastest per-layer mix of remat and checkpointing that keeps "
+                               "at most --budget bytes for the backward")
+    plan.add_argument("--model", default="gpt2-small", type=_model, help="as for remat memory")
+    plan.add_argument("--batch", type=int, default=8)
+    plan.add_argument("--seq", type=int, default=1024)
+    plan.add_argument("--budget", type=_budget, required=True, help="bytes kept for the backward: 12GiB, 500MB, ...")
+    plan.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    plan.add_argument("--device", default="H100", choices=["A100", "H100", "H200", "cpu"],
+                      help="whose constants predict the time of each choice")
+    plan.add_argument("--json", help="also write the plan here (remat.Plan.from_json reads it)")
+    plan.set_defaults(run=_plan)
     info = commands.add_parser("info", help="which backends are available and why")
     info.set_defaults(run=_info)
     return top

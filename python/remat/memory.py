@@ -6,7 +6,8 @@ what torch's checkpoints hold (block inputs, the op outputs selective checkpoint
 not for Hugging Face's own checkpointing (nan). On a GPU it also reports the step time and the
 peak memory of one training step: absolute, so weights, input, gradients and activations, but
 not optimizer state.
-It draws the memory/time frontier, and with a budget names the cheapest policy whose peak fits.
+It draws the memory/time frontier, and with a budget names the cheapest policy whose peak fits,
+and the per-layer mix `remat plan` chooses for that many bytes kept for the backward.
 
 Each policy's row is printed, and the CSV rewritten, as soon as it is measured: a policy that
 fails (out of memory, no pinned host memory for offloading) becomes a row with an error, and an
@@ -20,6 +21,7 @@ full checkpointing of k of the L blocks. And Hugging Face models built from a co
 remat.convert, Hugging Face's gradient checkpointing with and without remat, and offloading.
 """
 
+import collections
 import contextlib
 import copy
 import csv
@@ -267,6 +269,8 @@ def run(model="gpt2-small", batch=8, seq=1024, budget_gb=None, out_dir="bench/ou
     except KeyboardInterrupt:  # Ctrl-C, `timeout -s INT`: stop measuring, report what was measured
         interrupted = True
     _print_budget(results, budget_gb)
+    if budget_gb is not None:
+        _print_plan(model, batch, seq, budget_gb, dtype, device)
     _write_csv(results, csv_path)
     _plot(results, os.path.join(out_dir, f"memory_{_file_label(model)}.png"), model, on_gpu)
     if interrupted:
@@ -340,6 +344,24 @@ def _print_header(model, layers, hidden, batch, seq, dtype, device):
 def _print_row(r):
     print(f"{r.policy:28s} {r.saved_bytes / 2**30:9.3f} {r.host_bytes / 2**30:8.3f} {r.per_layer_sbh:9.2f} "
           f"{r.step_ms:8.1f} {r.peak_gb:8.2f}" + (f"  error: {r.error}" if r.error else ""), flush=True)
+
+
+def _print_plan(model, batch, seq, budget_gb, dtype, device):
+    """remat plan's per-layer mix for the budget, taken as bytes kept for the backward (counted on meta)."""
+    from .planner import plan
+    from .planner.command import meta_model
+    from .planner.cost import device_constants
+
+    label = f"remat plan, {budget_gb} GB kept for the backward"
+    try:
+        network, example = meta_model(model, batch, seq, dtype)
+        result = plan(network, example, int(budget_gb * 2**30), device=device_constants(device).name)
+    except ValueError as error:  # too small a budget, a GPU without constants: said, not raised
+        print(f"{label}: {error}", flush=True)
+        return
+    mix = ", ".join(f"{count} {choice}" for choice, count in collections.Counter(result.choices).items())
+    print(f"{label}: {mix} ({result.saved_bytes / 2**30:.3f} GB, {result.extra_seconds * 1e3:.2f} ms "
+          f"more per step predicted for {result.device})", flush=True)
 
 
 def _print_budget(results, budget_gb):

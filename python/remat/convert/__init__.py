@@ -146,6 +146,8 @@ def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False):
 def _revert_module(module):
     for name in ("remat_fallbacks", "remat_verified"):  # left on stock modules by fallbacks and LoRA checks
         module.__dict__.pop(name, None)
+    if module.__dict__.pop("remat_checkpoint", None) is not None:  # checkpointed in place by a remat plan
+        del module.__dict__["forward"]
     if "remat_fx" in vars(module):
         fx_revert(module)
     revert_fn = getattr(module, "remat_revert", None)

@@ -1,0 +1,200 @@
+"""remat.plan: a budget of bytes kept for the backward in, the fastest mix of choices per block out.
+
+    plan = remat.plan(model, example_inputs, budget=8 * 2**30)
+    print(plan)              # per unit: choice, saved bytes, predicted extra time; totals
+    plan.apply(model)        # in place; remat.revert(model) undoes it
+    plan.saved_bytes         # exactly what the applied model keeps at example_inputs' shapes
+
+The model's repeated blocks are the units (units.py). Each choice's saved bytes per unit are
+counted exactly, once per choice for all units at once (counting.py), on the device of the example
+inputs: pass meta tensors (and a model on meta) to count at any size without memory. The time of
+each choice comes from a cost model (cost.py) and the exact solver (solver.py) picks the fastest
+plan that fits.
+"""
+
+import copy
+import dataclasses
+import json
+
+import torch
+import torch.utils._pytree as pytree
+
+from .cost import DEVICES, device_constants, extra_seconds
+from .counting import count_forward, saved_bytes_of, split_inputs
+from .solver import Option, fastest_fitting, frontier
+from .units import CHOICES, apply_choices, find_units, is_planned
+
+__all__ = ["CHOICES", "DEVICES", "Plan", "meta_copy", "plan", "saved_bytes_of"]
+
+
+@dataclasses.dataclass
+class Plan:
+    """One choice per unit (by its dotted path), with the predicted bytes and extra time."""
+
+    units: list
+    choices: list
+    unit_bytes: list  # bytes kept that each unit adds, in order (shared storages to the first keeper)
+    unit_seconds: list  # predicted extra step time of each unit's choice
+    base_bytes: int  # kept outside the units (embeddings, head, loss)
+    budget: int
+    device: str
+
+    @property
+    def saved_bytes(self):
+        """Bytes the applied model keeps for the backward at the example inputs' shapes."""
+        return self.base_bytes + sum(self.unit_bytes)
+
+    @property
+    def extra_seconds(self):
+        return sum(self.unit_seconds)
+
+    def __str__(self):
+        lines = [f"{'unit':40s} {'choice':10s} {'saved bytes':>14s} {'extra ms':>9s}"]
+        lines += [f"{u:40s} {c:10s} {b:14d} {s * 1e3:9.3f}"
+                  for u, c, b, s in zip(self.units, self.choices, self.unit_bytes, self.unit_seconds)]
+        lines.append(f"{'(outside the units)':40s} {'':10s} {self.base_bytes:14d}")
+        lines.append(f"{'total':40s} {'':10s} {self.saved_bytes:14d} {self.extra_seconds * 1e3:9.3f}")
+        lines.append(f"budget {self.budget} bytes; times predicted for {self.device}")
+        return "\n".join(lines)
+
+    def apply(self, model):
+        """Apply the plan to `model` in place (a model like the one planned, not converted yet);
+        returns it. remat.revert(model) undoes it."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if is_planned(model):
+            raise ValueError("model is converted or planned already: remat.revert(model) first")
+        if find_units(model) != self.units:
+            raise ValueError(f"model's units {find_units(model)} are not the plan's {self.units}")
+        apply_choices(model, self.units, self.choices)
+        return model
+
+    def to_json(self):
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text):
+        fields = json.loads(text)
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(fields, dict) or set(fields) != names:
+            raise ValueError(f"text is not a remat plan: it needs exactly the fields {sorted(names)}")
+        unknown = set(fields["choices"]) - set(CHOICES)
+        if unknown or len(fields["choices"]) != len(fields["units"]):
+            raise ValueError(f"text is not a remat plan: one choice of {CHOICES} per unit needed")
+        return cls(**fields)
+
+
+def meta_copy(model):
+    """A copy of `model` on the meta device, its weights not copied: to count at any size."""
+    return _shell(model, on_meta=True)
+
+
+def _shell(model, on_meta):
+    """A copy of the model's modules for measuring: on meta, with meta parameters and buffers;
+    otherwise sharing the model's own (nothing is copied but the module objects)."""
+    memo = {}
+    for p in model.parameters():
+        memo[id(p)] = (torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                       if on_meta else p)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta") if on_meta else b
+    return copy.deepcopy(model, memo)
+
+
+def _on_meta(model, args, kwargs):
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    return any(t.is_meta for t in tensors) or any(p.is_meta for p in model.parameters())
+
+
+def _to_meta(tree):
+    return pytree.tree_map(lambda t: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
+                           if isinstance(t, torch.Tensor) else t, tree)
+
+
+def measure(model, example_inputs):
+    """{choice: ForwardSaves of the model with every unit under that choice}, the unit paths, and
+    the units remat.convert changes (the others get no "remat" choice)."""
+    args, kwargs = split_inputs(example_inputs)
+    on_meta = _on_meta(model, args, kwargs)
+    if on_meta:
+        args, kwargs = _to_meta((args, kwargs))
+    paths = find_units(model)
+    saves, fusable = {}, None
+    for choice in CHOICES:
+        shell = _shell(model, on_meta).train(model.training)
+        units = apply_choices(shell, paths, [choice] * len(paths))
+        if choice == "remat":
+            fusable = [is_planned(u) for u in units]
+        saves[choice] = count_forward(shell, args, kwargs, units)
+    return saves, paths, fusable
+
+
+def _check_budget(budget, budget_kind):
+    if budget_kind != "saved":
+        raise ValueError(f"budget_kind must be \"saved\" (bytes kept for the backward), got {budget_kind!r}")
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise TypeError(f"budget must be an int number of bytes, got {type(budget).__name__}")
+    if budget < 0:
+        raise ValueError(f"budget must be a number of bytes >= 0, got {budget}")
+
+
+def plan(model, example_inputs, budget, budget_kind="saved", device=None):
+    """The fastest plan for `model` whose saved bytes at `example_inputs` fit `budget`.
+
+    example_inputs: a tuple of positional arguments or a dict of keyword arguments (their shapes
+    matter, not their values). budget: bytes kept for the backward, parameters left out.
+    device: whose constants time the choices: one of DEVICES, or a torch device (default: the
+    example inputs' device; meta and cpu plan with the "cpu" figures). A ValueError naming the
+    smallest achievable bytes if the budget is below them.
+    """
+    _check_budget(budget, budget_kind)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if is_planned(model):
+        raise ValueError("model is converted or planned already: plan the stock model")
+    args, kwargs = split_inputs(example_inputs)
+    if device is None:
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        device = tensors[0].device if tensors else "cpu"
+    constants = device_constants(device)
+    saves, paths, fusable = measure(model, example_inputs)
+    outside = _same_outside(saves)
+    key_bytes = {k: b for s in saves.values() for k, b in s.key_bytes.items()}
+    options = []
+    for i in range(len(paths)):
+        stock = saves["stock"].units[i]
+        options.append([Option(c, saves[c].units[i].internal_bytes, frozenset(saves[c].units[i].shared_keys),
+                               extra_seconds(c, stock, saves[c].units[i], constants))
+                        for c in CHOICES if c != "remat" or fusable[i]])
+    always = frozenset(outside.shared_keys)
+    front = frontier(options, outside.internal_bytes, always, key_bytes)
+    best = fastest_fitting(front, budget)
+    if best is None:
+        raise ValueError(f"budget {budget} bytes is below the least this model can keep at these inputs: "
+                         f"{front[0].saved_bytes} bytes")
+    return _plan_of(best, options, paths, outside, key_bytes, budget, constants.name)
+
+
+def _same_outside(saves):
+    """What is kept outside the units, the same under every choice (else the plan cannot add up)."""
+    first = saves["stock"].outside
+    for choice, s in saves.items():
+        if (s.outside.internal_bytes, s.outside.shared_keys) != (first.internal_bytes, first.shared_keys):
+            raise RuntimeError(f"the model keeps other bytes outside its units under {choice!r}: "
+                               "its saved bytes do not add up over units")
+    return first
+
+
+def _plan_of(best, options, paths, outside, key_bytes, budget, device_name):
+    kept = set(outside.shared_keys)
+    unit_bytes, unit_seconds = [], []
+    for unit_options, choice in zip(options, best.choices):
+        option = next(o for o in unit_options if o.choice == choice)
+        new_keys = option.keys - kept
+        kept |= new_keys
+        unit_bytes.append(option.internal_bytes + sum(key_bytes[k] for k in new_keys))
+        unit_seconds.append(option.seconds)
+    base = outside.internal_bytes + sum(key_bytes[k] for k in outside.shared_keys)
+    result = Plan(paths, list(best.choices), unit_bytes, unit_seconds, base, budget, device_name)
+    assert result.saved_bytes == best.saved_bytes  # the solver's total and the table's agree
+    return result

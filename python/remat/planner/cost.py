@@ -1,0 +1,75 @@
+"""The cost model: the extra time each choice adds to a unit's training step, from the FLOPs and
+bytes it recomputes, on a device's constants.
+
+DEVICES holds each device's dense bf16 tensor-core FLOP/s and memory bandwidth (bytes/s read plus
+written), from the vendors' data sheets (SXM parts): A100 312 TFLOP/s and 2.04 TB/s, H100 989
+TFLOP/s and 3.35 TB/s, H200 989 TFLOP/s and 4.8 TB/s. "cpu" is a rough figure for planning on a
+machine without a GPU (1 TFLOP/s, 100 GB/s): its predicted times only rank the choices.
+
+Per unit, from its stock forward (kept ops: the matmuls and attention; the others: elementwise,
+norms, copies): a forward costs its FLOPs at the FLOP rate plus twice the bytes its ops write (each
+written once and read once) at the bandwidth.
+- stock: nothing extra.
+- remat: its fused kernels rebuild in the backward the bytes they do not keep: twice the bytes it
+  keeps less than stock.
+- selective: the backward reruns the ops other than matmuls and attention.
+- full: the backward reruns the whole forward.
+"""
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    name: str
+    flops_per_s: float
+    bytes_per_s: float
+
+
+DEVICES = {d.name: d for d in (
+    Device("A100", 312e12, 2.04e12),
+    Device("H100", 989e12, 3.35e12),
+    Device("H200", 989e12, 4.8e12),
+    Device("cpu", 1e12, 100e9),
+)}
+
+
+def device_constants(device):
+    """The Device for a name of DEVICES, or for a torch device (a GPU by its name); a ValueError
+    naming `device` otherwise."""
+    if isinstance(device, str) and device in DEVICES:
+        return DEVICES[device]
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be one of {', '.join(DEVICES)} or a torch device, got {device!r}") from None
+    if device.type in ("cpu", "meta"):
+        return DEVICES["cpu"]
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device)
+        for name, constants in DEVICES.items():
+            if name in gpu:
+                return constants
+        raise ValueError(f"no constants for GPU {gpu!r}: pass device= one of {', '.join(DEVICES)}")
+    raise ValueError(f"device must be one of {', '.join(DEVICES)} or a cpu or cuda device, got {device}")
+
+
+def _seconds(flops, written_bytes, device):
+    return flops / device.flops_per_s + 2 * written_bytes / device.bytes_per_s
+
+
+def extra_seconds(choice, stock, saves, device):
+    """Predicted extra step time of `choice` for one unit: stock, its stock forward's UnitSaves;
+    saves, the UnitSaves of the choice."""
+    work = stock.work
+    if choice == "stock":
+        return 0.0
+    if choice == "remat":
+        return 2 * max(0, stock.internal_bytes - saves.internal_bytes) / device.bytes_per_s
+    if choice == "selective":
+        return _seconds(work.other_flops, work.other_bytes, device)
+    if choice == "full":
+        return _seconds(work.kept_flops + work.other_flops, work.kept_bytes + work.other_bytes, device)
+    raise ValueError(f"unknown choice {choice!r}")

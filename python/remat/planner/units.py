@@ -1,0 +1,110 @@
+"""The units a plan chooses for (a model's repeated blocks) and how each choice is applied to one.
+
+Choices: "stock" (the block as it is), "remat" (remat.convert's fused recompute), "selective"
+(torch's selective checkpointing: keep matmul and attention outputs, recompute the rest), "full"
+(full checkpointing of the block). A checkpointed block keeps its class, its attributes and its
+state_dict keys: its forward is overridden on the instance, and remat.revert removes the override.
+"""
+
+import functools
+import inspect
+import warnings
+
+import torch
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from ..convert import RematWarning, convert, revert
+from ..policies import save_matmuls_and_attention
+
+CHOICES = ("stock", "remat", "selective", "full")
+CHECKPOINT_POLICIES = {"selective": save_matmuls_and_attention, "full": None}
+
+
+def find_units(model):
+    """Dotted paths of the model's repeated blocks: the children of each outermost nn.ModuleList
+    (or nn.Sequential) whose children are all of one class holding parameters, as Hugging Face's
+    decoder and encoder layer lists and remat.gpt's stacks are. A ValueError if there is none."""
+    paths = []
+
+    def visit(module, path):
+        children = list(module.children())
+        if (isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and children
+                and len({type(c) for c in children}) == 1 and any(True for _ in children[0].parameters())):
+            paths.extend(f"{path}.{name}" if path else name for name, _ in module.named_children())
+            return
+        for name, child in module.named_children():
+            visit(child, f"{path}.{name}" if path else name)
+
+    visit(model, "")
+    if not paths:
+        raise ValueError(f"model ({type(model).__name__}) has no list of repeated blocks "
+                         "(an nn.ModuleList or nn.Sequential of one block class) for a plan to choose for")
+    return paths
+
+
+def _parent_and_name(model, path):
+    parent_path, _, name = path.rpartition(".")
+    return (model.get_submodule(parent_path) if parent_path else model), name
+
+
+# The names Hugging Face layers take a KV cache by. A checkpointed layer must not write to one:
+# its recompute in the backward would append the same keys and values a second time (and under
+# selective checkpointing see longer keys than the forward did). Hugging Face's own gradient
+# checkpointing drops the cache the same way.
+CACHE_ARGUMENTS = ("cache", "layer_past", "past_key_values", "past_key_value")
+
+
+def _checkpointed_forward(module, policy, *args, **kwargs):
+    forward = type(module).forward.__get__(module)
+    if not torch.is_grad_enabled():  # no backward to recompute for
+        return forward(*args, **kwargs)
+    bound = inspect.signature(forward).bind(*args, **kwargs)  # GPT-2's blocks take the cache by position
+    if bound.arguments.get("use_cache"):
+        bound.arguments["use_cache"] = False
+    for name in CACHE_ARGUMENTS:
+        if bound.arguments.get(name) is not None:
+            bound.arguments[name] = None
+    args, kwargs = bound.args, bound.kwargs
+    if policy is None:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    context = functools.partial(create_selective_checkpoint_contexts, policy)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
+
+
+def checkpoint_in_place(module, choice):
+    """Run `module` under torch's (selective) checkpointing from now on; remat.revert undoes it."""
+    module.forward = functools.partial(_checkpointed_forward, module, CHECKPOINT_POLICIES[choice])
+    module.remat_checkpoint = choice
+
+
+def checkpoint_policy(module):
+    """(True, selective policy or None) for a module checkpoint_in_place made, else (False, None)."""
+    choice = vars(module).get("remat_checkpoint")
+    return (choice is not None), CHECKPOINT_POLICIES.get(choice)
+
+
+def is_planned(model):
+    """True when remat.convert or a plan already changed some module of `model`."""
+    return any(getattr(m, "remat_fused", False) or "remat_fx" in vars(m) or "remat_checkpoint" in vars(m)
+               for m in model.modules())
+
+
+def apply_choices(model, paths, choices):
+    """Apply one choice per unit to `model` in place: convert it all with remat.convert (the
+    layers outside the units too, whatever the choices, so that they keep the same bytes in every
+    plan), then give the units that are not "remat" their stock modules back and checkpoint those
+    that are "selective" or "full". Returns the units' modules after the change."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RematWarning)  # a unit that nothing fuses is told apart below
+        convert(model, inplace=True)
+    units = []
+    for path, choice in zip(paths, choices):
+        parent, name = _parent_and_name(model, path)
+        unit = parent._modules[name]
+        if choice != "remat":
+            unit = revert(unit)
+            parent._modules[name] = unit
+        if choice in CHECKPOINT_POLICIES:
+            checkpoint_in_place(unit, choice)
+        units.append(unit)
+    return units
