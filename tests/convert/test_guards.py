@@ -174,20 +174,22 @@ def test_deepcopy_and_pickle_keep_the_fusions():
 # --- what runs stock is counted, and said once --------------------------------------------------
 
 
-def test_default_attention_dropout_is_reported():
-    """GPT-2's default attn_pdrop=0.1: in training its attention runs stock (dropout), which the user
-    learns from one warning per layer and from the report's counts."""
-    stock, _ = build("gpt2", attn_pdrop=0.1)
+def test_a_padded_batch_is_reported():
+    """GPT-2 on a padded batch: its attention runs stock (the mask hides more than the future), which
+    the user learns from one warning per layer and from the report's counts."""
+    stock, _ = build("gpt2")
     converted, report = conv.convert(stock, report=True)
     batch = inputs("gpt2", "cpu")
-    with pytest.warns(RematFallbackWarning, match="attention dropout in training"):
+    mask = torch.ones_like(batch["input_ids"])
+    mask[0, -2:] = 0
+    reason = "an attention mask that hides more than the future (padding)"
+    with pytest.warns(RematFallbackWarning, match=r"hides more than the future"):
         for _ in range(3):
-            converted(**batch).loss.backward()
+            converted(**batch, attention_mask=mask).loss.backward()
     counts = report.fallbacks()
-    assert counts == {f"transformer.h.{i}.attn": {"attention dropout in training": 3} for i in range(LAYERS)}
-    converted.eval()
+    assert counts == {f"transformer.h.{i}.attn": {reason: 3} for i in range(LAYERS)}
     _, calls = remat_attention_calls(lambda: converted(**batch).loss)
-    assert calls == LAYERS  # eval: no dropout, remat's path
+    assert calls == LAYERS  # no padding: remat's path
 
 
 def test_revert_drops_the_records():
