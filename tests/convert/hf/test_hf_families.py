@@ -510,11 +510,13 @@ def test_revert(name):
 def test_a_model_in_training_with_attention_dropout_still_converts():
     """The probe runs the stock module and its swapped copy both in eval mode: with the default
     attention dropout (DistilBERT's 0.1) in a model in training mode, the attention is swapped, and
-    its calls in training run the stock forward (dropout) while eval calls run remat.attention."""
+    its calls run remat.attention, in training with its dropout_p."""
     stock, _ = build_case("distilbert", attention_dropout=0.1)
     converted, report = conv.convert(stock.train(), report=True)
     assert swapped_counts(report)["RematDistilBertSelfAttention"] == LAYERS, str(report)
     batch = family_inputs("distilbert", "cpu")
+    _, calls = remat_attention_calls(lambda: converted(**batch))
+    assert calls == LAYERS
     converted.eval()
     with torch.no_grad():
         _, calls = remat_attention_calls(lambda: converted(**batch))
