@@ -3,10 +3,10 @@ block skipping, the fallbacks, saved bytes, torch.compile and bad input (the pla
 tests/ops/test_attention.py; the ops' contract on samples with these features: test_op_registry.py)."""
 
 import contextlib
-import importlib
 
 import pytest
 import torch
+from kernel_modules import kernel_module
 
 import remat
 from remat.ops import attention as attn_ops
@@ -20,17 +20,8 @@ DTYPES = [torch.float16, torch.float32, pytest.param(torch.bfloat16, marks=pytes
 INTERPRETER_BLOCKS = (16, 16, 4, 1)  # the kernels' blocks under the interpreter, forced on a GPU where it matters
 
 
-@pytest.fixture(autouse=True)
-def fixed_block_sizes(monkeypatch):
-    """The fixed table on a GPU (as in test_attention.py: tuning each class met here adds minutes)."""
-    monkeypatch.setenv("REMAT_AUTOTUNE", "0")
-
-
 def _kernels():
-    try:
-        return importlib.import_module("remat.triton_kernels.attention")
-    except ImportError:
-        return importlib.import_module("triton_kernels.attention")
+    return kernel_module("attention")
 
 
 def make_inputs(shape, dtype, device, alibi=None, q_gain=1.0):
