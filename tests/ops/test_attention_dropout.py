@@ -6,11 +6,11 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from kernel_modules import kernel_module
 
 import remat
 from remat.ops import attention as attn_ops
 
+from kernel_modules import kernel_module
 from numerics import REL_TOL, rel_error, saved_bytes
 
 KERNELS = kernel_module("attention")
