@@ -695,13 +695,13 @@ def _dkdv_step(dk, dv, k, v, Qh, DOh, LSEh, Deltah, stride_qm, stride_dom, rows,
     if MASKED:
         visible_t = tl.trans(_visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right, CAUSAL, WINDOW))
         pt = tl.where(visible_t, pt, 0.0)
-    dpt = _dot(v, tl.trans(do), IEEE_FP32)
     if DROPOUT:  # the forward's mask, regenerated: dV from the dropped P, dP through the same mask
         kept_t = _dropout_kept(seed, slice_index, rows[None, :], cols[:, None], dropout_threshold)
         dv += _dot(tl.where(kept_t, pt * dropout_scale, 0.0).to(do.dtype), do, IEEE_FP32)
-        dpt = tl.where(kept_t, dpt * dropout_scale, 0.0)
-    else:
+        dpt = tl.where(kept_t, _dot(v, tl.trans(do), IEEE_FP32) * dropout_scale, 0.0)
+    else:  # in this order: dP computed after the dV update (the other order spills a Hopper tile)
         dv += _dot(pt.to(do.dtype), do, IEEE_FP32)
+        dpt = _dot(v, tl.trans(do), IEEE_FP32)
     dst = pt * (dpt - delta[None, :])
     if SOFTCAP:  # through the cap: d(c tanh(x / c)) / dx = 1 - tanh^2
         dst = dst * (1.0 - tt * tt)

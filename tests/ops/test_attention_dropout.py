@@ -1,7 +1,6 @@
 """Attention's dropout: the mask regenerated from a seed (never stored), against a reference that
 rebuilds the same mask, reproducibility, statistics, gradients, checkpointing and memory."""
 
-import importlib
 
 import pytest
 import torch
@@ -11,19 +10,11 @@ import triton.language as tl
 import remat
 from remat.ops import attention as attn_ops
 
+from kernel_modules import kernel_module
 from numerics import REL_TOL, rel_error, saved_bytes
 
-
-@pytest.fixture(autouse=True)
-def fixed_block_sizes(monkeypatch):
-    monkeypatch.setenv("REMAT_AUTOTUNE", "0")
-
-
-def _kernels():
-    try:
-        return importlib.import_module("remat.triton_kernels.attention")
-    except ImportError:
-        return importlib.import_module("triton_kernels.attention")
+KERNELS = kernel_module("attention")
+_dropout_kept = KERNELS._dropout_kept  # a global of the test kernel below: Triton compiles the call on a GPU
 
 
 def make_inputs(shape, dtype, device):
@@ -50,7 +41,7 @@ def _write_mask(Seed, Out, seqlen_q, seqlen_k, heads, dropout_threshold, BLOCK: 
     slice_index = pid // blocks
     rows = (pid % blocks) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, BLOCK)
-    kept = _kernels()._dropout_kept(tl.load(Seed), slice_index, rows[:, None], cols[None, :], dropout_threshold)
+    kept = _dropout_kept(tl.load(Seed), slice_index, rows[:, None], cols[None, :], dropout_threshold)
     mask = (rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k)
     offsets = slice_index * seqlen_q * seqlen_k + rows[:, None] * seqlen_k + cols[None, :]
     tl.store(Out + offsets, kept.to(tl.int8), mask=mask)
@@ -59,7 +50,7 @@ def _write_mask(Seed, Out, seqlen_q, seqlen_k, heads, dropout_threshold, BLOCK: 
 def kernel_mask(seed, batch, heads, seqlen_q, seqlen_k, dropout_p, device):
     out = torch.zeros(batch, heads, seqlen_q, seqlen_k, dtype=torch.int8, device=device)
     block = triton.next_power_of_2(max(seqlen_q, seqlen_k))
-    threshold = _kernels().dropout_threshold(dropout_p)
+    threshold = KERNELS.dropout_threshold(dropout_p)
     _write_mask[(batch * heads * triton.cdiv(seqlen_q, block),)](
         torch.tensor([seed], dtype=torch.int64, device=device), out, seqlen_q, seqlen_k, heads, threshold, BLOCK=block)
     return out.bool()

@@ -3,7 +3,6 @@ block skipping, the fallbacks, saved bytes, torch.compile and bad input (the pla
 tests/ops/test_attention.py; the ops' contract on samples with these features: test_op_registry.py)."""
 
 import contextlib
-import importlib
 
 import pytest
 import torch
@@ -11,6 +10,8 @@ import torch
 import remat
 from remat.ops import attention as attn_ops
 
+from attention_checks import assert_matches_float64
+from kernel_modules import kernel_module
 from numerics import REL_TOL, rel_error, saved_bytes
 
 HAS_GPU = torch.cuda.is_available()
@@ -20,17 +21,8 @@ DTYPES = [torch.float16, torch.float32, pytest.param(torch.bfloat16, marks=pytes
 INTERPRETER_BLOCKS = (16, 16, 4, 1)  # the kernels' blocks under the interpreter, forced on a GPU where it matters
 
 
-@pytest.fixture(autouse=True)
-def fixed_block_sizes(monkeypatch):
-    """The fixed table on a GPU (as in test_attention.py: tuning each class met here adds minutes)."""
-    monkeypatch.setenv("REMAT_AUTOTUNE", "0")
-
-
 def _kernels():
-    try:
-        return importlib.import_module("remat.triton_kernels.attention")
-    except ImportError:
-        return importlib.import_module("triton_kernels.attention")
+    return kernel_module("attention")
 
 
 def make_inputs(shape, dtype, device, alibi=None, q_gain=1.0):
@@ -61,24 +53,6 @@ def float64_reference(q, k, v, do, causal, window_size=(-1, -1), softcap=0.0, al
     return (o, lse, *[t.grad for t in leaves])
 
 
-def assert_matches(ours, ref, dtype, exactly_zero=()):
-    """o, lse, dq, dk, dv against float64. exactly_zero: gradients the reference has exactly 0
-    (every row sees one key: P = 1, dS = 0), where a kernel has fp32 rounding of dO.V - dO.O."""
-    for name, got, want in zip(("o", "lse", "dq", "dk", "dv"), ours, ref):
-        assert got.shape == want.shape, name
-        if name in exactly_zero:
-            assert want.abs().max() == 0 and got.abs().max() < 1e-4, name
-            continue
-        if name == "lse":
-            assert got.dtype == torch.float32
-            masked = torch.isinf(want)
-            assert torch.equal(torch.isinf(got), masked) and (got[masked] < 0).all(), "lse: rows that see no key"
-            assert rel_error(got[~masked], want[~masked]) < 1e-6, "lse"
-            continue
-        assert got.dtype == dtype and torch.isfinite(got).all(), name
-        assert rel_error(got, want) <= REL_TOL[dtype], f"{name}: {rel_error(got, want):.3g}"
-
-
 # (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal, window_size). Interpreter blocks are 16 x 16.
 WINDOW_CASES = [
     pytest.param((1, 2, 2, 40, 40, 32, False, (0, 0)), id="w0-one-key"),
@@ -98,7 +72,7 @@ def test_window_matches_float64(target, case, dtype):
     *shape, causal, window = case
     q, k, v, do, _ = make_inputs(shape, dtype, device)
     ours = run_remat(q, k, v, do, causal, window_size=window)
-    assert_matches(ours, float64_reference(q, k, v, do, causal, window), dtype,
+    assert_matches_float64(ours, float64_reference(q, k, v, do, causal, window), dtype,
                    exactly_zero=("dq", "dk") if window == (0, 0) else ())
 
 
@@ -120,7 +94,7 @@ def test_softcap_with_large_logits_matches_float64(target, causal, dtype):
     q, k, v, do, _ = make_inputs((1, 2, 1, 33, 47, 64), dtype, device, q_gain=8.0)
     ours = run_remat(q, k, v, do, causal, softcap=5.0)
     ref = float64_reference(q, k, v, do, causal, softcap=5.0)
-    assert_matches(ours, ref, dtype)
+    assert_matches_float64(ours, ref, dtype)
     uncapped = float64_reference(q, k, v, do, causal)
     assert rel_error(ref[0], uncapped[0]) > 0.1  # the cap changes the result: the test can tell it is applied
 
@@ -146,7 +120,7 @@ def test_alibi_matches_float64(target, alibi, causal, dtype):
     device, _ = target
     q, k, v, do, slopes = make_inputs((2, 2, 1, 33, 40, 32), dtype, device, alibi=alibi)
     ours = run_remat(q, k, v, do, causal, alibi_slopes=slopes)
-    assert_matches(ours, float64_reference(q, k, v, do, causal, alibi_slopes=slopes), dtype)
+    assert_matches_float64(ours, float64_reference(q, k, v, do, causal, alibi_slopes=slopes), dtype)
 
 
 @pytest.mark.parametrize("head_dim", [64, 80, 256])
@@ -156,7 +130,7 @@ def test_every_feature_at_once_across_head_dims(target, head_dim):
     q, k, v, do, slopes = make_inputs((2, 2, 1, 23, 37, head_dim), torch.float16, device, alibi="batch", q_gain=3.0)
     features = dict(window_size=(9, 4), softcap=6.0, alibi_slopes=slopes)
     ours = run_remat(q, k, v, do, True, **features)
-    assert_matches(ours, float64_reference(q, k, v, do, True, **features), torch.float16)
+    assert_matches_float64(ours, float64_reference(q, k, v, do, True, **features), torch.float16)
 
 
 # GPU blocks differ between queries and keys (128 x 64, 32 x 128, ...), which moves the window's
@@ -178,7 +152,7 @@ def test_window_edges_with_rectangular_blocks(target, monkeypatch, config, causa
     ref_o.backward(do.double())
     ours = (o, lse, *[t.grad for t in leaves])
     ref = (ref_o, ref_lse, *[t.grad for t in ref_leaves])
-    assert_matches(ours, ref, torch.float32)
+    assert_matches_float64(ours, ref, torch.float32)
 
 
 def test_window_skips_the_blocks_outside_it(target, monkeypatch):
@@ -221,7 +195,7 @@ def test_unsupported_head_dim_computes_every_feature(target):
     attn_ops._warned.clear()  # the fallback warns once per reason
     with pytest.warns(UserWarning, match="head dim 48") if device == "cuda" else contextlib.nullcontext():
         ours = run_remat(q, k, v, do, True, **features)
-    assert_matches(ours, float64_reference(q, k, v, do, True, **features), torch.float32)
+    assert_matches_float64(ours, float64_reference(q, k, v, do, True, **features), torch.float32)
 
 
 @pytest.mark.parametrize("features", [(3, 2, 0.0, None), (-1, -1, 2.5, None), (-1, 4, 0.0, "slopes")],

@@ -297,8 +297,9 @@ def _fallback_reason(q, k, v):
 
 
 def _fallback(q, k, v, causal, softmax_scale, return_lse, features):
-    """SDPA for plain and causal attention; with a window, softcapping or ALiBi the differentiable
-    reference (SDPA has no softcap, and the reference computes every feature the kernels do)."""
+    """SDPA for plain and causal attention; with a window, softcapping, ALiBi or dropout the
+    differentiable reference (SDPA has no softcap nor the kernels' dropout mask; the reference
+    computes every feature as the kernels do). features: as attention_fwd's arguments after softmax_scale."""
     if features == _NO_FEATURES:
         return _sdpa_fallback(q, k, v, causal, softmax_scale, return_lse)
     o, lse = attention_ref(q, k, v, causal, softmax_scale, *features)
