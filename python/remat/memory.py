@@ -346,10 +346,33 @@ def _print_row(r):
           f"{r.step_ms:8.1f} {r.peak_gb:8.2f}" + (f"  error: {r.error}" if r.error else ""), flush=True)
 
 
+def meta_model(name, batch, seq, dtype):
+    """(model on the meta device, its example inputs) for a `remat memory` model name or config.json."""
+    from .gpt import torch_stack
+
+    check_model(name)
+    if name in MODELS:
+        config = MODELS[name]
+        stack = torch_stack(config, device="meta", dtype=dtype)
+        return stack, (torch.empty(batch, seq, config.hidden, device="meta", dtype=dtype, requires_grad=True),)
+    import transformers
+
+    from .convert.hf import memory_input
+
+    config = _hf_config(name)
+    with torch.device("meta"):
+        model = transformers.AutoModel.from_config(config).to(dtype).train()
+    make_input = memory_input(config.model_type)
+    if make_input is not None:
+        input_name, x, _ = make_input(config, batch, seq, "meta", dtype)
+    else:
+        input_name, x = "input_ids", torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    return model, {input_name: x}
+
+
 def _print_plan(model, batch, seq, budget_gb, dtype, device):
     """remat plan's per-layer mix for the budget, taken as bytes kept for the backward (counted on meta)."""
     from .planner import plan
-    from .planner.command import meta_model
     from .planner.cost import device_constants
 
     label = f"remat plan, {budget_gb} GB kept for the backward"

@@ -1,7 +1,7 @@
 """`remat plan`: the plan for a model at a batch and sequence length and a budget, without a GPU.
 
-The model is built on the meta device from its name or config.json (as `remat memory` builds
-them), so planning GPT-2 large at batch 8 costs no memory: remat's fused ops and torch's
+The model is built on the meta device from its name or config.json (remat.memory.meta_model, as
+`remat memory` builds them), so planning GPT-2 large at batch 8 costs no memory: remat's fused ops and torch's
 checkpoints keep on meta what they keep on a GPU. (Stock attention through SDPA takes another
 kernel on meta than on a GPU, so a stock or selective unit's count there is meta's SDPA's.)
 """
@@ -23,35 +23,11 @@ def parse_bytes(text):
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def meta_model(name, batch, seq, dtype):
-    """(model on the meta device, its example inputs) for a `remat memory` model name or config.json."""
-    from .. import memory
-    from ..gpt import torch_stack
-
-    memory.check_model(name)
-    if name in memory.MODELS:
-        config = memory.MODELS[name]
-        stack = torch_stack(config, device="meta", dtype=dtype)
-        return stack, (torch.empty(batch, seq, config.hidden, device="meta", dtype=dtype, requires_grad=True),)
-    import transformers
-
-    from ..convert.hf import memory_input
-
-    config = memory._hf_config(name)
-    with torch.device("meta"):
-        model = transformers.AutoModel.from_config(config).to(dtype).train()
-    make_input = memory_input(config.model_type)
-    if make_input is not None:
-        input_name, x, _ = make_input(config, batch, seq, "meta", dtype)
-    else:
-        input_name, x = "input_ids", torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    return model, {input_name: x}
-
-
 def run(name, batch, seq, budget, device="H100", dtype=torch.bfloat16, json_path=None):
+    from .. import memory
     from . import plan
 
-    model, example = meta_model(name, batch, seq, dtype)
+    model, example = memory.meta_model(name, batch, seq, dtype)
     result = plan(model, example, parse_bytes(budget) if isinstance(budget, str) else budget, device=device)
     print(f"{name}: batch {batch}, seq {seq}, {str(dtype).replace('torch.', '')}")
     print(result, flush=True)
