@@ -348,8 +348,6 @@ def _print_row(r):
 
 def meta_model(name, batch, seq, dtype):
     """(model on the meta device, its example inputs) for a `remat memory` model name or config.json."""
-    from .gpt import torch_stack
-
     check_model(name)
     if name in MODELS:
         config = MODELS[name]
@@ -357,12 +355,10 @@ def meta_model(name, batch, seq, dtype):
         return stack, (torch.empty(batch, seq, config.hidden, device="meta", dtype=dtype, requires_grad=True),)
     import transformers
 
-    from .convert.hf import memory_input
-
     config = _hf_config(name)
     with torch.device("meta"):
         model = transformers.AutoModel.from_config(config).to(dtype).train()
-    make_input = memory_input(config.model_type)
+    make_input = hf_memory_input(config.model_type)
     if make_input is not None:
         input_name, x, _ = make_input(config, batch, seq, "meta", dtype)
     else:
