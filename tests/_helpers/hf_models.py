@@ -103,6 +103,14 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def cache_view_bytes(family):
+    """Bytes per token (fp32) GPT-2's stock attention keeps more than remat's through its KV cache:
+    transformers makes an empty DynamicCache in training too (use_cache=True), which copies k and v,
+    so q alone is left a view of c_attn's output and keeps all of it (3 hidden) alive for SDPA's
+    backward; remat keeps q copied out (hidden). The other families' q is no such view."""
+    return 2 * 4 * HIDDEN if family == "gpt2" else 0
+
+
 def loss_and_grads(model, batch, seed=None):
     if seed is not None:  # the same dropout masks for models that draw the same random numbers
         torch.manual_seed(seed)

@@ -244,8 +244,9 @@ ATTENTION_ERRORS = [
     case("attention", "return_lse", lambda: qkv(return_lse="yes"),
          TypeError, "return_lse", r"return_lse must be True or False"),
     case("attention", "attn_mask", lambda: qkv(attn_mask=torch.ones(8, 8, dtype=torch.bool)),
-         ValueError, "attn_mask", r"attn_mask must be None: remat\.attention masks causally only \(causal=True\); "
-                                  r"for other masks call torch\.nn\.functional\.scaled_dot_product_attention"),
+         ValueError, "attn_mask", r"attn_mask must be None: remat\.attention masks causally \(causal=True\) or by a "
+                                  r"sliding window \(window_size\) only; for other masks call "
+                                  r"torch\.nn\.functional\.scaled_dot_product_attention"),
     case("nn.MultiheadSelfAttention", "x-2d", lambda: MHA(rand(8, 64)),
          ValueError, "x", r"x must have shape \(batch, seq, embed_dim\) with embed_dim 64, got \(8, 64\)"),
     case("nn.MultiheadSelfAttention", "x-width", lambda: MHA(rand(1, 8, 32)),
