@@ -518,10 +518,12 @@ def split_heads(t, heads, head_dim):
     return t.unflatten(-1, (heads, head_dim)).transpose(1, 2)
 
 
-def _own_storage(t):
-    """t, copied when it is a view into a larger storage (q of a fused q/k/v projection whose k and v
-    a cache copied): autograd, saving it, would keep the whole storage."""
-    return t.contiguous() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
+def _own_storage(q, k):
+    """q, copied when it is a view into a larger storage that k no longer shares (a fused q/k/v
+    projection's output whose k and v a cache copied): autograd, saving q, would keep all of it."""
+    larger = q.untyped_storage().nbytes() > q.numel() * q.element_size()
+    shared = q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+    return q.contiguous() if larger and not shared else q
 
 
 def _merge_heads(o):
@@ -740,7 +742,7 @@ class _RematAttention(_RematModule):
         cache = self._remat_cache(call)
         if cache is not None:  # empty: update() returns these keys and values (copied, in transformers 5.24)
             k, v = cache.update(k, v, self.layer_idx)
-            q = _own_storage(q)
+            q = _own_storage(q, k)
         o = attention(q, k, v, causal=causal, softmax_scale=self.remat_scale(), **self.remat_features(call))
         return self.remat_output(_merge_heads(o)), None
 
