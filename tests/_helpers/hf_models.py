@@ -145,6 +145,25 @@ def assert_same_step(stock, converted, batch, seed=None):
     assert compared > 10
 
 
+def assert_save_pretrained_round_trip(stock, batch, path):
+    """A converted model saves the stock checkpoint: the stock class loads it, with the same weights
+    and the same loss; converting the loaded model gives the converted model's loss again."""
+    import importlib
+
+    convert = importlib.import_module("remat.convert").convert
+    converted = convert(stock)
+    converted.save_pretrained(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = type(stock).from_pretrained(path).train()
+    state, loaded_state = stock.state_dict(), loaded.state_dict()
+    assert list(loaded_state) == list(state)
+    assert all(torch.equal(loaded_state[k], v) for k, v in state.items())
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**batch).loss, stock(**batch).loss, rtol=0, atol=0)
+        torch.testing.assert_close(convert(loaded)(**batch).loss, converted(**batch).loss, rtol=0, atol=0)
+
+
 def remat_attention_calls(fn):
     """(fn()'s result, number of remat attention forward kernels it ran)."""
     with OpCounter() as counter:

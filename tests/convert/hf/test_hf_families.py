@@ -29,6 +29,7 @@ from hf_models import (
     WHISPER_FRAMES,
     OpCounter,
     assert_same_step,
+    assert_save_pretrained_round_trip,
     attention_output_copy_bytes,
     build,
     family_inputs,
@@ -265,21 +266,8 @@ def test_quick_gelu_keeps_its_sigmoid_more():
 
 @pytest.mark.parametrize("name", CASES)
 def test_save_pretrained_round_trip(tmp_path, name):
-    """A converted model saves the stock checkpoint: the stock class loads it, with the same weights
-    and the same loss; converting the loaded model gives the converted model's loss again."""
     stock, _ = build_case(name)
-    converted = conv.convert(stock)
-    converted.save_pretrained(tmp_path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        loaded = type(stock).from_pretrained(tmp_path).train()
-    state, loaded_state = stock.state_dict(), loaded.state_dict()
-    assert list(loaded_state) == list(state)
-    assert all(torch.equal(loaded_state[k], v) for k, v in state.items())
-    batch = family_inputs(CASES[name].family, "cpu")
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(**batch).loss, stock(**batch).loss, rtol=0, atol=0)
-        torch.testing.assert_close(conv.convert(loaded)(**batch).loss, converted(**batch).loss, rtol=0, atol=0)
+    assert_save_pretrained_round_trip(stock, family_inputs(CASES[name].family, "cpu"), tmp_path)
 
 
 # --- The activations: BloomGelu and transformers' tanh GELUs are the tanh approximation ----------

@@ -28,6 +28,7 @@ from hf_models import (
     LAYERS,
     SEQ,
     assert_same_step,
+    assert_save_pretrained_round_trip,
     attention_output_copy_bytes,
     build,
     family_inputs,
@@ -155,18 +156,7 @@ def test_saved_bytes_per_layer(target, name):
 @pytest.mark.parametrize("name", ["llama", "phi3", "gemma3"])
 def test_save_pretrained_round_trip(tmp_path, name):
     stock, _ = build_case(name)
-    converted = conv.convert(stock)
-    converted.save_pretrained(tmp_path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        loaded = type(stock).from_pretrained(tmp_path).train()
-    state, loaded_state = stock.state_dict(), loaded.state_dict()
-    assert list(loaded_state) == list(state)
-    assert all(torch.equal(loaded_state[k], v) for k, v in state.items())
-    batch = family_inputs(name, "cpu")
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(**batch).loss, stock(**batch).loss, rtol=0, atol=0)
-        torch.testing.assert_close(conv.convert(loaded)(**batch).loss, converted(**batch).loss, rtol=0, atol=0)
+    assert_save_pretrained_round_trip(stock, family_inputs(name, "cpu"), tmp_path)
 
 
 # --- What stays stock, and why ---------------------------------------------------------------------

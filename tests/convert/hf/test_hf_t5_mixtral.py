@@ -25,6 +25,7 @@ from hf_models import (
     LAYERS,
     SEQ,
     assert_same_step,
+    assert_save_pretrained_round_trip,
     build,
     family_inputs,
     remat_attention_calls,
@@ -263,15 +264,7 @@ def test_mixtral_fuses_the_attention_and_says_why_the_experts_stay_stock(target)
 @pytest.mark.parametrize("name", ["t5", "mixtral"])
 def test_save_pretrained_round_trip(tmp_path, name):
     stock, _ = build(name, use_cache=False)
-    converted = conv.convert(stock)
-    converted.save_pretrained(tmp_path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        loaded = type(stock).from_pretrained(tmp_path).train()
-    assert_same_checkpoint(stock, loaded)
-    batch = family_inputs(name, "cpu")
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(**batch).loss, stock(**batch).loss, rtol=0, atol=0)
+    assert_save_pretrained_round_trip(stock, family_inputs(name, "cpu"), tmp_path)
 
 
 # --- remat memory ------------------------------------------------------------------------------------
