@@ -224,7 +224,8 @@ def _config_for(kind, head_dim, dtype, causal, seqlen_q, seqlen_k, device, may_t
     variant: as in tuning_key (None: plain attention; else the kernels with features, see candidates)."""
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
-    features = dict(features=variant is not None, dropout="dropout" in (variant or "").split("+"))
+    parts = set((variant or "").split("+")) - {"", "causal", "full", "varlen"}  # the score features
+    features = dict(features=bool(parts), dropout="dropout" in parts)
     if not _autotune.enabled():
         return candidates(kind, head_dim, dtype, **features)[0]
     gpu = _gpu_signature(device)
@@ -236,8 +237,8 @@ def _config_for(kind, head_dim, dtype, causal, seqlen_q, seqlen_k, device, may_t
 def _select_config(kind, q, k, scores, run):
     # A windowed kernel has masked steps on both edges, as the causal one has on its diagonal:
     # it takes the causal candidates (the non-causal-only tile spills with masked steps).
-    return _config_for(kind, q.shape[-1], q.dtype, scores.CAUSAL or scores.WINDOW, q.shape[2], k.shape[2], q.device,
-                       _may_time(q), run, scores.variant)
+    return _config_for(kind, q.shape[-1], q.dtype, scores.CAUSAL or scores.WINDOW, scores.seqlen_q, scores.seqlen_k,
+                       q.device, _may_time(q), run, scores.variant)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,6 +388,14 @@ def _load_seed(Seed, DROPOUT: tl.constexpr):
 
 
 @triton.jit
+def _sequence(CuSeqlens, index):
+    # (first row, length) of sequence `index` of a packed (varlen) tensor: cu_seqlens[index] (int64,
+    # it multiplies a row stride) and cu_seqlens[index + 1] - cu_seqlens[index].
+    start = tl.load(CuSeqlens + index)
+    return start.to(tl.int64), tl.load(CuSeqlens + index + 1) - start
+
+
+@triton.jit
 def _clamped_ranges(start, full_lo, full_hi, end):
     # Orders the four block boundaries of a windowed loop so that start <= full_lo <= full_hi <=
     # end: masked [start, full_lo), unmasked [full_lo, full_hi), masked [full_hi, end). start,
@@ -497,6 +506,8 @@ def _attn_fwd_kernel(
     LSE,  # (B, H, Sq) fp32 output (natural log), strides stride_lb, stride_lh, 1
     Alibi,  # (B, H) fp32 ALiBi slopes, strides stride_ab (0 when shared by the batch), 1; read if ALIBI
     Seed,  # (1,) int64 dropout seed; read if DROPOUT
+    CuSeqlensQ,  # (B + 1,) int32: where each sequence's query rows start and end; read if VARLEN
+    CuSeqlensK,  # (B + 1,) int32: the same for the keys; read if VARLEN
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -504,8 +515,8 @@ def _attn_fwd_kernel(
     stride_lb, stride_lh,
     stride_ab,
     heads,  # H
-    seqlen_q,
-    seqlen_k,
+    seqlen_q,  # Sq (VARLEN: the longest query sequence)
+    seqlen_k,  # Sk (VARLEN: the longest key sequence)
     qk_scale,  # softmax_scale * log2(e)
     window_left,  # keys left of the diagonal a row sees (used if WINDOW)
     window_right,  # keys right of the diagonal a row sees (used if WINDOW)
@@ -521,12 +532,23 @@ def _attn_fwd_kernel(
     SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr,
+    VARLEN: tl.constexpr,  # packed sequences: batch b's rows are cu_seqlens[b] <= row < cu_seqlens[b + 1]
     IEEE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query rows per program
     BLOCK_N: tl.constexpr,  # keys per step
 ):
     # Grid (cdiv(Sq, BLOCK_M) * H * B,): one query block of one head per program.
     block, batch, head = _program_coords(tl.cdiv(seqlen_q, BLOCK_M), heads)
+    if VARLEN:  # this sequence's rows and lengths; the grid covers the longest, shorter ones end early
+        start_q, seqlen_q = _sequence(CuSeqlensQ, batch)
+        start_k, seqlen_k = _sequence(CuSeqlensK, batch)
+        if block * BLOCK_M >= seqlen_q:
+            return
+        Q += start_q * stride_qm
+        O += start_q * stride_om
+        K += start_k * stride_kn
+        V += start_k * stride_vn
+        LSE += start_q
     alibi_slope = _load_alibi_slope(Alibi, batch, head, stride_ab, ALIBI)
     seed = _load_seed(Seed, DROPOUT)
     slice_index = batch * heads + head
@@ -756,6 +778,7 @@ def _attn_bwd_dkdv_kernel(
     DV,  # (B, H_kv, Sk, D) output, strides stride_dvb, stride_dvh, stride_dvn, 1
     Alibi,  # (B, H) fp32 ALiBi slopes, as in the forward
     Seed,  # (1,) int64 dropout seed, as in the forward
+    CuSeqlensQ, CuSeqlensK,  # as in the forward
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -778,6 +801,7 @@ def _attn_bwd_dkdv_kernel(
     SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr,
+    VARLEN: tl.constexpr,
     IEEE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query rows per step
     BLOCK_N: tl.constexpr,  # keys per program
@@ -785,6 +809,19 @@ def _attn_bwd_dkdv_kernel(
     # Grid (cdiv(Sk, BLOCK_N) * H_kv * B,). Works on transposed tiles (keys x queries) so that the
     # accumulations dV += P^T dO and dK += dS^T Q are plain (BLOCK_N, BLOCK_M) x (BLOCK_M, D) dots.
     block, batch, kv_head = _program_coords(tl.cdiv(seqlen_k, BLOCK_N), kv_heads)
+    if VARLEN:  # as in the forward, by key blocks
+        start_q, seqlen_q = _sequence(CuSeqlensQ, batch)
+        start_k, seqlen_k = _sequence(CuSeqlensK, batch)
+        if block * BLOCK_N >= seqlen_k:
+            return
+        Q += start_q * stride_qm
+        DO += start_q * stride_dom
+        LSE += start_q
+        Delta += start_q
+        K += start_k * stride_kn
+        V += start_k * stride_vn
+        DK += start_k * stride_dkn
+        DV += start_k * stride_dvn
     start_n = block * BLOCK_N
     K += batch * stride_kb + kv_head * stride_kh
     V += batch * stride_vb + kv_head * stride_vh
@@ -853,6 +890,7 @@ def _attn_bwd_dq_kernel(
     DQ,  # (B, H, Sq, D) output, strides stride_dqb, stride_dqh, stride_dqm, 1
     Alibi,  # (B, H) fp32 ALiBi slopes, as in the forward
     Seed,  # (1,) int64 dropout seed, as in the forward
+    CuSeqlensQ, CuSeqlensK,  # as in the forward
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -874,12 +912,25 @@ def _attn_bwd_dq_kernel(
     SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr,
+    VARLEN: tl.constexpr,
     IEEE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query rows per program
     BLOCK_N: tl.constexpr,  # keys per step
 ):
     # Grid (cdiv(Sq, BLOCK_M) * H * B,).
     block, batch, head = _program_coords(tl.cdiv(seqlen_q, BLOCK_M), heads)
+    if VARLEN:  # as in the forward
+        start_q, seqlen_q = _sequence(CuSeqlensQ, batch)
+        start_k, seqlen_k = _sequence(CuSeqlensK, batch)
+        if block * BLOCK_M >= seqlen_q:
+            return
+        Q += start_q * stride_qm
+        DO += start_q * stride_dom
+        DQ += start_q * stride_dqm
+        LSE += start_q
+        Delta += start_q
+        K += start_k * stride_kn
+        V += start_k * stride_vn
     alibi_slope = _load_alibi_slope(Alibi, batch, head, stride_ab, ALIBI)
     seed = _load_seed(Seed, DROPOUT)
     slice_index = batch * heads + head
@@ -937,7 +988,8 @@ def _attn_bwd_dq_kernel(
 # each candidate. The timed runs write the launcher's own fresh outputs (never the caller's
 # tensors; the inputs are only read), and the final launch rewrites every element of them.
 class _ScoreOptions(NamedTuple):
-    """How the scores and probabilities are masked and modified, as the kernels take it (see _score_options)."""
+    """How the scores and probabilities are masked and modified, and where each sequence's rows are,
+    as the kernels take it (see _score_options)."""
 
     CAUSAL: bool  # the plain causal mask (False when a window carries it)
     WINDOW: bool
@@ -953,9 +1005,23 @@ class _ScoreOptions(NamedTuple):
     alibi: torch.Tensor  # (B, H) view of the slopes; the lse when there are none (never read then)
     seed: torch.Tensor  # (1,) int64 dropout seed; the lse without dropout (never read then)
     variant: str | None  # the tuning key's name for the kernel variant (None: plain causal or full)
+    # Packed (varlen) sequences: cu_seqlens of the queries and keys (int32, batch + 1); the lse when
+    # dense (never read then). batch, seqlen_q, seqlen_k size the grid: the sequences and the longest.
+    VARLEN: bool
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
 
     def pointers(self):
-        return self.alibi, self.seed
+        return self.alibi, self.seed, self.cu_seqlens_q, self.cu_seqlens_k
+
+    def strides(self, t, dims=3):
+        """t's (batch, head, row) strides (first `dims`) as the kernels take them: a packed tensor,
+        viewed as (1, H, total, D), has one batch whose sequences cu_seqlens locates (stride 0)."""
+        strides = t.stride()[:dims]
+        return (0, *strides[1:]) if self.VARLEN else strides
 
     def runtime_args(self):
         return (self.window_left, self.window_right, self.softcap_in, self.softcap_out, self.dropout_threshold,
@@ -963,7 +1029,7 @@ class _ScoreOptions(NamedTuple):
 
     def constexprs(self):
         return dict(CAUSAL=self.CAUSAL, WINDOW=self.WINDOW, SOFTCAP=self.SOFTCAP, ALIBI=self.ALIBI,
-                    DROPOUT=self.DROPOUT)
+                    DROPOUT=self.DROPOUT, VARLEN=self.VARLEN)
 
 
 def dropout_threshold(dropout_p):
@@ -972,27 +1038,36 @@ def dropout_threshold(dropout_p):
 
 
 def _score_options(q, k, lse, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                   dropout_p=0.0, dropout_seed=None):
+                   dropout_p=0.0, dropout_seed=None, sequences=None):
     """The kernels' arguments for causal masking, a sliding window (window_left, window_right:
     keys a query row sees left and right of its diagonal, -1 unbounded), logit softcapping
-    (softcap > 0), ALiBi slopes ((H,) or (B, H) fp32, or None) and dropout (dropout_p > 0 with
-    dropout_seed, a (1,) int64 tensor).
+    (softcap > 0), ALiBi slopes ((H,) or (B, H) fp32, or None), dropout (dropout_p > 0 with
+    dropout_seed, a (1,) int64 tensor) and packed sequences: sequences = (cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k) for q and k viewed as (1, H, total, D), else None.
 
     Causal is a window bound window_right = 0: with a left bound as well it runs as a window.
     Unbounded sides of a window become Sq + Sk, past every key any row could see (the bounds
     stay small integers however large the caller's are)."""
+    if sequences is None:
+        cu_seqlens_q = cu_seqlens_k = lse
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[2], k.shape[2]
+    else:
+        cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k = sequences
+        batch = cu_seqlens_q.shape[0] - 1
     unbounded = q.shape[2] + k.shape[2]
     left = unbounded if window_left < 0 else min(window_left, unbounded)
     right = 0 if causal else (unbounded if window_right < 0 else min(window_right, unbounded))
     window = window_left >= 0 or (window_right >= 0 and not causal)
     alibi = lse
     if alibi_slopes is not None:
-        alibi = alibi_slopes.to(torch.float32).contiguous().expand(q.shape[0], q.shape[1])
+        alibi = alibi_slopes.to(torch.float32).contiguous().expand(batch, q.shape[1])
     capped = softcap > 0
     dropout = dropout_p > 0
     features = (("window", window), ("causal", causal and not window), ("softcap", capped),
                 ("alibi", alibi_slopes is not None), ("dropout", dropout))
     variant = "+".join(name for name, on in features if on)
+    if sequences is not None:
+        variant = f"{variant or 'full'}+varlen"
     return _ScoreOptions(
         CAUSAL=bool(causal) and not window, WINDOW=window, SOFTCAP=capped, ALIBI=alibi_slopes is not None,
         DROPOUT=dropout, window_left=left if window else 0, window_right=right if window else 0,
@@ -1000,7 +1075,9 @@ def _score_options(q, k, lse, causal, softmax_scale, window_left, window_right, 
         dropout_threshold=dropout_threshold(dropout_p) if dropout else 0,
         dropout_scale=1.0 / (1.0 - dropout_p) if dropout else 1.0,
         alibi=alibi, seed=dropout_seed if dropout else lse,
-        variant=variant if any(on for name, on in features if name != "causal") else None,
+        variant=variant if sequences is not None or any(on for name, on in features if name != "causal") else None,
+        VARLEN=sequences is not None, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, batch=batch,
+        seqlen_q=seqlen_q, seqlen_k=seqlen_k,
     )
 
 
@@ -1017,11 +1094,11 @@ def _common_constexprs(q, k, scores):
 
 def _launch_fwd(q, k, v, o, lse, scores, softmax_scale, config):
     block_m, block_n, warps, stages = config
-    batch, heads, seqlen_q, _ = q.shape
-    _attn_fwd_kernel[(cdiv(seqlen_q, block_m) * heads * batch,)](
+    heads = q.shape[1]
+    _attn_fwd_kernel[(cdiv(scores.seqlen_q, block_m) * heads * scores.batch,)](
         q, k, v, o, lse, *scores.pointers(),
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2], scores.alibi.stride(0),
-        heads, seqlen_q, k.shape[2], softmax_scale * LOG2E, *scores.runtime_args(),
+        *scores.strides(q), *scores.strides(k), *scores.strides(v), *scores.strides(o), *scores.strides(lse, 2),
+        scores.alibi.stride(0), heads, scores.seqlen_q, scores.seqlen_k, softmax_scale * LOG2E, *scores.runtime_args(),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
         **_common_constexprs(q, k, scores),
     )
@@ -1042,25 +1119,60 @@ def attention_fwd(q, k, v, causal, softmax_scale, window_left=-1, window_right=-
         return o, lse
     if seqlen_k == 0:  # no key at all: every row sees an empty set
         return o.zero_(), lse.fill_(float("-inf"))
+    _forward(q, k, v, o, lse, causal, softmax_scale,
+             (window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed))
+    return o, lse
+
+
+def _forward(q, k, v, o, lse, causal, softmax_scale, features, sequences=None):
+    """Writes o and lse: the forward kernel on (B, H, S, D) tensors (packed ones viewed so, with
+    sequences as _score_options takes them). features: window_left ... dropout_seed, as attention_fwd's."""
     if softmax_scale < 0:
         # The forward's unmasked steps take the row maximum of the unscaled scores, which needs
         # a non-negative scale: c q k^T = |c| q (-k)^T. (A copy of k, for this odd case only.)
         k, softmax_scale = -k, -softmax_scale
-    scores = _score_options(q, k, lse, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                            dropout_p, dropout_seed)
+    scores = _score_options(q, k, lse, causal, softmax_scale, *features, sequences=sequences)
     launch = functools.partial(_launch_fwd, q, k, v, o, lse, scores, softmax_scale)
     launch(_select_config("fwd", q, k, scores, launch))
+
+
+def _packed_rows(t):
+    """A packed (total, H, D) tensor as the kernels take it: a (1, H, total, D) view."""
+    return t.permute(1, 0, 2).unsqueeze(0)
+
+
+def _no_rows_or_keys(rows, keys, max_seqlen_q, max_seqlen_k):
+    """True when a packed problem has nothing for the kernels: no query row or no key at all."""
+    return rows.numel() == 0 or keys.numel() == 0 or max_seqlen_q == 0 or max_seqlen_k == 0
+
+
+@on_input_device
+def attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                         window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                         dropout_seed=None):
+    """(o, lse) of packed sequences: q (total_q, H, D), k and v (total_k, H_kv, D), sequence b's rows
+    cu_seqlens[b]:cu_seqlens[b + 1] (int32) of each, at most max_seqlen rows long. o (total_q, H, D)
+    contiguous in q's dtype, lse (H, total_q) fp32 natural log (-inf and o = 0 for a row that sees
+    no key). The features as attention_fwd's, per sequence (ALiBi slopes (B, H): per sequence)."""
+    q, k, v = (unit_last_stride(t) for t in (q, k, v))
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    if _no_rows_or_keys(o, k, max_seqlen_q, max_seqlen_k):
+        return o.zero_(), lse.fill_(float("-inf"))
+    _forward(_packed_rows(q), _packed_rows(k), _packed_rows(v), _packed_rows(o), lse.unsqueeze(0), causal,
+             softmax_scale, (window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed),
+             (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     return o, lse
 
 
 def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, scores, softmax_scale, config):
     block_m, block_n, warps, stages = config
-    batch, kv_heads, seqlen_k, _ = k.shape
-    _attn_bwd_dkdv_kernel[(cdiv(seqlen_k, block_n) * kv_heads * batch,)](
+    kv_heads = k.shape[1]
+    _attn_bwd_dkdv_kernel[(cdiv(scores.seqlen_k, block_n) * kv_heads * scores.batch,)](
         q, k, v, do, lse, delta, dk, dv, *scores.pointers(),
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
-        *dk.stride()[:3], *dv.stride()[:3], scores.alibi.stride(0),
-        kv_heads, q.shape[2], seqlen_k, softmax_scale * LOG2E, softmax_scale, *scores.runtime_args(),
+        *scores.strides(q), *scores.strides(k), *scores.strides(v), *scores.strides(do), *scores.strides(lse, 2),
+        *scores.strides(dk), *scores.strides(dv), scores.alibi.stride(0),
+        kv_heads, scores.seqlen_q, scores.seqlen_k, softmax_scale * LOG2E, softmax_scale, *scores.runtime_args(),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
         **_common_constexprs(q, k, scores),
     )
@@ -1068,12 +1180,12 @@ def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, scores, softmax_scale, config)
 
 def _launch_dq(q, k, v, do, lse, delta, dq, scores, softmax_scale, config):
     block_m, block_n, warps, stages = config
-    batch, heads, seqlen_q, _ = q.shape
-    _attn_bwd_dq_kernel[(cdiv(seqlen_q, block_m) * heads * batch,)](
+    heads = q.shape[1]
+    _attn_bwd_dq_kernel[(cdiv(scores.seqlen_q, block_m) * heads * scores.batch,)](
         q, k, v, do, lse, delta, dq, *scores.pointers(),
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
-        *dq.stride()[:3], scores.alibi.stride(0),
-        heads, seqlen_q, k.shape[2], softmax_scale * LOG2E, softmax_scale, *scores.runtime_args(),
+        *scores.strides(q), *scores.strides(k), *scores.strides(v), *scores.strides(do), *scores.strides(lse, 2),
+        *scores.strides(dq), scores.alibi.stride(0),
+        heads, scores.seqlen_q, scores.seqlen_k, softmax_scale * LOG2E, softmax_scale, *scores.runtime_args(),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
         **_common_constexprs(q, k, scores),
     )
@@ -1101,15 +1213,37 @@ def attention_bwd(do, q, k, v, o, lse, causal, softmax_scale, window_left=-1, wi
         # Sq == 0 (no query: k and v get no gradient) or Sk == 0 (o was 0: q gets none).
         return dq.zero_(), dk.zero_(), dv.zero_()
 
-    delta = torch.empty_like(lse)
-    _launch_preprocess(o, do, delta, _PRE_BLOCK_M if q.device.type == "cuda" else _PRE_BLOCK_M_INTERPRETER)
+    _backward(do, q, k, v, o, lse, dq, dk, dv, causal, softmax_scale,
+              (window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed))
+    return dq, dk, dv
 
-    scores = _score_options(q, k, lse, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                            dropout_p, dropout_seed)
+
+def _backward(do, q, k, v, o, lse, dq, dk, dv, causal, softmax_scale, features, sequences=None):
+    """Writes dq, dk and dv: the backward kernels on (B, H, S, D) tensors, as _forward."""
+    delta = torch.empty_like(lse)
+    # The row reduction runs on every row alike, packed or not (it needs no sequence bounds).
+    _launch_preprocess(o, do, delta, _PRE_BLOCK_M if q.device.type == "cuda" else _PRE_BLOCK_M_INTERPRETER)
+    scores = _score_options(q, k, lse, causal, softmax_scale, *features, sequences=sequences)
     launch = functools.partial(_launch_dkdv, q, k, v, do, lse, delta, dk, dv, scores, softmax_scale)
     launch(_select_config("dkdv", q, k, scores, launch))
     launch = functools.partial(_launch_dq, q, k, v, do, lse, delta, dq, scores, softmax_scale)
     launch(_select_config("dq", q, k, scores, launch))
+
+
+@on_input_device
+def attention_varlen_bwd(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                         softmax_scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                         dropout_p=0.0, dropout_seed=None):
+    """(dq, dk, dv) of attention_varlen_fwd, contiguous, in the shapes and dtypes of q, k, v."""
+    do, q, k, v, o = (unit_last_stride(t) for t in (do, q, k, v, o))
+    lse = lse.contiguous()
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    if _no_rows_or_keys(dq, dk, max_seqlen_q, max_seqlen_k):
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    _backward(*(_packed_rows(t) for t in (do, q, k, v, o)), lse.unsqueeze(0),
+              *(_packed_rows(t) for t in (dq, dk, dv)), causal, softmax_scale,
+              (window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed),
+              (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     return dq, dk, dv
 
 

@@ -4,6 +4,7 @@ from . import nn, ops
 from ._backend import backends, get_backend, set_backend, use_backend
 from .convert import convert, revert
 from .ops.attention import attention
+from .ops.attention_varlen import attention_varlen
 from .ops.fused import layer_norm_linear, mlp
 from .ops.gated import gated_activation
 from .ops.gelu import gelu
@@ -14,6 +15,6 @@ from .planner import Plan, plan
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "backends", "convert", "gated_activation", "gelu", "get_backend", "layer_norm", "layer_norm_linear",
+    "attention", "attention_varlen", "backends", "convert", "gated_activation", "gelu", "get_backend", "layer_norm", "layer_norm_linear",
     "mlp", "nn", "ops", "Plan", "plan", "revert", "rms_norm", "set_backend", "use_backend",
 ]

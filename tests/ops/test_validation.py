@@ -62,6 +62,14 @@ def qkv(q=(1, 4, 8, 32), k=(1, 2, 8, 32), v=None, **kwargs):
     return remat.attention(rand(*q), rand(*k), rand(*(v or k)), **kwargs)
 
 
+def varlen(q=(9, 4, 32), k=(9, 2, 32), cu_seqlens_q=(0, 4, 9), cu_seqlens_k=None, max_seqlen_q=5, max_seqlen_k=5,
+           **kwargs):
+    """remat.attention_varlen on fresh packed q, k, v (v of k's shape) and int32 cu_seqlens given as tuples."""
+    cu_q = torch.tensor(cu_seqlens_q, dtype=torch.int32) if isinstance(cu_seqlens_q, tuple) else cu_seqlens_q
+    cu_k = cu_q if cu_seqlens_k is None else torch.tensor(cu_seqlens_k, dtype=torch.int32)
+    return remat.attention_varlen(rand(*q), rand(*k), rand(*k), cu_q, cu_k, max_seqlen_q, max_seqlen_k, **kwargs)
+
+
 MHA = remat.nn.MultiheadSelfAttention(64, 2)
 
 
@@ -247,6 +255,27 @@ ATTENTION_ERRORS = [
          ValueError, "attn_mask", r"attn_mask must be None: remat\.attention masks causally \(causal=True\) or by a "
                                   r"sliding window \(window_size\) only; for other masks call "
                                   r"torch\.nn\.functional\.scaled_dot_product_attention"),
+    case("attention_varlen", "q-4d", lambda: varlen(q=(1, 9, 4, 32)),
+         ValueError, "q", r"q must be 3-D \(total_tokens, heads, head_dim\), got shape \(1, 9, 4, 32\)"),
+    case("attention_varlen", "kv-heads-not-dividing", lambda: varlen(k=(9, 3, 32)),
+         ValueError, "k", r"k and v must have a number of heads dividing q's 4, got 3"),
+    case("attention_varlen", "cu_seqlens-int64", lambda: varlen(cu_seqlens_q=torch.tensor([0, 4, 9])),
+         TypeError, "cu_seqlens_q", r"cu_seqlens_q must have dtype torch\.int32 .*got torch\.int64"),
+    case("attention_varlen", "cu_seqlens-2d", lambda: varlen(cu_seqlens_q=torch.zeros(2, 2, dtype=torch.int32)),
+         ValueError, "cu_seqlens_q", r"cu_seqlens_q must be 1-D"),
+    case("attention_varlen", "cu_seqlens-lengths-differ", lambda: varlen(cu_seqlens_k=(0, 9)),
+         ValueError, "cu_seqlens_k", r"cu_seqlens_k must have cu_seqlens_q's shape \(3,\)"),
+    case("attention_varlen", "cu_seqlens-past-the-rows", lambda: varlen(cu_seqlens_q=(0, 4, 10), max_seqlen_q=6),
+         ValueError, "cu_seqlens_q", r"cu_seqlens_q must start at 0, never decrease and end at 9 .*got \[0, 4, 10\]"),
+    case("attention_varlen", "cu_seqlens-decreasing", lambda: varlen(cu_seqlens_q=(0, 5, 4, 9)),
+         ValueError, "cu_seqlens_q", r"cu_seqlens_q must start at 0, never decrease"),
+    case("attention_varlen", "max_seqlen-too-small", lambda: varlen(max_seqlen_k=4),
+         ValueError, "max_seqlen_k", r"max_seqlen_k must be at least the longest sequence of cu_seqlens_k, 5, got 4"),
+    case("attention_varlen", "max_seqlen-float", lambda: varlen(max_seqlen_q=5.0),
+         ValueError, "max_seqlen_q", r"max_seqlen_q must be an int >= 0"),
+    case("attention_varlen", "alibi-per-batch-of-wrong-count",
+         lambda: varlen(alibi_slopes=torch.rand(3, 4)),
+         ValueError, "alibi_slopes", r"alibi_slopes must have shape \(4,\) or \(2, 4\) \(heads, or sequences"),
     case("nn.MultiheadSelfAttention", "x-2d", lambda: MHA(rand(8, 64)),
          ValueError, "x", r"x must have shape \(batch, seq, embed_dim\) with embed_dim 64, got \(8, 64\)"),
     case("nn.MultiheadSelfAttention", "x-width", lambda: MHA(rand(1, 8, 32)),

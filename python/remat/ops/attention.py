@@ -108,26 +108,28 @@ def _philox_first_word(seed, c0, c1, c2, c3, rounds=10):
     return c0
 
 
-def dropout_keep_mask(seed, batch, heads, seqlen_q, seqlen_k, dropout_p, device=None):
+def dropout_keep_mask(seed, batch, heads, seqlen_q, seqlen_k, dropout_p, device=None, first_batch=0):
     """(batch, heads, seqlen_q, seqlen_k) bool: where the kernels' dropout keeps a probability for
     seed (the (1,) int64 tensor the ops take, or an int). The kernels' _dropout_kept in PyTorch: the
     top 31 bits of Philox's first word for counter (key, query, batch * heads + head, 0), at least
-    dropout_p * 2^31."""
+    dropout_p * 2^31. first_batch: the batch index of the first one (the sequence index of packed
+    sequences, whose positions restart at 0 in each)."""
     seed = int(seed.item()) if isinstance(seed, torch.Tensor) else int(seed)
     keys = torch.arange(seqlen_k, device=device)[None, None, :]
     queries = torch.arange(seqlen_q, device=device)[None, :, None]
-    slices = (torch.arange(batch * heads, device=device) & _UINT32)[:, None, None]
+    slices = (torch.arange(first_batch * heads, (first_batch + batch) * heads, device=device) & _UINT32)[:, None, None]
     bits = _philox_first_word(seed, keys, queries, slices, torch.zeros_like(keys))
     threshold = min(int(dropout_p * 2**31), 2**31 - 1)  # as the kernels' dropout_threshold
     return ((bits >> 1) >= threshold).view(batch, heads, seqlen_q, seqlen_k)
 
 
-def _dropped(p, dropout_p, dropout_seed):
-    """p with dropout applied as the kernels do (kept entries scaled by 1 / (1 - dropout_p))."""
+def _dropped(p, dropout_p, dropout_seed, first_batch=0):
+    """p with dropout applied as the kernels do (kept entries scaled by 1 / (1 - dropout_p)); p's
+    batch index 0 is first_batch's (see dropout_keep_mask)."""
     if dropout_p == 0:
         return p
     batch, heads, seqlen_q, seqlen_k = p.shape
-    kept = dropout_keep_mask(dropout_seed, batch, heads, seqlen_q, seqlen_k, dropout_p, p.device)
+    kept = dropout_keep_mask(dropout_seed, batch, heads, seqlen_q, seqlen_k, dropout_p, p.device, first_batch)
     return torch.where(kept, p / (1 - dropout_p), 0.0)
 
 
@@ -155,17 +157,18 @@ def _probabilities(q, k, causal, softmax_scale, *features):
 
 
 def attention_ref(q, k, v, causal=False, softmax_scale=None, window_left=-1, window_right=-1, softcap=0.0,
-                  alibi_slopes=None, dropout_p=0.0, dropout_seed=None):
+                  alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_first_batch=0):
     """(o, lse) by an explicit softmax; differentiable, materialises (B, H, Sq, Sk).
 
     o in q's dtype, lse in fp32 (float64 for float64 input). Used by the tests (in float64) and
     as the CPU fallback without the interpreter. The features as in attention (window_size split
-    into window_left and window_right); dropout with the kernels' mask for dropout_seed.
+    into window_left and window_right); dropout with the kernels' mask for dropout_seed (q's batch
+    0 being batch dropout_first_batch of the mask, see dropout_keep_mask).
     """
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     p, lse = _probabilities(q, k, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes)
-    o = _dropped(p, dropout_p, dropout_seed) @ _expand_kv(v, q.shape[1]).to(p.dtype)
+    o = _dropped(p, dropout_p, dropout_seed, dropout_first_batch) @ _expand_kv(v, q.shape[1]).to(p.dtype)
     return o.to(q.dtype), lse
 
 
@@ -201,13 +204,20 @@ def _attention_bwd_ref(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of attention_fwd, recomputing the probabilities from q and k, by the same
     derivation as the kernels (see triton_kernels/attention.py)."""
+    return attention_grads_ref(do, q, k, v, o, causal, softmax_scale, window_left, window_right, softcap,
+                               alibi_slopes, dropout_p, dropout_seed)
+
+
+def attention_grads_ref(do, q, k, v, o, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0,
+                        alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_first_batch=0):
+    """(dq, dk, dv) of attention_ref's o, by the kernels' derivation; dropout_first_batch as there."""
     dtype = math_dtype(q)
     heads, kv_heads = q.shape[1], k.shape[1]
     p, _ = _probabilities(q, k, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes)
     do_f = do.to(dtype)
     v_f = _expand_kv(v, heads).to(dtype)
-    dv = _dropped(p, dropout_p, dropout_seed).transpose(-1, -2) @ do_f
-    dp = _dropped(do_f @ v_f.transpose(-1, -2), dropout_p, dropout_seed)  # through the same mask
+    dv = _dropped(p, dropout_p, dropout_seed, dropout_first_batch).transpose(-1, -2) @ do_f
+    dp = _dropped(do_f @ v_f.transpose(-1, -2), dropout_p, dropout_seed, dropout_first_batch)  # through the same mask
     delta = (do_f * o.to(dtype)).sum(dim=-1, keepdim=True)
     ds = p * (dp - delta)
     if softcap > 0:  # through the cap: d(c tanh(x / c)) / dx = 1 - tanh(x / c)^2
@@ -381,7 +391,8 @@ def _check_softcap(softcap):
     return float(softcap)
 
 
-def _check_alibi_slopes(alibi_slopes, q):
+def _check_alibi_slopes(alibi_slopes, q, batch, heads, batch_is="batch"):
+    """alibi_slopes: None, or fp32 (heads,) or (batch, heads) on q's device (batch_is: what batch counts)."""
     if alibi_slopes is None:
         return
     if not isinstance(alibi_slopes, torch.Tensor):
@@ -389,10 +400,9 @@ def _check_alibi_slopes(alibi_slopes, q):
     if alibi_slopes.dtype != torch.float32:
         raise TypeError(f"alibi_slopes must have dtype torch.float32, got {alibi_slopes.dtype}")
     check_same_device("alibi_slopes", alibi_slopes, "q", q)
-    batch, heads = q.shape[:2]
     if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
-        raise ValueError(f"alibi_slopes must have shape ({heads},) or ({batch}, {heads}) (heads, or batch and heads "
-                         f"of q), got {tuple(alibi_slopes.shape)}")
+        raise ValueError(f"alibi_slopes must have shape ({heads},) or ({batch}, {heads}) (heads, or {batch_is} and "
+                         f"heads of q), got {tuple(alibi_slopes.shape)}")
     if alibi_slopes.requires_grad and torch.is_grad_enabled():
         raise ValueError("alibi_slopes must not require grad: attention gives no gradient for the slopes "
                          "(as FlashAttention); pass alibi_slopes.detach()")
@@ -449,7 +459,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, attn_
     _check_qkv(q, k, v)
     window_left, window_right = _check_window_size(window_size)
     softcap = _check_softcap(softcap)
-    _check_alibi_slopes(alibi_slopes, q)
+    _check_alibi_slopes(alibi_slopes, q, *q.shape[:2])
     dropout_p = _check_dropout_p(dropout_p)
     dtype = autocast_dtype(q.device.type)
     if dtype is not None:  # as scaled_dot_product_attention: computed in the autocast dtype (the slopes stay fp32)
