@@ -15,6 +15,6 @@ from .planner import Plan, plan
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "attention_varlen", "backends", "convert", "gated_activation", "gelu", "get_backend", "layer_norm", "layer_norm_linear",
-    "mlp", "nn", "ops", "Plan", "plan", "revert", "rms_norm", "set_backend", "use_backend",
+    "attention", "attention_varlen", "backends", "convert", "gated_activation", "gelu", "get_backend", "layer_norm",
+    "layer_norm_linear", "mlp", "nn", "ops", "Plan", "plan", "revert", "rms_norm", "set_backend", "use_backend",
 ]

@@ -207,7 +207,8 @@ def _check_sequences(name, cu_seqlens, total, max_seqlen, max_name):
         raise ValueError(f"{name} must start at 0, never decrease and end at {total} (the rows of its tensor), "
                          f"got {values}")
     if lengths and max(lengths) > max_seqlen:
-        raise ValueError(f"{max_name} must be at least the longest sequence of {name}, {max(lengths)}, got {max_seqlen}")
+        raise ValueError(f"{max_name} must be at least the longest sequence of {name}, {max(lengths)}, "
+                         f"got {max_seqlen}")
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
