@@ -171,6 +171,46 @@ def remat_attention_calls(fn):
     return result, counter.counts["remat::attention_fwd"]
 
 
+def varlen_attention_calls(fn):
+    """(fn()'s result, number of remat.attention_varlen forward kernels it ran, of remat.attention's)."""
+    with OpCounter() as counter:
+        result = fn()
+    return result, counter.counts["remat::attention_varlen_fwd"], counter.counts["remat::attention_fwd"]
+
+
+def padded_batch(batch, side, causal):
+    """`batch` with its first row padded by 3 tokens on the right, or its second on the left, and the
+    labels of padding (-100) left out of the loss. For a causal LM also the label of a left-padded row's
+    first real token: the shifted loss predicts it from the last padding token, whose attention output
+    remat (as Hugging Face's FlashAttention path) makes zero where the stock attention averages
+    whatever keys its implementation lets a row that sees none see."""
+    mask = torch.ones_like(batch["input_ids"])
+    if side == "right":
+        mask[0, -3:] = 0
+    else:
+        mask[1, :3] = 0
+    ignored = mask == 0
+    if causal and side == "left":
+        ignored[1, 3] = True
+    return {**batch, "attention_mask": mask, "labels": batch["labels"].masked_fill(ignored, -100)}
+
+
+def assert_nothing_seq_by_seq_saved(model, batch):
+    """A training step of model on batch keeps no tensor ending in (SEQ, SEQ): no mask, no scores."""
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+        model(**batch).loss.backward()
+    assert not [shape for shape in shapes if shape[-2:] == (SEQ, SEQ)], "a mask or scores were saved"
+
+
+def packed_batch(batch):
+    """Row 0 of `batch` as packed sequences of 3 and SEQ - 3 tokens: position_ids restarting (as
+    DataCollatorWithFlattening makes them), no attention_mask, no cache (transformers builds the
+    block-diagonal mask from position_ids only without one)."""
+    positions = torch.cat([torch.arange(3), torch.arange(SEQ - 3)]).unsqueeze(0)
+    return {**{name: t[:1] for name, t in batch.items()}, "position_ids": positions, "use_cache": False}
+
+
 # --- The GELU/LayerNorm families of remat.convert.hf (tests/convert/hf/test_hf_families.py) ------
 # Tiny random configs: 2 layers, hidden 64, 2 heads (head dim 32), FFN 128, no dropout. Each builder
 # returns the model and its FFN width, as the ones above. Token ids stay below VOCAB and avoid the

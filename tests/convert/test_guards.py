@@ -16,7 +16,7 @@ from torch import nn
 import remat
 from remat._guards import RematFallbackWarning
 
-from hf_models import LAYERS, build, inputs, remat_attention_calls
+from hf_models import BATCH, LAYERS, SEQ, build, inputs, remat_attention_calls
 from numerics import rel_error
 
 conv = importlib.import_module("remat.convert")
@@ -174,22 +174,23 @@ def test_deepcopy_and_pickle_keep_the_fusions():
 # --- what runs stock is counted, and said once --------------------------------------------------
 
 
-def test_a_padded_batch_is_reported():
-    """GPT-2 on a padded batch: its attention runs stock (the mask hides more than the future), which
-    the user learns from one warning per layer and from the report's counts."""
+def test_a_mask_remat_does_not_compute_is_reported():
+    """GPT-2 given a 4-D mask of no pattern remat computes (one query that does not see one earlier
+    key): its attention runs stock, which the user learns from one warning per layer and from the
+    report's counts."""
     stock, _ = build("gpt2")
     converted, report = conv.convert(stock, report=True)
     batch = inputs("gpt2", "cpu")
-    mask = torch.ones_like(batch["input_ids"])
-    mask[0, -2:] = 0
-    reason = "an attention mask that hides more than the future (padding)"
-    with pytest.warns(RematFallbackWarning, match=r"hides more than the future"):
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).tril().expand(BATCH, 1, SEQ, SEQ).clone()
+    mask[0, 0, 5, 2] = False
+    reason = "an attention mask that is no causal, sliding-window, padding or packing pattern"
+    with pytest.warns(RematFallbackWarning, match=r"no causal, sliding-window, padding or packing pattern"):
         for _ in range(3):
             converted(**batch, attention_mask=mask).loss.backward()
     counts = report.fallbacks()
     assert counts == {f"transformer.h.{i}.attn": {reason: 3} for i in range(LAYERS)}
     _, calls = remat_attention_calls(lambda: converted(**batch).loss)
-    assert calls == LAYERS  # no padding: remat's path
+    assert calls == LAYERS  # no such mask: remat's path
 
 
 def test_revert_drops_the_records():

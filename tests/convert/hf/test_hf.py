@@ -1,8 +1,8 @@
 """remat.convert on Hugging Face models (tiny random configs, no downloads): attention on
 remat.attention with the pre-LN LayerNorms fused into the q/k/v projection and into fc1, the
 MLPs fused; same loss and gradients, the exact bytes no longer kept, the stock result wherever
-the remat path does not apply (padding, output_attentions, KV cache), same state_dict, gradient
-checkpointing, revert."""
+the remat path does not apply (output_attentions, KV cache), padded and packed batches on
+remat.attention_varlen, same state_dict, gradient checkpointing, revert."""
 
 import collections
 import copy
@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from hf_models import (
     ATTENTION,
-    BATCH,
     DECODERS,
     FAMILIES,
     FUSED,
@@ -25,16 +24,19 @@ from hf_models import (
     HIDDEN,
     LAYERS,
     PRE_LN,
-    SEQ,
     OpCounter,
+    assert_nothing_seq_by_seq_saved,
     assert_same_step,
     build,
     cache_view_bytes,
     inputs,
     loss_and_grads,
+    packed_batch,
+    padded_batch,
     remat_attention_calls,
     tokens,
     transformers,
+    varlen_attention_calls,
 )
 from numerics import rel_error, saved_bytes
 
@@ -140,36 +142,52 @@ def test_revert(family):
     torch.testing.assert_close(reverted(**batch).loss, reference(**batch).loss, rtol=0, atol=0)
 
 
-def padded(family):
-    batch = inputs(family, "cpu")
-    mask = torch.ones_like(batch["input_ids"])
-    mask[0, -3:] = 0  # the first sequence ends with three padding tokens
-    return {**batch, "attention_mask": mask}
-
-
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
 @pytest.mark.parametrize("family", ["gpt2", "bert", "gpt_neox"])
-def test_padding_mask_runs_the_stock_attention(family):
+def test_padded_batches_run_remat_attention_varlen(family, implementation, side):
+    """A padding mask (bool for sdpa, float for eager) runs remat.attention_varlen on the real tokens:
+    the same step as stock (the loss over real tokens), nothing of size seq x seq saved."""
+    stock, _ = build(family, attn_implementation=implementation)
+    converted = conv.convert(stock)
+    batch = padded_batch(inputs(family, "cpu"), side, causal=family in DECODERS)
+    _, varlen, dense = varlen_attention_calls(lambda: assert_same_step(stock, converted, batch))
+    assert (varlen, dense) == (LAYERS, 0)
+    full = {**batch, "attention_mask": torch.ones_like(batch["attention_mask"])}  # nothing hidden: remat.attention
+    _, varlen, dense = varlen_attention_calls(lambda: assert_same_step(stock, converted, full))
+    assert (varlen, dense) == (0, LAYERS)
+    assert_nothing_seq_by_seq_saved(converted, batch)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox"])
+def test_a_causal_padded_batch_gives_the_real_tokens_stock_logits(family):
+    """Every real token's logits are stock's (the padding rows' attention is zero, see
+    tests/convert/hf/test_masks.py, as in Hugging Face's FlashAttention path)."""
+    stock, _ = build(family)
+    stock.eval()
+    converted = conv.convert(stock)
+    for side in ("right", "left"):
+        batch = {k: v for k, v in padded_batch(inputs(family, "cpu"), side, causal=True).items() if k != "labels"}
+        (got, want), varlen, _ = varlen_attention_calls(
+            lambda batch=batch: (converted(**batch).logits, stock(**batch).logits))
+        real = batch["attention_mask"].bool()
+        assert varlen == LAYERS
+        torch.testing.assert_close(got[real], want[real], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox"])
+def test_packed_sequences_run_remat_attention_varlen_as_stock_honours_them(family):
+    """position_ids restarting, without a cache: transformers builds a block-diagonal mask, and remat
+    runs attention_varlen on the sequences; with a cache (use_cache=True) stock ignores the packing,
+    attends across the sequences, and so does remat (remat.attention, causal)."""
     stock, _ = build(family)
     converted = conv.convert(stock)
-    batch = padded(family)
-    _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, batch))
-    assert calls == 0
-    full = {**batch, "attention_mask": torch.ones_like(batch["attention_mask"])}  # nothing hidden: remat
-    _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, full))
-    assert calls == LAYERS
-
-
-@pytest.mark.parametrize("family", ["gpt2", "bert"])
-def test_eager_masks_are_read(family):
-    """attn_implementation="eager" gets materialised float masks: a causal (GPT-2) or all-visible
-    (BERT with an all-ones attention_mask) one runs remat.attention, a padding one the stock path."""
-    stock, _ = build(family, attn_implementation="eager")
-    converted = conv.convert(stock)
-    full = {**padded(family), "attention_mask": torch.ones(BATCH, SEQ, dtype=torch.long)}
-    _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, full))
-    assert calls == LAYERS
-    _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, padded(family)))
-    assert calls == 0
+    packed = packed_batch(inputs(family, "cpu"))
+    _, varlen, dense = varlen_attention_calls(lambda: assert_same_step(stock, converted, packed))
+    assert (varlen, dense) == (LAYERS, 0)
+    ignored = {**packed, "use_cache": True}
+    _, varlen, dense = varlen_attention_calls(lambda: assert_same_step(stock, converted, ignored))
+    assert (varlen, dense) == (0, LAYERS)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "vit", "gpt_neox"])

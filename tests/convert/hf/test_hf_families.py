@@ -8,6 +8,7 @@ import collections
 import importlib
 import json
 import math
+import sys
 import warnings
 
 import pytest
@@ -34,9 +35,11 @@ from hf_models import (
     build,
     family_inputs,
     loss_and_grads,
+    padded_batch,
     remat_attention_calls,
     step_saved_bytes,
     transformers,
+    varlen_attention_calls,
 )
 from numerics import rel_error, saved_bytes
 
@@ -377,20 +380,31 @@ def test_falcon_alibi_keeps_the_stock_attention():
     assert calls == 0
 
 
-def test_bloom_padded_batch_runs_the_stock_attention():
-    """Padding restarts BLOOM's ALiBi positions (and hides keys): those calls run the stock attention, as
-    the same step; without padding the same model runs remat.attention (test_same_loss_gradients...)."""
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_bloom_padded_batch_runs_remat_attention_varlen_with_its_alibi(side):
+    """Padding restarts BLOOM's ALiBi positions at each sequence's first real token: the bias remat
+    checks, and remat.attention_varlen's ALiBi per sequence; the same step as stock."""
     stock, _ = build_case("bloom")
     converted = conv.convert(stock)
-    batch = family_inputs("bloom", "cpu")
-    mask = torch.ones_like(batch["input_ids"])
-    mask[1, :3] = 0  # left padding
-    batch = {**batch, "attention_mask": mask, "labels": batch["labels"].masked_fill(mask == 0, -100)}
+    batch = padded_batch(family_inputs("bloom", "cpu"), side, causal=True)
+    _, varlen, dense = varlen_attention_calls(lambda: assert_same_step(stock, converted, batch))
+    assert (varlen, dense) == (LAYERS, 0)
+
+
+def test_bloom_with_a_bias_that_is_not_its_alibi_runs_the_stock_attention():
+    stock, _ = build_case("bloom")
+    converted = conv.convert(stock)
+    attention = converted.transformer.h[0].self_attention
+    hidden = torch.randn(BATCH, SEQ, stock.config.hidden_size)
+    alibi = sys.modules[type(stock).__module__].build_alibi_tensor(torch.ones(BATCH, SEQ), stock.config.n_head,
+                                                                   torch.float32)
+    mask = torch.full((SEQ, SEQ), torch.finfo(torch.float32).min).triu(1)[None, None].expand(BATCH, 1, SEQ, SEQ)
+    call = dict(residual=hidden, alibi=alibi * 1.5 + torch.rand_like(alibi), attention_mask=mask)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, batch))
+        _, calls = remat_attention_calls(lambda: attention(hidden, **call))
     assert calls == 0
-    assert any("RematBloomAttention" in str(w.message) and "padding" in str(w.message) for w in caught)
+    assert any("an ALiBi bias other than the slopes times the key positions" in str(w.message) for w in caught)
 
 
 @pytest.mark.parametrize("name, overrides, norm, reason", [

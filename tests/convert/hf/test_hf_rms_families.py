@@ -2,8 +2,9 @@
 no downloads): Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, Gemma2 and Gemma3 (text). The same loss and
 gradients as stock, the same checkpoint, the exact bytes no longer kept (derived per family), and the
 reasons for what stays stock: the norms of a block's output. Sliding windows and Gemma2's softcap run on
-remat.attention; a call whose attention remat.attention does not compute (padding, dropout, a cache with past
-keys) keeps the fused norm and projections and runs the stock attention function."""
+remat.attention, padded and packed batches on remat.attention_varlen; a call whose attention remat does not
+compute (another mask, a cache with past keys) keeps the fused norm and projections and runs the stock attention
+function."""
 
 import collections
 import importlib
@@ -27,14 +28,18 @@ from hf_models import (
     KV_HEADS,
     LAYERS,
     SEQ,
+    assert_nothing_seq_by_seq_saved,
     assert_same_step,
     assert_save_pretrained_round_trip,
     attention_output_copy_bytes,
     build,
     family_inputs,
     loss_and_grads,
+    packed_batch,
+    padded_batch,
     remat_attention_calls,
     step_saved_bytes,
+    varlen_attention_calls,
 )
 
 conv = importlib.import_module("remat.convert")
@@ -229,16 +234,38 @@ def test_softcap_with_sdpa_raises_as_stock():
             model(**batch)
 
 
-@pytest.mark.parametrize("side", ["right", "left"])
-def test_a_padded_batch_runs_the_stock_attention_function_on_the_fused_projections(side):
+def test_an_arbitrary_mask_runs_the_stock_attention_function_on_the_fused_projections():
+    """A 4-D mask of no pattern remat computes (one query that does not see one earlier key), passed
+    as the model's attention_mask: the stock attention function on the fused projections."""
     stock, _ = build_case("llama")
-    batch = family_inputs("llama", "cpu")
-    mask = torch.ones_like(batch["input_ids"])
-    pad = slice(SEQ - 3, None) if side == "right" else slice(0, 3)
-    mask[0, pad] = 0
-    labels = batch["labels"].masked_fill(mask == 0, -100)
-    assert_stock_attention_function_on_fused_projections("llama", stock, {**batch, "attention_mask": mask,
-                                                                          "labels": labels}, "padding")
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).tril().expand(BATCH, 1, SEQ, SEQ).clone()
+    mask[0, 0, 5, 2] = False
+    batch = {**family_inputs("llama", "cpu"), "attention_mask": mask}
+    assert_stock_attention_function_on_fused_projections("llama", stock, batch, "no causal, sliding-window, "
+                                                         "padding or packing pattern")
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("name, config", [("llama", {}), ("mistral", {"sliding_window": 4}), ("gemma2", {
+    "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]})], ids=["llama", "mistral-window",
+                                                                                     "gemma2-window-softcap"])
+def test_a_padded_batch_runs_remat_attention_varlen(name, config, side):
+    """Padding, with a sliding window of 4 over the 8 tokens (Mistral's every layer, Gemma2's first, with
+    its softcap): remat.attention_varlen on the real tokens, the same step, nothing seq x seq saved."""
+    stock, _ = build_case(name, **config)
+    batch = padded_batch(family_inputs(name, "cpu"), side, causal=True)
+    converted = conv.convert(stock)
+    _, varlen, dense = varlen_attention_calls(lambda: assert_same_step(stock, converted, batch))
+    assert (varlen, dense) == (LAYERS, 0)
+    assert_nothing_seq_by_seq_saved(converted, batch)
+
+
+def test_packed_sequences_run_remat_attention_varlen():
+    stock, _ = build_case("qwen2")
+    converted = conv.convert(stock)
+    _, varlen, dense = varlen_attention_calls(
+        lambda: assert_same_step(stock, converted, packed_batch(family_inputs("qwen2", "cpu"))))
+    assert (varlen, dense) == (LAYERS, 0)
 
 
 def test_gemma2_without_softcapping_runs_remat_attention_without_it():

@@ -6,14 +6,16 @@ makes the LayerNorms' outputs the residuals too: they then stay stock (the MLP s
 BLOOM's ALiBi adds slope_h · j (key position j) to the scores, relying on softmax's invariance to a
 constant per row: under its causal mask that is remat.attention's -slope_h · (i - j), FlashAttention's
 convention. The model passes the bias, (batch · heads, 1, seq) in the model's dtype: each call checks
-that it is the slopes times the key positions (it is not with padding, whose positions restart), the
-slopes read from its key position 1. remat.attention adds the bias in fp32, where the stock forward
-adds it rounded to the model's dtype (in bf16 exact up to key position 256)."""
+that it is the slopes times the key positions, the slopes read from a key at position 1. A padded
+batch restarts the positions at each sequence's first real token: the same bias, per sequence, as
+remat.attention_varlen's ALiBi on the real tokens. remat adds the bias in fp32, where the stock
+forward adds it rounded to the model's dtype (in bf16 exact up to key position 256)."""
 
 import sys
 
 import torch
 
+from .masks import Packing
 from .modules import MLPParts, _RematAttention, _RematMLP, stock_function
 from .registry import Family, probe_tensor, register
 
@@ -50,12 +52,16 @@ class _RematBloomAttention(_RematAttention):
 
     def remat_core_reason(self, hidden_states, call):
         reason = super().remat_core_reason(hidden_states, call)
-        if reason is None and call.get("remat_mask_pattern") != "causal":
+        pattern = call.get("remat_mask_pattern")
+        packing = pattern if isinstance(pattern, Packing) and pattern.causal else None
+        if reason is None and pattern != "causal" and packing is None:
             reason = "no causal mask: BLOOM's ALiBi bias equals remat.attention's under a causal mask only"
         if reason is None:
-            slopes = _alibi_slopes(call["alibi"], hidden_states.shape[0], self.num_heads, hidden_states.shape[1])
+            batch, seq = hidden_states.shape[:2]
+            positions = None if packing is None else _key_positions(packing, batch, seq)
+            slopes = _alibi_slopes(call["alibi"], batch, self.num_heads, seq, positions)
             if slopes is None:
-                return "an ALiBi bias other than the slopes times the key positions (padding)"
+                return "an ALiBi bias other than the slopes times the key positions"
             call["remat_alibi_slopes"] = slopes
         return reason
 
@@ -76,16 +82,32 @@ class _RematBloomAttention(_RematAttention):
         return stock_function(self, "dropout_add")(out, call["residual"], self.hidden_dropout, self.training), None
 
 
-def _alibi_slopes(alibi, batch, heads, seq):
-    """The fp32 slopes (heads,) when the bias `alibi` (batch · heads, 1, seq) is slope_h · j for key j in
-    every row, as rounded to its dtype; else None. One comparison on the device."""
+def _key_positions(packing, batch, seq):
+    """(batch, seq) fp32: each kept key's position in its sequence, 0 for the others, as the stock
+    model's positions (the attention mask's cumulative sum less one, times the mask) give them."""
+    lengths = packing.cu_seqlens_k[1:] - packing.cu_seqlens_k[:-1]
+    starts = torch.repeat_interleave(packing.cu_seqlens_k[:-1], lengths)
+    within = torch.arange(starts.numel(), device=starts.device) - starts
+    positions = torch.zeros(batch, seq, device=starts.device)
+    return positions.index_put(packing.rows_k, within.float())
+
+
+def _alibi_slopes(alibi, batch, heads, seq, positions=None):
+    """The fp32 slopes (heads,) when the bias `alibi` (batch · heads, 1, seq) is slope_h · p_j for the
+    key positions p (batch, seq) in every row (default: p_j = j), as rounded to its dtype; else None.
+    The slopes are read where a key's position is 1. One comparison on the device."""
     if not isinstance(alibi, torch.Tensor) or tuple(alibi.shape) != (batch * heads, 1, seq):
         return None
     bias = alibi.view(batch, heads, seq)
-    slopes = bias[0, :, 1].float().contiguous() if seq > 1 else torch.zeros(heads, device=alibi.device)
-    positions = torch.arange(seq, device=alibi.device, dtype=torch.float32)
-    expected = (slopes[:, None] * positions).to(alibi.dtype)
-    return slopes if bool(torch.equal(bias, expected.expand_as(bias))) else None
+    if positions is None:
+        positions = torch.arange(seq, device=alibi.device, dtype=torch.float32).expand(batch, seq)
+    ones = (positions == 1).nonzero()
+    if ones.shape[0] == 0:  # no sequence of two tokens: any slopes give every key the same bias
+        slopes = torch.zeros(heads, device=alibi.device)
+    else:
+        slopes = bias[ones[0, 0], :, ones[0, 1]].float().contiguous()
+    expected = (slopes[None, :, None] * positions[:, None, :]).to(alibi.dtype)
+    return slopes if bool(torch.equal(bias, expected)) else None
 
 
 class _RematBloomMLP(_RematMLP):

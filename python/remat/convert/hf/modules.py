@@ -30,6 +30,7 @@ from ..patterns import (
     uniform_reason,
 )
 from ..swap import strip
+from .masks import Packing, mask_pattern, packed_attention
 
 # A transformers MLP module: the names of its fc1, activation, fc2 and (or None) dropout after fc2,
 # and the remat class it is swapped to (None: _RematMLP; BLOOM's takes the residual too). A gated
@@ -532,39 +533,6 @@ def _merge_heads(o):
     return o.transpose(1, 2).flatten(2)
 
 
-def _mask_pattern(mask, seq_q, seq_k, windows=()):
-    """"full" or "causal" when the 4-D mask hides nothing or exactly the future, ("causal", left)
-    when it hides the future and every key more than `left` before its query (a sliding window of
-    left + 1 keys, for a `left` among `windows`), else None.
-
-    bool masks: True = visible (sdpa). Float masks are added to the scores (eager): 0 = visible,
-    and a hidden entry must be -inf or the dtype's minimum, so that its probability is exactly 0.
-    One comparison on the device (a synchronisation); HF's sdpa path passes None when there is
-    nothing to mask, so unpadded sdpa calls never get here.
-    """
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or tuple(mask.shape[-2:]) != (seq_q, seq_k):
-        return None
-    if mask.dtype == torch.bool:
-        visible = mask
-    elif mask.is_floating_point():
-        visible = mask == 0
-        hidden = (mask == float("-inf")) | (mask == torch.finfo(mask.dtype).min)
-        if not bool((visible | hidden).all()):
-            return None
-    else:
-        return None
-    if bool(visible.all()):
-        return "full"
-    causal = torch.ones(seq_q, seq_k, dtype=torch.bool, device=mask.device).tril(seq_k - seq_q)
-    if bool(torch.equal(visible, causal.expand_as(visible))):
-        return "causal"
-    for left in windows:
-        band = causal.triu(seq_k - seq_q - left)
-        if bool(torch.equal(visible, band.expand_as(visible))):
-            return ("causal", left)
-    return None
-
-
 def _empty_dynamic_cache(cache, layer_idx):
     """True when `cache` is a plain DynamicCache holding nothing yet for this layer (a prefill,
     or training with use_cache=True): its update() then returns the new keys and values as given."""
@@ -704,9 +672,9 @@ class _RematAttention(_RematModule):
         if mask is not None and torch.compiler.is_compiling():
             return "a materialised mask under torch.compile (reading it would break the graph)"
         if mask is not None:  # last: the pattern check synchronises with the device
-            pattern = _mask_pattern(mask, hidden_states.shape[1], hidden_states.shape[1], self.remat_windows())
+            pattern = mask_pattern(mask, hidden_states.shape[1], hidden_states.shape[1], self.remat_windows())
             if pattern is None:
-                return "an attention mask that hides more than the future (padding)"
+                return "an attention mask that is no causal, sliding-window, padding or packing pattern"
             call["remat_mask_pattern"] = pattern  # read by remat_causal and remat_features: one check per call
         return None
 
@@ -725,7 +693,8 @@ class _RematAttention(_RematModule):
         implementation reads none (sdpa: the call's is_causal, else the module's; eager: nothing
         is masked)."""
         if call.get("attention_mask") is not None:
-            return call["remat_mask_pattern"] != "full"
+            pattern = call["remat_mask_pattern"]
+            return pattern.causal if isinstance(pattern, Packing) else pattern != "full"
         if self.remat_implementation() != "sdpa":
             return False
         is_causal = call.get("is_causal")
@@ -743,6 +712,10 @@ class _RematAttention(_RematModule):
         if cache is not None:  # empty: update() returns these keys and values (copied, in transformers 5.24)
             k, v = cache.update(k, v, self.layer_idx)
             q = _own_storage(q, k)
+        pattern = call.get("remat_mask_pattern")
+        if isinstance(pattern, Packing):  # padding or packed sequences: remat.attention_varlen on their tokens
+            return packed_attention(q, k, v, pattern, self.remat_scale(), self.remat_output,
+                                    self.remat_features(call)), None
         o = attention(q, k, v, causal=causal, softmax_scale=self.remat_scale(), **self.remat_features(call))
         return self.remat_output(_merge_heads(o)), None
 
@@ -751,7 +724,9 @@ class _RematAttention(_RematModule):
         in training the attention dropout (remat's own Philox mask, regenerated in the backward: the
         same distribution as the stock dropout, not the same draws)."""
         pattern = call.get("remat_mask_pattern")
-        features = {"window_size": (pattern[1], 0)} if isinstance(pattern, tuple) else {}
+        # ("causal", left): a window; a Packing (a tuple too) carries its own window to attention_varlen.
+        windowed = isinstance(pattern, tuple) and not isinstance(pattern, Packing)
+        features = {"window_size": (pattern[1], 0)} if windowed else {}
         if self.training and self.remat_dropout() > 0:
             features["dropout_p"] = float(self.remat_dropout())
         return features

@@ -1,7 +1,7 @@
 """SigLIP, vision and text towers: attention on remat.attention with layer_norm1 fused into q, k and
 v, the MLP (gelu_pytorch_tanh by default) fused with layer_norm2 in front; the vision tower's
 pooling head fuses its layernorm into its MLP. Both towers attend bidirectionally (is_causal
-False); the text tower's padding masks run the stock attention."""
+False); the text tower's padding masks run remat.attention_varlen."""
 
 from .modules import MLPParts, _RematSplitAttention
 from .registry import Family, register
