@@ -1258,19 +1258,28 @@ def attention_varlen_bwd(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_se
 # group only changes the trip count of an outer loop, so one value (1: heads == kv_heads) is compiled.
 AOT_SHAPES = {"div16": (16, 256), "ragged": (3, 255)}
 # The kernel variants besides plain causal and non-causal: name -> (causal, keyword arguments of
-# attention_fwd / attention_bwd). Each feature alone, and the window, softcapping and ALiBi at once
-# (the most live values in the score computation).
+# attention_fwd / attention_bwd; varlen: packed sequences, as attention_varlen_fwd / _bwd launch).
+# Each feature alone, the window, softcapping and ALiBi at once (the most live values in the score
+# computation), and packed sequences plain and with a window, ALiBi per sequence and dropout.
 AOT_FEATURES = {
     "window": (True, dict(window_left=100)),
     "softcap": (False, dict(softcap=30.0)),
     "alibi": (True, dict(alibi_slopes="per-head")),
     "window-softcap-alibi": (False, dict(window_left=100, window_right=27, softcap=30.0, alibi_slopes="per-batch")),
     "dropout": (True, dict(dropout_p=0.1)),
+    "varlen": (True, dict(varlen=True)),
+    "varlen-window-alibi-dropout": (False, dict(varlen=True, window_left=100, window_right=27,
+                                                alibi_slopes="per-batch", dropout_p=0.1)),
 }
+_AOT_SEQUENCES = 3  # packed sequences of a varlen case, splitting the shape's rows
 
 
-def _aot_tensors(dtype, head_dim, shape):
+def _aot_tensors(dtype, head_dim, shape, varlen=False):
     heads, seqlen = AOT_SHAPES[shape]
+    if varlen:  # packed (total, H, D) tensors, viewed as the kernels take them
+        q, k, v, do, o = (_packed_rows(torch.empty(seqlen, heads, head_dim, dtype=dtype)) for _ in range(5))
+        lse, delta = (torch.empty(heads, seqlen).unsqueeze(0) for _ in range(2))
+        return q, k, v, do, o, lse, delta
     q, k, v, do = (torch.empty(1, heads, seqlen, head_dim, dtype=dtype) for _ in range(4))
     o = torch.empty(1, seqlen, heads, head_dim, dtype=dtype).transpose(1, 2)  # as attention_fwd's
     lse, delta = (torch.empty(1, heads, seqlen) for _ in range(2))
@@ -1279,16 +1288,22 @@ def _aot_tensors(dtype, head_dim, shape):
 
 def _aot_scores(q, k, lse, causal, features, scale):
     options = {**dict(window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None), **features}
+    batch = q.shape[0]
+    if options.pop("varlen", False):
+        total = q.shape[2]
+        cu_seqlens = torch.tensor([0, total // 4, total // 2, total], dtype=torch.int32)
+        options["sequences"] = (cu_seqlens, cu_seqlens, total - total // 2, total - total // 2)
+        batch = _AOT_SEQUENCES
     if "dropout_p" in options:
         options["dropout_seed"] = torch.empty(1, dtype=torch.int64)
     if options["alibi_slopes"] is not None:  # "per-head": (H,), "per-batch": (B, H)
         per_batch = options["alibi_slopes"] == "per-batch"
-        options["alibi_slopes"] = torch.empty(q.shape[:2] if per_batch else q.shape[1:2])
+        options["alibi_slopes"] = torch.empty((batch, q.shape[1]) if per_batch else q.shape[1:2])
     return _score_options(q, k, lse, causal, scale, **options)
 
 
 def _aot_launch(kind, dtype, head_dim, causal, shape, config, features=None):
-    q, k, v, do, o, lse, delta = _aot_tensors(dtype, head_dim, shape)
+    q, k, v, do, o, lse, delta = _aot_tensors(dtype, head_dim, shape, (features or {}).get("varlen", False))
     scale = head_dim**-0.5
     scores = _aot_scores(q, k, lse, causal, features or {}, scale)
     if kind == "fwd":
@@ -1325,7 +1340,8 @@ def aot_cases(dtypes=(torch.float16, torch.bfloat16, torch.float32), head_dims=H
             # The candidates _select_config offers the variant: a window takes the causal ones.
             tuned_causal = causal or "window_left" in (keywords or {})
             for kind in KINDS:
-                featured = dict(features=keywords is not None, dropout="dropout_p" in (keywords or {}))
+                score_features = set(keywords or {}) - {"varlen"}  # packed sequences take the plain candidates
+                featured = dict(features=bool(score_features), dropout="dropout_p" in score_features)
                 everywhere = candidates(kind, head_dim, dtype, causal=tuned_causal, **featured)
                 for config in candidates(kind, head_dim, dtype, hopper=True, causal=tuned_causal, **featured):
                     bm, bn, w, st = config

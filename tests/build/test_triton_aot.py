@@ -51,9 +51,10 @@ def _layer_norm_ci_cases(kernels):
 # and the fixed-table entries at the ragged one; and the fixed-table entries, 16-divisible, of
 # causal bf16 at the padded head dim 96 and at 256 and of causal fp32 at 64 and 256 (the fp32
 # tiles with the least register headroom). The kernel variants with a window, softcapping, ALiBi
-# or dropout (AOT_FEATURES): the fixed-table entries, 16-divisible, of bf16 at 64 and 128
-# and of fp32 at 64, for the variant with the first three (the most live values) and for dropout;
-# REMAT_AOT_FULL=1 compiles each variant with every candidate.
+# or dropout and the packed (varlen) ones (AOT_FEATURES): the fixed-table entries, 16-divisible, of
+# bf16 at 64 and 128 and of fp32 at 64, for the variant with the first three (the most live values),
+# for dropout, and for varlen plain and with a window, ALiBi and dropout; REMAT_AOT_FULL=1 compiles
+# each variant with every candidate.
 _ATTENTION_SUBSET = [(dict(dtypes=(torch.bfloat16,), head_dims=(64, 128), features=()),
                       lambda case: case["shape"] == "div16" or case["table"]),
                      (dict(dtypes=(torch.bfloat16,), head_dims=(96, 256), causals=(True,), shapes=("div16",),
@@ -63,10 +64,10 @@ _ATTENTION_SUBSET = [(dict(dtypes=(torch.bfloat16,), head_dims=(64, 128), featur
                            features=()),
                       lambda case: case["table"]),
                      (dict(dtypes=(torch.bfloat16,), head_dims=(64, 128), causals=(), shapes=("div16",),
-                           features=("window-softcap-alibi", "dropout")),
+                           features=("window-softcap-alibi", "dropout", "varlen", "varlen-window-alibi-dropout")),
                       lambda case: case["table"]),
                      (dict(dtypes=(torch.float32,), head_dims=(64,), causals=(), shapes=("div16",),
-                           features=("window-softcap-alibi", "dropout")),
+                           features=("window-softcap-alibi", "dropout", "varlen", "varlen-window-alibi-dropout")),
                       lambda case: case["table"])]
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from remat import bench
-from remat.bench import attention, block, report
+from remat.bench import attention, attention_varlen, block, report
 from remat.bench.cases import Timer, measure_case
 from remat.gpt import RematGPTBlock
 
@@ -46,6 +46,17 @@ def test_mlp_memory_is_the_exact_saved_byte_count():
     assert results[("mlp", "torch")].saved_bytes == 2 * tokens * ffn * 4
     assert results[("ln_mlp", remat_name)].saved_bytes == tokens * ffn * 4 + stats
     assert results[("ln_mlp", "torch")].saved_bytes == tokens * hidden * 4 + 2 * tokens * ffn * 4 + stats
+
+
+def test_varlen_memory_is_the_lse_and_cu_seqlens():
+    """Beyond the packed q, k, v and the output (the caller's), remat.attention_varlen keeps the fp32
+    lse (heads x total tokens) and the int32 cu_seqlens; the padded run keeps the padded copies too."""
+    (longest, count, heads, _), = attention_varlen.CPU_MIXES
+    total = sum(attention_varlen.length_mix(longest, count))
+    results = {name: r for (_, name), r in _measured("attention_varlen").items()}
+    remat_name = next(name for name in results if name.startswith("remat-") and name != "remat-padded")
+    assert results[remat_name].saved_bytes == 4 * heads * total + 4 * (count + 1)
+    assert results["remat-padded"].saved_bytes > 3 * 4 * heads * total
 
 
 def test_block_memory_per_layer_in_sbh():
