@@ -245,24 +245,27 @@ def test_dropout_stays_equivalent_in_training():
         assert rel_error(grads_c[key], grads[key]) < GRAD_TOL, key
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["full", "padded"])
 @pytest.mark.parametrize("family, dropout", [("gpt2", {"attn_pdrop": 0.1}),
                                              ("bert", {"attention_probs_dropout_prob": 0.1}),
                                              ("qwen2", {"attention_dropout": 0.1, "use_cache": False})])
-def test_default_attention_dropout_runs_remat_attention_reproducibly(family, dropout):
+def test_default_attention_dropout_runs_remat_attention_reproducibly(family, dropout, padded):
     """GPT-2 and BERT with their default attention dropout (0.1), and a Llama-like family's, in
-    training: remat.attention draws its
-    own mask (Philox, regenerated in the backward), so the same seed gives bitwise the same loss and
-    gradients, another seed another loss."""
+    training, on a full batch (remat.attention) and a right-padded one (remat.attention_varlen): remat
+    draws its own mask (Philox, regenerated in the backward), so the same seed gives bitwise the same
+    loss and gradients, another seed another loss."""
     stock, _ = build(family, **dropout)
     converted = conv.convert(stock)
     batch = inputs(family, "cpu")
+    if padded:
+        batch = padded_batch(batch, "right", causal=family != "bert")
 
     def step(seed):
         torch.manual_seed(seed)
         return loss_and_grads(converted, batch)
 
-    (loss, grads), calls = remat_attention_calls(lambda: step(3))
-    assert calls == LAYERS
+    (loss, grads), varlen, dense = varlen_attention_calls(lambda: step(3))
+    assert (varlen, dense) == ((LAYERS, 0) if padded else (0, LAYERS))
     again, grads_again = step(3)
     assert torch.equal(loss, again)
     assert all(torch.equal(grads[k], grads_again[k]) for k in grads if grads[k] is not None)
