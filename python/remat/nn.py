@@ -432,7 +432,8 @@ class MultiheadSelfAttention(torch.nn.Module):
     in_proj_bias, out_proj.weight, out_proj.bias); with num_kv_heads < num_heads (GQA/MQA) the
     in-projection has (num_heads + 2 * num_kv_heads) * head_dim rows: q's, then k's, then v's.
     Autograd keeps q, k, v, the attention output and an fp32 log-sum-exp per row, never the
-    seq x seq probabilities. Input (batch, seq, embed_dim), or (seq, batch, embed_dim) when
+    seq x seq probabilities (dropout, in training, is remat.attention's dropout_p: its mask is
+    regenerated in the backward, never stored). Input (batch, seq, embed_dim), or (seq, batch, embed_dim) when
     batch_first=False.
 
     forward(x) returns the output tensor. Modules built by from_torch keep MultiheadAttention's
@@ -444,8 +445,8 @@ class MultiheadSelfAttention(torch.nn.Module):
     def __init__(self, embed_dim, num_heads, bias=True, causal=False, num_kv_heads=None, dropout=0.0,
                  batch_first=True, device=None, dtype=None):
         super().__init__()
-        if dropout != 0.0:
-            raise ValueError(f"dropout must be 0.0: remat attention has no dropout, got {dropout!r}")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+            raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads < 1 or embed_dim % num_heads != 0:
             raise ValueError(f"num_heads must be >= 1 and divide embed_dim {embed_dim}, got {num_heads}")
@@ -455,7 +456,7 @@ class MultiheadSelfAttention(torch.nn.Module):
             raise TypeError(f"causal must be True or False, got {causal!r}")
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim = embed_dim // num_heads
-        self.causal, self.batch_first = causal, batch_first
+        self.causal, self.batch_first, self.dropout = causal, batch_first, float(dropout)
         self.mha_call_convention = False
         factory = {"device": device, "dtype": dtype}
         rows = (num_heads + 2 * num_kv_heads) * self.head_dim
@@ -484,7 +485,7 @@ class MultiheadSelfAttention(torch.nn.Module):
             x = x.transpose(0, 1)
         out = multihead_self_attention(
             x, self.in_proj_weight, self.in_proj_bias, self.out_proj.weight, self.out_proj.bias,
-            self.num_heads, self.num_kv_heads, self.causal,
+            self.num_heads, self.num_kv_heads, self.causal, self.dropout if self.training else 0.0,
         )
         if not self.batch_first:
             out = out.transpose(0, 1)
@@ -498,11 +499,10 @@ class MultiheadSelfAttention(torch.nn.Module):
             raise TypeError(f"mha must be a torch.nn.MultiheadAttention, got {type(mha).__name__}")
         if not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.add_zero_attn:
             raise ValueError("mha must use one packed in-projection, without add_bias_kv or add_zero_attn")
-        if mha.dropout != 0.0:
-            raise ValueError(f"mha.dropout must be 0.0: remat attention has no dropout, got {mha.dropout}")
         weight = mha.in_proj_weight
         new = cls(mha.embed_dim, mha.num_heads, bias=mha.in_proj_bias is not None, causal=causal,
-                  batch_first=mha.batch_first, device=weight.device, dtype=weight.dtype)
+                  dropout=mha.dropout, batch_first=mha.batch_first, device=weight.device, dtype=weight.dtype)
+        new.train(mha.training)
         with torch.no_grad():
             new.in_proj_weight.copy_(weight)
             if mha.in_proj_bias is not None:

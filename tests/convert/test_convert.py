@@ -251,9 +251,23 @@ def test_attention_falls_back_to_torch_where_remat_does_not_apply():
     assert spy.call_count == 1  # only the verified causal self-attention call ran on remat
     assert set(ours.__dict__["remat_fallbacks"]) == {  # the calls that ran stock, each counted
         "not self-attention", "need_weights=True", "key_padding_mask", "attn_mask other than the causal mask"}
-    dropped = conv.convert(nn.MultiheadAttention(32, 2, dropout=0.5, batch_first=True))
-    assert dropped.remat_fallback_reason(x, x, x, None, False, None, False) == "attention dropout"
-    assert dropped.eval().remat_fallback_reason(x, x, x, None, False, None, False) is None
+
+
+def test_attention_dropout_runs_on_remat_reproducibly():
+    """Dropout in training: remat.attention's dropout_p (its own mask: reproducible by seed, not
+    torch's draws); in eval the stock result."""
+    stock = randomize(nn.MultiheadAttention(32, 2, dropout=0.5, batch_first=True))
+    ours = conv.convert(copy.deepcopy(stock))
+    x = torch.randn(2, 6, 32)
+    with spy_on(torch_modules, "multihead_self_attention") as spy:
+        torch.manual_seed(0)
+        first = ours(x, x, x, need_weights=False)[0]
+        torch.manual_seed(0)
+        again = ours(x, x, x, need_weights=False)[0]
+    assert spy.call_count == 2 and spy.call_args.args[-1] == 0.5
+    assert torch.equal(first, again) and not torch.equal(first, ours.eval()(x, x, x, need_weights=False)[0])
+    torch.testing.assert_close(ours(x, x, x, need_weights=False)[0], stock.eval()(x, x, x, need_weights=False)[0],
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_attention_under_autocast_stays_on_remat():

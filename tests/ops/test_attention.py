@@ -331,11 +331,26 @@ def test_module_gqa_and_errors(target):
     out.sum().backward()
     assert all(p.grad is not None for p in module.parameters())
     with pytest.raises(ValueError, match="dropout"):
-        cls(64, 4, dropout=0.1)
+        cls(64, 4, dropout=1.0)
     with pytest.raises(ValueError, match="num_kv_heads"):
         cls(64, 4, num_kv_heads=3)
-    with pytest.raises(ValueError, match="dropout"):
-        cls.from_torch(torch.nn.MultiheadAttention(64, 4, dropout=0.1))
+
+
+def test_module_dropout_in_training_only_and_reproducibly(target):
+    """dropout (from_torch takes mha's): remat.attention's dropout_p in training, reproducible by
+    seed; none in eval, where it equals the stock module."""
+    device, _ = target
+    stock = torch.nn.MultiheadAttention(64, 2, dropout=0.3, batch_first=True).to(device)
+    ours = _module_class().from_torch(stock)
+    x = torch.randn(2, 9, 64, device=device)
+    torch.manual_seed(1)
+    first, _ = ours(x, x, x, need_weights=False)
+    torch.manual_seed(1)
+    again, _ = ours(x, x, x, need_weights=False)
+    assert torch.equal(first, again)
+    evaluated, _ = ours.eval()(x, x, x, need_weights=False)
+    assert not torch.equal(first, evaluated)
+    assert rel_error(evaluated, stock.eval()(x, x, x, need_weights=False)[0]) < 1e-5
 
 
 # --- bad input ---------------------------------------------------------------------------------

@@ -293,6 +293,8 @@ ATTENTION_ERRORS = [
          ValueError, "key", r"key and value must be None or the query"),
     case("nn.MultiheadSelfAttention", "need_weights", lambda: MHA(rand(1, 8, 64), need_weights=True),
          ValueError, "need_weights", r"need_weights must be False"),
+    case("nn.MultiheadSelfAttention", "dropout", lambda: remat.nn.MultiheadSelfAttention(64, 4, dropout=1.0),
+         ValueError, "dropout", r"dropout must be a float in \[0, 1\), got 1\.0"),
     case("nn.MultiheadSelfAttention", "num_kv_heads", lambda: remat.nn.MultiheadSelfAttention(64, 4, num_kv_heads=3),
          ValueError, "num_kv_heads", r"num_kv_heads must be >= 1 and divide num_heads 4, got 3"),
 ]

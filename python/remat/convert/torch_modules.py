@@ -40,9 +40,11 @@ class RematMultiheadAttention(nn.MultiheadAttention):
     Same constructor, parameters, state_dict keys and call convention. remat's path runs when
     the call is self-attention (query is key is value, a 3-D batch), need_weights=False, no
     key_padding_mask, attn_mask None (or exactly the causal mask with is_causal=True; under
-    torch.compile any (seq, seq) mask with is_causal=True, see _is_causal_mask), no dropout in
-    effect, a packed in-projection without bias_k/add_zero_attn, and the input in the parameters'
-    dtype or autocast on. Every other call runs the stock
+    torch.compile any (seq, seq) mask with is_causal=True, see _is_causal_mask), a packed
+    in-projection without bias_k/add_zero_attn, and the input in the parameters' dtype or autocast
+    on. Dropout in training runs on remat.attention's dropout_p (its own mask, drawn from torch's
+    generator and regenerated in the backward: the same distribution, not the same draws as
+    torch's). Every other call runs the stock
     nn.MultiheadAttention.forward, so conversion never breaks a model that worked. The
     remat path returns (output, None): no attention weights, as need_weights=False does.
     Autograd then keeps q, k, v, the output and fp32 log-sum-exps, never seq x seq.
@@ -60,8 +62,6 @@ class RematMultiheadAttention(nn.MultiheadAttention):
             return "unbatched input"
         if not self._qkv_same_embed_dim or self.bias_k is not None or self.add_zero_attn:
             return "unpacked in-projection, bias_k or add_zero_attn"
-        if self.dropout > 0 and self.training:
-            return "attention dropout"
         # Under autocast the projections autocast, as torch's own do; outside it, a dtype mismatch is
         # torch's error, which the stock forward raises.
         if autocast_dtype(query.device.type) is None and query.dtype != self.in_proj_weight.dtype:
@@ -85,7 +85,7 @@ class RematMultiheadAttention(nn.MultiheadAttention):
         x = query if self.batch_first else query.transpose(0, 1)
         out = multihead_self_attention(
             x, self.in_proj_weight, self.in_proj_bias, self.out_proj.weight, self.out_proj.bias,
-            self.num_heads, self.num_heads, attn_mask is not None,
+            self.num_heads, self.num_heads, attn_mask is not None, self.dropout if self.training else 0.0,
         )
         return (out if self.batch_first else out.transpose(0, 1)), None
 

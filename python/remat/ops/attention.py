@@ -497,8 +497,8 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, attn_
 
 
 def multihead_self_attention(x, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias, num_heads,
-                             num_kv_heads, causal=False):
-    """out_proj(attention(split_heads(in_proj(x)))) for x (batch, seq, embed_dim).
+                             num_kv_heads, causal=False, dropout_p=0.0):
+    """out_proj(attention(split_heads(in_proj(x)))) for x (batch, seq, embed_dim); dropout_p as attention's.
 
     in_proj_weight: ((num_heads + 2 * num_kv_heads) * head_dim, embed_dim), the rows of q, then
     k, then v (torch.nn.MultiheadAttention's packing when num_kv_heads == num_heads).
@@ -512,7 +512,7 @@ def multihead_self_attention(x, in_proj_weight, in_proj_bias, out_proj_weight, o
     q = q.unflatten(-1, (num_heads, head_dim)).transpose(1, 2)
     k = k.unflatten(-1, (num_kv_heads, head_dim)).transpose(1, 2)
     v = v.unflatten(-1, (num_kv_heads, head_dim)).transpose(1, 2)
-    o = attention(q, k, v, causal=causal)
+    o = attention(q, k, v, causal=causal, dropout_p=dropout_p)
     return F.linear(o.transpose(1, 2).reshape(batch, seq, num_heads * head_dim), out_proj_weight, out_proj_bias)
 
 
