@@ -422,6 +422,25 @@ def _dropout_seed(device):
     return torch.randint(-2**63, 2**63 - 1, (1,), dtype=torch.int64, device=device)
 
 
+def checked_call(q, causal, return_lse, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p):
+    """(softmax_scale as a float, the ops' feature arguments after softmax_scale) of a call of
+    attention or attention_varlen, its flags checked; with dropout, the seed drawn (see _dropout_seed)."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not math.isfinite(
+        softmax_scale
+    ):
+        raise ValueError(f"softmax_scale must be a finite float or None, got {softmax_scale!r}")
+    features = (window_left, window_right, softcap, alibi_slopes)
+    if dropout_p > 0:
+        features += (dropout_p, _dropout_seed(q.device))
+    return float(softmax_scale), features
+
+
 def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, attn_mask=None, window_size=(-1, -1),
               softcap=0.0, alibi_slopes=None, dropout_p=0.0):
     """softmax(softmax_scale * q k^T) v, like F.scaled_dot_product_attention, FlashAttention-style.
@@ -466,21 +485,8 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, attn_
         with torch.autocast(q.device.type, enabled=False):
             return attention(*cast_for_autocast(dtype, q, k, v), causal, softmax_scale, return_lse,
                              window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not math.isfinite(
-        softmax_scale
-    ):
-        raise ValueError(f"softmax_scale must be a finite float or None, got {softmax_scale!r}")
-    softmax_scale = float(softmax_scale)
-
-    features = (window_left, window_right, softcap, alibi_slopes)
-    if dropout_p > 0:
-        features += (dropout_p, _dropout_seed(q.device))
+    softmax_scale, features = checked_call(q, causal, return_lse, softmax_scale, window_left, window_right, softcap,
+                                           alibi_slopes, dropout_p)
     reason = _fallback_reason(q, k, v)
     if reason is not None:
         _warn_fallback_once(reason)

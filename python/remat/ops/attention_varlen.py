@@ -27,13 +27,13 @@ from .attention import (
     _check_dropout_p,
     _check_softcap,
     _check_window_size,
-    _dropout_seed,
     _fallback_reason,
     _unit_last_stride,
     _visible_mask,
     _warn_fallback_once,
     attention_grads_ref,
     attention_ref,
+    checked_call,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -244,27 +244,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     softcap = _check_softcap(softcap)
     _check_alibi_slopes(alibi_slopes, q, cu_seqlens_q.shape[0] - 1, q.shape[1], batch_is="sequences")
     dropout_p = _check_dropout_p(dropout_p)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
     dtype = autocast_dtype(q.device.type)
     if dtype is not None:  # as remat.attention: computed in the autocast dtype
         with torch.autocast(q.device.type, enabled=False):
             return attention_varlen(*cast_for_autocast(dtype, q, k, v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, causal, softmax_scale, return_lse, window_size, softcap,
                                     alibi_slopes, dropout_p)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not math.isfinite(
-        softmax_scale
-    ):
-        raise ValueError(f"softmax_scale must be a finite float or None, got {softmax_scale!r}")
-    softmax_scale = float(softmax_scale)
-
-    features = (window_left, window_right, softcap, alibi_slopes)
-    if dropout_p > 0:
-        features += (dropout_p, _dropout_seed(q.device))
+    softmax_scale, features = checked_call(q, causal, return_lse, softmax_scale, window_left, window_right, softcap,
+                                           alibi_slopes, dropout_p)
     reason = _fallback_reason(q, k, v)
     if reason is not None:  # the differentiable reference, sequence by sequence
         _warn_fallback_once(reason)
