@@ -34,9 +34,14 @@ def _plan(args):
 
     try:
         command.run(args.model, args.batch, args.seq, args.budget, device=args.device, json_path=args.json,
-                    dtype=_dtype(args.dtype))
+                    dtype=_dtype(args.dtype), budget_kind=args.budget_kind, optimizer=_optimizer(args.optimizer))
     except ValueError as error:  # a budget below the least the model can keep: one line, not a traceback
         sys.exit(f"remat plan: {error}")
+
+
+def _optimizer(text):
+    """--optimizer: a name of remat.planner.OPTIMIZER_STATES or bytes per parameter element."""
+    return int(text) if text is not None and text.isdigit() else text
 
 
 def _budget(text):
@@ -108,7 +113,13 @@ def parser():
     plan.add_argument("--model", default="gpt2-small", type=_model, help="as for remat memory")
     plan.add_argument("--batch", type=int, default=8)
     plan.add_argument("--seq", type=int, default=1024)
-    plan.add_argument("--budget", type=_budget, required=True, help="bytes kept for the backward: 12GiB, 500MB, ...")
+    plan.add_argument("--budget", type=_budget, required=True,
+                      help="bytes kept for the backward (or the step's peak, see --budget-kind): 12GiB, 500MB, ...")
+    plan.add_argument("--budget-kind", default="saved", choices=["saved", "peak"],
+                      help="saved: bytes kept for the backward; peak: a training step's peak on the device "
+                           "(parameters, gradients, --optimizer state, activations, the backward's largest transient)")
+    plan.add_argument("--optimizer", help="with --budget-kind peak: sgd, momentum, adam, adamw (states per parameter "
+                      "element in its dtype) or bytes per parameter element (12: fp32 master weights and Adam)")
     plan.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     plan.add_argument("--device", default="H100", choices=["A100", "H100", "H200", "cpu"],
                       help="whose constants predict the time of each choice")

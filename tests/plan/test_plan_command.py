@@ -62,3 +62,16 @@ def test_memory_with_a_budget_prints_the_plans_mix(capsys):
     assert printed.startswith("remat plan, 0.0001 GB kept for the backward: ") and "full" in printed
     _print_plan("tiny", 2, 16, 1e-7, torch.bfloat16, torch.device("cpu"))
     assert "below the least this model can keep" in capsys.readouterr().out
+
+
+def test_plan_command_with_a_peak_budget_counts_the_optimizer(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    main(["plan", "--model", "tiny", "--batch", "2", "--seq", "16", "--budget", "2MiB", "--budget-kind", "peak",
+          "--optimizer", "adam", "--device", "H200", "--json", str(path)])
+    plan = Plan.from_json(path.read_text())
+    assert plan.budget_kind == "peak" and plan.peak_bytes <= 2 * 2**20
+    with_bytes = tmp_path / "bytes.json"
+    main(["plan", "--model", "tiny", "--batch", "2", "--seq", "16", "--budget", "4MiB", "--budget-kind", "peak",
+          "--optimizer", "12", "--json", str(with_bytes)])  # 12 bytes per element: more than Adam's 2 x bf16
+    assert Plan.from_json(with_bytes.read_text()).fixed_bytes > plan.fixed_bytes
+    assert "predicted peak" in capsys.readouterr().out

@@ -38,6 +38,7 @@ class Work:
     kept_bytes: float = 0.0
     other_flops: float = 0.0
     other_bytes: float = 0.0
+    largest_output: int = 0  # the most bytes one op made (its gradient is as large: the peak model's)
 
 
 @dataclasses.dataclass
@@ -85,8 +86,9 @@ class _Recorder(TorchDispatchMode):
         scope = counter.scope[-1]
         kept = save_matmuls_and_attention(None, func) == CheckpointPolicy.MUST_SAVE
         new_bytes = sum(counter.made(t, scope) for t in _tensors(out))
+        work = counter.saves(scope).work
+        work.largest_output = max(work.largest_output, new_bytes)
         if scope != OUTSIDE:
-            work = counter.saves(scope).work
             flops = _flops(func, args, kwargs, out)
             if kept:
                 work.kept_flops += flops
