@@ -16,7 +16,8 @@ from remat.planner.solver import Option, brute_force, fastest_fitting, frontier
 from remat.policies import checkpoint_first
 from remat.saved import count_saved_bytes, saved_bytes
 
-from hf_models import assert_same_step, build, inputs
+from hf_models import GRAD_TOL, assert_same_step, build, grad_error, inputs, loss_and_grads
+from numerics import rel_error
 
 FAMILIES = ("gpt2", "vit", "llama")
 
@@ -201,3 +202,22 @@ def test_a_planned_model_compiles_and_trains_as_the_stock_one():
     torch.testing.assert_close(out, stack(x))
     for mine, stock in zip(planned.parameters(), stack.parameters()):
         torch.testing.assert_close(mine.grad, stock.grad)
+
+
+def test_a_compiled_hugging_face_model_with_fused_and_checkpointed_layers_trains_as_the_stock_one():
+    # torch.compile over remat's custom ops (one layer fused) and a checkpointed layer in one graph
+    model, _ = build("llama")
+    batch = inputs("llama", "cpu")
+    saves, _, _ = measure(model, batch)
+    least, stock_bytes = saves["full"].total_bytes(), saves["stock"].total_bytes()
+    plan = remat.plan(model, batch, least + (stock_bytes - least) * 3 // 10)
+    assert {"remat", "full"} <= set(plan.choices), plan.choices
+    planned = plan.apply(copy.deepcopy(model))
+    loss = torch.compile(planned, backend="aot_eager")(**batch).loss
+    loss.backward()
+    stock_loss, stock_grads = loss_and_grads(model, batch)
+    assert rel_error(loss.detach(), stock_loss) < GRAD_TOL
+    grads = {k: p.grad for k, p in planned.state_dict(keep_vars=True).items() if isinstance(p, torch.nn.Parameter)}
+    total = sum(g.double().norm().item() ** 2 for g in stock_grads.values() if g is not None) ** 0.5
+    for key, grad in stock_grads.items():
+        assert grad_error(grads[key], grad, total) < GRAD_TOL, key
