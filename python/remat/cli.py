@@ -108,7 +108,7 @@ def parser():
     memory.add_argument("--out", default="bench/out/memory", help="folder for the CSV and the PNG frontier")
     memory.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     memory.set_defaults(run=_memory)
-    plan = commands.add_parser("plan", help="the fastest per-layer mix of remat and checkpointing that keeps "
+    plan = commands.add_parser("plan", help="the fastest per-layer mix of remat, checkpointing and offloading that keeps "
                                "at most --budget bytes for the backward")
     plan.add_argument("--model", default="gpt2-small", type=_model, help="as for remat memory")
     plan.add_argument("--batch", type=int, default=8)
@@ -122,7 +122,8 @@ def parser():
                       "element in its dtype) or bytes per parameter element (12: fp32 master weights and Adam)")
     plan.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     plan.add_argument("--device", default="H100", choices=["A100", "H100", "H200", "cpu"],
-                      help="whose constants predict the time of each choice")
+                      help="whose constants predict the time of each choice; for a GPU, offloading a layer's "
+                           "saved tensors to host memory is a choice too")
     plan.add_argument("--json", help="also write the plan here (remat.Plan.from_json reads it)")
     plan.set_defaults(run=_plan)
     info = commands.add_parser("info", help="which backends are available and why")

@@ -51,7 +51,8 @@ def test_plan_command_prints_and_writes_the_plan(tmp_path, capsys):
 
 def test_plan_command_with_too_small_a_budget_names_the_least(capsys):
     with pytest.raises(SystemExit, match="below the least this model can keep at these inputs: [0-9]+ bytes"):
-        main(["plan", "--model", "tiny", "--batch", "2", "--seq", "16", "--budget", "1KiB"])
+        # planned for the CPU: no offloading, which could keep nothing on the device
+        main(["plan", "--model", "tiny", "--batch", "2", "--seq", "16", "--budget", "1KiB", "--device", "cpu"])
 
 
 def test_memory_with_a_budget_prints_the_plans_mix(capsys):
@@ -75,3 +76,11 @@ def test_plan_command_with_a_peak_budget_counts_the_optimizer(tmp_path, capsys):
           "--optimizer", "12", "--json", str(with_bytes)])  # 12 bytes per element: more than Adam's 2 x bf16
     assert Plan.from_json(with_bytes.read_text()).fixed_bytes > plan.fixed_bytes
     assert "predicted peak" in capsys.readouterr().out
+
+
+def test_plan_command_for_a_gpu_offloads_below_what_checkpointing_keeps(tmp_path):
+    path = tmp_path / "plan.json"
+    main(["plan", "--model", "tiny", "--batch", "2", "--seq", "16", "--budget", "1KiB", "--device", "H200",
+          "--json", str(path)])
+    plan = Plan.from_json(path.read_text())
+    assert "offload" in plan.choices and plan.saved_bytes <= 1024 < plan.host_bytes

@@ -46,6 +46,7 @@ class UnitSaves:
     internal_bytes: int = 0  # storages made inside the unit, not its outputs
     shared_keys: set = dataclasses.field(default_factory=set)  # keys of the other storages it keeps
     work: Work = dataclasses.field(default_factory=Work)
+    offloaded_bytes: int = 0  # "offload": the bytes its forward copied to the host
 
 
 @dataclasses.dataclass

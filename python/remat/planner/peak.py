@@ -47,11 +47,11 @@ def _optimizer_bytes(trained, optimizer):
                      f"parameter element >= 0, got {optimizer!r}")
 
 
-def transient_bytes(choice, stock, saves, offloaded_bytes=0):
+def transient_bytes(choice, stock, saves):
     """The peak model's transient of one unit's backward under `choice`: stock, the unit's stock
-    UnitSaves; saves, the choice's; offloaded_bytes: what an "offload" unit copies to the host."""
+    UnitSaves; saves, the choice's."""
     if choice == "offload":
-        rebuilt = offloaded_bytes
+        rebuilt = saves.offloaded_bytes
     else:
         rebuilt = max(0, stock.internal_bytes - saves.internal_bytes)
     return rebuilt + 2 * stock.work.largest_output
