@@ -108,8 +108,8 @@ def parser():
     memory.add_argument("--out", default="bench/out/memory", help="folder for the CSV and the PNG frontier")
     memory.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     memory.set_defaults(run=_memory)
-    plan = commands.add_parser("plan", help="the fastest per-layer mix of remat, checkpointing and offloading that keeps "
-                               "at most --budget bytes for the backward")
+    plan = commands.add_parser("plan", help="the fastest per-layer mix of remat, checkpointing and offloading "
+                               "that keeps at most --budget bytes for the backward")
     plan.add_argument("--model", default="gpt2-small", type=_model, help="as for remat memory")
     plan.add_argument("--batch", type=int, default=8)
     plan.add_argument("--seq", type=int, default=1024)

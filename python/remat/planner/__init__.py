@@ -10,9 +10,9 @@ counted exactly, once per choice for all units at once (counting.py), on the dev
 inputs: pass meta tensors (and a model on meta) to count at any size without memory. The time of
 each choice comes from a cost model (cost.py) and the exact solver (solver.py) picks the fastest
 plan that fits. On a GPU (or planning for one from meta tensors, device="H200"), offloading a
-block's saved tensors to pinned host memory is a choice too (offload.py). budget_kind="peak" makes the budget a whole training step's peak on the device:
-parameters, gradients, optimizer state, the bytes kept and the backward's largest transient (a
-model: peak.py).
+block's saved tensors to pinned host memory is a choice too (offload.py). budget_kind="peak"
+makes the budget a whole training step's peak on the device: parameters, gradients, optimizer
+state, the bytes kept and the backward's largest transient (a model: peak.py).
 """
 
 import copy
@@ -201,7 +201,8 @@ def plan(model, example_inputs, budget, budget_kind="saved", device=None, optimi
         device = tensors[0].device if tensors else "cpu"
     constants = device_constants(device)
     fixed = fixed_bytes(model, optimizer) if budget_kind == "peak" else 0
-    saves, paths, fusable = measure(model, example_inputs, CHOICES if offers_offload(constants, example_inputs) else ON_ANY_DEVICE)
+    choices = CHOICES if offers_offload(constants, example_inputs) else ON_ANY_DEVICE
+    saves, paths, fusable = measure(model, example_inputs, choices)
     outside = _same_outside(saves)
     key_bytes = {k: b for s in saves.values() for k, b in s.key_bytes.items()}
     options = [_unit_options(saves, i, fusable[i], constants) for i in range(len(paths))]
