@@ -1,6 +1,7 @@
 """The `remat` command: `remat bench` (kernel microbenchmarks), `remat memory` (a model's memory/time
-trade-off under each policy), `remat plan` (the fastest per-layer mix of policies for a budget) and
-`remat info` (the available backends)."""
+trade-off under each policy), `remat plan` (the fastest per-layer mix of policies for a budget),
+`remat calibrate` (the planner's constants measured on this GPU) and `remat info` (the available
+backends)."""
 
 import argparse
 import sys
@@ -51,6 +52,18 @@ def _budget(text):
         return parse_bytes(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _calibrate(_args):
+    from .planner import calibrate
+
+    try:
+        constants = calibrate.calibrate()
+    except RuntimeError as error:
+        sys.exit(f"remat calibrate: {error}")
+    print(f"{constants.name}: matmul {constants.flops_per_s / 1e12:.0f} TFLOP/s, memory "
+          f"{constants.bytes_per_s / 1e9:.0f} GB/s, host link {constants.host_bytes_per_s / 1e9:.1f} GB/s; "
+          f"cached in {calibrate.cache_path()}")
 
 
 def _info(_args):
@@ -126,6 +139,8 @@ def parser():
                            "saved tensors to host memory is a choice too")
     plan.add_argument("--json", help="also write the plan here (remat.Plan.from_json reads it)")
     plan.set_defaults(run=_plan)
+    calibrate = commands.add_parser("calibrate", help="measure this GPU's constants for remat plan and cache them")
+    calibrate.set_defaults(run=_calibrate)
     info = commands.add_parser("info", help="which backends are available and why")
     info.set_defaults(run=_info)
     return top

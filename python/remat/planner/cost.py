@@ -45,9 +45,12 @@ DEVICES = {d.name: d for d in (
 
 def device_constants(device):
     """The Device for a name of DEVICES, or for a torch device (a GPU by its name); a ValueError
-    naming `device` otherwise."""
+    naming `device` otherwise. A GPU's constants that remat.calibrate() measured and cached come
+    before the table's (calibrate.py)."""
+    from .calibrate import cached, calibrated
+
     if isinstance(device, str) and device in DEVICES:
-        return DEVICES[device]
+        return (device != "cpu" and calibrated(device)) or DEVICES[device]
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError):
@@ -56,6 +59,8 @@ def device_constants(device):
         return DEVICES["cpu"]
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(device)
+        if gpu in cached():
+            return cached()[gpu]
         for name, constants in DEVICES.items():
             if name in gpu:
                 return constants
