@@ -15,6 +15,6 @@ from .planner.calibrate import calibrate
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "backends", "calibrate", "convert", "gated_activation", "gelu", "get_backend", "layer_norm", "layer_norm_linear",
-    "mlp", "nn", "ops", "Plan", "plan", "revert", "rms_norm", "set_backend", "use_backend",
+    "attention", "backends", "calibrate", "convert", "gated_activation", "gelu", "get_backend", "layer_norm",
+    "layer_norm_linear", "mlp", "nn", "ops", "Plan", "plan", "revert", "rms_norm", "set_backend", "use_backend",
 ]
