@@ -94,15 +94,17 @@ def test_the_counter_agrees_with_remat_saved_on_stock_and_checkpointed_models():
     # the inputs belong to the caller (labels are saved by the loss): left out by both
     exclude = [*model.parameters(), *batch.values()]
     assert saved_bytes_of(model, batch) == saved_bytes(lambda: model(**batch), exclude=exclude)
-    # remat.gpt stacks: units are the blocks, and full checkpointing counts as remat.saved counts it
+    # remat.gpt stacks: units are the blocks, and full checkpointing and remat.convert's fusion
+    # count as remat.saved counts them
     stack = torch_stack(GPTConfig(hidden=64, heads=2, layers=3))
     x = torch.randn(2, 9, 64, requires_grad=True)
     saves, paths, fusable = measure(stack, (x,))
-    assert paths == ["0", "1", "2"] and not any(fusable)  # remat.convert does not fuse TorchGPTBlock
-    for choice, stacked in (("stock", stack), ("full", checkpoint_first(stack, None))):
+    assert paths == ["0", "1", "2"] and all(fusable)  # remat.convert fuses TorchGPTBlock through torch.fx
+    for choice, stacked in (("stock", stack), ("full", checkpoint_first(stack, None)),
+                            ("remat", remat.convert(stack))):
         assert saves[choice].total_bytes() == count_saved_bytes(stacked, x, offload=False)[0]
-    plan = remat.plan(stack, (x,), saves["full"].total_bytes())
-    assert "remat" not in plan.choices
+    plan = remat.plan(stack, (x,), saves["remat"].total_bytes())
+    assert set(plan.choices) == {"remat"}
 
 
 def test_counting_on_meta_matches_the_cpu_count_for_remat_layers():
@@ -194,7 +196,7 @@ def test_a_planned_model_compiles_and_trains_as_the_stock_one():
     x = torch.randn(2, 8, 32, requires_grad=True)
     saves, _, _ = measure(stack, (x,))
     plan = remat.plan(stack, (x,), (saves["full"].total_bytes() + saves["selective"].total_bytes()) // 2)
-    assert {"full", "selective"} <= set(plan.choices)
+    assert {"full", "remat"} <= set(plan.choices)  # a block fused through torch.fx beside a checkpointed one
     planned = plan.apply(copy.deepcopy(stack))
     out = torch.compile(planned, backend="aot_eager")(x)
     out.sum().backward()

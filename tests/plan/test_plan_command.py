@@ -84,3 +84,17 @@ def test_plan_command_for_a_gpu_offloads_below_what_checkpointing_keeps(tmp_path
           "--json", str(path)])
     plan = Plan.from_json(path.read_text())
     assert "offload" in plan.choices and plan.saved_bytes <= 1024 < plan.host_bytes
+
+
+def test_a_fused_gpt_block_on_meta_keeps_what_the_design_notes_say():
+    # remat's choice for a remat.gpt stock block (fused through torch.fx, SDPA stock): 20 sbh per
+    # block in bf16, not 32 (LayerNormLinear keeps x, not LN(x); LayerNormMLP keeps fc1's output only)
+    batch, seq, hidden, heads = 2, 64, 64, 2
+    stack = torch_stack(GPTConfig(hidden=hidden, heads=heads, layers=2), device="meta", dtype=torch.bfloat16)
+    x = torch.empty(batch, seq, hidden, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    saves, _, fusable = measure(stack, (x,))
+    assert fusable == [True, True]
+    sbh, rows = seq * batch * hidden, seq * batch
+    second = saves["remat"].units[1]
+    kept = second.internal_bytes + sum(saves["remat"].key_bytes[k] for k in second.shared_keys)
+    assert 0 <= kept - (20 * sbh + 2 * 8 * rows + 4 * heads * rows) <= 32
