@@ -94,6 +94,22 @@ def test_offloading_forced_on_cpu_tensors_trains_as_the_stock_model_and_reverts(
     assert saved_bytes_of(planned, batch) == saved_bytes_of(model, batch)
 
 
+def test_a_compiled_model_with_an_offloaded_block_trains_as_the_stock_one():
+    # the offloaded block runs eagerly inside the compiled model (a graph break of its own)
+    stack = torch_stack(GPTConfig(hidden=32, heads=2, layers=2))
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    planned = copy.deepcopy(stack)
+    apply_choices(planned, ["0", "1"], ["offload", "stock"])
+    out = torch.compile(planned, backend="aot_eager")(x)
+    out.sum().backward()
+    assert planned[0].remat_offload.host_bytes > 0  # its hooks ran
+    expected = stack(x)
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected)
+    for mine, stock in zip(planned.parameters(), stack.parameters()):
+        torch.testing.assert_close(mine.grad, stock.grad)
+
+
 def test_the_offload_cost_is_the_transfer_not_hidden_by_compute():
     link = 10e9
     device = Device("test", flops_per_s=1e12, bytes_per_s=1e11, host_bytes_per_s=link)

@@ -109,6 +109,9 @@ def _bring_back(group):
         saved.host = None  # the pinned buffer returns to torch's host cache once the copy is done
 
 
+# Under torch.compile an offloaded unit runs eagerly, a graph break of its own: Dynamo recurses
+# without end resuming after these hooks' context (torch 2.14), and the copies are host-side work.
+@torch.compiler.disable
 def offloaded_forward(module, offload, *args, **kwargs):
     """`module`'s class forward with its saved tensors offloaded (no hooks without a backward)."""
     forward = type(module).forward.__get__(module)
