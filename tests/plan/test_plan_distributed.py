@@ -3,18 +3,15 @@ unplanned model in one process.
 
 Each worker builds the same stack (same seed), plans it for its half of the batch (the budget is
 per rank: the shapes a rank sees), applies the plan, wraps every block and the stack with
-fully_shard, and saves its loss and its gradients (gathered from the shards) to a file, in one
-spawn as tests/convert/test_distributed.py does.
+fully_shard, and returns its loss and its gradients (gathered from the shards), in one spawn
+(gloo_ranks.run_ranks) as tests/convert/test_distributed.py does.
 """
-
-import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-WORLD = 2
+from gloo_ranks import WORLD, full_grads, run_ranks
+
 BATCH, SEQ, HIDDEN, HEADS, LAYERS = 4, 8, 32, 2, 3
 
 
@@ -34,14 +31,6 @@ def _loss(model, x, target):
     return torch.nn.functional.mse_loss(model(x), target)
 
 
-def _grads(model):
-    out = {}
-    for key, p in model.state_dict(keep_vars=True).items():
-        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad  # FSDP2: a sharded DTensor
-        out[key] = grad.detach().clone()
-    return out
-
-
 def _mixed_plan(model, x_shard):
     """A plan for one rank's inputs whose budget leaves some blocks stock and checkpoints others."""
     import remat
@@ -52,56 +41,36 @@ def _mixed_plan(model, x_shard):
     return remat.plan(model, (x_shard,), budget)
 
 
-def _worker(rank, port, out_dir):
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton, as conftest does
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _worker(rank):
+    x, target = _data()
+    shard = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    model = _stack()
+    plan = _mixed_plan(model, x[shard].clone())
+    plan.apply(model)
+    results = {"choices": plan.choices}
     try:
-        x, target = _data()
-        shard = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
-        model = _stack()
-        plan = _mixed_plan(model, x[shard].clone())
-        plan.apply(model)
-        results = {"choices": plan.choices}
-        try:
-            from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import fully_shard
 
-            for block in model:
-                fully_shard(block)
-            fully_shard(model)
-            loss = _loss(model, x[shard], target[shard])
-            loss.backward()
-            results.update(loss=loss.detach(), grads=_grads(model))
-        except Exception as error:  # noqa: BLE001 - reported as the skip reason
-            results["fsdp_error"] = f"{type(error).__name__}: {error}"
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        for block in model:
+            fully_shard(block)
+        fully_shard(model)
+        loss = _loss(model, x[shard], target[shard])
+        loss.backward()
+        results.update(loss=loss.detach(), grads=full_grads(model))
+    except Exception as error:  # noqa: BLE001 - reported as the skip reason
+        results["fsdp_error"] = f"{type(error).__name__}: {error}"
+    return results
 
 
 def test_a_planned_model_under_fsdp2_trains_as_the_unplanned_one(tmp_path):
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with the gloo backend is not available")
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    ranks = run_ranks(_worker, tmp_path)
     if "fsdp_error" in ranks[0]:
         pytest.skip(f"FSDP2 (fully_shard) on CPU/gloo failed with this torch: {ranks[0]['fsdp_error']}")
     assert ranks[0]["choices"] == ranks[1]["choices"] and len(set(ranks[0]["choices"])) > 1  # a mixed plan
     stock = _stack()
     x, target = _data()
     _loss(stock, x, target).backward()
-    want = _grads(stock)
+    want = full_grads(stock)
     halves = [_loss(stock, x[r * BATCH // WORLD:(r + 1) * BATCH // WORLD], target[r * BATCH // WORLD:
                                                                                   (r + 1) * BATCH // WORLD])
               for r in range(WORLD)]
