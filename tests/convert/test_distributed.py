@@ -1,8 +1,9 @@
 """A converted model under DDP and FSDP2 on two CPU processes (gloo) gives the gradients of one process.
 
 Each worker converts the same tiny model (same seed), takes half of the batch, and returns its
-gradients (after DDP's all-reduce, or FSDP2's reduce-scatter, gathered); the test compares them with one process running the whole batch. Both runs happen in one spawn, to keep
-process start-up (torch + triton imports) to once.
+gradients (after DDP's all-reduce, or FSDP2's reduce-scatter, gathered); the test compares them
+with one process running the whole batch. Both runs happen in one spawn, to keep process start-up
+(torch + triton imports) to once.
 """
 
 import pytest
