@@ -60,9 +60,10 @@ def test_counted_bytes_equal_the_prediction_and_fit_every_budget(meta_family):
         assert larger.extra_seconds <= smaller.extra_seconds
 
 
-def test_a_budget_that_remat_fits_uses_no_checkpointing(meta_family):
+@pytest.mark.parametrize("device", [None, "H200"])  # planned for a GPU, offloading is a choice too
+def test_a_budget_that_remat_fits_uses_no_checkpointing_nor_offloading(meta_family, device):
     model, batch, saves = meta_family
-    plan = remat.plan(model, batch, saves["remat"].total_bytes())
+    plan = remat.plan(model, batch, saves["remat"].total_bytes(), device=device)
     assert set(plan.choices) <= {"stock", "remat"} and "remat" in plan.choices
 
 

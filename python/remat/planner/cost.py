@@ -19,7 +19,10 @@ written once and read once) at the bandwidth.
 - offload: the bytes copied to the host go out during the forward and come back during the
   backward, each overlapped with the unit's compute (offload.py's side stream): extra time
   max(0, transfer - forward) + max(0, transfer - backward), the backward taken as twice the
-  forward. Each unit is taken alone: two offloaded units in a row share the link in truth.
+  forward; plus, never hidden, the copies' own device-memory traffic (each byte read once going
+  out and written once coming back, at the bandwidth the kernels share). Per byte kept less,
+  that traffic alone costs at least what remat's rebuilding does. Each unit is taken alone: two
+  offloaded units in a row share the link in truth.
 """
 
 import dataclasses
@@ -59,8 +62,9 @@ def device_constants(device):
         return DEVICES["cpu"]
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(device)
-        if gpu in cached():
-            return cached()[gpu]
+        measured = cached().get(gpu)
+        if measured is not None:
+            return measured
         for name, constants in DEVICES.items():
             if name in gpu:
                 return constants
@@ -87,5 +91,6 @@ def extra_seconds(choice, stock, saves, device):
         return forward
     if choice == "offload":
         transfer = saves.offloaded_bytes / device.host_bytes_per_s
-        return max(0.0, transfer - forward) + max(0.0, transfer - 2 * forward)
+        traffic = 2 * saves.offloaded_bytes / device.bytes_per_s
+        return max(0.0, transfer - forward) + max(0.0, transfer - 2 * forward) + traffic
     raise ValueError(f"unknown choice {choice!r}")

@@ -1,8 +1,9 @@
 """The "offload" choice: a unit's saved tensors go to host memory in its forward and come back for
 its backward, through saved-tensor hooks of our own rather than torch.autograd.graph.save_on_cpu.
 
-save_on_cpu copies each saved tensor to the host with a blocking copy on the compute stream: the
-GPU waits for every copy. Here, on CUDA:
+save_on_cpu copies each saved tensor on the compute stream (with pinned memory, non-blocking for
+the host, but in line with the kernels: each copy delays the kernels queued after it), and copies
+each one back only when the backward needs it. Here, on CUDA:
 - forward: each saved tensor is copied to pinned host memory with a non-blocking copy on a side
   stream (after the compute stream's work so far), so the copy runs while the forward computes;
   record_stream keeps the device tensor's memory from reuse until its copy is done.
@@ -11,8 +12,8 @@ GPU waits for every copy. Here, on CUDA:
   later ones arrive while the backward computes; the compute stream waits for each tensor's own
   copy only.
 Between the two, the device keeps nothing for the unit (its parameters and buffers, saved by
-reference, stay where they are and are not copied). The copies brought back live until the
-unit's backward is done: peak.py counts them as the unit's transient.
+reference, stay where they are and are not copied). The copies brought back live until autograd
+releases them after their node's backward: peak.py counts them all as the unit's transient.
 
 On CPU and meta tensors the same hooks copy into plain (not pinned) host tensors: the machinery,
 counts and results can be tested without a GPU, but nothing overlaps there, and plans for CPU

@@ -84,8 +84,8 @@ def fastest_fitting(front, budget):
 
 
 def fastest_under_peak(options, base_bytes, always_kept, key_bytes, budget, floor):
-    """The fastest plan whose saved bytes plus largest transient (at least `floor`) fit `budget`,
-    as (Candidate, its transient) or (None, None); and the least that sum can be."""
+    """(the fastest plan whose saved bytes plus largest transient, at least `floor`, fit `budget`,
+    or None; the transient it was planned with; the least that sum can be at all)."""
     best, best_transient, least = None, None, None
     caps = sorted({floor} | {o.transient_bytes for unit in options for o in unit if o.transient_bytes > floor})
     for cap in caps:
