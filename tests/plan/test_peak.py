@@ -54,12 +54,13 @@ def test_the_fixed_part_is_what_a_real_adam_step_holds(family):
     assert fixed_bytes(meta_model, optimizer=12) == weights + grads + 12 * sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.parametrize("device", [None, "H200"])  # for a GPU, offloading is a choice too
 @pytest.mark.parametrize("family", ["gpt2", "vit"])
-def test_every_plan_under_a_peak_budget_fits_it(family):
+def test_every_plan_under_a_peak_budget_fits_it(family, device):
     model, _ = build(family)
     model, batch = meta_copy(model), _on_meta(inputs(family, "cpu"))
-    least = _least_peak(model, batch, optimizer="adamw")
-    plans = [remat.plan(model, batch, budget, budget_kind="peak", optimizer="adamw")
+    least = _least_peak(model, batch, optimizer="adamw", device=device)
+    plans = [remat.plan(model, batch, budget, budget_kind="peak", optimizer="adamw", device=device)
              for budget in (least, least + 2000, least + 8000, 10**9)]
     assert len({tuple(p.choices) for p in plans}) >= 2
     for plan in plans:
