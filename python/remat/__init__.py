@@ -11,10 +11,12 @@ from .ops.gelu import gelu
 from .ops.layer_norm import layer_norm
 from .ops.rms_norm import rms_norm
 from .planner import Plan, plan
+from .planner.calibrate import calibrate
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "attention_varlen", "backends", "convert", "gated_activation", "gelu", "get_backend", "layer_norm",
-    "layer_norm_linear", "mlp", "nn", "ops", "Plan", "plan", "revert", "rms_norm", "set_backend", "use_backend",
+    "attention", "attention_varlen", "backends", "calibrate", "convert", "gated_activation", "gelu", "get_backend",
+    "layer_norm", "layer_norm_linear", "mlp", "nn", "ops", "Plan", "plan", "revert", "rms_norm", "set_backend",
+    "use_backend",
 ]

@@ -1,6 +1,7 @@
 """The `remat` command: `remat bench` (kernel microbenchmarks), `remat memory` (a model's memory/time
-trade-off under each policy), `remat plan` (the fastest per-layer mix of policies for a budget) and
-`remat info` (the available backends)."""
+trade-off under each policy), `remat plan` (the fastest per-layer mix of policies for a budget),
+`remat calibrate` (the planner's constants measured on this GPU) and `remat info` (the available
+backends)."""
 
 import argparse
 import sys
@@ -34,9 +35,14 @@ def _plan(args):
 
     try:
         command.run(args.model, args.batch, args.seq, args.budget, device=args.device, json_path=args.json,
-                    dtype=_dtype(args.dtype))
+                    dtype=_dtype(args.dtype), budget_kind=args.budget_kind, optimizer=_optimizer(args.optimizer))
     except ValueError as error:  # a budget below the least the model can keep: one line, not a traceback
         sys.exit(f"remat plan: {error}")
+
+
+def _optimizer(text):
+    """--optimizer: a name of remat.planner.OPTIMIZER_STATES or bytes per parameter element."""
+    return int(text) if text is not None and text.isdigit() else text
 
 
 def _budget(text):
@@ -46,6 +52,18 @@ def _budget(text):
         return parse_bytes(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _calibrate(_args):
+    from .planner import calibrate
+
+    try:
+        constants = calibrate.calibrate()
+    except RuntimeError as error:
+        sys.exit(f"remat calibrate: {error}")
+    print(f"{constants.name}: matmul {constants.flops_per_s / 1e12:.0f} TFLOP/s, memory "
+          f"{constants.bytes_per_s / 1e9:.0f} GB/s, host link {constants.host_bytes_per_s / 1e9:.1f} GB/s; "
+          f"cached in {calibrate.cache_path()}")
 
 
 def _info(_args):
@@ -103,17 +121,26 @@ def parser():
     memory.add_argument("--out", default="bench/out/memory", help="folder for the CSV and the PNG frontier")
     memory.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     memory.set_defaults(run=_memory)
-    plan = commands.add_parser("plan", help="the fastest per-layer mix of remat and checkpointing that keeps "
-                               "at most --budget bytes for the backward")
+    plan = commands.add_parser("plan", help="the fastest per-layer mix of remat, checkpointing and offloading "
+                               "that keeps at most --budget bytes for the backward")
     plan.add_argument("--model", default="gpt2-small", type=_model, help="as for remat memory")
     plan.add_argument("--batch", type=int, default=8)
     plan.add_argument("--seq", type=int, default=1024)
-    plan.add_argument("--budget", type=_budget, required=True, help="bytes kept for the backward: 12GiB, 500MB, ...")
+    plan.add_argument("--budget", type=_budget, required=True,
+                      help="bytes kept for the backward (or the step's peak, see --budget-kind): 12GiB, 500MB, ...")
+    plan.add_argument("--budget-kind", default="saved", choices=["saved", "peak"],
+                      help="saved: bytes kept for the backward; peak: a training step's peak on the device "
+                           "(parameters, gradients, --optimizer state, activations, the backward's largest transient)")
+    plan.add_argument("--optimizer", help="with --budget-kind peak: sgd, momentum, adam, adamw (states per parameter "
+                      "element in its dtype) or bytes per parameter element (12: fp32 master weights and Adam)")
     plan.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     plan.add_argument("--device", default="H100", choices=["A100", "H100", "H200", "cpu"],
-                      help="whose constants predict the time of each choice")
+                      help="whose constants predict the time of each choice; for a GPU, offloading a layer's "
+                           "saved tensors to host memory is a choice too")
     plan.add_argument("--json", help="also write the plan here (remat.Plan.from_json reads it)")
     plan.set_defaults(run=_plan)
+    calibrate = commands.add_parser("calibrate", help="measure this GPU's constants for remat plan and cache them")
+    calibrate.set_defaults(run=_calibrate)
     info = commands.add_parser("info", help="which backends are available and why")
     info.set_defaults(run=_info)
     return top

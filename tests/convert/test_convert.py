@@ -634,3 +634,31 @@ def test_attention_compiles_fullgraph(target, causal):
     x = torch.randn(2, 7, 32, device=device)
     assert any("remat.attention_fwd" in op for op in _compiled_ops(model, x))
     assert_compiled_matches_eager(model, x, tol=1e-4)
+
+
+def test_remat_gpt_stock_blocks_are_fused_through_fx_keeping_their_keys(target):
+    # remat.gpt's TorchGPTBlock is plain PyTorch layers: its LayerNorm -> qkv and LayerNorm -> MLP
+    # runs are fused in place (SDPA stays stock), so a plan can choose "remat" for such a stack
+    from remat.gpt import GPTConfig, torch_stack
+
+    device, _ = target
+    stock = randomize(torch_stack(GPTConfig(hidden=32, heads=2, layers=2), device=device))
+    reference = copy.deepcopy(stock)
+    ids = [id(p) for p in stock.parameters()]
+    converted, report = conv.convert(stock, inplace=True, report=True)
+    assert {row.path: row.action for row in report} == {
+        f"{i}.{norm}": f"fused to {kind} (torch.fx)"
+        for i in range(2) for norm, kind in (("ln_1", "LayerNormLinear"), ("ln_2", "LayerNormMLP"))}
+    assert [id(p) for p in converted.parameters()] == ids
+    assert list(converted.state_dict()) == list(reference.state_dict())
+    x = torch.randn(2, 7, 32, device=device, requires_grad=True)
+    fused_out = converted(x)
+    stock_out = reference(x)
+    torch.testing.assert_close(fused_out, stock_out, rtol=1e-5, atol=1e-5)
+    dy = torch.randn_like(stock_out)
+    fused_grads = torch.autograd.grad(fused_out, [x, *converted.parameters()], dy)
+    stock_grads = torch.autograd.grad(stock_out, [x, *reference.parameters()], dy)
+    for mine, theirs in zip(fused_grads, stock_grads):
+        assert rel_error(mine, theirs) < GRAD_TOL
+    conv.revert(converted)
+    assert not any("remat_fx" in vars(m) or "forward" in vars(m) for m in converted.modules())

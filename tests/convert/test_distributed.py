@@ -1,19 +1,16 @@
 """A converted model under DDP and FSDP2 on two CPU processes (gloo) gives the gradients of one process.
 
-Each worker converts the same tiny model (same seed), takes half of the batch, and saves its
-gradients (after DDP's all-reduce, or FSDP2's reduce-scatter, gathered) to a file; the test
-compares them with one process running the whole batch. Both runs happen in one spawn, to keep
-process start-up (torch + triton imports) to once.
+Each worker converts the same tiny model (same seed), takes half of the batch, and returns its
+gradients (after DDP's all-reduce, or FSDP2's reduce-scatter, gathered); the test compares them
+with one process running the whole batch. Both runs happen in one spawn, to keep process start-up
+(torch + triton imports) to once.
 """
-
-import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-WORLD = 2
+from gloo_ranks import WORLD, full_grads, run_ranks
+
 HIDDEN, FFN, BATCH, SEQ = 32, 64, 4, 8
 
 
@@ -51,65 +48,34 @@ def _loss(model, x, y):
     return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
 
-def _grads(model):
-    out = {}
-    for key, p in model.state_dict(keep_vars=True).items():
-        grad = p.grad
-        if hasattr(grad, "full_tensor"):  # FSDP2: a sharded DTensor
-            grad = grad.full_tensor()
-        out[key] = grad.detach().clone()
-    return out
-
-
-def _worker(rank, port, out_dir):
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton, as conftest does
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import torch.distributed as dist
-
+def _worker(rank):
     from remat.convert import convert
 
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    x, y = _data()
+    shard = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    ddp = torch.nn.parallel.DistributedDataParallel(convert(_model()))
+    _loss(ddp, x[shard], y[shard]).backward()
+    results = {"ddp": full_grads(ddp.module)}
+    fx_ddp = torch.nn.parallel.DistributedDataParallel(convert(_model("fx")))
+    _loss(fx_ddp, x[shard], y[shard]).backward()
+    results["ddp_fx"] = full_grads(fx_ddp.module)
     try:
-        x, y = _data()
-        shard = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
-        ddp = torch.nn.parallel.DistributedDataParallel(convert(_model()))
-        _loss(ddp, x[shard], y[shard]).backward()
-        results = {"ddp": _grads(ddp.module)}
-        fx_ddp = torch.nn.parallel.DistributedDataParallel(convert(_model("fx")))
-        _loss(fx_ddp, x[shard], y[shard]).backward()
-        results["ddp_fx"] = _grads(fx_ddp.module)
-        try:
-            from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import fully_shard
 
-            model = convert(_model())
-            for block in (model[0], model[4]):
-                fully_shard(block)
-            fully_shard(model)
-            _loss(model, x[shard], y[shard]).backward()
-            results["fsdp"] = _grads(model)
-        except Exception as error:  # noqa: BLE001 - reported as the skip reason
-            results["fsdp_error"] = f"{type(error).__name__}: {error}"
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        model = convert(_model())
+        for block in (model[0], model[4]):
+            fully_shard(block)
+        fully_shard(model)
+        _loss(model, x[shard], y[shard]).backward()
+        results["fsdp"] = full_grads(model)
+    except Exception as error:  # noqa: BLE001 - reported as the skip reason
+        results["fsdp_error"] = f"{type(error).__name__}: {error}"
+    return results
 
 
 @pytest.fixture(scope="module")
 def distributed_results(tmp_path_factory):
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with the gloo backend is not available")
-    out_dir = str(tmp_path_factory.mktemp("distributed"))
-    mp.spawn(_worker, args=(_free_port(), out_dir), nprocs=WORLD, join=True)
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(WORLD)]
+    return run_ranks(_worker, tmp_path_factory.mktemp("distributed"))
 
 
 def _single_process_grads(kind):
@@ -118,7 +84,7 @@ def _single_process_grads(kind):
     model, report = convert(_model(kind), report=True)
     assert report.swapped, "nothing was fused: the distributed test would not test remat"
     _loss(model, *_data()).backward()
-    return _grads(model)
+    return full_grads(model)
 
 
 @pytest.fixture(scope="module")

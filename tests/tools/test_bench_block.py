@@ -23,3 +23,28 @@ def test_budget_policy_is_not_served_the_plain_compile_from_the_cache():
     tight = saved_bytes(lambda: compiled_with_budget(stack, 0.1)(x))
     assert tight < plain
     torch.testing.assert_close(compiled_with_budget(stack, 0.1)(x), stack(x))
+
+
+def test_the_remat_plan_rows_keep_within_their_budgets():
+    from remat.bench import block
+    from remat.gpt import GPTConfig, torch_stack
+    from remat.planner import saved_bytes_of
+    from remat.planner.units import is_planned
+
+    cpu = torch.device("cpu")
+    (case,) = block.cases(cpu, [torch.float32], quick=True)
+    names = [impl.name for impl in case.implementations]
+    assert names[-3:] == ["remat plan 75%", "remat plan 50%", "remat plan 25%"]
+    shape = block.CPU_SHAPE
+    stack = torch_stack(GPTConfig(hidden=shape["hidden"], heads=shape["heads"], layers=shape["layers"]),
+                        device="meta")
+    x = torch.empty(shape["batch"], shape["seq"], shape["hidden"], device="meta", requires_grad=True)
+    stock = saved_bytes_of(stack, (x,))
+    kept = []
+    for variant in block.plan_policies(cpu, x):
+        fraction = int(variant.name.split()[-1].rstrip("%")) / 100
+        run = variant.fn(stack)
+        assert run is not stack and not is_planned(stack)  # planned and applied on a copy
+        kept.append(saved_bytes_of(run, (x,)))
+        assert kept[-1] <= fraction * stock, variant.name
+    assert kept == sorted(kept, reverse=True) and len(set(kept)) == 3  # three different plans

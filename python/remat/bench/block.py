@@ -3,7 +3,10 @@
 Policies: stock eager, torch.compile (per block, whole stack, and with Inductor's activation
 memory budget at 0.5 and 0.3), selective checkpointing (save matmuls and attention), full
 checkpointing per block, offloading saved activations to host memory, and remat: eager, under
-torch.compile, and with full checkpointing of half of the blocks.
+torch.compile, and with full checkpointing of half of the blocks. Then "remat plan" rows: the
+stack as remat.plan applies it for budgets of 75 %, 50 % and 25 % of the bytes the stock stack
+keeps for the backward (planned on meta at the case's shape, with this GPU's constants, or the
+H100's for a GPU the table does not know; on CPU with the "cpu" figures, which never offload).
 
 FLOP model per layer (T = b·s tokens, width h, FFN 4h): matmuls 24·T·h² forward, three times
 that forward + backward; causal attention 2·b·s²·h forward, 3.5 times that forward + backward
@@ -16,8 +19,12 @@ eager stack: the output and the gradients of the input and of every weight.
 """
 
 
+import copy
+import functools
+
 import torch
 
+from .. import planner
 from ..gpt import GPTConfig, RematGPTBlock, TorchGPTBlock, torch_stack
 from ..policies import Offloaded
 from ..policies import policies as policy_table
@@ -38,6 +45,33 @@ def policies(device, layers=QUICK_LAYERS):
     if device.type != "cuda":
         table = [policy for policy in table if "budget" not in policy.name]
     return table
+
+
+PLAN_FRACTIONS = (0.75, 0.5, 0.25)  # of the stock stack's saved bytes: the "remat plan" rows' budgets
+
+
+def plan_policies(device, example):
+    """A "remat plan" Variant per budget of PLAN_FRACTIONS, planned for inputs like `example` (meta)."""
+    return [Variant(f"remat plan {round(100 * fraction)}%", True,
+                    functools.partial(_planned, fraction, example, _plan_device(device)))
+            for fraction in PLAN_FRACTIONS]
+
+
+def _plan_device(device):
+    """Whose constants time the plan: the device's (calibrated or from the table), else the H100's."""
+    try:
+        planner.cost.device_constants(device)
+        return device
+    except ValueError:  # a GPU without constants in the table
+        return "H100"
+
+
+def _planned(fraction, example, plan_device, stack):
+    """A copy of the stack with remat.plan's choices for `fraction` of what the stock stack keeps."""
+    shell = planner.meta_copy(stack)
+    saves, _, _ = planner.measure(shell, (example,), ("stock",))
+    plan = planner.plan(shell, (example,), int(fraction * saves["stock"].total_bytes()), device=plan_device)
+    return plan.apply(copy.deepcopy(stack))
 
 
 def _block_parameters(block):
@@ -85,11 +119,13 @@ def cases(device, dtypes, quick, sizes=None):
     b, s, h, layers = shape["batch"], shape["seq"], shape["hidden"], shape["layers"]
     flops = layers * (3 * 24 * b * s * h * h + 3.5 * 2 * b * s * s * h)
     for dtype in dtypes:
+        example = torch.empty(b, s, h, device="meta", dtype=dtype, requires_grad=True)
+        variants = policies(device, layers) + plan_policies(device, example)
         yield Case(
             op="gpt_block", mode="fwd+bwd", dtype=dtype,
             shape=f"L={layers} b={b} s={s} h={h} heads={shape['heads']}", size=s,
             unit="TFLOP/s", work=flops, make_inputs=_make_inputs(shape, dtype, device),
-            implementations=[policy.implementation(_step) for policy in policies(device, layers)],
+            implementations=[variant.implementation(_step) for variant in variants],
             sbh_per_layer=layers * s * b * h, check=check_against(_step(lambda stack: stack)),
         )
 

@@ -144,9 +144,10 @@ def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False):
 
 
 def _revert_module(module):
-    for name in ("remat_fallbacks", "remat_verified"):  # left on stock modules by fallbacks and LoRA checks
+    # left on stock modules by fallbacks and LoRA checks, and by a plan's offloaded units
+    for name in ("remat_fallbacks", "remat_verified", "remat_offload"):
         module.__dict__.pop(name, None)
-    if module.__dict__.pop("remat_checkpoint", None) is not None:  # checkpointed in place by a remat plan
+    if module.__dict__.pop("remat_checkpoint", None) is not None:  # checkpointed or offloaded in place by a plan
         del module.__dict__["forward"]
     if "remat_fx" in vars(module):
         fx_revert(module)

@@ -150,9 +150,12 @@ def fx_mlp(x, norm, fc1, act, fc2, approximate, recompute, label):
 def _fx_owned(module):
     """Modules the fx path may rewrite: not torch's own (leaves, containers, and composites whose
     fast-path checks do not trace), not transformers' (remat.hf's rules), not remat's, not peft's
-    (its wrappers run their own forwards; the fused layers compute LoRA layers in place)."""
+    (its wrappers run their own forwards; the fused layers compute LoRA layers in place). remat.gpt's
+    TorchGPTBlock is the exception among remat's: stock PyTorch layers, rewritten as a user's block."""
+    from ..gpt import TorchGPTBlock
+
     origin = type(module).__module__
-    return not origin.startswith(("torch.", "transformers.", "remat.", "peft.")) \
+    return (type(module) is TorchGPTBlock or not origin.startswith(("torch.", "transformers.", "remat.", "peft."))) \
         and not is_converted(module)
 
 

@@ -9,7 +9,10 @@ The model's repeated blocks are the units (units.py). Each choice's saved bytes 
 counted exactly, once per choice for all units at once (counting.py), on the device of the example
 inputs: pass meta tensors (and a model on meta) to count at any size without memory. The time of
 each choice comes from a cost model (cost.py) and the exact solver (solver.py) picks the fastest
-plan that fits.
+plan that fits. On a GPU (or planning for one from meta tensors, device="H200"), offloading a
+block's saved tensors to pinned host memory is a choice too (offload.py). budget_kind="peak"
+makes the budget a whole training step's peak on the device: parameters, gradients, optimizer
+state, the bytes kept and the backward's largest transient (a model: peak.py).
 """
 
 import copy
@@ -21,10 +24,12 @@ import torch.utils._pytree as pytree
 
 from .cost import DEVICES, device_constants, extra_seconds
 from .counting import count_forward, saved_bytes_of, split_inputs
-from .solver import Option, fastest_fitting, frontier
-from .units import CHOICES, apply_choices, find_units, is_planned
+from .peak import OPTIMIZER_STATES, fixed_bytes, transient_bytes
+from .solver import Option, fastest_fitting, fastest_under_peak, frontier
+from .units import CHOICES, ON_ANY_DEVICE, apply_choices, find_units, is_planned
 
-__all__ = ["CHOICES", "DEVICES", "Plan", "meta_copy", "plan", "saved_bytes_of"]
+__all__ = ["CHOICES", "DEVICES", "OPTIMIZER_STATES", "Plan", "fixed_bytes", "meta_copy", "offers_offload", "plan",
+           "saved_bytes_of"]
 
 
 @dataclasses.dataclass
@@ -38,11 +43,20 @@ class Plan:
     base_bytes: int  # kept outside the units (embeddings, head, loss)
     budget: int
     device: str
+    budget_kind: str = "saved"
+    fixed_bytes: int = 0  # "peak": parameters, buffers, gradients and optimizer state
+    transient_bytes: int = 0  # "peak": the backward's largest transient, as peak.py models it
+    host_bytes: int = 0  # the offloaded units' saved tensors, in pinned host memory
 
     @property
     def saved_bytes(self):
         """Bytes the applied model keeps for the backward at the example inputs' shapes."""
         return self.base_bytes + sum(self.unit_bytes)
+
+    @property
+    def peak_bytes(self):
+        """The predicted peak of a training step (budget_kind "peak"; peak.py's model)."""
+        return self.fixed_bytes + self.saved_bytes + self.transient_bytes
 
     @property
     def extra_seconds(self):
@@ -54,7 +68,14 @@ class Plan:
                   for u, c, b, s in zip(self.units, self.choices, self.unit_bytes, self.unit_seconds)]
         lines.append(f"{'(outside the units)':40s} {'':10s} {self.base_bytes:14d}")
         lines.append(f"{'total':40s} {'':10s} {self.saved_bytes:14d} {self.extra_seconds * 1e3:9.3f}")
-        lines.append(f"budget {self.budget} bytes; times predicted for {self.device}")
+        if self.host_bytes:
+            lines.append(f"{'(offloaded to host memory)':40s} {'':10s} {self.host_bytes:14d}")
+        if self.budget_kind == "peak":
+            lines.append(f"{'+ parameters, gradients, optimizer state':40s} {'':10s} {self.fixed_bytes:14d}")
+            lines.append(f"{'+ largest backward transient (a model)':40s} {'':10s} {self.transient_bytes:14d}")
+            lines.append(f"{'predicted peak':40s} {'':10s} {self.peak_bytes:14d}")
+        kind = "bytes of the step's peak" if self.budget_kind == "peak" else "bytes kept for the backward"
+        lines.append(f"budget {self.budget} {kind}; times predicted for {self.device}")
         return "\n".join(lines)
 
     def apply(self, model):
@@ -76,8 +97,10 @@ class Plan:
     def from_json(cls, text):
         fields = json.loads(text)
         names = {f.name for f in dataclasses.fields(cls)}
-        if not isinstance(fields, dict) or set(fields) != names:
-            raise ValueError(f"text is not a remat plan: it needs exactly the fields {sorted(names)}")
+        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+        if not isinstance(fields, dict) or not required <= set(fields) <= names:
+            raise ValueError(f"text is not a remat plan: it needs the fields {sorted(required)}, "
+                             f"and may have {sorted(names - required)}")
         unknown = set(fields["choices"]) - set(CHOICES)
         if unknown or len(fields["choices"]) != len(fields["units"]):
             raise ValueError(f"text is not a remat plan: one choice of {CHOICES} per unit needed")
@@ -111,43 +134,63 @@ def _to_meta(tree):
                            if isinstance(t, torch.Tensor) else t, tree)
 
 
-def measure(model, example_inputs):
-    """{choice: ForwardSaves of the model with every unit under that choice}, the unit paths, and
-    the units remat.convert changes (the others get no "remat" choice)."""
+def measure(model, example_inputs, choices=ON_ANY_DEVICE):
+    """{choice: ForwardSaves of the model with every unit under that choice}, for each of
+    `choices`; the unit paths; and, when "remat" is among them, whether remat.convert changes each
+    unit (the others get no "remat" choice)."""
     args, kwargs = split_inputs(example_inputs)
     on_meta = _on_meta(model, args, kwargs)
     if on_meta:
         args, kwargs = _to_meta((args, kwargs))
     paths = find_units(model)
     saves, fusable = {}, None
-    for choice in CHOICES:
+    for choice in choices:
         shell = _shell(model, on_meta).train(model.training)
         units = apply_choices(shell, paths, [choice] * len(paths))
         if choice == "remat":
             fusable = [is_planned(u) for u in units]
         saves[choice] = count_forward(shell, args, kwargs, units)
+        if choice == "offload":
+            for unit, unit_saves in zip(units, saves[choice].units):
+                unit_saves.offloaded_bytes = unit.remat_offload.host_bytes
     return saves, paths, fusable
 
 
-def _check_budget(budget, budget_kind):
-    if budget_kind != "saved":
-        raise ValueError(f"budget_kind must be \"saved\" (bytes kept for the backward), got {budget_kind!r}")
+def offers_offload(constants, example_inputs):
+    """Offloading is a choice for a GPU: constants with a host link, and example inputs on a GPU or
+    on meta (planning for the GPU of `constants`). Plans for CPU tensors never offload."""
+    args, kwargs = split_inputs(example_inputs)
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    return constants.host_bytes_per_s is not None and all(t.device.type in ("cuda", "meta") for t in tensors)
+
+
+def _check_budget(budget, budget_kind, optimizer):
+    if budget_kind not in ("saved", "peak"):
+        raise ValueError(f"budget_kind must be \"saved\" (bytes kept for the backward) or \"peak\" (a training "
+                         f"step's peak), got {budget_kind!r}")
+    if budget_kind == "saved" and optimizer is not None:
+        raise ValueError("optimizer counts towards a budget of the step's peak only: pass budget_kind=\"peak\"")
     if isinstance(budget, bool) or not isinstance(budget, int):
         raise TypeError(f"budget must be an int number of bytes, got {type(budget).__name__}")
     if budget < 0:
         raise ValueError(f"budget must be a number of bytes >= 0, got {budget}")
 
 
-def plan(model, example_inputs, budget, budget_kind="saved", device=None):
+def plan(model, example_inputs, budget, budget_kind="saved", device=None, optimizer=None):
     """The fastest plan for `model` whose saved bytes at `example_inputs` fit `budget`.
 
     example_inputs: a tuple of positional arguments or a dict of keyword arguments (their shapes
-    matter, not their values). budget: bytes kept for the backward, parameters left out.
+    matter, not their values). budget: bytes kept for the backward, parameters left out; with
+    budget_kind="peak", bytes of a whole training step's peak (peak.py: parameters, buffers,
+    gradients, `optimizer`'s state, the bytes kept and the backward's largest transient).
+    optimizer (peak only): None, one of OPTIMIZER_STATES ("adam": two states per parameter element
+    in its dtype, as torch.optim keeps them) or an int of bytes per parameter element.
     device: whose constants time the choices: one of DEVICES, or a torch device (default: the
-    example inputs' device; meta and cpu plan with the "cpu" figures). A ValueError naming the
-    smallest achievable bytes if the budget is below them.
+    example inputs' device; meta and cpu plan with the "cpu" figures). "offload" is a choice when
+    the device is a GPU and the example inputs are on it or on meta (offers_offload), never for
+    CPU tensors. A ValueError naming the smallest achievable bytes if the budget is below them.
     """
-    _check_budget(budget, budget_kind)
+    _check_budget(budget, budget_kind, optimizer)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if is_planned(model):
@@ -157,22 +200,38 @@ def plan(model, example_inputs, budget, budget_kind="saved", device=None):
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         device = tensors[0].device if tensors else "cpu"
     constants = device_constants(device)
-    saves, paths, fusable = measure(model, example_inputs)
+    fixed = fixed_bytes(model, optimizer) if budget_kind == "peak" else 0
+    choices = CHOICES if offers_offload(constants, example_inputs) else ON_ANY_DEVICE
+    saves, paths, fusable = measure(model, example_inputs, choices)
     outside = _same_outside(saves)
     key_bytes = {k: b for s in saves.values() for k, b in s.key_bytes.items()}
-    options = []
-    for i in range(len(paths)):
-        stock = saves["stock"].units[i]
-        options.append([Option(c, saves[c].units[i].internal_bytes, frozenset(saves[c].units[i].shared_keys),
-                               extra_seconds(c, stock, saves[c].units[i], constants))
-                        for c in CHOICES if c != "remat" or fusable[i]])
+    options = [_unit_options(saves, i, fusable[i], constants) for i in range(len(paths))]
     always = frozenset(outside.shared_keys)
-    front = frontier(options, outside.internal_bytes, always, key_bytes)
-    best = fastest_fitting(front, budget)
+    if budget_kind == "saved":
+        front = frontier(options, outside.internal_bytes, always, key_bytes)
+        best, transient, least = fastest_fitting(front, budget), 0, front[0].saved_bytes
+    else:
+        best, transient, least = fastest_under_peak(options, outside.internal_bytes, always, key_bytes,
+                                                    budget - fixed, floor=2 * outside.work.largest_output)
     if best is None:
-        raise ValueError(f"budget {budget} bytes is below the least this model can keep at these inputs: "
-                         f"{front[0].saved_bytes} bytes")
-    return _plan_of(best, options, paths, outside, key_bytes, budget, constants.name)
+        if budget_kind == "saved":
+            raise ValueError(f"budget {budget} bytes is below the least this model can keep at these inputs: "
+                             f"{least} bytes")
+        raise ValueError(f"budget {budget} bytes is below the least peak this model can reach at these inputs: "
+                         f"{least + fixed} bytes ({fixed} of them parameters, buffers, gradients and optimizer state)")
+    result = _plan_of(best, options, paths, outside, key_bytes, budget, constants.name)
+    host = sum(saves["offload"].units[i].offloaded_bytes for i, c in enumerate(result.choices) if c == "offload")
+    return dataclasses.replace(result, budget_kind=budget_kind, fixed_bytes=fixed, transient_bytes=transient,
+                               host_bytes=host)
+
+
+def _unit_options(saves, i, fusable, constants):
+    """The Options of unit i: each choice's bytes, kept shared storages, extra time and transient."""
+    stock = saves["stock"].units[i]
+    return [Option(c, saves[c].units[i].internal_bytes, frozenset(saves[c].units[i].shared_keys),
+                   extra_seconds(c, stock, saves[c].units[i], constants),
+                   transient_bytes(c, stock, saves[c].units[i]))
+            for c in CHOICES if c in saves and (c != "remat" or fusable)]
 
 
 def _same_outside(saves):

@@ -23,12 +23,14 @@ def parse_bytes(text):
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def run(name, batch, seq, budget, device="H100", dtype=torch.bfloat16, json_path=None):
+def run(name, batch, seq, budget, device="H100", dtype=torch.bfloat16, json_path=None, budget_kind="saved",
+        optimizer=None):
     from .. import memory
     from . import plan
 
     model, example = memory.meta_model(name, batch, seq, dtype)
-    result = plan(model, example, parse_bytes(budget) if isinstance(budget, str) else budget, device=device)
+    result = plan(model, example, parse_bytes(budget) if isinstance(budget, str) else budget,
+                  budget_kind=budget_kind, device=device, optimizer=optimizer)
     print(f"{name}: batch {batch}, seq {seq}, {str(dtype).replace('torch.', '')}")
     print(result, flush=True)
     if json_path:

@@ -3,8 +3,10 @@ bytes it recomputes, on a device's constants.
 
 DEVICES holds each device's dense bf16 tensor-core FLOP/s and memory bandwidth (bytes/s read plus
 written), from the vendors' data sheets (SXM parts): A100 312 TFLOP/s and 2.04 TB/s, H100 989
-TFLOP/s and 3.35 TB/s, H200 989 TFLOP/s and 4.8 TB/s. "cpu" is a rough figure for planning on a
-machine without a GPU (1 TFLOP/s, 100 GB/s): its predicted times only rank the choices.
+TFLOP/s and 3.35 TB/s, H200 989 TFLOP/s and 4.8 TB/s; and the host link's bytes/s each way, for
+offloading: PCIe 4.0 x16 on the A100 (32 GB/s), PCIe 5.0 x16 on the H100 and H200 (64 GB/s). "cpu"
+is a rough figure for planning on a machine without a GPU (1 TFLOP/s, 100 GB/s, no host link: no
+offloading): its predicted times only rank the choices.
 
 Per unit, from its stock forward (kept ops: the matmuls and attention; the others: elementwise,
 norms, copies): a forward costs its FLOPs at the FLOP rate plus twice the bytes its ops write (each
@@ -14,6 +16,13 @@ written once and read once) at the bandwidth.
   keeps less than stock.
 - selective: the backward reruns the ops other than matmuls and attention.
 - full: the backward reruns the whole forward.
+- offload: the bytes copied to the host go out during the forward and come back during the
+  backward, each overlapped with the unit's compute (offload.py's side stream): extra time
+  max(0, transfer - forward) + max(0, transfer - backward), the backward taken as twice the
+  forward; plus, never hidden, the copies' own device-memory traffic (each byte read once going
+  out and written once coming back, at the bandwidth the kernels share). Per byte kept less,
+  that traffic alone costs at least what remat's rebuilding does. Each unit is taken alone: two
+  offloaded units in a row share the link in truth.
 """
 
 import dataclasses
@@ -26,21 +35,25 @@ class Device:
     name: str
     flops_per_s: float
     bytes_per_s: float
+    host_bytes_per_s: float = None  # the host link, each way; None: no offloading
 
 
 DEVICES = {d.name: d for d in (
-    Device("A100", 312e12, 2.04e12),
-    Device("H100", 989e12, 3.35e12),
-    Device("H200", 989e12, 4.8e12),
+    Device("A100", 312e12, 2.04e12, 32e9),
+    Device("H100", 989e12, 3.35e12, 64e9),
+    Device("H200", 989e12, 4.8e12, 64e9),
     Device("cpu", 1e12, 100e9),
 )}
 
 
 def device_constants(device):
     """The Device for a name of DEVICES, or for a torch device (a GPU by its name); a ValueError
-    naming `device` otherwise."""
+    naming `device` otherwise. A GPU's constants that remat.calibrate() measured and cached come
+    before the table's (calibrate.py)."""
+    from .calibrate import cached, calibrated
+
     if isinstance(device, str) and device in DEVICES:
-        return DEVICES[device]
+        return (device != "cpu" and calibrated(device)) or DEVICES[device]
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError):
@@ -49,6 +62,9 @@ def device_constants(device):
         return DEVICES["cpu"]
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(device)
+        measured = cached().get(gpu)
+        if measured is not None:
+            return measured
         for name, constants in DEVICES.items():
             if name in gpu:
                 return constants
@@ -70,6 +86,11 @@ def extra_seconds(choice, stock, saves, device):
         return 2 * max(0, stock.internal_bytes - saves.internal_bytes) / device.bytes_per_s
     if choice == "selective":
         return _seconds(work.other_flops, work.other_bytes, device)
+    forward = _seconds(work.kept_flops + work.other_flops, work.kept_bytes + work.other_bytes, device)
     if choice == "full":
-        return _seconds(work.kept_flops + work.other_flops, work.kept_bytes + work.other_bytes, device)
+        return forward
+    if choice == "offload":
+        transfer = saves.offloaded_bytes / device.host_bytes_per_s
+        traffic = 2 * saves.offloaded_bytes / device.bytes_per_s
+        return max(0.0, transfer - forward) + max(0.0, transfer - 2 * forward) + traffic
     raise ValueError(f"unknown choice {choice!r}")

@@ -38,6 +38,7 @@ class Work:
     kept_bytes: float = 0.0
     other_flops: float = 0.0
     other_bytes: float = 0.0
+    largest_output: int = 0  # the most bytes one op made (its gradient is as large: the peak model's)
 
 
 @dataclasses.dataclass
@@ -45,6 +46,7 @@ class UnitSaves:
     internal_bytes: int = 0  # storages made inside the unit, not its outputs
     shared_keys: set = dataclasses.field(default_factory=set)  # keys of the other storages it keeps
     work: Work = dataclasses.field(default_factory=Work)
+    offloaded_bytes: int = 0  # "offload": the bytes its forward copied to the host
 
 
 @dataclasses.dataclass
@@ -85,8 +87,9 @@ class _Recorder(TorchDispatchMode):
         scope = counter.scope[-1]
         kept = save_matmuls_and_attention(None, func) == CheckpointPolicy.MUST_SAVE
         new_bytes = sum(counter.made(t, scope) for t in _tensors(out))
+        work = counter.saves(scope).work
+        work.largest_output = max(work.largest_output, new_bytes)
         if scope != OUTSIDE:
-            work = counter.saves(scope).work
             flops = _flops(func, args, kwargs, out)
             if kept:
                 work.kept_flops += flops

@@ -5,6 +5,11 @@ time, and keeps a set of shared storages (keys) that cost their bytes once whoev
 dynamic programme over units keeps every partial plan that no other dominates: another with a
 subset of its kept keys, no more internal bytes and no more time. A key no later unit can keep is
 paid for as soon as the last unit that can keep it is decided, so the kept sets stay small.
+
+Under a peak budget (peak.py) a plan also pays its largest transient, the most of its options'
+transient bytes (and at least a floor, the transient outside the units): not a sum, so the
+knapsack runs once per cap on it, over the options within the cap, with the budget less the cap.
+The plan with the cap at its own largest transient is among those, so the fastest is exact.
 """
 
 import dataclasses
@@ -17,6 +22,7 @@ class Option:
     internal_bytes: int
     keys: frozenset
     seconds: float
+    transient_bytes: int = 0  # what the unit's backward holds besides the kept bytes (peak.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,13 +83,33 @@ def fastest_fitting(front, budget):
     return min(fitting, key=lambda p: (p.seconds, p.saved_bytes)) if fitting else None
 
 
-def brute_force(options, base_bytes, always_kept, key_bytes, budget):
-    """The same answer by trying every plan (for the tests, on small cases)."""
-    best = None
+def fastest_under_peak(options, base_bytes, always_kept, key_bytes, budget, floor):
+    """(the fastest plan whose saved bytes plus largest transient, at least `floor`, fit `budget`,
+    or None; the transient it was planned with; the least that sum can be at all)."""
+    best, best_transient, least = None, None, None
+    caps = sorted({floor} | {o.transient_bytes for unit in options for o in unit if o.transient_bytes > floor})
+    for cap in caps:
+        allowed = [[o for o in unit if o.transient_bytes <= cap] for unit in options]
+        if not all(allowed):
+            continue
+        front = frontier(allowed, base_bytes, always_kept, key_bytes)
+        least = front[0].saved_bytes + cap if least is None else min(least, front[0].saved_bytes + cap)
+        fit = fastest_fitting(front, budget - cap)
+        if fit is not None and (best is None or (fit.seconds, fit.saved_bytes + cap)
+                                < (best.seconds, best.saved_bytes + best_transient)):
+            best, best_transient = fit, cap
+    return best, best_transient, least
+
+
+def brute_force(options, base_bytes, always_kept, key_bytes, budget, floor=None):
+    """The same answers by trying every plan (for the tests, on small cases); with a floor, the
+    budget holds the saved bytes and the largest transient, as fastest_under_peak's."""
+    best, best_size = None, None
     for combination in itertools.product(*options):
         keys = set(always_kept).union(*(o.keys for o in combination))
-        size = base_bytes + sum(o.internal_bytes for o in combination) + sum(key_bytes[k] for k in keys)
+        saved = base_bytes + sum(o.internal_bytes for o in combination) + sum(key_bytes[k] for k in keys)
+        size = saved if floor is None else saved + max(floor, *(o.transient_bytes for o in combination))
         seconds = sum(o.seconds for o in combination)
-        if size <= budget and (best is None or (seconds, size) < (best.seconds, best.saved_bytes)):
-            best = Candidate(tuple(o.choice for o in combination), size, seconds)
+        if size <= budget and (best is None or (seconds, size) < (best.seconds, best_size)):
+            best, best_size = Candidate(tuple(o.choice for o in combination), saved, seconds), size
     return best

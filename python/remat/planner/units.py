@@ -2,8 +2,10 @@
 
 Choices: "stock" (the block as it is), "remat" (remat.convert's fused recompute), "selective"
 (torch's selective checkpointing: keep matmul and attention outputs, recompute the rest), "full"
-(full checkpointing of the block). A checkpointed block keeps its class, its attributes and its
-state_dict keys: its forward is overridden on the instance, and remat.revert removes the override.
+(full checkpointing of the block), "offload" (the block's saved tensors go to host memory and come
+back for its backward: offload.py; a choice for GPUs only). A checkpointed or offloaded block keeps
+its class, its attributes and its state_dict keys: its forward is overridden on the instance, and
+remat.revert removes the override.
 """
 
 import functools
@@ -15,8 +17,10 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from ..convert import RematWarning, convert, revert
 from ..policies import save_matmuls_and_attention
+from .offload import HostOffload, offloaded_forward
 
-CHOICES = ("stock", "remat", "selective", "full")
+CHOICES = ("stock", "remat", "selective", "full", "offload")
+ON_ANY_DEVICE = CHOICES[:4]  # all but "offload", a choice on GPUs only
 CHECKPOINT_POLICIES = {"selective": save_matmuls_and_attention, "full": None}
 
 
@@ -77,10 +81,19 @@ def checkpoint_in_place(module, choice):
     module.remat_checkpoint = choice
 
 
+def offload_in_place(module):
+    """Offload `module`'s saved tensors to host memory from now on; remat.revert undoes it. The
+    HostOffload is module.remat_offload (its host_bytes: what the last forward copied out)."""
+    offload = HostOffload()
+    module.forward = functools.partial(offloaded_forward, module, offload)
+    module.remat_checkpoint = "offload"  # the marker of a plan's in-place forward, which revert removes
+    module.remat_offload = offload
+
+
 def checkpoint_policy(module):
     """(True, selective policy or None) for a module checkpoint_in_place made, else (False, None)."""
     choice = vars(module).get("remat_checkpoint")
-    return (choice is not None), CHECKPOINT_POLICIES.get(choice)
+    return (choice in CHECKPOINT_POLICIES), CHECKPOINT_POLICIES.get(choice)
 
 
 def is_planned(model):
@@ -106,5 +119,7 @@ def apply_choices(model, paths, choices):
             parent._modules[name] = unit
         if choice in CHECKPOINT_POLICIES:
             checkpoint_in_place(unit, choice)
+        elif choice == "offload":
+            offload_in_place(unit)
         units.append(unit)
     return units

@@ -1,0 +1,50 @@
+"""Two CPU processes in one gloo group, for the DDP and FSDP2 tests: one spawn (process start-up,
+torch and triton imports, costs once), each rank's results saved to a file and read back."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+WORLD = 2
+
+
+def run_ranks(worker, out_dir):
+    """worker(rank) -> a dict of tensors and lists, run on each of WORLD ranks of a gloo process
+    group; the dicts, by rank. Skips the test where torch has no gloo backend."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with the gloo backend is not available")
+    mp.spawn(_rank, args=(worker, _free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(WORLD)]
+
+
+def _rank(rank, worker, port, out_dir):
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton, as conftest does
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        torch.save(worker(rank), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def full_grads(model):
+    """{state_dict key: gradient}, FSDP2's sharded DTensor gradients gathered whole."""
+    out = {}
+    for key, p in model.state_dict(keep_vars=True).items():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        out[key] = grad.detach().clone()
+    return out
