@@ -54,16 +54,24 @@ def _budget(text):
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _calibrate(_args):
-    from .planner import calibrate
+def _calibrate(args):
+    from .planner import calibrate, command
 
     try:
-        constants = calibrate.calibrate()
+        model = example = None
+        if args.model is not None:  # its plan choices timed too, for `remat plan --model` on this GPU
+            model, example = command.model_on_gpu(args.model, args.batch, args.seq, _dtype(args.dtype))
+        constants = calibrate.calibrate(model, example)
     except RuntimeError as error:
         sys.exit(f"remat calibrate: {error}")
     print(f"{constants.name}: matmul {constants.flops_per_s / 1e12:.0f} TFLOP/s, memory "
           f"{constants.bytes_per_s / 1e9:.0f} GB/s, host link {constants.host_bytes_per_s / 1e9:.1f} GB/s; "
           f"cached in {calibrate.cache_path()}")
+    if model is not None:
+        seconds = calibrate.measured_choices(constants.name, calibrate.model_signature(model, example))
+        print(f"{args.model} (batch {args.batch}, seq {args.seq}): extra ms per layer "
+              + ", ".join(f"{choice} {s * 1e3:.3f}" for choice, s in seconds.items())
+              + f"; cached in {calibrate.CHOICES_FILE} beside it")
 
 
 def _info(_args):
@@ -139,7 +147,12 @@ def parser():
                            "saved tensors to host memory is a choice too")
     plan.add_argument("--json", help="also write the plan here (remat.Plan.from_json reads it)")
     plan.set_defaults(run=_plan)
-    calibrate = commands.add_parser("calibrate", help="measure this GPU's constants for remat plan and cache them")
+    calibrate = commands.add_parser("calibrate", help="measure this GPU's constants for remat plan and cache them; "
+                                                      "with --model, time each plan choice of that model too")
+    calibrate.add_argument("--model", type=_model, help="as for remat plan (random weights on this GPU)")
+    calibrate.add_argument("--batch", type=int, default=8)
+    calibrate.add_argument("--seq", type=int, default=1024)
+    calibrate.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     calibrate.set_defaults(run=_calibrate)
     info = commands.add_parser("info", help="which backends are available and why")
     info.set_defaults(run=_info)

@@ -22,6 +22,7 @@ import json
 import torch
 import torch.utils._pytree as pytree
 
+from .calibrate import measured_choices, model_signature
 from .cost import DEVICES, device_constants, extra_seconds
 from .counting import count_forward, saved_bytes_of, split_inputs
 from .peak import OPTIMIZER_STATES, fixed_bytes, transient_bytes
@@ -47,6 +48,7 @@ class Plan:
     fixed_bytes: int = 0  # "peak": parameters, buffers, gradients and optimizer state
     transient_bytes: int = 0  # "peak": the backward's largest transient, as peak.py models it
     host_bytes: int = 0  # the offloaded units' saved tensors, in pinned host memory
+    measured: bool = False  # the extra times are remat.calibrate's measurements of this model, not the cost model's
 
     @property
     def saved_bytes(self):
@@ -75,7 +77,8 @@ class Plan:
             lines.append(f"{'+ largest backward transient (a model)':40s} {'':10s} {self.transient_bytes:14d}")
             lines.append(f"{'predicted peak':40s} {'':10s} {self.peak_bytes:14d}")
         kind = "bytes of the step's peak" if self.budget_kind == "peak" else "bytes kept for the backward"
-        lines.append(f"budget {self.budget} {kind}; times predicted for {self.device}")
+        how = "measured on" if self.measured else "predicted for"
+        lines.append(f"budget {self.budget} {kind}; times {how} {self.device}")
         return "\n".join(lines)
 
     def apply(self, model):
@@ -188,7 +191,9 @@ def plan(model, example_inputs, budget, budget_kind="saved", device=None, optimi
     device: whose constants time the choices: one of DEVICES, or a torch device (default: the
     example inputs' device; meta and cpu plan with the "cpu" figures). "offload" is a choice when
     the device is a GPU and the example inputs are on it or on meta (offers_offload), never for
-    CPU tensors. A ValueError naming the smallest achievable bytes if the budget is below them.
+    CPU tensors. Where remat.calibrate(model, example_inputs) timed this model's choices on that
+    GPU, those times replace the cost model's (Plan.measured). A ValueError naming the smallest
+    achievable bytes if the budget is below them.
     """
     _check_budget(budget, budget_kind, optimizer)
     if not isinstance(model, torch.nn.Module):
@@ -200,12 +205,13 @@ def plan(model, example_inputs, budget, budget_kind="saved", device=None, optimi
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         device = tensors[0].device if tensors else "cpu"
     constants = device_constants(device)
+    measured = measured_choices(constants.name, model_signature(model, example_inputs))
     fixed = fixed_bytes(model, optimizer) if budget_kind == "peak" else 0
     choices = CHOICES if offers_offload(constants, example_inputs) else ON_ANY_DEVICE
     saves, paths, fusable = measure(model, example_inputs, choices)
     outside = _same_outside(saves)
     key_bytes = {k: b for s in saves.values() for k, b in s.key_bytes.items()}
-    options = [_unit_options(saves, i, fusable[i], constants) for i in range(len(paths))]
+    options = [_unit_options(saves, i, fusable[i], constants, measured) for i in range(len(paths))]
     always = frozenset(outside.shared_keys)
     if budget_kind == "saved":
         front = frontier(options, outside.internal_bytes, always, key_bytes)
@@ -222,14 +228,16 @@ def plan(model, example_inputs, budget, budget_kind="saved", device=None, optimi
     result = _plan_of(best, options, paths, outside, key_bytes, budget, constants.name)
     host = sum(saves["offload"].units[i].offloaded_bytes for i, c in enumerate(result.choices) if c == "offload")
     return dataclasses.replace(result, budget_kind=budget_kind, fixed_bytes=fixed, transient_bytes=transient,
-                               host_bytes=host)
+                               host_bytes=host, measured=measured is not None)
 
 
-def _unit_options(saves, i, fusable, constants):
-    """The Options of unit i: each choice's bytes, kept shared storages, extra time and transient."""
+def _unit_options(saves, i, fusable, constants, measured=None):
+    """The Options of unit i: each choice's bytes, kept shared storages, extra time (measured by
+    remat.calibrate where it timed the choice for this model, else the cost model's) and transient."""
     stock = saves["stock"].units[i]
+    measured = measured or {}
     return [Option(c, saves[c].units[i].internal_bytes, frozenset(saves[c].units[i].shared_keys),
-                   extra_seconds(c, stock, saves[c].units[i], constants),
+                   measured[c] if c in measured else extra_seconds(c, stock, saves[c].units[i], constants),
                    transient_bytes(c, stock, saves[c].units[i]))
             for c in CHOICES if c in saves and (c != "remat" or fusable)]
 

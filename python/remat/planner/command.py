@@ -23,6 +23,32 @@ def parse_bytes(text):
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def model_on_gpu(name, batch, seq, dtype=torch.bfloat16):
+    """The model `remat plan --model name` plans, and its example inputs, on the current GPU with
+    random weights and inputs (token ids 0): what remat.calibrate times its choices on. Its
+    signature is the meta model's, so the plan finds the times. A RuntimeError without a GPU."""
+    from .. import memory
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("timing a model's plan choices needs a CUDA GPU, and torch sees none")
+    model, example = memory.meta_model(name, batch, seq, dtype)
+    model = model.to_empty(device="cuda")
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.02)
+        for buffer in model.buffers():  # rotary frequencies, position ids: the times do not depend on them
+            buffer.zero_() if not buffer.is_floating_point() else buffer.normal_(0.0, 0.02)
+
+    def real(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        made = torch.zeros(t.shape, dtype=t.dtype, device="cuda")
+        return (made.normal_() if t.is_floating_point() else made).requires_grad_(t.requires_grad)
+
+    example = tuple(map(real, example)) if isinstance(example, tuple) else {k: real(v) for k, v in example.items()}
+    return model, example
+
+
 def run(name, batch, seq, budget, device="H100", dtype=torch.bfloat16, json_path=None, budget_kind="saved",
         optimizer=None):
     from .. import memory
