@@ -380,6 +380,22 @@ def test_falcon_alibi_keeps_the_stock_attention():
     assert calls == 0
 
 
+@pytest.mark.parametrize("name", ["bart", "opt", "clip", "siglip", "distilbert", "gptj"])
+def test_padded_batches_run_remat_attention_varlen(name):
+    """A right-padded batch: the padded attentions (BART's encoder, CLIP's and SigLIP's text towers,
+    the decoders, DistilBERT) run remat.attention_varlen on the real tokens, the same step as stock."""
+    stock, _ = build_case(name)
+    batch = family_inputs(name, "cpu")
+    mask = torch.ones_like(batch["input_ids"])
+    mask[0, -3:] = 0
+    batch = {**batch, "attention_mask": mask}
+    if name in ("opt", "gptj"):  # causal LMs: the padding's labels out of the loss
+        batch["labels"] = batch["labels"].masked_fill(mask == 0, -100)
+    converted = conv.convert(stock)
+    _, varlen, _ = varlen_attention_calls(lambda: assert_same_step(stock, converted, batch))
+    assert varlen == LAYERS
+
+
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_bloom_padded_batch_runs_remat_attention_varlen_with_its_alibi(side):
     """Padding restarts BLOOM's ALiBi positions at each sequence's first real token: the bias remat
