@@ -29,7 +29,7 @@ from .check import outputs_and_grads
 
 # (longest sequence, number of sequences, heads, head dim) per device type.
 GPU_MIXES = ((4096, 16, 16, 128), (2048, 32, 16, 64))
-CPU_MIXES = ((64, 4, 2, 64),)
+CPU_MIXES = ((48, 4, 2, 32),)
 SIZES_MEAN = "longest sequence lengths s (16 sequences, 16 heads of 128)"
 
 
