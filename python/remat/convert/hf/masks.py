@@ -106,9 +106,10 @@ def _causal_packing(visible, windows):
     names = torch.where(kept, numbers,
                         torch.where(visible.any(dim=-1), numbers.gather(1, last_seen), -1 - positions))
     same = names[:, :, None] == names[:, None, :]
-    implied = kept[:, None, :] & same & _causal(seq, seq, device)
+    causal = _causal(seq, seq, device)
+    implied = kept[:, None, :] & same & causal
     for left in (-1, *windows):
-        candidate = implied if left < 0 else implied & _causal(seq, seq, device).triu(-left)
+        candidate = implied if left < 0 else implied & causal.triu(-left)
         if bool(torch.equal(visible, candidate)):
             break
     else:
