@@ -124,7 +124,8 @@ pytest_group() {
 
 KERNEL_TESTS=(tests/ops/test_layer_norm.py tests/ops/test_rms_norm_kernels.py tests/ops/test_gelu.py
     tests/ops/test_gated_kernels.py tests/ops/test_attention.py tests/ops/test_attention_features.py
-    tests/ops/test_attention_dropout.py tests/ops/test_attention_varlen.py tests/fused/test_fused.py
+    tests/ops/test_attention_dropout.py tests/ops/test_attention_varlen.py tests/ops/test_attention_cuda.py
+    tests/fused/test_fused.py
     tests/fused/test_gated_mlp.py)
 KERNEL_SELECTION="cuda and not opcheck and not torch_compile"  # the GPU targets' numerics, bf16 attention included
 EXHAUSTIVE="every_candidate_matches_the_reference"  # ~200 compiles: only with time left

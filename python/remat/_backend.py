@@ -112,6 +112,10 @@ def _triton_status():
     return True, f"triton {triton.__version__}"
 
 
+def triton_available():
+    return _triton_status()[0]
+
+
 @functools.cache
 def _cuda_extension_status():
     if torch.version.cuda is None:
@@ -155,6 +159,16 @@ def _warn_reference_once(op):
 def _warn_missing_kernel_once(op, backend, instead):
     warnings.warn(
         f"remat backend {backend!r} has no {op} kernel: {op} runs {instead} (see remat.backends())",
+        stacklevel=4,
+    )
+
+
+@functools.cache
+def warn_cuda_kernel_declines_once(op, instead):
+    runs = f"its {instead} kernel" if instead != "reference" else "the reference"
+    warnings.warn(
+        f"remat backend 'cuda': the CUDA {op} kernel does not take some of these calls (see the op's "
+        f"documentation for what it takes); those run {runs}",
         stacklevel=4,
     )
 

@@ -219,6 +219,25 @@ def test_gated_kernels_on_aligned_rows_access_memory_in_16_byte_packs(arch):
         assert accesses and all(".128" in a for a in accesses), f"{name}: {sorted(set(accesses))}"
 
 
+# An attention kernel of csrc/attention_kernels.cuh: attention_{fwd,dkdv,dq}_kernel<T, padded head dim>.
+ATTENTION_KERNEL = re.compile(r"attention_(fwd|dkdv|dq)_kernel<")
+
+
+@requires_nvcc
+@pytest.mark.parametrize("arch", ARCHS)
+def test_attention_kernels_multiply_on_tensor_cores(arch):
+    """Every attention kernel's products are m16n8k16 tensor-core instructions (HMMA.16816 with
+    fp32 accumulators), fed by ldmatrix (LDSM) from shared memory that cp.async (LDGSTS) filled."""
+    _, obj = compile_source(os.path.join(CSRC, "attention.cu"))
+    kernels = {name: body for name, body in sass_functions(obj, arch).items() if ATTENTION_KERNEL.search(name)}
+    assert len(kernels) == 3 * 2 * 3, sorted(kernels)  # 3 kernels x fp16/bf16 x head dims 32, 64, 128
+    for name, body in kernels.items():
+        assert re.search(r"\bHMMA\.16816\.F32", body), f"{name}: no m16n8k16 HMMA"
+        assert re.search(r"\bLDSM\.16\.M88\.4\b", body) and re.search(r"\bLDSM\.16\.MT88\.4\b", body), \
+            f"{name}: no ldmatrix x4 and x4.trans"
+        assert re.search(r"\bLDGSTS\.E\.BYPASS\.128\b", body), f"{name}: no 16-byte cp.async"
+
+
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no host C++ compiler")
 @pytest.mark.parametrize("source", HOST_SOURCES, ids=os.path.basename)
 def test_host_sources_compile(source):

@@ -57,7 +57,8 @@ def test_opcheck(target, family, direction):
     assert samples, f"{family.name} has no {direction} samples"
     for args in samples:
         torch.library.opcheck(op, args)
-        if device == "cuda" and backend == "cuda" and family.cuda:
+        if device == "cuda" and backend == "cuda" and family.cuda and (family.cuda_takes is None
+                                                                        or family.cuda_takes(*args)):
             detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
             torch.library.opcheck(_cuda_op(family, direction).default, detached)
 
@@ -91,12 +92,13 @@ def test_the_cuda_extension_ops_have_the_familys_fakes(family, direction):
 
 
 def test_the_families_declare_exactly_the_cuda_extensions_ops():
-    """cuda=True where the built extension has the family's two ops, and no extension op outside a family."""
+    """cuda=True where the built extension has the family's two ops, and no extension op outside a
+    family (its kernels' ops, or the tools it declares)."""
     available, why = remat.backends()["cuda"]
     if not available:
         pytest.skip(why)
     registered = {name for name in torch._C._dispatch_get_all_op_names() if name.startswith("remat_C::")}
-    assert registered == {name for family in FAMILIES.values() for name in family.cuda_ops}
+    assert registered == {name for family in FAMILIES.values() for name in family.cuda_ops + family.cuda_tools}
 
 
 @pytest.mark.parametrize("family", FAMILY_PARAMS)

@@ -1,4 +1,4 @@
-"""Attention cases: remat's Triton kernels against SDPA's flash, cuDNN and efficient backends and FlexAttention.
+"""Attention cases: remat's Triton and CUDA kernels against SDPA's flash, cuDNN and efficient backends, FlexAttention.
 
 FLOP model: forward 4·b·h·s²·d, halved when causal; backward 2.5 times the forward; forward +
 backward 3.5 times. Inputs are (b, h, s, d), bf16 by default. Checked against SDPA with its
@@ -23,6 +23,7 @@ import remat
 
 from .cases import Case, Variant, check_against, op_built
 from .check import outputs_and_grads
+from .layer_norm import ours_by_backend
 
 GPU_SHAPES = ((8, 16, 2048, 64), (4, 16, 4096, 128), (1, 16, 16384, 128))
 QUICK_SHAPES = GPU_SHAPES  # the shapes attention is judged at; --quick only times fewer calls
@@ -173,7 +174,10 @@ def _sdpa_default(q, k, v, causal):
 
 def implementations(device):
     """A Variant (a function of q, k, v, causal) for every implementation."""
-    impls = [Variant(f"remat-{remat._backend.choose('attention', device, kernels=('triton',))}", True, _remat)]
+    if device.type == "cuda":  # the Triton kernels and the CUDA extension's, each in its own rows
+        impls = [Variant(name, True, _remat, backend) for name, backend in ours_by_backend(device)]
+    else:
+        impls = [Variant(f"remat-{remat._backend.choose('attention', device, kernels=('triton',))}", True, _remat)]
     if device.type == "cuda":
         impls += [Variant(f"sdpa-{name}", False, _sdpa(backend)) for name, backend in
                   (("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION"), ("efficient", "EFFICIENT_ATTENTION"))]

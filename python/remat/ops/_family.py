@@ -68,6 +68,9 @@ class OpFamily:
     triton_takes: op arguments -> whether the Triton launchers take them (else the reference runs);
         None: always.
     cuda: whether the CUDA extension has remat_C::<name>_fwd and remat_C::<name>_bwd.
+    cuda_takes: op arguments -> whether the CUDA kernels take them; None: always. Calls they do not
+        take run the Triton launchers (else the reference) under backend "cuda", and say so once.
+    cuda_tools: the family's other remat_C ops, which launch nothing (attention_launch_plan).
     uses_tl_dot: the Triton kernels multiply with tl.dot, whose bfloat16 results the Triton
         interpreter gets wrong (triton issue 11584): CPU tests check dtypes only there.
     """
@@ -86,6 +89,8 @@ class OpFamily:
     triton_launchers: tuple | None = None
     triton_takes: Callable | None = None
     cuda: bool = False
+    cuda_takes: Callable | None = None
+    cuda_tools: tuple = ()
     uses_tl_dot: bool = False
     forward_op: object = field(init=False, repr=False)
     backward_op: object = field(init=False, repr=False)
@@ -133,6 +138,9 @@ class OpFamily:
         """What runs op `index` (0 forward, 1 backward) on `args`: a Triton launcher, a remat_C op or the reference."""
         device = next(a for a in args if isinstance(a, torch.Tensor)).device
         backend = _backend.choose(self.name, device, kernels=self.kernels)
+        if backend == "cuda" and self.cuda_takes is not None and not self.cuda_takes(*args):
+            backend = "triton" if self.triton and _backend.triton_available() else "reference"
+            _backend.warn_cuda_kernel_declines_once(self.name, backend)
         if backend == "triton" and (self.triton_takes is None or self.triton_takes(*args)):
             module = importlib.import_module(f"remat.triton_kernels.{self.triton}")
             return getattr(module, (self.triton_launchers or self.op_names)[index])

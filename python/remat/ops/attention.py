@@ -14,8 +14,11 @@ Conventions (shared by the reference, the Triton kernels and the fallback):
 - lse is the natural log, fp32 (float64 for float64 input to the reference), and is not
   differentiable (its gradient is taken as zero).
 
-Backends: CUDA tensors run the Triton kernels for backend "triton" and also for "cuda" (there is
-no CUDA-extension attention; "cuda" runs the Triton kernel). CPU tensors run the Triton kernel
+Backends: CUDA tensors run the Triton kernels for backends "auto" and "triton"; backend "cuda"
+runs the CUDA extension's own kernels (csrc/attention_kernels.cuh) on what they take (see
+cuda_kernel_takes: half or bfloat16, head dims that are a multiple of 8 up to 128, no window,
+softcapping, ALiBi or dropout, a GPU of compute capability 8.0 or newer) and the Triton kernels,
+with a one-time warning, on the rest. CPU tensors run the Triton kernel
 under TRITON_INTERPRET=1, else the reference. Head dims outside HEAD_DIMS run the reference on
 CPU; on CUDA, those and GPUs Triton cannot target (compute capability < 8.0) fall back to
 torch.nn.functional.scaled_dot_product_attention with a one-time warning (to the reference when a
@@ -546,6 +549,34 @@ def _samples(device):
     return OpSamples(forward, backward)
 
 
+CUDA_KERNEL_MAX_HEAD_DIM = 128
+_PLAIN_FEATURES = (-1, -1, 0.0, None, 0.0)  # window_left, window_right, softcap, alibi_slopes, dropout_p
+
+
+def cuda_kernel_takes(*args):
+    """Whether the CUDA extension's kernels run a call of attention_fwd or attention_bwd with these
+    arguments: on a GPU of compute capability >= 8.0 (tensor-core mma, cp.async), and what
+    cuda_kernel_computes."""
+    first = args[0]
+    return (first.device.type == "cuda" and torch.cuda.get_device_capability(first.device)[0] >= 8
+            and cuda_kernel_computes(*args))
+
+
+def cuda_kernel_computes(*args):
+    """Whether the CUDA kernels compute attention_fwd's or attention_bwd's arguments (given or
+    defaulted): the first tensor (q or do) half or bfloat16 with a head dim that is a multiple of 8
+    up to 128, and plain attention, causal or not: no window, softcapping, ALiBi or dropout."""
+    first = args[0]
+    at = next(i for i, a in enumerate(args) if isinstance(a, bool))  # causal; the scale follows
+    given = args[at + 2:at + 7]
+    window_left, window_right, softcap, alibi_slopes, dropout_p = (*given, *_PLAIN_FEATURES[len(given):])
+    plain = (window_left < 0 and (args[at] or window_right < 0) and softcap == 0.0 and alibi_slopes is None
+             and dropout_p == 0.0)
+    head_dim = first.shape[-1]
+    return (plain and first.dtype in (torch.float16, torch.bfloat16)
+            and head_dim % 8 == 0 and 0 < head_dim <= CUDA_KERNEL_MAX_HEAD_DIM)
+
+
 def _stock_attention(t):
     """F.scaled_dot_product_attention with remat's causal mask (bottom-right aligned)."""
     q, k, v = t["q"], t["k"], t["v"]
@@ -569,7 +600,9 @@ FAMILY = OpFamily(
     triton="attention",
     # Head dims outside HEAD_DIMS run the reference (the first tensor, q or do, ends in the head dim).
     triton_takes=lambda first, *_: first.shape[-1] in HEAD_DIMS,
-    cuda=False,  # no CUDA-extension attention: a "cuda" backend runs the Triton kernel, and says so once
+    cuda=True,
+    cuda_takes=cuda_kernel_takes,
+    cuda_tools=("remat_C::attention_launch_plan",),
     uses_tl_dot=True,
 )
 attention_fwd, attention_bwd = FAMILY.forward_op, FAMILY.backward_op

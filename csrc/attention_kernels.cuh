@@ -1,0 +1,597 @@
+// Attention on tensor cores, FlashAttention-2 style: the kernels and the choice of their launches.
+//
+// softmax(scale * q k^T) v for (B, H, S, D) half or bfloat16 tensors with a unit last stride,
+// GQA (H a multiple of the key/value heads), causal masks aligned bottom-right (query i sees key
+// j iff j <= i + Sk - Sq) or none, any sequence lengths (the tails masked), head dims that are a
+// multiple of 8 up to 128 (computed at the next of 32, 64, 128; the columns past the head dim
+// are zero-filled on load and never stored). The same contract as the Triton kernels
+// (triton_kernels/attention.py), without their window, softcapping, ALiBi and dropout yet.
+//
+// Forward (attention_fwd_kernel): a block of 4 warps takes 64 query rows, 16 a warp, of one
+// (batch, head); key/value blocks stream through shared memory by cp.async, double-buffered
+// (block j + 1 loads while block j is multiplied). Per key block each warp computes its scores
+// S = Q K^T with m16n8k16 tensor-core products (Q's fragments stay in registers), masks them,
+// and updates an online softmax in base 2 (the scale is multiplied by log2(e) once, so one exp2
+// a score): a running row maximum m, a running row sum l, and the fp32 output accumulator
+// rescaled by exp2(m_old - m_new). The probabilities, rounded to the input type, are the A
+// operand of P V straight from the accumulator registers (the C layout of two 8-column tiles is
+// the A layout of one 16-deep step). At the end o = acc / l and lse = (m + log2 l) ln 2, the
+// natural log-sum-exp, fp32: all the backward needs besides q, k, v, o.
+//
+// Backward: the probabilities are recomputed block by block from q, k and lse; nothing
+// seqlen_q x seqlen_k is stored. Three kernels, no atomics, so the result is bitwise
+// deterministic: delta = rowsum(dO * O) (attention_bwd_preprocess_kernel); dK and dV
+// (attention_dkdv_kernel), a block of 64 keys (16 a warp) walking the query blocks of every
+// query head of its key/value head (GQA sums in a fixed order); dQ (attention_dq_kernel), a block
+// of 64 query rows walking the key blocks. With P = exp2(S log2e scale - lse log2e):
+//   dV = P^T dO,   dP = dO V^T,   dS = P * (dP - delta),   dK = scale dS^T Q,   dQ = scale dS K.
+//
+// Shared-memory tiles hold rows of D 16-bit values as D/8 16-byte chunks, chunk c of row r
+// stored at c ^ (r % 8) (mod the chunks a row has): the 8 rows one ldmatrix reads at the same
+// chunk fall in different banks. The fragment layouts are in tensor_core.cuh.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "tensor_core.cuh"
+
+namespace remat {
+
+// What the launchers pass the kernels. Strides are in elements: batch, head, sequence (the last
+// dim's stride is 1).
+struct AttentionParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  int64_t q_stride[3], k_stride[3], v_stride[3];
+  void* o;  // the forward's output, the backward's input
+  int64_t o_stride[3];
+  float* lse;  // (B, H, Sq) contiguous fp32
+  const void* dout;  // backward only, from here on
+  int64_t dout_stride[3];
+  float* delta;  // (B, H, Sq) contiguous fp32 workspace: rowsum(dO * O)
+  void* dq;
+  void* dk;
+  void* dv;
+  int64_t dq_stride[3], dk_stride[3], dv_stride[3];
+  int batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim;
+  float softmax_scale;
+  bool causal;
+  bool bf16;  // __nv_bfloat16 when true, else __half
+};
+
+namespace attn {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRowsPerWarp = 16;  // one m16n8k16 row tile
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Block shapes by padded head dim D. M: query rows, N: keys. Chosen so that the fp32
+// accumulators and fragments fit in registers without spilling (tests/build/test_cuda_compile.py):
+//   forward: o (16 x D) and q's fragments per warp; keys stream past in blocks of 64.
+//   dK/dV: dK and dV (16 x D each) per warp; query blocks stream past, 32 at D = 128.
+//   dQ: dQ (16 x D), q's and dO's fragments per warp; key blocks of 32 at D = 128.
+template <int D>
+struct Tiles {
+  static constexpr int kFwdM = kWarps * kRowsPerWarp, kFwdN = 64;
+  static constexpr int kDkdvM = D > 64 ? 32 : 64, kDkdvN = kWarps * kRowsPerWarp;
+  static constexpr int kDqM = kWarps * kRowsPerWarp, kDqN = D > 64 ? 32 : 64;
+  static constexpr int kTileBytes = D * 2;  // one row of a shared tile
+  // Q, and two stages of K and V.
+  static constexpr int kFwdSmem = (kFwdM + 4 * kFwdN) * kTileBytes;
+  // K, V, two stages of Q and dO, and two of lse and delta (fp32, per query row).
+  static constexpr int kDkdvSmem = (2 * kDkdvN + 4 * kDkdvM) * kTileBytes + 4 * kDkdvM * 4;
+  // Q, dO, and two stages of K and V.
+  static constexpr int kDqSmem = (2 * kDqM + 4 * kDqN) * kTileBytes;
+};
+
+constexpr int kPreRows = 16;  // the preprocess: rows a block (4 a warp)
+
+__host__ __device__ inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
+
+// Element offset of chunk CHUNK (8 values) of row ROW in a swizzled shared tile of width D.
+template <int D>
+__device__ __forceinline__ int swizzled(int row, int chunk) {
+  constexpr int kChunks = D / 8;
+  constexpr int kMask = (kChunks < 8 ? kChunks : 8) - 1;
+  return row * D + ((chunk ^ (row & kMask)) * 8);
+}
+
+// Starts copying ROWS rows, row0.., of a (seqlen, head_dim) slice at BASE (row stride STRIDE)
+// into the shared tile TILE; rows past seqlen and columns past head_dim become zeros.
+template <typename T, int D, int ROWS>
+__device__ __forceinline__ void load_tile(T* tile, const T* base, int64_t stride, int row0, int seqlen,
+                                          int head_dim) {
+  constexpr int kChunks = D / 8;
+  for (int i = threadIdx.x; i < ROWS * kChunks; i += kThreads) {
+    const int r = i / kChunks, c = i % kChunks;
+    const bool valid = row0 + r < seqlen && c * 8 < head_dim;
+    const T* src = valid ? base + static_cast<int64_t>(row0 + r) * stride + c * 8 : base;
+    tc::cp_async_16(tile + swizzled<D>(r, c), src, valid);
+  }
+}
+
+// The A fragments (16 x D, k = the tile's columns) of rows row0..row0+15 of a shared tile.
+template <typename T, int D>
+__device__ __forceinline__ void load_a_fragments(uint32_t (&a)[D / 16][4], const T* tile, int row0) {
+  const int lane = threadIdx.x % 32, m = lane / 8;
+  const int row = row0 + lane % 8 + 8 * (m & 1);
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) tc::ldmatrix_x4(a[kk], tile + swizzled<D>(row, 2 * kk + (m >> 1)));
+}
+
+// ACC (16 x N) += A (16 x D) B^T, B^T the N rows 0.. of a shared tile (B's columns are its rows,
+// k its columns): S = Q K^T, dP = dO V^T.
+template <typename T, int D, int N>
+__device__ __forceinline__ void multiply_abt(float (&acc)[N / 8][4], const uint32_t (&a)[D / 16][4], const T* tile) {
+  const int lane = threadIdx.x % 32, m = lane / 8;
+#pragma unroll
+  for (int np = 0; np < N / 16; ++np) {
+    const int row = 16 * np + lane % 8 + 8 * (m >> 1);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t b[4];
+      tc::ldmatrix_x4(b, tile + swizzled<D>(row, 2 * kk + (m & 1)));
+      const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+      tc::mma_16816<T>(acc[2 * np], a[kk], b0);
+      tc::mma_16816<T>(acc[2 * np + 1], a[kk], b1);
+    }
+  }
+}
+
+// The same with A read from rows a_row0..a_row0+15 of a shared tile one 16-deep step at a time
+// (the k loop outermost): 4 registers of A live instead of D / 4, for the dK/dV kernel, whose
+// two accumulators leave no room for A's whole fragments.
+template <typename T, int D, int N>
+__device__ __forceinline__ void multiply_abt_streamed(float (&acc)[N / 8][4], const T* a_tile, int a_row0,
+                                                      const T* tile) {
+  const int lane = threadIdx.x % 32, m = lane / 8;
+  const int a_row = a_row0 + lane % 8 + 8 * (m & 1);
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t a[4];
+    tc::ldmatrix_x4(a, a_tile + swizzled<D>(a_row, 2 * kk + (m >> 1)));
+#pragma unroll
+    for (int np = 0; np < N / 16; ++np) {
+      uint32_t b[4];
+      tc::ldmatrix_x4(b, tile + swizzled<D>(16 * np + lane % 8 + 8 * (m >> 1), 2 * kk + (m & 1)));
+      const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+      tc::mma_16816<T>(acc[2 * np], a, b0);
+      tc::mma_16816<T>(acc[2 * np + 1], a, b1);
+    }
+  }
+}
+
+// ACC (16 x D) += P (16 x K, fp32 accumulators rounded to T) B, B the K rows 0.. of a shared
+// tile (k its rows): o += P V, dV += P^T dO, dK += dS^T Q, dQ += dS K.
+template <typename T, int D, int K>
+__device__ __forceinline__ void multiply_pb(float (&acc)[D / 8][4], const float (&p)[K / 8][4], const T* tile) {
+  const int lane = threadIdx.x % 32, m = lane / 8;
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk) {
+    const uint32_t a[4] = {tc::pack2<T>(p[2 * kk][0], p[2 * kk][1]), tc::pack2<T>(p[2 * kk][2], p[2 * kk][3]),
+                           tc::pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]),
+                           tc::pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+    const int row = 16 * kk + lane % 8 + 8 * (m & 1);
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      uint32_t b[4];
+      tc::ldmatrix_x4_trans(b, tile + swizzled<D>(row, 2 * dp + (m >> 1)));
+      const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+      tc::mma_16816<T>(acc[2 * dp], a, b0);
+      tc::mma_16816<T>(acc[2 * dp + 1], a, b1);
+    }
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void zero(float (&acc)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+}
+
+// An accumulator value's coordinates in its 16 x 8N tile: value E of 8-column tile NT of lane
+// 4g + t is row g + 8 (E / 2), column 8 NT + 2t + E % 2.
+__device__ __forceinline__ int acc_row(int e) { return (threadIdx.x % 32) / 4 + 8 * (e >> 1); }
+__device__ __forceinline__ int acc_col(int nt, int e) { return 8 * nt + 2 * ((threadIdx.x % 32) % 4) + (e & 1); }
+
+// Sums (or maximises) V over the 4 lanes that hold one row of an accumulator.
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+__device__ __forceinline__ float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+// Stores ACC (16 x D fp32, times SCALE) as rows row0.. of the (seqlen, head_dim) slice at BASE.
+template <typename T, int D>
+__device__ __forceinline__ void store_rows(T* base, int64_t stride, int row0, int seqlen, int head_dim,
+                                           const float (&acc)[D / 8][4], const float (&scale)[2]) {
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) {
+    const int col = acc_col(dt, 0);
+    if (col >= head_dim) continue;  // head_dim is a multiple of 8: a tile is in or out
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row0 + acc_row(2 * r);
+      if (row < seqlen) {
+        *reinterpret_cast<uint32_t*>(base + static_cast<int64_t>(row) * stride + col) =
+            tc::pack2<T>(acc[dt][2 * r] * scale[r], acc[dt][2 * r + 1] * scale[r]);
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// Offsets of a tensor's (batch, head) slice.
+template <typename T>
+__device__ __forceinline__ const T* slice(const void* base, const int64_t (&stride)[3], int b, int h) {
+  return static_cast<const T*>(base) + b * stride[0] + h * stride[1];
+}
+template <typename T>
+__device__ __forceinline__ T* slice(void* base, const int64_t (&stride)[3], int b, int h) {
+  return static_cast<T*>(base) + b * stride[0] + h * stride[1];
+}
+
+// The key blocks of width N that query rows m0..m0+M-1 see: ceil(keys seen / N).
+__device__ __forceinline__ int key_blocks(const AttentionParams& p, int m0, int M, int N) {
+  int end = p.seqlen_k;
+  if (p.causal) end = imin(end, m0 + M + p.seqlen_k - p.seqlen_q);
+  return end > 0 ? ceil_div(end, N) : 0;
+}
+
+// lse (natural log) as the backward uses it: log2 units, +inf for rows that see no key or lie
+// past the sequence, so that exp2(s - lse) is 0 there rather than NaN.
+__device__ __forceinline__ float lse_log2(const float* lse, int row, int seqlen) {
+  const float l = row < seqlen ? lse[row] : -INFINITY;
+  return l == -INFINITY ? INFINITY : l * kLog2e;
+}
+
+// ----------------------------------------------------------------------------------- forward ----
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) attention_fwd_kernel(const AttentionParams p) {
+  constexpr int M = Tiles<D>::kFwdM, N = Tiles<D>::kFwdN;
+  REMAT_DYNAMIC_SMEM(unsigned char, smem);
+  T* s_q = reinterpret_cast<T*>(smem);
+  T* s_k = s_q + M * D;  // two stages each
+  T* s_v = s_k + 2 * N * D;
+  const int b = blockIdx.z, h = blockIdx.y, kv_h = h / (p.heads / p.kv_heads);
+  const int m0 = blockIdx.x * M, warp = threadIdx.x / 32;
+  const int diag = p.seqlen_k - p.seqlen_q;
+  const T* q = slice<T>(p.q, p.q_stride, b, h);
+  const T* k = slice<T>(p.k, p.k_stride, b, kv_h);
+  const T* v = slice<T>(p.v, p.v_stride, b, kv_h);
+  const int n_blocks = key_blocks(p, m0, M, N);
+  const float scale_log2 = p.softmax_scale * kLog2e;
+
+  float acc[D / 8][4];
+  zero(acc);
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};  // thread-partial sums
+  uint32_t q_frag[D / 16][4];
+  if (n_blocks > 0) {
+    load_tile<T, D, M>(s_q, q, p.q_stride[2], m0, p.seqlen_q, p.head_dim);
+    load_tile<T, D, N>(s_k, k, p.k_stride[2], 0, p.seqlen_k, p.head_dim);
+    load_tile<T, D, N>(s_v, v, p.v_stride[2], 0, p.seqlen_k, p.head_dim);
+    tc::cp_async_commit();
+  }
+  for (int j = 0; j < n_blocks; ++j) {
+    // Block j has landed for every thread, and every thread is done with block j - 1's stage.
+    tc::cp_async_wait<0>();
+    __syncthreads();
+    if (j == 0) load_a_fragments<T, D>(q_frag, s_q, warp * kRowsPerWarp);
+    const int stage = j & 1, n0 = j * N;
+    if (j + 1 < n_blocks) {
+      load_tile<T, D, N>(s_k + (stage ^ 1) * N * D, k, p.k_stride[2], n0 + N, p.seqlen_k, p.head_dim);
+      load_tile<T, D, N>(s_v + (stage ^ 1) * N * D, v, p.v_stride[2], n0 + N, p.seqlen_k, p.head_dim);
+      tc::cp_async_commit();
+    }
+    float s[N / 8][4];
+    zero(s);
+    multiply_abt<T, D, N>(s, q_frag, s_k + stage * N * D);
+
+    // Mask (the tail of the keys, the causal triangle), scale, and the block's row maxima.
+    const int row0 = m0 + warp * kRowsPerWarp;
+    const bool masked = n0 + N > p.seqlen_k || (p.causal && n0 + N - 1 > m0 + diag);
+    float block_max[2] = {row_max[0], row_max[1]};
+#pragma unroll
+    for (int nt = 0; nt < N / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = n0 + acc_col(nt, e), row = row0 + acc_row(e);
+        const bool visible = !masked || (col < p.seqlen_k && (!p.causal || col <= row + diag));
+        s[nt][e] = visible ? s[nt][e] * scale_log2 : -INFINITY;
+        block_max[e >> 1] = fmaxf(block_max[e >> 1], s[nt][e]);
+      }
+    }
+    // The online softmax: rescale what was summed so far to the new maxima.
+    float shift[2], alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float new_max = quad_max(block_max[r]);
+      shift[r] = new_max == -INFINITY ? 0.f : new_max;  // a row that has seen no key yet stays at 0
+      alpha[r] = exp2f(row_max[r] - shift[r]);
+      row_max[r] = new_max;
+      row_sum[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int nt = 0; nt < N / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[nt][e] = exp2f(s[nt][e] - shift[e >> 1]);
+        row_sum[e >> 1] += s[nt][e];
+      }
+    }
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[dt][e] *= alpha[e >> 1];
+    }
+    multiply_pb<T, D, N>(acc, s, s_v + stage * N * D);
+  }
+
+  // o = acc / l; lse = (m + log2 l) ln 2, -inf (and o = 0) for rows that saw no key.
+  float inv_sum[2];
+  const int row0 = m0 + warp * kRowsPerWarp;
+  float* lse = p.lse + (static_cast<int64_t>(b) * p.heads + h) * p.seqlen_q;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float total = quad_sum(row_sum[r]);
+    inv_sum[r] = total > 0.f ? 1.f / total : 0.f;
+    const int row = row0 + acc_row(2 * r);
+    if (threadIdx.x % 4 == 0 && row < p.seqlen_q) {
+      lse[row] = total > 0.f ? (row_max[r] + log2f(total)) * kLn2 : -INFINITY;
+    }
+  }
+  store_rows<T, D>(slice<T>(p.o, p.o_stride, b, h), p.o_stride[2], row0, p.seqlen_q, p.head_dim, acc, inv_sum);
+}
+
+// ---------------------------------------------------------------------------------- backward ----
+
+// delta = rowsum(dO * O) in fp32, a warp a row.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) attention_bwd_preprocess_kernel(const AttentionParams p) {
+  const int b = blockIdx.z, h = blockIdx.y, lane = threadIdx.x % 32;
+  const T* o = slice<T>(p.o, p.o_stride, b, h);
+  const T* dout = slice<T>(p.dout, p.dout_stride, b, h);
+  float* delta = p.delta + (static_cast<int64_t>(b) * p.heads + h) * p.seqlen_q;
+  for (int row = blockIdx.x * kPreRows + threadIdx.x / 32; row < imin((blockIdx.x + 1) * kPreRows, p.seqlen_q);
+       row += kWarps) {
+    float sum = 0.f;
+    for (int col = lane; col < p.head_dim; col += 32) {
+      sum += to_f32(o[row * p.o_stride[2] + col]) * to_f32(dout[row * p.dout_stride[2] + col]);
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if (lane == 0) delta[row] = sum;
+  }
+}
+
+// dK and dV of 64 keys (16 a warp) of one (batch, key/value head).
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const AttentionParams p) {
+  constexpr int M = Tiles<D>::kDkdvM, N = Tiles<D>::kDkdvN;
+  REMAT_DYNAMIC_SMEM(unsigned char, smem);
+  T* s_k = reinterpret_cast<T*>(smem);
+  T* s_v = s_k + N * D;
+  T* s_q = s_v + N * D;  // two stages each, from here on
+  T* s_do = s_q + 2 * M * D;
+  float* s_lse = reinterpret_cast<float*>(s_do + 2 * M * D);  // log2 units (lse_log2)
+  float* s_delta = s_lse + 2 * M;
+  const int b = blockIdx.z, kv_h = blockIdx.y, n0 = blockIdx.x * N, warp = threadIdx.x / 32;
+  const int group = p.heads / p.kv_heads, diag = p.seqlen_k - p.seqlen_q;
+  // The first query block with a query that sees one of these keys (query i sees key j iff
+  // i >= j - diag), and the iterations: every query block of every query head of the group.
+  const int m_first = p.causal ? imax(0, n0 - diag) / M : 0;
+  const int m_count = imax(0, ceil_div(p.seqlen_q, M) - m_first);
+  const int iterations = group * m_count;
+  const float scale_log2 = p.softmax_scale * kLog2e;
+
+  // Starts the loads of iteration IT into STAGE: q and dO by cp.async, lse and delta by plain
+  // loads (their rows need not be 16-byte aligned).
+  auto issue = [&](int it, int stage) {
+    const int h = kv_h * group + it / m_count, m0 = (m_first + it % m_count) * M;
+    load_tile<T, D, M>(s_q + stage * M * D, slice<T>(p.q, p.q_stride, b, h), p.q_stride[2], m0, p.seqlen_q,
+                       p.head_dim);
+    load_tile<T, D, M>(s_do + stage * M * D, slice<T>(p.dout, p.dout_stride, b, h), p.dout_stride[2], m0,
+                       p.seqlen_q, p.head_dim);
+    const int64_t rows = (static_cast<int64_t>(b) * p.heads + h) * p.seqlen_q;
+    for (int i = threadIdx.x; i < M; i += kThreads) {
+      s_lse[stage * M + i] = lse_log2(p.lse + rows, m0 + i, p.seqlen_q);
+      s_delta[stage * M + i] = m0 + i < p.seqlen_q ? p.delta[rows + m0 + i] : 0.f;
+    }
+  };
+
+  float dk[D / 8][4], dv[D / 8][4];
+  zero(dk);
+  zero(dv);
+  if (iterations > 0) {
+    load_tile<T, D, N>(s_k, slice<T>(p.k, p.k_stride, b, kv_h), p.k_stride[2], n0, p.seqlen_k, p.head_dim);
+    load_tile<T, D, N>(s_v, slice<T>(p.v, p.v_stride, b, kv_h), p.v_stride[2], n0, p.seqlen_k, p.head_dim);
+    issue(0, 0);
+    tc::cp_async_commit();
+  }
+  for (int it = 0; it < iterations; ++it) {
+    tc::cp_async_wait<0>();
+    __syncthreads();
+    const int stage = it & 1, m0 = (m_first + it % m_count) * M;
+    if (it + 1 < iterations) {
+      issue(it + 1, stage ^ 1);
+      tc::cp_async_commit();
+    }
+    const T* q = s_q + stage * M * D;
+    const T* dout = s_do + stage * M * D;
+    const float* lse = s_lse + stage * M;
+    const float* delta = s_delta + stage * M;
+
+    // P^T (16 keys x M queries) = exp2(K Q^T scale log2e - lse), causal-masked.
+    float pt[M / 8][4];
+    zero(pt);
+    multiply_abt_streamed<T, D, M>(pt, s_k, warp * kRowsPerWarp, q);
+    const int key0 = n0 + warp * kRowsPerWarp;
+#pragma unroll
+    for (int nt = 0; nt < M / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = acc_col(nt, e);
+        const bool visible = !p.causal || key0 + acc_row(e) <= m0 + col + diag;
+        pt[nt][e] = visible ? exp2f(pt[nt][e] * scale_log2 - lse[col]) : 0.f;
+      }
+    }
+    multiply_pb<T, D, M>(dv, pt, dout);  // dV += P^T dO
+
+    // dS^T = P^T * (V dO^T - delta), then dK += dS^T Q.
+    float dst[M / 8][4];
+    zero(dst);
+    multiply_abt_streamed<T, D, M>(dst, s_v, warp * kRowsPerWarp, dout);
+#pragma unroll
+    for (int nt = 0; nt < M / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dst[nt][e] = pt[nt][e] * (dst[nt][e] - delta[acc_col(nt, e)]);
+    }
+    multiply_pb<T, D, M>(dk, dst, q);
+  }
+  const float scale[2] = {p.softmax_scale, p.softmax_scale}, one[2] = {1.f, 1.f};
+  const int key0 = n0 + warp * kRowsPerWarp;
+  store_rows<T, D>(slice<T>(p.dk, p.dk_stride, b, kv_h), p.dk_stride[2], key0, p.seqlen_k, p.head_dim, dk, scale);
+  store_rows<T, D>(slice<T>(p.dv, p.dv_stride, b, kv_h), p.dv_stride[2], key0, p.seqlen_k, p.head_dim, dv, one);
+}
+
+// dQ of 64 query rows (16 a warp) of one (batch, head).
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) attention_dq_kernel(const AttentionParams p) {
+  constexpr int M = Tiles<D>::kDqM, N = Tiles<D>::kDqN;
+  REMAT_DYNAMIC_SMEM(unsigned char, smem);
+  T* s_q = reinterpret_cast<T*>(smem);
+  T* s_do = s_q + M * D;
+  T* s_k = s_do + M * D;  // two stages each
+  T* s_v = s_k + 2 * N * D;
+  const int b = blockIdx.z, h = blockIdx.y, kv_h = h / (p.heads / p.kv_heads);
+  const int m0 = blockIdx.x * M, warp = threadIdx.x / 32, row0 = m0 + warp * kRowsPerWarp;
+  const int diag = p.seqlen_k - p.seqlen_q;
+  const T* k = slice<T>(p.k, p.k_stride, b, kv_h);
+  const T* v = slice<T>(p.v, p.v_stride, b, kv_h);
+  const int n_blocks = key_blocks(p, m0, M, N);
+  const float scale_log2 = p.softmax_scale * kLog2e;
+  const int64_t rows = (static_cast<int64_t>(b) * p.heads + h) * p.seqlen_q;
+  float lse[2], delta[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + acc_row(2 * r);
+    lse[r] = lse_log2(p.lse + rows, row, p.seqlen_q);
+    delta[r] = row < p.seqlen_q ? p.delta[rows + row] : 0.f;
+  }
+
+  float dq[D / 8][4];
+  zero(dq);
+  uint32_t q_frag[D / 16][4], do_frag[D / 16][4];
+  if (n_blocks > 0) {
+    load_tile<T, D, M>(s_q, slice<T>(p.q, p.q_stride, b, h), p.q_stride[2], m0, p.seqlen_q, p.head_dim);
+    load_tile<T, D, M>(s_do, slice<T>(p.dout, p.dout_stride, b, h), p.dout_stride[2], m0, p.seqlen_q, p.head_dim);
+    load_tile<T, D, N>(s_k, k, p.k_stride[2], 0, p.seqlen_k, p.head_dim);
+    load_tile<T, D, N>(s_v, v, p.v_stride[2], 0, p.seqlen_k, p.head_dim);
+    tc::cp_async_commit();
+  }
+  for (int j = 0; j < n_blocks; ++j) {
+    tc::cp_async_wait<0>();
+    __syncthreads();
+    if (j == 0) {
+      load_a_fragments<T, D>(q_frag, s_q, warp * kRowsPerWarp);
+      load_a_fragments<T, D>(do_frag, s_do, warp * kRowsPerWarp);
+    }
+    const int stage = j & 1, n0 = j * N;
+    if (j + 1 < n_blocks) {
+      load_tile<T, D, N>(s_k + (stage ^ 1) * N * D, k, p.k_stride[2], n0 + N, p.seqlen_k, p.head_dim);
+      load_tile<T, D, N>(s_v + (stage ^ 1) * N * D, v, p.v_stride[2], n0 + N, p.seqlen_k, p.head_dim);
+      tc::cp_async_commit();
+    }
+    const T* k_tile = s_k + stage * N * D;
+    float s[N / 8][4], ds[N / 8][4];
+    zero(s);
+    zero(ds);
+    multiply_abt<T, D, N>(s, q_frag, k_tile);
+    multiply_abt<T, D, N>(ds, do_frag, s_v + stage * N * D);  // dP = dO V^T
+    // dS = P * (dP - delta). The key tail is masked explicitly: its zero keys score 0, and
+    // exp2(0 - lse) may overflow where the row's scores are all very negative.
+#pragma unroll
+    for (int nt = 0; nt < N / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = n0 + acc_col(nt, e), row = row0 + acc_row(e);
+        const bool visible = col < p.seqlen_k && (!p.causal || col <= row + diag);
+        const float prob = visible ? exp2f(s[nt][e] * scale_log2 - lse[e >> 1]) : 0.f;
+        ds[nt][e] = prob * (ds[nt][e] - delta[e >> 1]);
+      }
+    }
+    multiply_pb<T, D, N>(dq, ds, k_tile);
+  }
+  const float scale[2] = {p.softmax_scale, p.softmax_scale};
+  store_rows<T, D>(slice<T>(p.dq, p.dq_stride, b, h), p.dq_stride[2], row0, p.seqlen_q, p.head_dim, dq, scale);
+}
+
+// ------------------------------------------------------------------------------ the launches ----
+
+// The tile width a head dim runs at; 0 when these kernels do not take it.
+__host__ inline int padded_head_dim(int head_dim) {
+  if (head_dim <= 0 || head_dim % 8 != 0 || head_dim > 128) return 0;
+  return head_dim <= 32 ? 32 : head_dim <= 64 ? 64 : 128;
+}
+
+// Calls f(T{}, std::integral_constant<int, D>{}) for the storage type and padded head dim of P.
+template <class F>
+__host__ void dispatch(const AttentionParams& p, F&& f) {
+  auto by_dim = [&](auto type) {
+    switch (padded_head_dim(p.head_dim)) {
+      case 32: return f(type, std::integral_constant<int, 32>{});
+      case 64: return f(type, std::integral_constant<int, 64>{});
+      default: return f(type, std::integral_constant<int, 128>{});
+    }
+  };
+  if (p.bf16) {
+    by_dim(__nv_bfloat16{});
+  } else {
+    by_dim(__half{});
+  }
+}
+
+}  // namespace attn
+
+// The forward's launch: LAUNCH(kernel, grid, block, shared memory bytes, params), once. A
+// launcher skips a grid with no blocks.
+template <class Launch>
+__host__ void attention_forward(const AttentionParams& p, Launch&& launch) {
+  attn::dispatch(p, [&](auto type, auto dim) {
+    using T = decltype(type);
+    constexpr int D = decltype(dim)::value;
+    using Tiles = attn::Tiles<D>;
+    launch(attn::attention_fwd_kernel<T, D>, dim3(attn::ceil_div(p.seqlen_q, Tiles::kFwdM), p.heads, p.batch),
+           dim3(attn::kThreads), Tiles::kFwdSmem, p);
+  });
+}
+
+// The backward's launches, in order: delta, then dK/dV, then dQ.
+template <class Launch>
+__host__ void attention_backward(const AttentionParams& p, Launch&& launch) {
+  attn::dispatch(p, [&](auto type, auto dim) {
+    using T = decltype(type);
+    constexpr int D = decltype(dim)::value;
+    using Tiles = attn::Tiles<D>;
+    launch(attn::attention_bwd_preprocess_kernel<T>, dim3(attn::ceil_div(p.seqlen_q, attn::kPreRows), p.heads, p.batch),
+           dim3(attn::kThreads), 0, p);
+    launch(attn::attention_dkdv_kernel<T, D>, dim3(attn::ceil_div(p.seqlen_k, Tiles::kDkdvN), p.kv_heads, p.batch),
+           dim3(attn::kThreads), Tiles::kDkdvSmem, p);
+    launch(attn::attention_dq_kernel<T, D>, dim3(attn::ceil_div(p.seqlen_q, Tiles::kDqM), p.heads, p.batch),
+           dim3(attn::kThreads), Tiles::kDqSmem, p);
+  });
+}
+
+}  // namespace remat

@@ -1,0 +1,180 @@
+"""The CUDA extension's attention kernels (csrc/attention_kernels.cuh), beyond test_attention.py,
+whose tests all run on them too on a GPU (its "cuda-cuda" target).
+
+Without a GPU: the launches each shape would make (grid, threads, shared memory, the head dim
+compiled for), from the built extension's own host code; the dispatch of backend "cuda" (what the
+kernels take, what falls back to Triton). The kernels' numerics without a GPU are in
+test_attention_cuda_emulated.py (the same source built for the CPU under a warp emulator). On a
+GPU: every dtype and head dim the kernels take against float64 and against the Triton kernels,
+bitwise determinism, and that backend "cuda" runs them.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import remat
+from remat import _backend
+from remat.ops import attention as attn_ops
+
+from attention_checks import assert_matches_float64
+
+HAS_GPU = torch.cuda.is_available()
+EXTENSION, WHY_NOT = remat.backends()["cuda"]
+needs_extension = pytest.mark.skipif(not EXTENSION, reason=f"the CUDA extension is not built: {WHY_NOT}")
+needs_gpu = pytest.mark.skipif(not (HAS_GPU and EXTENSION), reason="needs a GPU and the CUDA extension")
+
+# Shared memory a block may opt into: sm_80 (A100) 163 KiB, sm_90 (H100/H200) 227 KiB.
+MAX_SHARED = {80: 163 * 1024, 90: 227 * 1024}
+THREADS = 128  # four warps, 16 query rows (or keys) each
+FORWARD, PREPROCESS, DKDV, DQ = range(4)
+
+
+def _plan(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, bf16, causal, backward):
+    flat = torch.ops.remat_C.attention_launch_plan(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, bf16,
+                                                   causal, backward)
+    rows = [flat[i:i + 7] for i in range(0, len(flat), 7)]
+    return [dict(kernel=r[0], head_dim=r[1], grid=tuple(r[2:5]), threads=r[5], shared=r[6]) for r in rows]
+
+
+def _padded(head_dim):
+    return 32 if head_dim <= 32 else 64 if head_dim <= 64 else 128
+
+
+def _expected_shared(kernel, head_dim):
+    """Bytes of the tiles each kernel keeps (16-bit rows of the padded head dim), written out
+    from the kernels' layout: forward Q (64 rows) + two stages of K and V (64 rows each);
+    dK/dV: K and V (64 rows) + two stages of Q and dO (32 rows at 128, else 64) + two of lse
+    and delta (fp32); dQ: Q and dO (64 rows) + two stages of K and V (32 rows at 128, else 64)."""
+    d = _padded(head_dim)
+    row = 2 * d
+    streamed = 32 if d == 128 else 64
+    return {FORWARD: (64 + 4 * 64) * row, PREPROCESS: 0,
+            DKDV: (2 * 64 + 4 * streamed) * row + 4 * streamed * 4, DQ: (2 * 64 + 4 * streamed) * row}[kernel]
+
+
+# The shapes of test_attention.py's CASES the kernels take (head dims up to 128), and others
+# only they take (40, 8, 120).
+PLAN_SHAPES = [(1, 2, 2, 17, 17, 32), (2, 2, 2, 33, 33, 64), (1, 2, 2, 17, 40, 64), (1, 2, 2, 40, 17, 32),
+               (1, 4, 1, 17, 17, 64), (1, 4, 2, 33, 20, 32), (2, 1, 1, 1, 1, 64), (1, 1, 1, 65, 65, 80),
+               (1, 1, 1, 33, 33, 96), (1, 1, 1, 33, 17, 128), (1, 1, 1, 127, 129, 64), (3, 5, 1, 1000, 3000, 40),
+               (1, 1, 1, 9, 9, 8), (2, 8, 2, 4096, 4096, 120), (1, 2, 2, 0, 5, 64)]
+
+
+@needs_extension
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape", PLAN_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_launch_plan(shape, bf16):
+    batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim = shape
+    forward = _plan(*shape, bf16, True, False)
+    backward = _plan(*shape, bf16, True, True)
+    assert [launch["kernel"] for launch in forward + backward] == [FORWARD, PREPROCESS, DKDV, DQ]
+    grids = {FORWARD: (math.ceil(seqlen_q / 64), heads, batch), PREPROCESS: (math.ceil(seqlen_q / 16), heads, batch),
+             DKDV: (math.ceil(seqlen_k / 64), kv_heads, batch), DQ: (math.ceil(seqlen_q / 64), heads, batch)}
+    for launch in forward + backward:
+        assert launch["head_dim"] == _padded(head_dim)
+        assert launch["threads"] == THREADS
+        assert launch["grid"] == grids[launch["kernel"]], launch
+        assert launch["shared"] == _expected_shared(launch["kernel"], head_dim), launch
+        assert launch["shared"] <= min(MAX_SHARED.values())
+    assert _plan(*shape, bf16, False, True) == backward  # causal or not: the same launches
+
+
+@needs_extension
+@pytest.mark.parametrize("head_dim", [0, 4, 12, 136, 256])
+def test_launch_plan_refuses_head_dims_the_kernels_lack(head_dim):
+    with pytest.raises(RuntimeError, match="head_dim must be a multiple of 8 from 8 to 128"):
+        _plan(1, 1, 1, 8, 8, head_dim, True, False, False)
+
+
+@pytest.mark.parametrize("dtype, head_dim, computes", [
+    (torch.bfloat16, 64, True), (torch.float16, 128, True), (torch.float16, 40, True), (torch.bfloat16, 8, True),
+    (torch.float32, 64, False), (torch.bfloat16, 256, False), (torch.float16, 36, False), (torch.float16, 136, False),
+])
+def test_cuda_kernels_compute_half_types_and_head_dims_up_to_128(dtype, head_dim, computes):
+    q = torch.empty(1, 2, 5, head_dim, dtype=dtype)
+    assert attn_ops.cuda_kernel_computes(q, q, q, True, 0.125) is computes
+    assert attn_ops.cuda_kernel_computes(q, q, q, q, q, q, False, 0.125) is computes  # the backward's arguments
+
+
+@pytest.mark.parametrize("causal, features", [
+    (True, (4,)), (False, (-1, 3)), (True, (-1, -1, 5.0)), (True, (-1, -1, 0.0, torch.ones(2))),
+    (True, (-1, -1, 0.0, None, 0.1)),
+], ids=["window", "window-right", "softcap", "alibi", "dropout"])
+def test_cuda_kernels_compute_no_features(causal, features):
+    q = torch.empty(1, 2, 5, 64, dtype=torch.float16)
+    assert not attn_ops.cuda_kernel_computes(q, q, q, causal, 0.125, *features)
+    assert not attn_ops.cuda_kernel_computes(q, q, q, q, q, q, causal, 0.125, *features)
+    plain = (-1, -1, 0.0, None, 0.0, None)
+    assert attn_ops.cuda_kernel_computes(q, q, q, causal, 0.125, *plain)
+    assert attn_ops.cuda_kernel_computes(q, q, q, True, 0.125, -1, 7)  # a causal mask ignores window_right
+
+
+# --- on a GPU ----------------------------------------------------------------------------------
+
+def _qkv(shape, dtype):
+    batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim = shape
+    make = lambda h, s: torch.randn(batch, h, s, head_dim, device="cuda").to(dtype).requires_grad_()  # noqa: E731
+    return make(heads, seqlen_q), make(kv_heads, seqlen_k), make(kv_heads, seqlen_k)
+
+
+def _run(backend, q, k, v, do, causal):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with remat.use_backend(backend):
+        o, lse = attn_ops.attention(*leaves, causal=causal, return_lse=True)
+    o.backward(do)
+    return (o, lse, *[t.grad for t in leaves])
+
+
+GPU_SHAPES = [(1, 2, 2, 17, 17, 32), (2, 4, 1, 129, 70, 64), (1, 2, 2, 70, 129, 64), (1, 3, 3, 200, 200, 128),
+              (1, 2, 1, 65, 65, 80), (1, 1, 1, 33, 33, 96), (1, 2, 2, 1, 1, 64), (1, 2, 2, 100, 100, 40)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_float64_and_the_triton_kernels(shape, dtype, causal):
+    q, k, v = _qkv(shape, dtype)
+    do = torch.randn(q.shape, device="cuda").to(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the CUDA kernel itself, no fallback
+        ours = _run("cuda", q, k, v, do, causal)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    o, lse = attn_ops.attention_ref(*leaves, causal, q.shape[-1] ** -0.5)
+    o.backward(do.double())
+    exactly_zero = {"dq", "dk"} if k.shape[2] == 1 else set()
+    assert_matches_float64(ours, (o, lse, *[t.grad for t in leaves]), dtype, exactly_zero)
+    if q.shape[-1] in attn_ops.HEAD_DIMS:  # the Triton kernels' head dims
+        triton = _run("triton", q, k, v, do, causal)
+        torch.testing.assert_close(ours[1], triton[1], rtol=0, atol=1e-3)  # lse, fp32
+
+
+@needs_gpu
+def test_backward_is_bitwise_deterministic():
+    q, k, v = _qkv((2, 8, 2, 300, 300, 128), torch.bfloat16)
+    do = torch.randn(q.shape, device="cuda").to(torch.bfloat16)
+    first, second = _run("cuda", q, k, v, do, True), _run("cuda", q, k, v, do, True)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@needs_gpu
+def test_backend_cuda_runs_the_cuda_kernels_and_fp32_the_triton_ones(monkeypatch):
+    chosen = []
+    real = attn_ops.FAMILY._implementation
+    monkeypatch.setattr(attn_ops.FAMILY, "_implementation", lambda index, args: chosen.append(real(index, args))
+                        or chosen[-1])
+    q, k, v = _qkv((1, 2, 2, 40, 40, 64), torch.float16)
+    _run("cuda", q, k, v, torch.randn_like(q), True)
+    assert chosen == [torch.ops.remat_C.attention_fwd, torch.ops.remat_C.attention_bwd]
+    torch.library.opcheck(torch.ops.remat_C.attention_fwd.default, (q.detach(), k.detach(), v.detach(), True, 0.125))
+
+    chosen.clear()
+    _backend.warn_cuda_kernel_declines_once.cache_clear()  # said once per process: maybe already
+    q, k, v = _qkv((1, 2, 2, 40, 40, 64), torch.float32)
+    with pytest.warns(UserWarning, match="does not take some of these calls"):
+        _run("cuda", q, k, v, torch.randn_like(q), True)
+    assert torch.ops.remat_C.attention_fwd not in chosen
