@@ -1,0 +1,283 @@
+"""The CPU warp emulator (tests/cuda_emulator/warp_emulator.h) against the PTX semantics it stands
+in for: mma.m16n8k16 on fragments built from the documented per-lane layouts, ldmatrix .x4 with and
+without .trans, shfl.bfly, cp.async's deferred groups and zero fill, the built-in indices, and the
+faults (bad addresses, deadlocks, divergent collectives). The kernels are in
+tests/cuda_emulator/emulator_selftest.cpp; no GPU is needed."""
+
+import ctypes
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cuda_emulator import build_emulated, check, error_buffer
+
+FLOAT16_TYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# The fiber switch of x86-64 (a few instructions) and the ucontext one of other machines.
+SWITCHES = {"stack-switch": (), "ucontext": ("-DREMAT_EMU_UCONTEXT",)}
+
+
+def selftest(switch="stack-switch"):
+    return build_emulated("emulator_selftest.cpp", "emulator_selftest", SWITCHES[switch])
+
+
+def ptr(tensor):
+    assert tensor.is_contiguous()
+    return ctypes.c_void_p(tensor.data_ptr())
+
+
+def fault_message(status, error):
+    assert status != 0, "the emulator should have reported a fault"
+    return error.value.decode()
+
+
+# ---- mma_16816 ----
+
+def bits16(values):
+    """The 16-bit patterns of a float16/bfloat16 tensor, as int64."""
+    return values.view(torch.int16).to(torch.int64) & 0xFFFF
+
+
+def pack(low, high):
+    return bits16(low) | bits16(high) << 16
+
+
+def mma_fragments(a, b, c):
+    """Per-lane registers of A (16 x 16), B (16 x 8), C (16 x 8 fp32), lane = 4 g + t (PTX ISA,
+    "Matrix Fragments for mma.m16n8k16")."""
+    ra, rb, rc = [], [], []
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        ra.append([pack(a[r, k], a[r, k + 1]) for r, k in ((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))])
+        rb.append([pack(b[k, g], b[k + 1, g]) for k in (2 * t, 2 * t + 8)])
+        rc.append([c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]])
+    return torch.tensor(ra), torch.tensor(rb), torch.tensor(rc)
+
+
+def accumulator_matrix(rd):
+    d = torch.empty(16, 8, dtype=rd.dtype)
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1] = rd[lane]
+    return d
+
+
+@pytest.mark.parametrize("values", ["normal", "integers"])
+@pytest.mark.parametrize("name", FLOAT16_TYPES)
+def test_mma_16816_is_a_times_b_plus_c_with_the_fragment_layouts(name, values):
+    dtype, warps = FLOAT16_TYPES[name], 2
+    gen = torch.Generator().manual_seed(hash((name, values)) % 2**31)
+
+    def draw(*shape):
+        if values == "integers":  # every partial sum is an exact fp32 value: the result must be exact
+            return torch.randint(-4, 5, shape, generator=gen).to(torch.float64)
+        return torch.randn(shape, generator=gen, dtype=torch.float64)
+
+    a, b, c = draw(warps, 16, 16).to(dtype), draw(warps, 16, 8).to(dtype), draw(warps, 16, 8).to(torch.float32)
+    fragments = [mma_fragments(a[w], b[w], c[w]) for w in range(warps)]
+    ra = torch.cat([f[0] for f in fragments]).to(torch.int32).contiguous()  # uint32 bit patterns
+    rb = torch.cat([f[1] for f in fragments]).to(torch.int32).contiguous()
+    rd = torch.cat([f[2] for f in fragments]).to(torch.float32).contiguous()
+    error = error_buffer()
+    check(selftest().selftest_mma(int(name == "bf16"), warps, ptr(ra), ptr(rb), ptr(rd), error, len(error)), error, "mma")
+    for w in range(warps):
+        d = accumulator_matrix(rd[32 * w:32 * (w + 1)]).double()
+        a64, b64, c64 = a[w].double(), b[w].double(), c[w].double()
+        reference = c64 + a64 @ b64
+        # Sixteen fp32 additions onto exact products: each rounds by at most 2^-24 relative.
+        bound = 17 * 2.0**-24 * (c64.abs() + a64.abs() @ b64.abs()) if values == "normal" else 0.0
+        assert ((d - reference).abs() <= bound).all(), f"warp {w}: max error {(d - reference).abs().max():.3g}"
+        assert not torch.equal(d, c64)
+
+
+# ---- ldmatrix ----
+
+SMEM_ELEMENTS = 1024  # 16-bit elements: 128 rows of 16 bytes, element e holding the value e
+
+
+def run_ldmatrix(offsets, transpose):
+    offsets = torch.tensor(offsets, dtype=torch.int32)
+    out = torch.zeros(32, 4, dtype=torch.int32)
+    error = error_buffer()
+    status = selftest().selftest_ldmatrix(ptr(offsets), SMEM_ELEMENTS, int(transpose), ptr(out), error, len(error))
+    return status, error, out.to(torch.int64) & 0xFFFFFFFF
+
+
+def expected_ldmatrix(offsets, transpose):
+    """Lane l, register i: row l / 4, columns 2 (l % 4) and + 1 of matrix i (of its transpose with
+    .trans), matrix i's row r starting at element offsets[8 i + r]."""
+    out = torch.zeros(32, 4, dtype=torch.int64)
+    for lane in range(32):
+        row, col = lane // 4, 2 * (lane % 4)
+        for i in range(4):
+            if transpose:
+                low, high = offsets[8 * i + col] + row, offsets[8 * i + col + 1] + row
+            else:
+                low, high = offsets[8 * i + row] + col, offsets[8 * i + row] + col + 1
+            out[lane, i] = low | high << 16
+    return out
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["x4", "x4.trans"])
+def test_ldmatrix_gives_each_lane_its_rows_and_columns(transpose):
+    gen = torch.Generator().manual_seed(int(transpose))
+    rows = torch.randperm(SMEM_ELEMENTS // 8, generator=gen)[:32]
+    rows[31] = SMEM_ELEMENTS // 8 - 1  # the last 16 bytes of shared memory are inside it
+    offsets = (rows * 8).tolist()
+    status, error, out = run_ldmatrix(offsets, transpose)
+    check(status, error, "ldmatrix")
+    assert torch.equal(out, expected_ldmatrix(offsets, transpose))
+
+
+@pytest.mark.parametrize("offset, problem", [
+    (8 * 3 + 4, "is not 16-byte aligned"),                 # 8 bytes into a row
+    (SMEM_ELEMENTS, "is not inside the block's dynamic shared memory"),  # just past the end
+    (-8, "is not inside the block's dynamic shared memory"),
+])
+@pytest.mark.parametrize("transpose", [False, True], ids=["x4", "x4.trans"])
+def test_ldmatrix_faults_on_a_bad_row_address(transpose, offset, problem):
+    offsets = [8 * lane for lane in range(32)]
+    offsets[5] = offset
+    message = fault_message(*run_ldmatrix(offsets, transpose)[:2])
+    name = "ldmatrix_x4_trans" if transpose else "ldmatrix_x4"
+    assert f"{name} row address {problem}" in message
+    assert f"(shared memory offset {2 * offset} of {2 * SMEM_ELEMENTS} bytes)" in message
+    assert "thread 5 (threadIdx (5,0,0), warp 0 lane 5)" in message
+
+
+# ---- __shfl_xor_sync ----
+
+def run_shfl(lane_mask, threads=64, mask=0xFFFFFFFF):
+    f = torch.randn(threads, dtype=torch.float32)
+    n = torch.randint(-2**31, 2**31 - 1, (threads,), dtype=torch.int32)
+    u = torch.randint(-2**31, 2**31 - 1, (threads,), dtype=torch.int32)  # read as unsigned
+    inputs = [f.clone(), n.clone(), u.clone()]
+    error = error_buffer()
+    status = selftest().selftest_shfl_xor(threads, ctypes.c_uint(mask), lane_mask, ptr(f), ptr(n), ptr(u), error, len(error))
+    return status, error, inputs, [f, n, u]
+
+
+@pytest.mark.parametrize("lane_mask", [1, 2, 4, 8, 16, 31, 37])
+def test_shfl_xor_gives_each_lane_the_value_of_lane_xor_mask(lane_mask):
+    status, error, inputs, outputs = run_shfl(lane_mask)
+    check(status, error, "shfl_xor")
+    lanes = torch.arange(64)
+    source = lanes // 32 * 32 + (lanes % 32 ^ lane_mask % 32)  # within its own warp; the mask's low 5 bits
+    for before, after in zip(inputs, outputs):
+        assert torch.equal(after, before[source])
+
+
+def test_shfl_xor_faults_on_a_partial_mask():
+    message = fault_message(*run_shfl(1, mask=0x0000FFFF)[:2])
+    assert "__shfl_xor_sync with mask 0x0000ffff: the emulator takes the full mask only" in message
+
+
+# ---- cp.async ----
+
+OLD = 0x3C003C00  # what each thread stores in its slots before the copies (1.0 as two fp16)
+GARBAGE = 0xFFFFFFFF  # the launch's fill of shared memory
+
+
+@pytest.mark.parametrize("switch", SWITCHES)
+def test_cp_async_lands_only_when_its_group_is_waited_for(switch):
+    src = torch.randint(0, 2**31 - 1, (32 * 8,), dtype=torch.int32)
+    seen = torch.zeros(32, 5, 3, 4, dtype=torch.int32)
+    error = error_buffer()
+    check(selftest(switch).selftest_cp_async(ptr(src), ctypes.c_uint(OLD), ptr(seen), error, len(error)), error, "cp.async")
+    seen = seen.to(torch.int64) & 0xFFFFFFFF
+    copy_a, copy_b = src.view(32, 2, 4)[:, 0], src.view(32, 2, 4)[:, 1]
+    old = torch.full((32, 4), OLD, dtype=torch.int64)
+    zeros = torch.zeros(32, 4, dtype=torch.int64)
+    expected = [  # per stage: slots a, b and the zero fill
+        [torch.full((32, 4), GARBAGE, dtype=torch.int64)] * 3,
+        [old, old, old],  # issued: nothing has landed
+        [copy_a, old, old],  # wait<1>: the older group only
+        [copy_a, copy_b, old],  # wait<0>: the zero fill was never committed
+        [copy_a, copy_b, zeros],  # committed and waited: 16 zero bytes
+    ]
+    for stage, slots in enumerate(expected):
+        for slot, want in enumerate(slots):
+            assert torch.equal(seen[:, stage, slot], want.to(torch.int64)), f"stage {stage}, slot {slot}"
+
+
+def run_cp_async_one(dst_offset, src_offset, readable_bytes=-1, smem_bytes=256):
+    src = torch.zeros(256, dtype=torch.uint8)
+    assert src.data_ptr() % 16 == 0
+    error = error_buffer()
+    status = selftest().selftest_cp_async_one(ptr(src), readable_bytes, smem_bytes, dst_offset, src_offset, error, len(error))
+    return status, error
+
+
+def test_cp_async_accepts_the_last_16_bytes_of_shared_and_readable_memory():
+    check(*run_cp_async_one(dst_offset=240, src_offset=48, readable_bytes=64), "cp.async")
+
+
+@pytest.mark.parametrize("dst_offset, src_offset, readable_bytes, expected", [
+    (8, 0, -1, ("cp_async_16 destination is not 16-byte aligned", "(shared memory offset 8 of 256 bytes)")),
+    (256, 0, -1, ("cp_async_16 destination is not inside the block's dynamic shared memory", "offset 256 of 256")),
+    (-16, 0, -1, ("cp_async_16 destination is not inside the block's dynamic shared memory", "offset -16 of 256")),
+    (0, 4, -1, ("cp_async_16 source 0x", "is not 16-byte aligned")),
+    (0, 64, 64, ("cp_async_16 source 0x", "is outside every readable global buffer (src [0x", ", +64)")),
+])
+def test_cp_async_faults_on_a_bad_address(dst_offset, src_offset, readable_bytes, expected):
+    message = fault_message(*run_cp_async_one(dst_offset, src_offset, readable_bytes))
+    assert all(part in message for part in expected), message
+    assert "at block (0,0,0) thread 0 (threadIdx (0,0,0), warp 0 lane 0)" in message
+
+
+# ---- built-in indices ----
+
+def test_each_thread_sees_its_own_indices_x_fastest():
+    grid, block = (2, 3, 1), (8, 4, 2)
+    threads = 8 * 4 * 2
+    out = torch.full((2 * 3 * threads, 12), -1, dtype=torch.int32)
+    error = error_buffer()
+    grid_t, block_t = torch.tensor(grid, dtype=torch.int32), torch.tensor(block, dtype=torch.int32)
+    check(selftest().selftest_indices(ptr(grid_t), ptr(block_t), ptr(out), error, len(error)), error, "indices")
+    expected = [[tx, ty, tz, bx, by, 0, *block, *grid]
+                for by in range(3) for bx in range(2)
+                for tz in range(2) for ty in range(4) for tx in range(8)]
+    assert out.tolist() == expected
+
+
+# ---- faults of the programming model ----
+
+@pytest.mark.parametrize("case, expected", [
+    (0, "thread exits while 32 threads wait for it at __syncthreads, at block (0,0,0) thread 32 "),
+    (1, "__syncthreads after 32 thread(s) of the block exited (they never arrive), at block (0,0,0) thread 32 "),
+    (2, "deadlock in block (0,0,0):\n  threads 0-15: __syncthreads\n  threads 16-31: __shfl_xor_sync"),
+    (3, "ldmatrix_x4 called while 1 other lane(s) of the warp wait at __shfl_xor_sync, at block (0,0,0) thread 1 "),
+    (4, "__shfl_xor_sync in a warp of fewer than 32 threads (the block has 48) at block (0,0,0) thread 32 "),
+], ids=["exit-while-others-wait", "barrier-after-exit", "deadlock", "mixed-collectives", "partial-warp"])
+@pytest.mark.parametrize("switch", SWITCHES)
+def test_a_kernel_that_breaks_a_rule_faults_with_a_message(switch, case, expected):
+    error = error_buffer()
+    message = fault_message(selftest(switch).selftest_fault(case, error, len(error)), error)
+    assert message.startswith("remat_emu: " + expected), message
+
+
+def test_an_uncaught_fault_aborts_the_process_with_its_message():
+    library = selftest()._name
+    done = subprocess.run([sys.executable, "-c", f"import ctypes; ctypes.CDLL({library!r}).selftest_unguarded_fault()"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "remat_emu: thread exits while 32 threads wait for it at __syncthreads" in done.stderr, done.stderr
+
+
+# ---- many blocks of collectives and barriers ----
+
+@pytest.mark.parametrize("switch", SWITCHES)
+def test_many_blocks_of_shuffles_mmas_and_barriers_give_the_known_result(switch):
+    blocks, threads, iterations = 5, 128, 40
+    values = torch.zeros(blocks * threads, dtype=torch.float32)
+    accumulators = torch.zeros_like(values)
+    error = error_buffer()
+    status = selftest(switch).selftest_busy(blocks, threads, iterations, ptr(values), ptr(accumulators), error, len(error))
+    check(status, error, "busy")
+    moved = 0  # each iteration moves every value to lane l ^ (1 << k % 5)
+    for k in range(iterations):
+        moved ^= 1 << k % 5
+    lanes = torch.arange(blocks * threads) % 32
+    assert torch.equal(values, ((lanes ^ moved) + iterations).to(torch.float32))
+    assert torch.equal(accumulators, torch.full_like(values, 4 * 16 * iterations))
