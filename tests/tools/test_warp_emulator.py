@@ -2,7 +2,8 @@
 in for: mma.m16n8k16 on fragments built from the documented per-lane layouts, ldmatrix .x4 with and
 without .trans, shfl.bfly, cp.async's deferred groups and zero fill, the built-in indices, and the
 faults (bad addresses, deadlocks, divergent collectives). The kernels are in
-tests/cuda_emulator/emulator_selftest.cpp; no GPU is needed."""
+tests/cuda_emulator/emulator_selftest.cpp; no GPU is needed. Last, a smoke test that the
+attention harness runs csrc/attention_kernels.cuh (its numerical tests are elsewhere)."""
 
 import ctypes
 import subprocess
@@ -11,7 +12,10 @@ import sys
 import pytest
 import torch
 
-from cuda_emulator import build_emulated, check, error_buffer
+from attention_checks import assert_matches_float64
+from cuda_emulator import (_GuardedOutput, build_emulated, check, emulated_attention_bwd, emulated_attention_fwd,
+                           error_buffer)
+from remat.ops.attention import attention_grads_ref, attention_ref
 
 FLOAT16_TYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # The fiber switch of x86-64 (a few instructions) and the ucontext one of other machines.
@@ -281,3 +285,53 @@ def test_many_blocks_of_shuffles_mmas_and_barriers_give_the_known_result(switch)
     lanes = torch.arange(blocks * threads) % 32
     assert torch.equal(values, ((lanes ^ moved) + iterations).to(torch.float32))
     assert torch.equal(accumulators, torch.full_like(values, 4 * 16 * iterations))
+
+
+# ---- the attention harness (tests/cuda_emulator/attention_harness.cpp) ----
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_the_attention_harness_runs_the_kernels_forward_and_backward(dtype):
+    # A smoke test of the harness, not of the kernels: GQA, causal with Sq < Sk, both sequences
+    # ending inside a tile, head dim 40 (computed at 64), q in the (B, S, H, D) layout, k
+    # contiguous but 2 bytes off 16-byte alignment (copied, as cp.async cannot read it).
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 37, 4, 40, generator=gen).to(dtype).transpose(1, 2)
+    k = torch.randn(1 + 2 * 45 * 40, generator=gen).to(dtype)[1:].view(1, 2, 45, 40)
+    v = torch.randn(1, 2, 45, 40, generator=gen).to(dtype)
+    do = torch.randn(q.shape, generator=gen).to(dtype)
+    o, lse = emulated_attention_fwd(q, k, v, True, 0.3)
+    dq, dk, dv = emulated_attention_bwd(do, q, k, v, o, lse, True, 0.3)
+    q64, k64, v64, do64 = (t.double() for t in (q, k, v, do))
+    o_ref, lse_ref = attention_ref(q64, k64, v64, True, 0.3)
+    grads_ref = attention_grads_ref(do64, q64, k64, v64, o_ref, True, 0.3)
+    assert_matches_float64((o, lse, dq, dk, dv), (o_ref, lse_ref, *grads_ref), dtype)
+    assert o.transpose(1, 2).is_contiguous() and dq.is_contiguous() and dq.shape == q.shape
+
+
+def test_an_output_guard_reports_a_store_past_either_end():
+    out = _GuardedOutput("o", (2, 3, 5, 8), torch.float16, order=(0, 2, 1, 3))
+    assert out.tensor.shape == (2, 3, 5, 8) and out.tensor.transpose(1, 2).is_contiguous()
+    assert out.tensor.isnan().all()
+    out.tensor.zero_()
+    out.check_guards()  # stores inside the tensor are fine
+    assert out.guard == 64 * 3 * 8  # 64 sequence rows of (H, D)
+    out.buffer[out.guard + out.tensor.numel() + 5] = 1.0
+    with pytest.raises(RuntimeError, match=r"wrote 1 element\(s\) after o \(guard elements \[5\] of 1536\)"):
+        out.check_guards()
+    out = _GuardedOutput("lse", (2, 3, 5), torch.float32)
+    out.buffer[out.guard - 1] = 0.0
+    with pytest.raises(RuntimeError, match=r"wrote 1 element\(s\) before lse \(guard elements \[63\] of 64\)"):
+        out.check_guards()
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda q, k, v: (q.float(), k, v), "q must be float16 or bfloat16"),
+    (lambda q, k, v: (q, k.bfloat16(), v), "k must have q's dtype"),
+    (lambda q, k, v: (q, k, v.transpose(2, 3)), "v must have a unit stride in its last dim"),
+    (lambda q, k, v: (q[..., :12], k[..., :12], v[..., :12]), "head_dim must be a multiple of 8 from 8 to 128, got 12"),
+    (lambda q, k, v: (q[:, :3], k, v), r"q's heads \(3\) must be a multiple of k's \(2\)"),
+])
+def test_the_attention_wrappers_name_a_bad_argument(change, message):
+    q, k, v = torch.randn(1, 4, 16, 16).half(), torch.randn(1, 2, 16, 16).half(), torch.randn(1, 2, 16, 16).half()
+    with pytest.raises(ValueError, match=message):
+        emulated_attention_fwd(*change(q, k, v), False, 0.25)
