@@ -105,14 +105,12 @@ def _build(sources, name, flags):
     return ctypes.CDLL(library)
 
 
-def error_buffer():
-    return ctypes.create_string_buffer(ERROR_BYTES)
-
-
-def check(status, error, what):
-    """Raises RuntimeError with the emulator's message when a C entry point returned nonzero."""
-    if status != 0:
-        raise RuntimeError(f"{what}: {error.value.decode(errors='replace')}")
+def call(function, *args):
+    """Calls a C entry point whose last two parameters are (char* error, int error_bytes) and
+    which returns 0 or -1: "" when it succeeded, else its error message."""
+    error = ctypes.create_string_buffer(ERROR_BYTES)
+    status = function(*args, error, len(error))
+    return "" if status == 0 else error.value.decode(errors="replace") or f"status {status}"
 
 
 # ---- attention (csrc/attention_kernels.cuh) ----
@@ -143,7 +141,8 @@ class _GuardedOutput:
         bits = self.buffer.view(_INT_OF_SIZE[self.buffer.element_size()])
         bits.fill_(_GUARD_BITS[self.buffer.element_size()])
         bits[self.guard:self.guard + numel] = -1  # all ones: NaN, so that an element no kernel stores shows
-        self.tensor = self.buffer[self.guard:self.guard + numel].view(layout).permute([order.index(d) for d in range(len(shape))])
+        in_memory = self.buffer[self.guard:self.guard + numel].view(layout)
+        self.tensor = in_memory.permute([order.index(d) for d in range(len(shape))])
 
     def check_guards(self):
         bits = self.buffer.view(_INT_OF_SIZE[self.buffer.element_size()])
@@ -212,10 +211,11 @@ def _run_attention(backward, tensors, causal, scale, sizes):
         spans[i] = _span_bytes(t)
         if t.dim() == 4:
             strides[3 * i:3 * i + 3] = list(t.stride()[:3])
-    error = error_buffer()
-    status = library.emulated_attention(int(backward), (ctypes.c_int * 6)(*sizes), int(tensors["q"].dtype == torch.bfloat16),
-                                        int(causal), ctypes.c_float(scale), pointers, strides, spans, error, len(error))
-    check(status, error, "attention backward" if backward else "attention forward")
+    bf16 = int(tensors["q"].dtype == torch.bfloat16)
+    message = call(library.emulated_attention, int(backward), (ctypes.c_int * 6)(*sizes), bf16, int(causal),
+                   ctypes.c_float(scale), pointers, strides, spans)
+    if message:
+        raise RuntimeError(f"attention {'backward' if backward else 'forward'}: {message}")
 
 
 def emulated_attention_fwd(q, k, v, causal, scale):

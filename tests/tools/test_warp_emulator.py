@@ -12,10 +12,10 @@ import sys
 import pytest
 import torch
 
-from attention_checks import assert_matches_float64
-from cuda_emulator import (_GuardedOutput, build_emulated, check, emulated_attention_bwd, emulated_attention_fwd,
-                           error_buffer)
 from remat.ops.attention import attention_grads_ref, attention_ref
+
+from attention_checks import assert_matches_float64
+from cuda_emulator import _GuardedOutput, build_emulated, call, emulated_attention_bwd, emulated_attention_fwd
 
 FLOAT16_TYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # The fiber switch of x86-64 (a few instructions) and the ucontext one of other machines.
@@ -29,11 +29,6 @@ def selftest(switch="stack-switch"):
 def ptr(tensor):
     assert tensor.is_contiguous()
     return ctypes.c_void_p(tensor.data_ptr())
-
-
-def fault_message(status, error):
-    assert status != 0, "the emulator should have reported a fault"
-    return error.value.decode()
 
 
 # ---- mma_16816 ----
@@ -53,7 +48,8 @@ def mma_fragments(a, b, c):
     ra, rb, rc = [], [], []
     for lane in range(32):
         g, t = divmod(lane, 4)
-        ra.append([pack(a[r, k], a[r, k + 1]) for r, k in ((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))])
+        a_at = ((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))  # (row, first k) of a[0..3]
+        ra.append([pack(a[r, k], a[r, k + 1]) for r, k in a_at])
         rb.append([pack(b[k, g], b[k + 1, g]) for k in (2 * t, 2 * t + 8)])
         rc.append([c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]])
     return torch.tensor(ra), torch.tensor(rb), torch.tensor(rc)
@@ -83,8 +79,7 @@ def test_mma_16816_is_a_times_b_plus_c_with_the_fragment_layouts(name, values):
     ra = torch.cat([f[0] for f in fragments]).to(torch.int32).contiguous()  # uint32 bit patterns
     rb = torch.cat([f[1] for f in fragments]).to(torch.int32).contiguous()
     rd = torch.cat([f[2] for f in fragments]).to(torch.float32).contiguous()
-    error = error_buffer()
-    check(selftest().selftest_mma(int(name == "bf16"), warps, ptr(ra), ptr(rb), ptr(rd), error, len(error)), error, "mma")
+    assert call(selftest().selftest_mma, int(name == "bf16"), warps, ptr(ra), ptr(rb), ptr(rd)) == ""
     for w in range(warps):
         d = accumulator_matrix(rd[32 * w:32 * (w + 1)]).double()
         a64, b64, c64 = a[w].double(), b[w].double(), c[w].double()
@@ -103,9 +98,8 @@ SMEM_ELEMENTS = 1024  # 16-bit elements: 128 rows of 16 bytes, element e holding
 def run_ldmatrix(offsets, transpose):
     offsets = torch.tensor(offsets, dtype=torch.int32)
     out = torch.zeros(32, 4, dtype=torch.int32)
-    error = error_buffer()
-    status = selftest().selftest_ldmatrix(ptr(offsets), SMEM_ELEMENTS, int(transpose), ptr(out), error, len(error))
-    return status, error, out.to(torch.int64) & 0xFFFFFFFF
+    message = call(selftest().selftest_ldmatrix, ptr(offsets), SMEM_ELEMENTS, int(transpose), ptr(out))
+    return message, out.to(torch.int64) & 0xFFFFFFFF
 
 
 def expected_ldmatrix(offsets, transpose):
@@ -129,8 +123,8 @@ def test_ldmatrix_gives_each_lane_its_rows_and_columns(transpose):
     rows = torch.randperm(SMEM_ELEMENTS // 8, generator=gen)[:32]
     rows[31] = SMEM_ELEMENTS // 8 - 1  # the last 16 bytes of shared memory are inside it
     offsets = (rows * 8).tolist()
-    status, error, out = run_ldmatrix(offsets, transpose)
-    check(status, error, "ldmatrix")
+    message, out = run_ldmatrix(offsets, transpose)
+    assert message == ""
     assert torch.equal(out, expected_ldmatrix(offsets, transpose))
 
 
@@ -143,7 +137,7 @@ def test_ldmatrix_gives_each_lane_its_rows_and_columns(transpose):
 def test_ldmatrix_faults_on_a_bad_row_address(transpose, offset, problem):
     offsets = [8 * lane for lane in range(32)]
     offsets[5] = offset
-    message = fault_message(*run_ldmatrix(offsets, transpose)[:2])
+    message, _ = run_ldmatrix(offsets, transpose)
     name = "ldmatrix_x4_trans" if transpose else "ldmatrix_x4"
     assert f"{name} row address {problem}" in message
     assert f"(shared memory offset {2 * offset} of {2 * SMEM_ELEMENTS} bytes)" in message
@@ -157,15 +151,14 @@ def run_shfl(lane_mask, threads=64, mask=0xFFFFFFFF):
     n = torch.randint(-2**31, 2**31 - 1, (threads,), dtype=torch.int32)
     u = torch.randint(-2**31, 2**31 - 1, (threads,), dtype=torch.int32)  # read as unsigned
     inputs = [f.clone(), n.clone(), u.clone()]
-    error = error_buffer()
-    status = selftest().selftest_shfl_xor(threads, ctypes.c_uint(mask), lane_mask, ptr(f), ptr(n), ptr(u), error, len(error))
-    return status, error, inputs, [f, n, u]
+    message = call(selftest().selftest_shfl_xor, threads, ctypes.c_uint(mask), lane_mask, ptr(f), ptr(n), ptr(u))
+    return message, inputs, [f, n, u]
 
 
 @pytest.mark.parametrize("lane_mask", [1, 2, 4, 8, 16, 31, 37])
 def test_shfl_xor_gives_each_lane_the_value_of_lane_xor_mask(lane_mask):
-    status, error, inputs, outputs = run_shfl(lane_mask)
-    check(status, error, "shfl_xor")
+    message, inputs, outputs = run_shfl(lane_mask)
+    assert message == ""
     lanes = torch.arange(64)
     source = lanes // 32 * 32 + (lanes % 32 ^ lane_mask % 32)  # within its own warp; the mask's low 5 bits
     for before, after in zip(inputs, outputs):
@@ -173,7 +166,7 @@ def test_shfl_xor_gives_each_lane_the_value_of_lane_xor_mask(lane_mask):
 
 
 def test_shfl_xor_faults_on_a_partial_mask():
-    message = fault_message(*run_shfl(1, mask=0x0000FFFF)[:2])
+    message, _, _ = run_shfl(1, mask=0x0000FFFF)
     assert "__shfl_xor_sync with mask 0x0000ffff: the emulator takes the full mask only" in message
 
 
@@ -187,8 +180,7 @@ GARBAGE = 0xFFFFFFFF  # the launch's fill of shared memory
 def test_cp_async_lands_only_when_its_group_is_waited_for(switch):
     src = torch.randint(0, 2**31 - 1, (32 * 8,), dtype=torch.int32)
     seen = torch.zeros(32, 5, 3, 4, dtype=torch.int32)
-    error = error_buffer()
-    check(selftest(switch).selftest_cp_async(ptr(src), ctypes.c_uint(OLD), ptr(seen), error, len(error)), error, "cp.async")
+    assert call(selftest(switch).selftest_cp_async, ptr(src), ctypes.c_uint(OLD), ptr(seen)) == ""
     seen = seen.to(torch.int64) & 0xFFFFFFFF
     copy_a, copy_b = src.view(32, 2, 4)[:, 0], src.view(32, 2, 4)[:, 1]
     old = torch.full((32, 4), OLD, dtype=torch.int64)
@@ -208,13 +200,11 @@ def test_cp_async_lands_only_when_its_group_is_waited_for(switch):
 def run_cp_async_one(dst_offset, src_offset, readable_bytes=-1, smem_bytes=256):
     src = torch.zeros(256, dtype=torch.uint8)
     assert src.data_ptr() % 16 == 0
-    error = error_buffer()
-    status = selftest().selftest_cp_async_one(ptr(src), readable_bytes, smem_bytes, dst_offset, src_offset, error, len(error))
-    return status, error
+    return call(selftest().selftest_cp_async_one, ptr(src), readable_bytes, smem_bytes, dst_offset, src_offset)
 
 
 def test_cp_async_accepts_the_last_16_bytes_of_shared_and_readable_memory():
-    check(*run_cp_async_one(dst_offset=240, src_offset=48, readable_bytes=64), "cp.async")
+    assert run_cp_async_one(dst_offset=240, src_offset=48, readable_bytes=64) == ""
 
 
 @pytest.mark.parametrize("dst_offset, src_offset, readable_bytes, expected", [
@@ -225,7 +215,7 @@ def test_cp_async_accepts_the_last_16_bytes_of_shared_and_readable_memory():
     (0, 64, 64, ("cp_async_16 source 0x", "is outside every readable global buffer (src [0x", ", +64)")),
 ])
 def test_cp_async_faults_on_a_bad_address(dst_offset, src_offset, readable_bytes, expected):
-    message = fault_message(*run_cp_async_one(dst_offset, src_offset, readable_bytes))
+    message = run_cp_async_one(dst_offset, src_offset, readable_bytes)
     assert all(part in message for part in expected), message
     assert "at block (0,0,0) thread 0 (threadIdx (0,0,0), warp 0 lane 0)" in message
 
@@ -236,9 +226,8 @@ def test_each_thread_sees_its_own_indices_x_fastest():
     grid, block = (2, 3, 1), (8, 4, 2)
     threads = 8 * 4 * 2
     out = torch.full((2 * 3 * threads, 12), -1, dtype=torch.int32)
-    error = error_buffer()
     grid_t, block_t = torch.tensor(grid, dtype=torch.int32), torch.tensor(block, dtype=torch.int32)
-    check(selftest().selftest_indices(ptr(grid_t), ptr(block_t), ptr(out), error, len(error)), error, "indices")
+    assert call(selftest().selftest_indices, ptr(grid_t), ptr(block_t), ptr(out)) == ""
     expected = [[tx, ty, tz, bx, by, 0, *block, *grid]
                 for by in range(3) for bx in range(2)
                 for tz in range(2) for ty in range(4) for tx in range(8)]
@@ -256,8 +245,7 @@ def test_each_thread_sees_its_own_indices_x_fastest():
 ], ids=["exit-while-others-wait", "barrier-after-exit", "deadlock", "mixed-collectives", "partial-warp"])
 @pytest.mark.parametrize("switch", SWITCHES)
 def test_a_kernel_that_breaks_a_rule_faults_with_a_message(switch, case, expected):
-    error = error_buffer()
-    message = fault_message(selftest(switch).selftest_fault(case, error, len(error)), error)
+    message = call(selftest(switch).selftest_fault, case)
     assert message.startswith("remat_emu: " + expected), message
 
 
@@ -276,9 +264,7 @@ def test_many_blocks_of_shuffles_mmas_and_barriers_give_the_known_result(switch)
     blocks, threads, iterations = 5, 128, 40
     values = torch.zeros(blocks * threads, dtype=torch.float32)
     accumulators = torch.zeros_like(values)
-    error = error_buffer()
-    status = selftest(switch).selftest_busy(blocks, threads, iterations, ptr(values), ptr(accumulators), error, len(error))
-    check(status, error, "busy")
+    assert call(selftest(switch).selftest_busy, blocks, threads, iterations, ptr(values), ptr(accumulators)) == ""
     moved = 0  # each iteration moves every value to lane l ^ (1 << k % 5)
     for k in range(iterations):
         moved ^= 1 << k % 5
