@@ -4,8 +4,7 @@
 REMAT_WARP_EMULATOR defined, csrc/tensor_core.cuh takes its primitives from
 tests/cuda_emulator/warp_emulator.h) into a shared library, cached under the temp folder by a hash
 of the sources, the headers beside them and the flags. A test that needs it is skipped, with the
-reason, only when g++ or the CUDA headers (cuda_fp16.h, cuda_bf16.h, vector_types.h) are absent;
-a compile error fails it.
+reason, only when g++ or the CUDA toolkit's headers are absent; a compile error fails it.
 
 ``emulated_attention_fwd`` / ``emulated_attention_bwd`` run csrc/attention_kernels.cuh's forward
 and backward on CPU tensors through tests/cuda_emulator/attention_harness.cpp.
@@ -26,7 +25,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CSRC = os.path.join(ROOT, "csrc")
 EMULATOR = os.path.join(ROOT, "tests", "cuda_emulator")
-CUDA_HEADERS = ("cuda_fp16.h", "cuda_bf16.h", "vector_types.h")
+CUDA_HEADERS = ("cuda_fp16.h", "cuda_bf16.h", "vector_types.h", "device_launch_parameters.h")
 # The half/bfloat16 operator switches of torch's extension build (cpp_extension.COMMON_NVCC_FLAGS),
 # so that a kernel that builds here also builds there.
 TORCH_HALF_FLAGS = ("-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
@@ -36,21 +35,17 @@ ERROR_BYTES = 4096
 
 @functools.cache
 def cuda_include_dir():
-    """A folder holding the CUDA headers the kernels include on the host, or None."""
+    """The first toolkit include folder (CUDA_HOME, CUDA_PATH, /usr/local/cuda, nvcc's) whose
+    headers the kernels include compile on the host with g++, or None."""
     homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
     nvcc = shutil.which("nvcc")
-    if nvcc:  # resolves wrapper scripts only as far as links go; /usr/local/cuda covers the rest
+    if nvcc:  # a wrapper script resolves to its own folder; /usr/local/cuda covers that case
         homes.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
-    candidates = [os.path.join(home, "include") for home in homes if home]
-    try:  # torch's CUDA wheels bring the runtime headers as pip packages (nvidia/cu13/include, ...)
-        import nvidia
-
-        for root in nvidia.__path__:
-            candidates += sorted(glob.glob(os.path.join(root, "*", "include")))
-    except ImportError:
-        pass
-    for folder in candidates:
-        if all(os.path.exists(os.path.join(folder, header)) for header in CUDA_HEADERS):
+    test = "".join(f"#include <{header}>\n" for header in CUDA_HEADERS)
+    for folder in dict.fromkeys(os.path.join(home, "include") for home in homes if home):
+        if os.path.isdir(folder) and subprocess.run(
+                ["g++", "-std=c++20", "-fsyntax-only", "-x", "c++", "-I", folder, "-"], input=test, text=True,
+                capture_output=True).returncode == 0:
             return folder
     return None
 
@@ -90,8 +85,8 @@ def _build(sources, name, flags):
         pytest.skip("g++ is not installed: the CUDA warp emulator builds the kernels with it")
     cuda_include = cuda_include_dir()
     if cuda_include is None:
-        pytest.skip(f"no CUDA headers ({', '.join(CUDA_HEADERS)}) under CUDA_HOME, CUDA_PATH, "
-                    "/usr/local/cuda, nvcc's toolkit or the pip nvidia packages")
+        pytest.skip(f"no CUDA toolkit headers ({', '.join(CUDA_HEADERS)}) that compile with g++ under CUDA_HOME, "
+                    "CUDA_PATH, /usr/local/cuda or nvcc's toolkit")
     cache = os.path.join(tempfile.gettempdir(), "remat-cuda-emulator")
     os.makedirs(cache, exist_ok=True)
     digest = _digest(sources, _compile_command(sources, flags, "", cuda_include))

@@ -249,6 +249,14 @@ def test_a_kernel_that_breaks_a_rule_faults_with_a_message(switch, case, expecte
     assert message.startswith("remat_emu: " + expected), message
 
 
+def test_static_shared_memory_is_a_compile_error(tmp_path):
+    # It would be one array per thread here, not per block.
+    source = tmp_path / "static_shared.cpp"
+    source.write_text('#include "tensor_core.cuh"\n__global__ void kernel() { __shared__ float x[32]; x[0] = 0; }\n')
+    with pytest.raises(RuntimeError, match="the warp emulator has no static __shared__ memory: use REMAT_DYNAMIC_SMEM"):
+        build_emulated(str(source), "static_shared")
+
+
 def test_an_uncaught_fault_aborts_the_process_with_its_message():
     library = selftest()._name
     done = subprocess.run([sys.executable, "-c", f"import ctypes; ctypes.CDLL({library!r}).selftest_unguarded_fault()"],
