@@ -98,6 +98,7 @@ inline void switch_context(Context& from, Context& to) { swapcontext(&from.uc, &
 // glibc's swapcontext also saves the signal mask (a system call, ~0.3 us); a warp collective
 // costs 64 switches, so on x86-64 the switch is these few instructions: push the callee-saved
 // registers, store the stack pointer in *FROM, load TO, pop and return into the other context.
+// (The floating-point control registers are not switched: every context shares their settings.)
 [[gnu::naked, gnu::noinline]] inline void switch_stack(void** /*from*/, void* /*to*/) {
   asm("pushq %rbp\n\t"
       "pushq %rbx\n\t"
@@ -125,7 +126,13 @@ inline void prepare_context(Context& c, char* stack, size_t bytes) {
   slots[7] = nullptr;
   c.sp = slots;
 }
-inline void switch_context(Context& from, Context& to) { switch_stack(&from.sp, to.sp); }
+// The memory barriers keep the compiler from caching across the switch what other fibers write
+// meanwhile (a collective's results land in the waiting lanes' variables).
+inline void switch_context(Context& from, Context& to) {
+  asm volatile("" ::: "memory");
+  switch_stack(&from.sp, to.sp);
+  asm volatile("" ::: "memory");
+}
 #endif
 
 // ---- Memory: page-guarded mappings for the fibers' stacks and the shared memory ----
@@ -136,7 +143,6 @@ inline size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 // An anonymous mapping freed with its owner.
 class Mapping {
  public:
-  Mapping() = default;
   explicit Mapping(size_t bytes) : bytes_(bytes) {
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) throw std::runtime_error("remat_emu: mmap of " + std::to_string(bytes) + " bytes failed");
@@ -151,8 +157,8 @@ class Mapping {
   void guard(size_t offset, size_t bytes) const { mprotect(data_ + offset, bytes, PROT_NONE); }
 
  private:
-  char* data_ = nullptr;
-  size_t bytes_ = 0;
+  char* data_;
+  size_t bytes_;
 };
 
 // ---- The state of a block's threads ----
@@ -350,7 +356,10 @@ inline std::string describe_waits(const Block& b) {
   __builtin_unreachable();
 }
 
-inline uint3 unflatten(unsigned i, dim3 d) { return {i % d.x, i / d.x % d.y, i / (d.x * d.y)}; }
+// The index of the I-th thread (or block) of D, x fastest.
+inline uint3 unflatten(size_t i, dim3 d) {
+  return {static_cast<unsigned>(i % d.x), static_cast<unsigned>(i / d.x % d.y), static_cast<unsigned>(i / d.x / d.y)};
+}
 
 // Runs every thread of the current block to its end; returns the fault message ("" if none).
 inline std::string run_block(Block& b, char* stacks, size_t stride) {
@@ -431,7 +440,7 @@ void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem_bytes, const Args&
   b.threads.resize(threads);
   for (size_t i = 0; i < threads; ++i) {
     b.threads[i].linear = static_cast<int>(i);
-    b.threads[i].index = detail::unflatten(static_cast<unsigned>(i), block);
+    b.threads[i].index = detail::unflatten(i, block);
   }
   b.warps.resize((threads + detail::kWarpSize - 1) / detail::kWarpSize);
   b.body = &body;
@@ -441,7 +450,7 @@ void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem_bytes, const Args&
   detail::current_block = &b;
   std::string fault;
   for (size_t i = 0; i < blocks && fault.empty(); ++i) {
-    b.index = detail::unflatten(static_cast<unsigned>(i), grid);
+    b.index = detail::unflatten(i, grid);
     fault = detail::run_block(b, stacks.data(), stride);
   }
   detail::current_block = outer_block;
@@ -477,7 +486,7 @@ inline void __syncthreads() { remat_emu::detail::block_barrier(); }
 
 namespace remat_emu::detail {
 
-// Lane l receives the value of lane l ^ (lane_mask % 32) (PTX shfl.sync.bfly, width 32).
+// Lane l receives the value of lane l ^ (the low 5 bits of its lane_mask): PTX shfl.sync.bfly, width 32.
 template <class T>
 T shfl_xor(unsigned mask, T value, int lane_mask) {
   static_assert(sizeof(T) == 4 && std::is_trivially_copyable_v<T>);
@@ -497,8 +506,12 @@ T shfl_xor(unsigned mask, T value, int lane_mask) {
 
 }  // namespace remat_emu::detail
 
-inline float __shfl_xor_sync(unsigned mask, float v, int lane_mask) { return remat_emu::detail::shfl_xor(mask, v, lane_mask); }
-inline int __shfl_xor_sync(unsigned mask, int v, int lane_mask) { return remat_emu::detail::shfl_xor(mask, v, lane_mask); }
+inline float __shfl_xor_sync(unsigned mask, float v, int lane_mask) {
+  return remat_emu::detail::shfl_xor(mask, v, lane_mask);
+}
+inline int __shfl_xor_sync(unsigned mask, int v, int lane_mask) {
+  return remat_emu::detail::shfl_xor(mask, v, lane_mask);
+}
 inline unsigned __shfl_xor_sync(unsigned mask, unsigned v, int lane_mask) {
   return remat_emu::detail::shfl_xor(mask, v, lane_mask);
 }
