@@ -67,12 +67,11 @@ def accumulator_matrix(rd):
 @pytest.mark.parametrize("name", FLOAT16_TYPES)
 def test_mma_16816_is_a_times_b_plus_c_with_the_fragment_layouts(name, values):
     dtype, warps = FLOAT16_TYPES[name], 2
-    gen = torch.Generator().manual_seed(hash((name, values)) % 2**31)
 
     def draw(*shape):
         if values == "integers":  # every partial sum is an exact fp32 value: the result must be exact
-            return torch.randint(-4, 5, shape, generator=gen).to(torch.float64)
-        return torch.randn(shape, generator=gen, dtype=torch.float64)
+            return torch.randint(-4, 5, shape).to(torch.float64)
+        return torch.randn(shape, dtype=torch.float64)
 
     a, b, c = draw(warps, 16, 16).to(dtype), draw(warps, 16, 8).to(dtype), draw(warps, 16, 8).to(torch.float32)
     fragments = [mma_fragments(a[w], b[w], c[w]) for w in range(warps)]
@@ -119,8 +118,7 @@ def expected_ldmatrix(offsets, transpose):
 
 @pytest.mark.parametrize("transpose", [False, True], ids=["x4", "x4.trans"])
 def test_ldmatrix_gives_each_lane_its_rows_and_columns(transpose):
-    gen = torch.Generator().manual_seed(int(transpose))
-    rows = torch.randperm(SMEM_ELEMENTS // 8, generator=gen)[:32]
+    rows = torch.randperm(SMEM_ELEMENTS // 8)[:32]
     rows[31] = SMEM_ELEMENTS // 8 - 1  # the last 16 bytes of shared memory are inside it
     offsets = (rows * 8).tolist()
     message, out = run_ldmatrix(offsets, transpose)
@@ -288,11 +286,10 @@ def test_the_attention_harness_runs_the_kernels_forward_and_backward(dtype):
     # A smoke test of the harness, not of the kernels: GQA, causal with Sq < Sk, both sequences
     # ending inside a tile, head dim 40 (computed at 64), q in the (B, S, H, D) layout, k
     # contiguous but 2 bytes off 16-byte alignment (copied, as cp.async cannot read it).
-    gen = torch.Generator().manual_seed(7)
-    q = torch.randn(1, 37, 4, 40, generator=gen).to(dtype).transpose(1, 2)
-    k = torch.randn(1 + 2 * 45 * 40, generator=gen).to(dtype)[1:].view(1, 2, 45, 40)
-    v = torch.randn(1, 2, 45, 40, generator=gen).to(dtype)
-    do = torch.randn(q.shape, generator=gen).to(dtype)
+    q = torch.randn(1, 37, 4, 40).to(dtype).transpose(1, 2)
+    k = torch.randn(1 + 2 * 45 * 40).to(dtype)[1:].view(1, 2, 45, 40)
+    v = torch.randn(1, 2, 45, 40).to(dtype)
+    do = torch.randn(q.shape).to(dtype)
     o, lse = emulated_attention_fwd(q, k, v, True, 0.3)
     dq, dk, dv = emulated_attention_bwd(do, q, k, v, o, lse, True, 0.3)
     q64, k64, v64, do64 = (t.double() for t in (q, k, v, do))
