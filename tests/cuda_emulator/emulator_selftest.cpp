@@ -201,6 +201,20 @@ int selftest_fault(int which, char* error, int error_bytes) {
   });
 }
 
+// The conversions the kernels use, on host: pairs packed by remat::tc::pack2 (__floats2half2_rn,
+// __floats2bfloat162_rn), single values by __float2half_rn / __float2bfloat16_rn, and back.
+void selftest_conversions(const float* x, int n, uint32_t* half_pairs, uint32_t* bf16_pairs, float* half_back,
+                          float* bf16_back) {
+  for (int i = 0; i + 1 < n; i += 2) {
+    half_pairs[i / 2] = remat::tc::pack2<__half>(x[i], x[i + 1]);
+    bf16_pairs[i / 2] = remat::tc::pack2<__nv_bfloat16>(x[i], x[i + 1]);
+  }
+  for (int i = 0; i < n; ++i) {
+    half_back[i] = __half2float(__float2half_rn(x[i]));
+    bf16_back[i] = __bfloat162float(__float2bfloat16_rn(x[i]));
+  }
+}
+
 // Lets the fault escape: the process aborts with the message (what an unguarded caller sees).
 void selftest_unguarded_fault() { launch(early_exit_kernel, dim3(1), dim3(64), 0); }
 

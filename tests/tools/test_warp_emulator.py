@@ -89,6 +89,27 @@ def test_mma_16816_is_a_times_b_plus_c_with_the_fragment_layouts(name, values):
         assert not torch.equal(d, c64)
 
 
+# ---- conversions ----
+
+def test_host_conversions_round_to_nearest_even():
+    # Ties of both types (1 + 2^-11 for fp16, 1 + 2^-8 for bf16, each way), fp16 overflow and
+    # subnormals, then random values over many binades.
+    special = [1 + 2.0**-11, 1 + 3 * 2.0**-11, 1 + 2.0**-8, 1 + 3 * 2.0**-8, 65519.0, 65520.0, 2.0**-25,
+               3 * 2.0**-26, -(2.0**-24), 1e-40, -0.0, float("inf"), 3.0e38, -1.0 / 3]
+    x = torch.cat([torch.tensor(special), torch.randn(2000) * torch.exp2(torch.randint(-30, 30, (2000,)).float())])
+    x = x.float().contiguous()
+    n = x.numel()
+    half_pairs, bf16_pairs = torch.zeros(n // 2, dtype=torch.int32), torch.zeros(n // 2, dtype=torch.int32)
+    half_back, bf16_back = torch.zeros(n), torch.zeros(n)
+    selftest().selftest_conversions(ptr(x), n, ptr(half_pairs), ptr(bf16_pairs), ptr(half_back), ptr(bf16_back))
+    for dtype, pairs, back in ((torch.float16, half_pairs, half_back), (torch.bfloat16, bf16_pairs, bf16_back)):
+        rounded = x.to(dtype)  # torch rounds to nearest even on every CPU
+        assert torch.equal(back, rounded.float()), dtype
+        bits = (pairs.to(torch.int64) & 0xFFFFFFFF)
+        want = bits16(rounded[0::2]) | bits16(rounded[1::2]) << 16  # x in the low half, y in the high
+        assert torch.equal(bits, want), dtype
+
+
 # ---- ldmatrix ----
 
 SMEM_ELEMENTS = 1024  # 16-bit elements: 128 rows of 16 bytes, element e holding the value e
