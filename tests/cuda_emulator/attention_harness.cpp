@@ -1,0 +1,92 @@
+// csrc/attention_kernels.cuh's forward and backward on the CPU warp emulator, for
+// tests/_helpers/cuda_emulator.py (emulated_attention_fwd / _bwd), which allocates the outputs.
+#include "attention_kernels.cuh"
+
+namespace {
+
+// The buffers of a call, in this order: pointers, strides (batch, head, sequence; zeros for lse
+// and delta) and bytes from the pointer to the end of the last element.
+enum Buffer { kQ, kK, kV, kO, kLse, kDout, kDelta, kDq, kDk, kDv, kBuffers };
+const char* const kBufferNames[kBuffers] = {"q", "k", "v", "o", "lse", "do", "delta", "dq", "dk", "dv"};
+
+// The most dynamic shared memory a block may opt in to on sm_80 (A100), the smallest of the
+// archs the kernels ship for (sm_90: 227 KiB).
+constexpr int kMaxSharedBytes = 163 * 1024;
+
+void copy_strides(int64_t (&to)[3], const int64_t* from) {
+  for (int d = 0; d < 3; ++d) to[d] = from[d];
+}
+
+remat::AttentionParams make_params(const int* sizes, int bf16, int causal, float softmax_scale, void* const* buffers,
+                                   const int64_t* strides) {
+  remat::AttentionParams p{};
+  p.q = buffers[kQ];
+  p.k = buffers[kK];
+  p.v = buffers[kV];
+  p.o = buffers[kO];
+  p.lse = static_cast<float*>(buffers[kLse]);
+  p.dout = buffers[kDout];
+  p.delta = static_cast<float*>(buffers[kDelta]);
+  p.dq = buffers[kDq];
+  p.dk = buffers[kDk];
+  p.dv = buffers[kDv];
+  copy_strides(p.q_stride, strides + 3 * kQ);
+  copy_strides(p.k_stride, strides + 3 * kK);
+  copy_strides(p.v_stride, strides + 3 * kV);
+  copy_strides(p.o_stride, strides + 3 * kO);
+  copy_strides(p.dout_stride, strides + 3 * kDout);
+  copy_strides(p.dq_stride, strides + 3 * kDq);
+  copy_strides(p.dk_stride, strides + 3 * kDk);
+  copy_strides(p.dv_stride, strides + 3 * kDv);
+  p.batch = sizes[0];
+  p.heads = sizes[1];
+  p.kv_heads = sizes[2];
+  p.seqlen_q = sizes[3];
+  p.seqlen_k = sizes[4];
+  p.head_dim = sizes[5];
+  p.softmax_scale = softmax_scale;
+  p.causal = causal != 0;
+  p.bf16 = bf16 != 0;
+  return p;
+}
+
+// Runs each launch on the emulator; as csrc/attention.cu's StreamLauncher, skips a grid without blocks.
+struct EmulatorLauncher {
+  template <class Kernel>
+  void operator()(Kernel kernel, dim3 grid, dim3 block, int smem, const remat::AttentionParams& p) const {
+    if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+    if (smem > kMaxSharedBytes) {
+      throw remat_emu::KernelFault("remat_emu: a launch asks for " + std::to_string(smem) +
+                                   " bytes of dynamic shared memory, more than an sm_80 block may have (" +
+                                   std::to_string(kMaxSharedBytes) + ")");
+    }
+    remat_emu::launch(kernel, grid, block, static_cast<size_t>(smem), p);
+  }
+};
+
+}  // namespace
+
+extern "C" {
+
+// The forward (BACKWARD = 0: reads q, k, v; writes o, lse) or the backward (reads do, q, k, v, o,
+// lse; writes delta, dq, dk, dv). SIZES: batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim.
+// cp.async may read only inside q, k, v and do. Returns 0, or -1 with the message in ERROR.
+int emulated_attention(int backward, const int* sizes, int bf16, int causal, float softmax_scale,
+                       void* const* buffers, const int64_t* strides, const int64_t* bytes, char* error,
+                       int error_bytes) {
+  return remat_emu::report_errors(error, error_bytes, [&] {
+    const remat::AttentionParams p = make_params(sizes, bf16, causal, softmax_scale, buffers, strides);
+    std::vector<remat_emu::GlobalBuffer> readable;
+    for (Buffer b : {kQ, kK, kV, kDout}) {
+      if (b != kDout || backward) readable.push_back({buffers[b], static_cast<size_t>(bytes[b]), kBufferNames[b]});
+    }
+    remat_emu::ReadableGlobalMemory scope(readable);
+    if (backward) {
+      remat::attention_backward(p, EmulatorLauncher{});
+    } else {
+      remat::attention_forward(p, EmulatorLauncher{});
+    }
+  });
+}
+
+}  // extern "C"
