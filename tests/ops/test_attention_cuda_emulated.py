@@ -1,0 +1,107 @@
+"""The CUDA attention kernels' numerics without a GPU: csrc/attention_kernels.cuh built for the CPU
+against the warp emulator (tests/cuda_emulator/), which gives mma, ldmatrix, cp.async, shuffles and
+__syncthreads their PTX semantics, one std::thread per CUDA thread. The same kernel source as the
+GPU build, the same launches (grid, block, shared memory) from its host code: what this checks is
+the kernels' indexing, fragment layouts, masks, online softmax, pipelining and GQA. Not checked
+here: speed, bank conflicts, and anything the emulator cannot see (the GPU's exp2 approximation,
+ptxas). On a GPU, test_attention_cuda.py runs the compiled kernels against the same references.
+"""
+
+import pytest
+import torch
+
+from remat.ops import attention as attn_ops
+
+from attention_checks import assert_matches_float64
+from cuda_emulator import emulated_attention_bwd, emulated_attention_fwd
+
+DTYPES = [torch.float16, torch.bfloat16]
+
+# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal). Blocks are 64 queries (16 a warp)
+# by 64 keys (32 at head dim 128 in the backward): lengths 1, 17, 65, 129 leave ragged tails and
+# several blocks; 80, 96 and 40 run padded (to 128 and 64).
+CASES = [
+    pytest.param((1, 2, 2, 17, 17, 32, False), id="plain-17-d32"),
+    pytest.param((2, 2, 2, 65, 65, 64, True), id="causal-65"),
+    pytest.param((1, 2, 2, 17, 129, 64, True), id="causal-q17-k129"),
+    pytest.param((1, 2, 2, 129, 17, 64, True), id="causal-q129-k17-rows-without-keys"),
+    pytest.param((1, 2, 2, 70, 130, 128, False), id="noncausal-q70-k130-d128"),
+    pytest.param((1, 4, 1, 33, 33, 64, True), id="mqa"),
+    pytest.param((1, 4, 2, 80, 50, 64, False), id="gqa"),
+    pytest.param((1, 2, 1, 1, 1, 64, False), id="seq1"),
+    pytest.param((1, 1, 1, 1, 70, 32, True), id="q1-causal"),
+    pytest.param((1, 1, 1, 65, 65, 80, True), id="d80"),
+    pytest.param((1, 1, 1, 40, 33, 96, False), id="d96"),
+    pytest.param((1, 2, 2, 70, 70, 40, True), id="d40"),
+    pytest.param((1, 1, 1, 130, 130, 128, True), id="causal-130-d128"),
+]
+
+
+def _inputs(shape, dtype):
+    batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal = shape
+    q = torch.randn(batch, heads, seqlen_q, head_dim).to(dtype)
+    k = torch.randn(batch, kv_heads, seqlen_k, head_dim).to(dtype)
+    v = torch.randn(batch, kv_heads, seqlen_k, head_dim).to(dtype)
+    do = torch.randn(q.shape).to(dtype)
+    return q, k, v, do, causal
+
+
+def _float64(q, k, v, do, causal, scale):
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    o, lse = attn_ops.attention_ref(*leaves, causal, scale)
+    o.backward(do.double())
+    return (o, lse, *[t.grad for t in leaves])
+
+
+def _emulated(q, k, v, do, causal, scale):
+    o, lse = emulated_attention_fwd(q, k, v, causal, scale)
+    return (o, lse, *emulated_attention_bwd(do, q, k, v, o, lse, causal, scale))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES)
+def test_matches_float64(case, dtype):
+    q, k, v, do, causal = _inputs(case, dtype)
+    scale = q.shape[-1] ** -0.5
+    ours = _emulated(q, k, v, do, causal, scale)
+    exactly_zero = {"dq", "dk"} if k.shape[2] == 1 else set()  # one key: P = 1, dS = 0
+    assert_matches_float64(ours, _float64(q, k, v, do, causal, scale), dtype, exactly_zero)
+
+
+def test_rows_that_see_no_key_are_zero_with_lse_minus_infinity():
+    q, k, v, do, _ = _inputs((1, 2, 2, 70, 20, 64, True), torch.float16)
+    o, lse, dq, dk, dv = _emulated(q, k, v, do, True, 0.125)
+    blind = 70 - 20  # query i sees key j iff j <= i - 50
+    assert (o[:, :, :blind] == 0).all() and (dq[:, :, :blind] == 0).all()
+    assert torch.isneginf(lse[:, :, :blind]).all() and torch.isfinite(lse[:, :, blind:]).all()
+
+
+def test_strided_inputs():
+    """q, k, v and do as views of larger tensors (other strides than contiguous), o as the forward
+    laid it out: the kernels read through the strides."""
+    dtype = torch.bfloat16
+    base = torch.randn(1, 45, 3, 2, 64).to(dtype)  # (B, S, 3, H, D): packed qkv, as a fused projection gives
+    q, k, v = (base[:, :, i].transpose(1, 2) for i in range(3))
+    do = torch.randn(1, 45, 2, 64).to(dtype).transpose(1, 2)
+    ours = _emulated(q, k, v, do, True, 0.3)
+    assert_matches_float64(ours, _float64(q, k, v, do, True, 0.3), dtype)
+    contiguous = _emulated(*(t.contiguous() for t in (q, k, v, do)), True, 0.3)
+    for a, b in zip(ours, contiguous):
+        assert torch.equal(a, b)
+
+
+def test_bitwise_deterministic():
+    q, k, v, do, causal = _inputs((1, 4, 2, 100, 100, 64, True), torch.float16)
+    first, second = _emulated(q, k, v, do, causal, 0.125), _emulated(q, k, v, do, causal, 0.125)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_large_scores_stay_finite():
+    """Scores of several hundred (a large scale): the online softmax's rescaling and the
+    backward's exp2(s - lse) must not overflow."""
+    q, k, v, do, _ = _inputs((1, 1, 1, 70, 90, 64, False), torch.float16)
+    ours = _emulated(q, k, v, do, False, 4.0)
+    for t in ours:
+        assert torch.isfinite(t).all()
+    assert_matches_float64(ours, _float64(q, k, v, do, False, 4.0), torch.float16)
