@@ -116,6 +116,15 @@ __device__ __forceinline__ void load_tile(T* tile, const T* base, int64_t stride
   }
 }
 
+// Starts copying key/value block rows n0..n0+N-1 of K and V into stage STAGE of the
+// double-buffered shared tiles S_K and S_V (N rows each a stage).
+template <typename T, int D, int N>
+__device__ __forceinline__ void load_kv_block(T* s_k, T* s_v, int stage, const T* k, const T* v,
+                                              const AttentionParams& p, int n0) {
+  load_tile<T, D, N>(s_k + stage * N * D, k, p.k_stride[2], n0, p.seqlen_k, p.head_dim);
+  load_tile<T, D, N>(s_v + stage * N * D, v, p.v_stride[2], n0, p.seqlen_k, p.head_dim);
+}
+
 // The A fragments (16 x D, k = the tile's columns) of rows row0..row0+15 of a shared tile.
 template <typename T, int D>
 __device__ __forceinline__ void load_a_fragments(uint32_t (&a)[D / 16][4], const T* tile, int row0) {
@@ -280,8 +289,7 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(const Attention
   uint32_t q_frag[D / 16][4];
   if (n_blocks > 0) {
     load_tile<T, D, M>(s_q, q, p.q_stride[2], m0, p.seqlen_q, p.head_dim);
-    load_tile<T, D, N>(s_k, k, p.k_stride[2], 0, p.seqlen_k, p.head_dim);
-    load_tile<T, D, N>(s_v, v, p.v_stride[2], 0, p.seqlen_k, p.head_dim);
+    load_kv_block<T, D, N>(s_k, s_v, 0, k, v, p, 0);
     tc::cp_async_commit();
   }
   for (int j = 0; j < n_blocks; ++j) {
@@ -291,8 +299,7 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(const Attention
     if (j == 0) load_a_fragments<T, D>(q_frag, s_q, warp * kRowsPerWarp);
     const int stage = j & 1, n0 = j * N;
     if (j + 1 < n_blocks) {
-      load_tile<T, D, N>(s_k + (stage ^ 1) * N * D, k, p.k_stride[2], n0 + N, p.seqlen_k, p.head_dim);
-      load_tile<T, D, N>(s_v + (stage ^ 1) * N * D, v, p.v_stride[2], n0 + N, p.seqlen_k, p.head_dim);
+      load_kv_block<T, D, N>(s_k, s_v, stage ^ 1, k, v, p, n0 + N);
       tc::cp_async_commit();
     }
     float s[N / 8][4];
@@ -497,8 +504,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const AttentionP
   if (n_blocks > 0) {
     load_tile<T, D, M>(s_q, slice<T>(p.q, p.q_stride, b, h), p.q_stride[2], m0, p.seqlen_q, p.head_dim);
     load_tile<T, D, M>(s_do, slice<T>(p.dout, p.dout_stride, b, h), p.dout_stride[2], m0, p.seqlen_q, p.head_dim);
-    load_tile<T, D, N>(s_k, k, p.k_stride[2], 0, p.seqlen_k, p.head_dim);
-    load_tile<T, D, N>(s_v, v, p.v_stride[2], 0, p.seqlen_k, p.head_dim);
+    load_kv_block<T, D, N>(s_k, s_v, 0, k, v, p, 0);
     tc::cp_async_commit();
   }
   for (int j = 0; j < n_blocks; ++j) {
@@ -510,8 +516,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const AttentionP
     }
     const int stage = j & 1, n0 = j * N;
     if (j + 1 < n_blocks) {
-      load_tile<T, D, N>(s_k + (stage ^ 1) * N * D, k, p.k_stride[2], n0 + N, p.seqlen_k, p.head_dim);
-      load_tile<T, D, N>(s_v + (stage ^ 1) * N * D, v, p.v_stride[2], n0 + N, p.seqlen_k, p.head_dim);
+      load_kv_block<T, D, N>(s_k, s_v, stage ^ 1, k, v, p, n0 + N);
       tc::cp_async_commit();
     }
     const T* k_tile = s_k + stage * N * D;
