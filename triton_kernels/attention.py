@@ -98,13 +98,33 @@ _FP32_CONFIGS = {
 # ... and with a window, softcapping or ALiBi at head dims 32 and 64, the only fp32 configuration:
 # the extra live values (positions, tanh) put 8-24 bytes on the stack in several of the tiles above
 # (the fwd and dK/dV table entries among them) on sm_80 or sm_90; these three compile without,
-# for every variant of AOT_FEATURES on both archs at head dim 64 (32's tiles are narrower).
+# for every variant of AOT_FEATURES but dropout's (below) on both archs at head dim 64 (32's
+# tiles are narrower).
 _FP32_FEATURE_CONFIGS = {"fwd": (32, 32, 8, 2), "dkdv": (16, 16, 4, 2), "dq": (16, 32, 4, 2)}
 _FP32_FEATURE_HEAD_DIMS = (32, 64)
-# ... and with dropout, half precision, in place of the table's dQ entry at head dims 32 and 64:
-# its 4 warps spill 16-32 bytes (Philox's rounds on 32 scores a thread); 8 warps on the same tile
-# do not, on sm_80 or sm_90 (checked at head dim 64).
-_HALF_DROPOUT_CONFIGS = {"dq": {32: (128, 32, 8, 3), 64: (128, 32, 8, 3)}}
+# With dropout, these instead, the first being the fixed one: Philox's rounds on every score (with
+# a window and ALiBi besides, the most live values) put 8-392 bytes on the stack in most of the
+# tiles above and in every Hopper-only one. Each compiles without, on sm_80 and sm_90, for both
+# dropout variants of AOT_FEATURES at both shapes (REMAT_AOT_FULL=1 REMAT_AOT_ONLY=dropout); the
+# padded 128 at head dims 80, 96 and 128.
+_DROPOUT_CONFIGS = {
+    "half": {
+        "fwd": {32: [(64, 64, 4, 4)], 64: [(128, 64, 8, 3), (64, 64, 4, 3)], 128: [(64, 64, 8, 3), (64, 32, 4, 2)],
+                256: [(64, 32, 8, 2)]},
+        "dkdv": {32: [(32, 64, 4, 3), (64, 128, 8, 3)], 64: [(32, 128, 8, 3), (32, 64, 4, 3)], 128: [(32, 64, 8, 2)],
+                 256: [(16, 32, 8, 2), (16, 16, 4, 2), (16, 16, 8, 1)]},
+        "dq": {32: [(128, 32, 8, 3), (128, 64, 8, 3)], 64: [(128, 32, 8, 3), (128, 64, 8, 2)],
+               128: [(64, 32, 4, 2), (64, 64, 8, 2)], 256: [(32, 32, 8, 2), (16, 32, 4, 2), (16, 16, 4, 2)]},
+    },
+    "fp32": {
+        "fwd": {32: [(32, 32, 8, 2)], 64: [(32, 32, 8, 2)], 128: [(16, 32, 8, 1)],
+                256: [(16, 32, 8, 1), (16, 16, 4, 1), (16, 16, 4, 2)]},
+        "dkdv": {32: [(16, 16, 4, 2)], 64: [(16, 16, 4, 2)], 128: [(16, 16, 4, 2), (16, 16, 8, 1)],
+                 256: [(16, 16, 8, 1), (16, 16, 8, 2)]},
+        "dq": {32: [(16, 16, 4, 2), (32, 16, 4, 2)], 64: [(16, 32, 4, 2)], 128: [(16, 16, 4, 1)],
+               256: [(16, 16, 4, 2)]},
+    },
+}
 # Further autotuning candidates, timed after the table entry on first use per key (see
 # _select_config); the table entry wins ties, so tuning can only pick something faster. Every
 # one compiles without spills on sm_80 and sm_90 (tests/build/test_triton_aot.py). They vary the tile
@@ -163,11 +183,11 @@ def candidates(kind, head_dim, dtype, hopper=False, causal=None, features=False,
     those of the kernels with a window, softcapping, ALiBi or dropout (dropout: with dropout)."""
     half = dtype != torch.float32
     d_pad = padded_head_dim(head_dim)
+    if dropout:
+        return list(_DROPOUT_CONFIGS["half" if half else "fp32"][kind][d_pad])
     if features and not half and d_pad in _FP32_FEATURE_HEAD_DIMS:
         return [_FP32_FEATURE_CONFIGS[kind]]
     table = (_HALF_CONFIGS if half else _FP32_CONFIGS)[kind][d_pad]
-    if dropout and half:
-        table = _HALF_DROPOUT_CONFIGS.get(kind, {}).get(d_pad, table)
     extra = (_HALF_CANDIDATES if half else _FP32_CANDIDATES)[kind][d_pad]
     if hopper and half:
         extra = extra + _HOPPER_HALF_CANDIDATES[kind].get(head_dim, [])

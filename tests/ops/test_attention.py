@@ -408,6 +408,22 @@ def test_hopper_candidates_only_where_they_compiled_without_spills():
             assert not [c for c in configs if c[:2] == (128, 128)], (kind, head_dim, configs)
 
 
+def test_dropout_runs_only_its_own_configurations():
+    """With dropout, on either GPU generation, the candidates are the dropout table's (which
+    compiled without spills with Philox's live values): not the plain tiles, the fp32 feature
+    tiles or the Hopper-only ones, several of which put hundreds of bytes on the stack."""
+    kernels = importlib.import_module(_kernel_module())
+    for dtype, table in ((torch.float16, "half"), (torch.bfloat16, "half"), (torch.float32, "fp32")):
+        for kind in kernels.KINDS:
+            for head_dim in (32, 64, 80, 96, 128, 256):
+                expected = kernels._DROPOUT_CONFIGS[table][kind][kernels.padded_head_dim(head_dim)]
+                for hopper in (False, True):
+                    got = kernels.candidates(kind, head_dim, dtype, hopper=hopper, causal=True, features=True,
+                                             dropout=True)
+                    assert got == expected, (dtype, kind, head_dim, hopper)
+    assert (128, 128, 8, 3) in kernels.candidates("fwd", 128, torch.bfloat16, hopper=True, causal=True)  # not dropout
+
+
 # --- sizes past int32 and past a grid axis ----------------------------------------------------
 
 
