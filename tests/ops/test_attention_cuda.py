@@ -112,6 +112,19 @@ def test_cuda_kernels_compute_no_features(causal, features):
     assert attn_ops.cuda_kernel_computes(q, q, q, True, 0.125, -1, 7)  # a causal mask ignores window_right
 
 
+def test_backend_cuda_sends_what_the_kernels_do_not_take_to_triton_and_says_so_once(monkeypatch):
+    monkeypatch.setattr(_backend, "choose", lambda *args, **kwargs: "cuda")
+    _backend.warn_cuda_kernel_declines_once.cache_clear()
+    q = torch.randn(1, 2, 5, 32)  # fp32
+    with pytest.warns(UserWarning, match="the CUDA attention kernel does not take some of these calls.*its triton "):
+        implementation = attn_ops.FAMILY._implementation(0, (q, q, q, True, 0.125))
+    assert implementation.__module__.endswith("triton_kernels.attention")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        attn_ops.FAMILY._implementation(0, (q, q, q, True, 0.125))
+    _backend.warn_cuda_kernel_declines_once.cache_clear()
+
+
 # --- on a GPU ----------------------------------------------------------------------------------
 
 def _qkv(shape, dtype):

@@ -57,7 +57,7 @@ def test_triton_not_importable_says_cpu_tensors_do_not_need_it(monkeypatch, back
 
 
 def test_a_backend_means_the_same_for_every_op(monkeypatch, backend_restored):
-    """"cuda" for attention, which has no CUDA-extension kernel: its Triton kernel runs, and the user
+    """"cuda" for varlen attention, which has no CUDA-extension kernel: its Triton kernel runs, and the user
     is told once; ops with a CUDA kernel run it."""
     monkeypatch.setattr(_backend, "_triton_status", lambda: (True, "triton (pretend)"))
     monkeypatch.setattr(_backend, "_cuda_extension_status", lambda: (True, "remat._C (pretend)"))
@@ -65,10 +65,11 @@ def test_a_backend_means_the_same_for_every_op(monkeypatch, backend_restored):
     _backend._chosen = "cuda"
     gpu = torch.device("cuda")
     assert _backend.choose("layer_norm", gpu) == "cuda"
-    with pytest.warns(UserWarning, match=r"remat backend 'cuda' has no attention kernel: attention runs its "
+    with pytest.warns(UserWarning, match=r"remat backend 'cuda' has no attention_varlen kernel: attention_varlen "
+                                         r"runs its "
                                          r"triton kernel"):
-        assert _backend.choose("attention", gpu, kernels=("triton",)) == "triton"
+        assert _backend.choose("attention_varlen", gpu, kernels=("triton",)) == "triton"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once
-        assert _backend.choose("attention", gpu, kernels=("triton",)) == "triton"
+        assert _backend.choose("attention_varlen", gpu, kernels=("triton",)) == "triton"
     _backend._warn_missing_kernel_once.cache_clear()
