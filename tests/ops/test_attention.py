@@ -479,3 +479,17 @@ def test_only_head_dim_and_gpu_generation_fall_back(monkeypatch):
     assert "head dim 48" in attn_ops._fallback_reason(odd_head_dim, odd_head_dim, odd_head_dim)
     monkeypatch.setattr(attn_ops, "_triton_can_target", lambda index: False)
     assert "compute capability" in attn_ops._fallback_reason(many_heads, many_heads, many_heads)
+
+
+def test_backend_cuda_keeps_the_head_dims_only_its_kernels_take(monkeypatch):
+    """Head dim 48 (not one of the Triton kernels'): under backend "cuda" the CUDA kernels take
+    half-precision calls of it on an Ampere-or-newer GPU, so no fallback; fp32 ones fall back."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(attn_ops._backend, "choose", lambda *args, **kwargs: "cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with FakeTensorMode():
+        half, single = (torch.empty(1, 2, 8, 48, device="cuda", dtype=t) for t in (torch.float16, torch.float32))
+    assert attn_ops._fallback_reason(half, half, half, (half, half, half, True, 0.125)) is None
+    assert "head dim 48" in attn_ops._fallback_reason(single, single, single, (single, single, single, True, 0.125))
+    assert "head dim 48" in attn_ops._fallback_reason(half, half, half)  # without the call: Triton's limits

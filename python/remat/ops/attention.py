@@ -293,20 +293,29 @@ def _triton_can_target(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
-def _fallback_reason(q, k, v):
-    """Why CUDA tensors q, k, v cannot run the kernels (None when they can).
+def _fallback_reason(q, k, v, op_args=None):
+    """Why CUDA tensors q, k, v cannot run the kernels (None when they can). op_args: the whole
+    attention_fwd call, which under backend "cuda" the CUDA kernels may take whatever Triton's limits.
 
     Size is never a reason: the kernels index in int64 and use a 1-D grid (2^31 - 1 programs),
     so any batch, head count, length or stride that fits in GPU memory runs them.
     """
     if q.device.type != "cuda":
         return None  # CPU: the interpreter or the reference handles everything
+    if op_args is not None and _runs_cuda_kernels(op_args):
+        return None
     if q.shape[-1] not in HEAD_DIMS:
         return f"head dim {q.shape[-1]} is not one of the kernel's {HEAD_DIMS}"
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     if not _triton_can_target(index):
         return "the GPU's compute capability is below 8.0, which the Triton kernels need"
     return None
+
+
+def _runs_cuda_kernels(op_args):
+    """Whether attention_fwd(*op_args) runs the CUDA extension's kernels (backend "cuda", and a call they take)."""
+    chosen = _backend.choose("attention", op_args[0].device, kernels=FAMILY.kernels)
+    return chosen == "cuda" and cuda_kernel_takes(*op_args)
 
 
 def _fallback(q, k, v, causal, softmax_scale, return_lse, features):
@@ -490,7 +499,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, attn_
                              window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
     softmax_scale, features = checked_call(q, causal, return_lse, softmax_scale, window_left, window_right, softcap,
                                            alibi_slopes, dropout_p)
-    reason = _fallback_reason(q, k, v)
+    reason = _fallback_reason(q, k, v, (q, k, v, causal, softmax_scale, *features))
     if reason is not None:
         _warn_fallback_once(reason)
         return _fallback(q, k, v, causal, softmax_scale, return_lse, features)
