@@ -51,8 +51,12 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
               ") must be a multiple of k's (", k.size(1), ")");
   TORCH_CHECK(attn::padded_head_dim(static_cast<int>(q.size(3))) != 0, kOp,
               ": head_dim must be a multiple of 8 from 8 to 128, got ", q.size(3));
-  TORCH_CHECK(q.size(0) <= 65535 && q.size(1) <= 65535, kOp, ": batch and heads must be at most 65535, got ",
-              q.size(0), " and ", q.size(1));
+  // The 1-D grids (sequence blocks x heads x batch) fit: the largest are the backward's delta, 16
+  // query rows a block, and its dK/dV, 64 keys a block.
+  const int64_t blocks = std::max(ceil_div(q.size(2), attn::kPreRows) * q.size(1),
+                                  ceil_div(k.size(2), attn::kWarps * attn::kRowsPerWarp) * k.size(1));
+  TORCH_CHECK(blocks * q.size(0) <= std::numeric_limits<int>::max(), kOp,
+              ": too many blocks for one grid: q ", q.sizes(), ", k ", k.sizes());
   TORCH_CHECK(q.size(2) <= std::numeric_limits<int>::max() / 2 && k.size(2) <= std::numeric_limits<int>::max() / 2,
               kOp, ": sequences too long: ", q.size(2), ", ", k.size(2));
 }

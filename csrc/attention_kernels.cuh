@@ -251,6 +251,18 @@ __device__ __forceinline__ T* slice(void* base, const int64_t (&stride)[3], int 
   return static_cast<T*>(base) + b * stride[0] + h * stride[1];
 }
 
+// A block's (sequence block, head, batch) from its index in a 1-D grid of BLOCKS sequence blocks
+// times HEADS heads times the batch: no grid axis limits the heads or the batch (y and z hold
+// 65535 at most).
+struct BlockIndex {
+  int block, head, batch;
+};
+__device__ __forceinline__ BlockIndex block_index(int blocks, int heads) {
+  const int64_t id = blockIdx.x;
+  return {static_cast<int>(id % blocks), static_cast<int>(id / blocks % heads),
+          static_cast<int>(id / (static_cast<int64_t>(blocks) * heads))};
+}
+
 // The key blocks of width N that query rows m0..m0+M-1 see: ceil(keys seen / N).
 __device__ __forceinline__ int key_blocks(const AttentionParams& p, int m0, int M, int N) {
   int end = p.seqlen_k;
@@ -274,8 +286,9 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(const Attention
   T* s_q = reinterpret_cast<T*>(smem);
   T* s_k = s_q + M * D;  // two stages each
   T* s_v = s_k + 2 * N * D;
-  const int b = blockIdx.z, h = blockIdx.y, kv_h = h / (p.heads / p.kv_heads);
-  const int m0 = blockIdx.x * M, warp = threadIdx.x / 32;
+  const BlockIndex at = block_index(ceil_div(p.seqlen_q, M), p.heads);
+  const int b = at.batch, h = at.head, kv_h = h / (p.heads / p.kv_heads);
+  const int m0 = at.block * M, warp = threadIdx.x / 32;
   const int diag = p.seqlen_k - p.seqlen_q;
   const T* q = slice<T>(p.q, p.q_stride, b, h);
   const T* k = slice<T>(p.k, p.k_stride, b, kv_h);
@@ -367,11 +380,12 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(const Attention
 // delta = rowsum(dO * O) in fp32, a warp a row.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) attention_bwd_preprocess_kernel(const AttentionParams p) {
-  const int b = blockIdx.z, h = blockIdx.y, lane = threadIdx.x % 32;
+  const BlockIndex at = block_index(ceil_div(p.seqlen_q, kPreRows), p.heads);
+  const int b = at.batch, h = at.head, lane = threadIdx.x % 32;
   const T* o = slice<T>(p.o, p.o_stride, b, h);
   const T* dout = slice<T>(p.dout, p.dout_stride, b, h);
   float* delta = p.delta + (static_cast<int64_t>(b) * p.heads + h) * p.seqlen_q;
-  for (int row = blockIdx.x * kPreRows + threadIdx.x / 32; row < imin((blockIdx.x + 1) * kPreRows, p.seqlen_q);
+  for (int row = at.block * kPreRows + threadIdx.x / 32; row < imin((at.block + 1) * kPreRows, p.seqlen_q);
        row += kWarps) {
     float sum = 0.f;
     for (int col = lane; col < p.head_dim; col += 32) {
@@ -394,7 +408,8 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const Attentio
   T* s_do = s_q + 2 * M * D;
   float* s_lse = reinterpret_cast<float*>(s_do + 2 * M * D);  // log2 units (lse_log2)
   float* s_delta = s_lse + 2 * M;
-  const int b = blockIdx.z, kv_h = blockIdx.y, n0 = blockIdx.x * N, warp = threadIdx.x / 32;
+  const BlockIndex at = block_index(ceil_div(p.seqlen_k, N), p.kv_heads);
+  const int b = at.batch, kv_h = at.head, n0 = at.block * N, warp = threadIdx.x / 32;
   const int group = p.heads / p.kv_heads, diag = p.seqlen_k - p.seqlen_q;
   // The first query block with a query that sees one of these keys (query i sees key j iff
   // i >= j - diag), and the iterations: every query block of every query head of the group.
@@ -482,8 +497,9 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const AttentionP
   T* s_do = s_q + M * D;
   T* s_k = s_do + M * D;  // two stages each
   T* s_v = s_k + 2 * N * D;
-  const int b = blockIdx.z, h = blockIdx.y, kv_h = h / (p.heads / p.kv_heads);
-  const int m0 = blockIdx.x * M, warp = threadIdx.x / 32, row0 = m0 + warp * kRowsPerWarp;
+  const BlockIndex at = block_index(ceil_div(p.seqlen_q, M), p.heads);
+  const int b = at.batch, h = at.head, kv_h = h / (p.heads / p.kv_heads);
+  const int m0 = at.block * M, warp = threadIdx.x / 32, row0 = m0 + warp * kRowsPerWarp;
   const int diag = p.seqlen_k - p.seqlen_q;
   const T* k = slice<T>(p.k, p.k_stride, b, kv_h);
   const T* v = slice<T>(p.v, p.v_stride, b, kv_h);
@@ -570,6 +586,11 @@ __host__ void dispatch(const AttentionParams& p, F&& f) {
 
 }  // namespace attn
 
+// A 1-D grid of BLOCKS sequence blocks x HEADS x BATCH (see block_index); the host checks it fits.
+__host__ inline dim3 grid_of(int blocks, int heads, int batch) {
+  return dim3(static_cast<unsigned>(static_cast<int64_t>(blocks) * heads * batch));
+}
+
 // The forward's launch: LAUNCH(kernel, grid, block, shared memory bytes, params), once. A
 // launcher skips a grid with no blocks.
 template <class Launch>
@@ -578,7 +599,7 @@ __host__ void attention_forward(const AttentionParams& p, Launch&& launch) {
     using T = decltype(type);
     constexpr int D = decltype(dim)::value;
     using Tiles = attn::Tiles<D>;
-    launch(attn::attention_fwd_kernel<T, D>, dim3(attn::ceil_div(p.seqlen_q, Tiles::kFwdM), p.heads, p.batch),
+    launch(attn::attention_fwd_kernel<T, D>, grid_of(attn::ceil_div(p.seqlen_q, Tiles::kFwdM), p.heads, p.batch),
            dim3(attn::kThreads), Tiles::kFwdSmem, p);
   });
 }
@@ -590,11 +611,12 @@ __host__ void attention_backward(const AttentionParams& p, Launch&& launch) {
     using T = decltype(type);
     constexpr int D = decltype(dim)::value;
     using Tiles = attn::Tiles<D>;
-    launch(attn::attention_bwd_preprocess_kernel<T>, dim3(attn::ceil_div(p.seqlen_q, attn::kPreRows), p.heads, p.batch),
+    launch(attn::attention_bwd_preprocess_kernel<T>, grid_of(attn::ceil_div(p.seqlen_q, attn::kPreRows), p.heads,
+                                                             p.batch),
            dim3(attn::kThreads), 0, p);
-    launch(attn::attention_dkdv_kernel<T, D>, dim3(attn::ceil_div(p.seqlen_k, Tiles::kDkdvN), p.kv_heads, p.batch),
+    launch(attn::attention_dkdv_kernel<T, D>, grid_of(attn::ceil_div(p.seqlen_k, Tiles::kDkdvN), p.kv_heads, p.batch),
            dim3(attn::kThreads), Tiles::kDkdvSmem, p);
-    launch(attn::attention_dq_kernel<T, D>, dim3(attn::ceil_div(p.seqlen_q, Tiles::kDqM), p.heads, p.batch),
+    launch(attn::attention_dq_kernel<T, D>, grid_of(attn::ceil_div(p.seqlen_q, Tiles::kDqM), p.heads, p.batch),
            dim3(attn::kThreads), Tiles::kDqSmem, p);
   });
 }

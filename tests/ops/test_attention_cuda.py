@@ -60,7 +60,7 @@ def _expected_shared(kernel, head_dim):
 PLAN_SHAPES = [(1, 2, 2, 17, 17, 32), (2, 2, 2, 33, 33, 64), (1, 2, 2, 17, 40, 64), (1, 2, 2, 40, 17, 32),
                (1, 4, 1, 17, 17, 64), (1, 4, 2, 33, 20, 32), (2, 1, 1, 1, 1, 64), (1, 1, 1, 65, 65, 80),
                (1, 1, 1, 33, 33, 96), (1, 1, 1, 33, 17, 128), (1, 1, 1, 127, 129, 64), (3, 5, 1, 1000, 3000, 40),
-               (1, 1, 1, 9, 9, 8), (2, 8, 2, 4096, 4096, 120), (1, 2, 2, 0, 5, 64)]
+               (1, 1, 1, 9, 9, 8), (2, 8, 2, 4096, 4096, 120), (1, 2, 2, 0, 5, 64), (1, 70000, 7000, 20, 24, 32)]
 
 
 @needs_extension
@@ -71,8 +71,11 @@ def test_launch_plan(shape, bf16):
     forward = _plan(*shape, bf16, True, False)
     backward = _plan(*shape, bf16, True, True)
     assert [launch["kernel"] for launch in forward + backward] == [FORWARD, PREPROCESS, DKDV, DQ]
-    grids = {FORWARD: (math.ceil(seqlen_q / 64), heads, batch), PREPROCESS: (math.ceil(seqlen_q / 16), heads, batch),
-             DKDV: (math.ceil(seqlen_k / 64), kv_heads, batch), DQ: (math.ceil(seqlen_q / 64), heads, batch)}
+    # 1-D grids: sequence blocks x heads x batch (no axis limit on heads or batch).
+    grids = {FORWARD: (math.ceil(seqlen_q / 64) * heads * batch, 1, 1),
+             PREPROCESS: (math.ceil(seqlen_q / 16) * heads * batch, 1, 1),
+             DKDV: (math.ceil(seqlen_k / 64) * kv_heads * batch, 1, 1),
+             DQ: (math.ceil(seqlen_q / 64) * heads * batch, 1, 1)}
     for launch in forward + backward:
         assert launch["head_dim"] == _padded(head_dim)
         assert launch["threads"] == THREADS
@@ -163,6 +166,20 @@ def test_matches_float64_and_the_triton_kernels(shape, dtype, causal):
     if q.shape[-1] in attn_ops.HEAD_DIMS:  # the Triton kernels' head dims
         triton = _run("triton", q, k, v, do, causal)
         torch.testing.assert_close(ours[1], triton[1], rtol=0, atol=1e-3)  # lse, fp32
+
+
+@needs_gpu
+def test_more_heads_than_a_grid_axis_holds():
+    """70000 query heads on 7000 key/value heads: the kernels' 1-D grids run them."""
+    q, k, v = _qkv((1, 70000, 7000, 20, 24, 32), torch.float16)
+    do = torch.randn(q.shape, device="cuda").to(torch.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback
+        ours = _run("cuda", q, k, v, do, True)
+    first = [q[:, :10].detach()] + [t[:, :1].detach().expand(-1, 10, -1, -1) for t in (k, v)]  # group 0
+    leaves = [t.double().requires_grad_() for t in first]
+    o, lse = attn_ops.attention_ref(*leaves, True, 32**-0.5)
+    assert_matches_float64((ours[0][:, :10], ours[1][:, :10]), (o, lse), torch.float16)
 
 
 @needs_gpu
