@@ -467,7 +467,7 @@ def test_only_head_dim_and_gpu_generation_fall_back(monkeypatch):
     fake CUDA tensors (shapes and strides without memory) on an Ampere-or-newer GPU stand-in."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    monkeypatch.setattr(attn_ops, "_triton_can_target", lambda index: True)
+    monkeypatch.setattr(attn_ops, "_ampere_or_newer", lambda index: True)
     with FakeTensorMode():
         packed = torch.empty(1, 300000, 3 * 16 * 256, device="cuda").view(1, 300000, 3, 16, 256)[:, :, 0]
         packed = packed.transpose(1, 2)  # row stride 3 * 16 * 256: row 2^31 / 12288 overflows int32
@@ -477,7 +477,7 @@ def test_only_head_dim_and_gpu_generation_fall_back(monkeypatch):
     for q in (packed, many_heads):
         assert attn_ops._fallback_reason(q, q, q) is None
     assert "head dim 48" in attn_ops._fallback_reason(odd_head_dim, odd_head_dim, odd_head_dim)
-    monkeypatch.setattr(attn_ops, "_triton_can_target", lambda index: False)
+    monkeypatch.setattr(attn_ops, "_ampere_or_newer", lambda index: False)
     assert "compute capability" in attn_ops._fallback_reason(many_heads, many_heads, many_heads)
 
 

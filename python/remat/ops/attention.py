@@ -288,9 +288,14 @@ def _warn_fallback_once(reason):
 
 
 @torch.compiler.assume_constant_result
-def _triton_can_target(device_index: int) -> bool:
-    """Triton's tl.dot kernels need compute capability >= 8.0 (Ampere)."""
+def _ampere_or_newer(device_index: int) -> bool:
+    """Compute capability >= 8.0, which both kernels need: Triton's tl.dot, and the CUDA kernels'
+    bf16 mma.sync and cp.async."""
     return torch.cuda.get_device_capability(device_index) >= (8, 0)
+
+
+def _device_index(t):
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
 def _fallback_reason(q, k, v, op_args=None):
@@ -302,14 +307,14 @@ def _fallback_reason(q, k, v, op_args=None):
     """
     if q.device.type != "cuda":
         return None  # CPU: the interpreter or the reference handles everything
-    if op_args is not None and _runs_cuda_kernels(op_args):
-        return None
     if q.shape[-1] not in HEAD_DIMS:
-        return f"head dim {q.shape[-1]} is not one of the kernel's {HEAD_DIMS}"
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    if not _triton_can_target(index):
-        return "the GPU's compute capability is below 8.0, which the Triton kernels need"
-    return None
+        reason = f"head dim {q.shape[-1]} is not one of the kernel's {HEAD_DIMS}"
+    elif not _ampere_or_newer(_device_index(q)):
+        reason = "the GPU's compute capability is below 8.0, which the Triton kernels need"
+    else:
+        return None
+    # Asked only when Triton cannot: most calls never look at the backend here.
+    return None if op_args is not None and _runs_cuda_kernels(op_args) else reason
 
 
 def _runs_cuda_kernels(op_args):
@@ -567,8 +572,7 @@ def cuda_kernel_takes(*args):
     arguments: on a GPU of compute capability >= 8.0 (tensor-core mma, cp.async), and what
     cuda_kernel_computes."""
     first = args[0]
-    return (first.device.type == "cuda" and torch.cuda.get_device_capability(first.device)[0] >= 8
-            and cuda_kernel_computes(*args))
+    return first.device.type == "cuda" and _ampere_or_newer(_device_index(first)) and cuda_kernel_computes(*args)
 
 
 def cuda_kernel_computes(*args):
