@@ -3,10 +3,11 @@
 // remat::attention_fwd / _bwd, remat/ops/attention.py, which registers their fakes and
 // autograd), plus remat_C::attention_launch_plan, the launches a call would make, for the tests.
 //
-// The kernels take plain attention: half or bfloat16, head dims that are a multiple of 8 up to
-// 128, causal or not, GQA. A window, softcapping, ALiBi or dropout is refused here with an error
-// naming the argument; remat's dispatch sends those calls to the Triton kernels instead.
+// The kernels take half or bfloat16, head dims that are a multiple of 8 up to 256, causal or
+// not, GQA, a sliding window, softcapping and ALiBi. Dropout is refused here with an error naming
+// the argument; remat's dispatch sends those calls to the Triton kernels instead.
 
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -50,24 +51,30 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
   TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, kOp, ": q's heads (", q.size(1),
               ") must be a multiple of k's (", k.size(1), ")");
   TORCH_CHECK(attn::padded_head_dim(static_cast<int>(q.size(3))) != 0, kOp,
-              ": head_dim must be a multiple of 8 from 8 to 128, got ", q.size(3));
+              ": head_dim must be a multiple of 8 from 8 to 256, got ", q.size(3));
   // The 1-D grids (sequence blocks x heads x batch) fit: the largest are the backward's delta, 16
-  // query rows a block, and its dK/dV, 64 keys a block.
-  const int64_t blocks = std::max(ceil_div(q.size(2), attn::kPreRows) * q.size(1),
-                                  ceil_div(k.size(2), attn::kWarps * attn::kRowsPerWarp) * k.size(1));
+  // query rows a block, and its dK/dV, 64 keys a block (two blocks, a column half each, at 256).
+  const int64_t key_block_blocks = attn::padded_head_dim(static_cast<int>(q.size(3))) > 128 ? 2 : 1;
+  const int64_t key_blocks = ceil_div(k.size(2), attn::kWarps * attn::kRowsPerWarp) * key_block_blocks;
+  const int64_t blocks = std::max(ceil_div(q.size(2), attn::kPreRows) * q.size(1), key_blocks * k.size(1));
   TORCH_CHECK(blocks * q.size(0) <= std::numeric_limits<int>::max(), kOp,
               ": too many blocks for one grid: q ", q.sizes(), ", k ", k.sizes());
   TORCH_CHECK(q.size(2) <= std::numeric_limits<int>::max() / 2 && k.size(2) <= std::numeric_limits<int>::max() / 2,
               kOp, ": sequences too long: ", q.size(2), ", ", k.size(2));
 }
 
-// The features these kernels do not compute yet, each refused by name.
-void check_plain(int64_t window_left, int64_t window_right, bool causal, double softcap,
-                 const std::optional<at::Tensor>& alibi_slopes, double dropout_p) {
-  TORCH_CHECK(window_left < 0 && (causal || window_right < 0), kOp,
-              ": window_left / window_right (a sliding window) are not supported; remat runs them with Triton");
-  TORCH_CHECK(softcap == 0.0, kOp, ": softcap is not supported; remat runs it with Triton");
-  TORCH_CHECK(!present(alibi_slopes), kOp, ": alibi_slopes is not supported; remat runs ALiBi with Triton");
+// The score options: their values, and dropout, which these kernels do not compute yet.
+void check_features(const at::Tensor& q, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                    double dropout_p) {
+  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0.0, kOp, ": softcap must be finite and >= 0, got ", softcap);
+  if (present(alibi_slopes)) {
+    const at::Tensor& slopes = *alibi_slopes;
+    const bool per_head = slopes.dim() == 1 && slopes.size(0) == q.size(1);
+    const bool per_batch = slopes.dim() == 2 && slopes.size(0) == q.size(0) && slopes.size(1) == q.size(1);
+    TORCH_CHECK(slopes.device() == q.device() && slopes.scalar_type() == at::kFloat && (per_head || per_batch), kOp,
+                ": alibi_slopes must be float32 of shape (heads,) or (batch, heads) on q's device, got ",
+                slopes.scalar_type(), " ", slopes.sizes(), " on ", slopes.device());
+  }
   TORCH_CHECK(dropout_p == 0.0, kOp, ": dropout_p is not supported; remat runs dropout with Triton");
 }
 
@@ -84,8 +91,15 @@ void set_strides(int64_t (&out)[3], const at::Tensor& t) {
   for (int d = 0; d < 3; ++d) out[d] = t.stride(d);
 }
 
+// The slopes as the kernels read them (contiguous fp32, (heads,) or (batch, heads)); undefined
+// without ALiBi. The caller keeps the tensor alive through the launches.
+at::Tensor alibi_rows(const std::optional<at::Tensor>& alibi_slopes) {
+  return present(alibi_slopes) ? alibi_slopes->contiguous() : at::Tensor();
+}
+
 AttentionParams make_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                            double softmax_scale) {
+                            double softmax_scale, int64_t window_left, int64_t window_right, double softcap,
+                            const at::Tensor& alibi) {
   AttentionParams p{};
   p.q = q.data_ptr();
   p.k = k.data_ptr();
@@ -100,7 +114,12 @@ AttentionParams make_params(const at::Tensor& q, const at::Tensor& k, const at::
   p.seqlen_k = static_cast<int>(k.size(2));
   p.head_dim = static_cast<int>(q.size(3));
   p.softmax_scale = static_cast<float>(softmax_scale);
-  p.causal = causal;
+  set_window(p, causal, window_left, window_right);
+  set_softcap(p, static_cast<float>(softcap));
+  if (alibi.defined()) {
+    p.alibi_slopes = alibi.data_ptr<float>();
+    p.alibi_batch_stride = alibi.dim() == 2 ? alibi.stride(0) : 0;
+  }
   p.bf16 = q.scalar_type() == at::kBFloat16;
   return p;
 }
@@ -126,14 +145,14 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q_in, const a
                                                  const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
                                                  const std::optional<at::Tensor>& dropout_seed) {
   check_inputs(q_in, k_in, v_in);
-  check_plain(window_left, window_right, causal, softcap, alibi_slopes, dropout_p);
+  check_features(q_in, softcap, alibi_slopes, dropout_p);
   const c10::cuda::CUDAGuard guard(q_in.device());
-  const at::Tensor q = copyable(q_in), k = copyable(k_in), v = copyable(v_in);
+  const at::Tensor q = copyable(q_in), k = copyable(k_in), v = copyable(v_in), alibi = alibi_rows(alibi_slopes);
   const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), D = q.size(3);
   // o (B, H, Sq, D) laid out as (B, Sq, H, D), as every backend returns it (ops/attention.py).
   at::Tensor o = at::empty({B, Sq, H, D}, q.options()).transpose(1, 2);
   at::Tensor lse = at::empty({B, H, Sq}, q.options().dtype(at::kFloat));
-  AttentionParams p = make_params(q, k, v, causal, softmax_scale);
+  AttentionParams p = make_params(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi);
   p.o = o.data_ptr();
   set_strides(p.o_stride, o);
   p.lse = lse.data_ptr<float>();
@@ -147,7 +166,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
     const std::optional<at::Tensor>& dropout_seed) {
   check_inputs(q_in, k_in, v_in);
-  check_plain(window_left, window_right, causal, softcap, alibi_slopes, dropout_p);
+  check_features(q_in, softcap, alibi_slopes, dropout_p);
   check_like(kOp, dout_in, "do", q_in, "q");
   check_like(kOp, o, "o", q_in, "q");
   TORCH_CHECK(o.stride(3) == 1 && dout_in.stride(3) == 1, kOp, ": o and do must have a unit stride in their last dim");
@@ -157,12 +176,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
               lse.sizes());
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = copyable(q_in), k = copyable(k_in), v = copyable(v_in), dout = copyable(dout_in);
+  const at::Tensor alibi = alibi_rows(alibi_slopes);
   const at::Tensor lse_rows = lse.contiguous();
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
   at::Tensor delta = at::empty(lse.sizes(), lse.options());
-  AttentionParams p = make_params(q, k, v, causal, softmax_scale);
+  AttentionParams p = make_params(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi);
   p.o = const_cast<void*>(o.data_ptr());
   set_strides(p.o_stride, o);
   p.lse = const_cast<float*>(lse_rows.data_ptr<float>());
@@ -186,7 +206,7 @@ std::vector<int64_t> attention_launch_plan(int64_t batch, int64_t heads, int64_t
                                            int64_t seqlen_k, int64_t head_dim, bool bf16, bool causal,
                                            bool backward) {
   TORCH_CHECK(attn::padded_head_dim(static_cast<int>(head_dim)) != 0, kOp,
-              ": head_dim must be a multiple of 8 from 8 to 128, got ", head_dim);
+              ": head_dim must be a multiple of 8 from 8 to 256, got ", head_dim);
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, kOp, ": heads must be a multiple of kv_heads");
   AttentionParams p{};
   p.batch = static_cast<int>(batch);
@@ -196,7 +216,7 @@ std::vector<int64_t> attention_launch_plan(int64_t batch, int64_t heads, int64_t
   p.seqlen_k = static_cast<int>(seqlen_k);
   p.head_dim = static_cast<int>(head_dim);
   p.bf16 = bf16;
-  p.causal = causal;
+  set_window(p, causal, -1, -1);
   std::vector<int64_t> plan;
   int index = backward ? 1 : 0;
   auto record = [&](auto, dim3 grid, dim3 block, int smem, const AttentionParams&) {

@@ -1,11 +1,16 @@
 // Attention on tensor cores, FlashAttention-2 style: the kernels and the choice of their launches.
 //
 // softmax(scale * q k^T) v for (B, H, S, D) half or bfloat16 tensors with a unit last stride,
-// GQA (H a multiple of the key/value heads), causal masks aligned bottom-right (query i sees key
-// j iff j <= i + Sk - Sq) or none, any sequence lengths (the tails masked), head dims that are a
-// multiple of 8 up to 128 (computed at the next of 32, 64, 128; the columns past the head dim
-// are zero-filled on load and never stored). The same contract as the Triton kernels
-// (triton_kernels/attention.py), without their window, softcapping, ALiBi and dropout yet.
+// GQA (H a multiple of the key/value heads), any sequence lengths (the tails masked), head dims
+// that are a multiple of 8 up to 256 (computed at the next of 32, 64, 128, 256; the columns past
+// the head dim are zero-filled on load and never stored). The same contract as the Triton
+// kernels (triton_kernels/attention.py), dropout aside:
+//   - a window, aligned bottom-right: query i sees key j iff -left <= j - (i + Sk - Sq) <= right.
+//     Causal is right = 0; an unbounded side is Sq + Sk (past every key), so one test masks all.
+//   - logit softcapping: the scaled score x becomes c tanh(x / c); dS gets the factor 1 - tanh^2.
+//   - ALiBi: -slope |i + Sk - Sq - j| added to the (capped) scaled score, a slope per (batch, head).
+// Key (or query) blocks no row of a block sees are skipped; blocks every row sees entirely skip
+// the mask in the forward.
 //
 // Forward (attention_fwd_kernel): a block of 4 warps takes 64 query rows, 16 a warp, of one
 // (batch, head); key/value blocks stream through shared memory by cp.async, double-buffered
@@ -25,6 +30,13 @@
 // query head of its key/value head (GQA sums in a fixed order); dQ (attention_dq_kernel), a block
 // of 64 query rows walking the key blocks. With P = exp2(S log2e scale - lse log2e):
 //   dV = P^T dO,   dP = dO V^T,   dS = P * (dP - delta),   dK = scale dS^T Q,   dQ = scale dS K.
+//
+// Head dim 256: a warp's 16 x 256 fp32 accumulator alone takes 128 registers a thread, so q's
+// and dO's rows are read from shared memory at each product instead of kept as fragments, the
+// blocks streaming past narrow (32 keys in the forward, 16 in dQ, 16 queries in dK/dV), and a
+// dK/dV block accumulates only half the columns (128) of its keys' dK and dV: the two halves of
+// a key block are two blocks, each recomputing the block's P and dP (the dK/dV kernel's products
+// cost 1.5x those of one pass, the price of not spilling).
 //
 // Shared-memory tiles hold rows of D 16-bit values as D/8 16-byte chunks, chunk c of row r
 // stored at c ^ (r % 8) (mod the chunks a row has): the 8 rows one ldmatrix reads at the same
@@ -57,9 +69,28 @@ struct AttentionParams {
   int64_t dq_stride[3], dk_stride[3], dv_stride[3];
   int batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim;
   float softmax_scale;
-  bool causal;
+  // Keys a query row sees left and right of its diagonal (see above): set_window.
+  int window_left, window_right;
+  float softcap_in, softcap_out;  // softmax_scale / c and c log2(e) with softcapping at c, else 0
+  const float* alibi_slopes;  // fp32, slope of (b, h) at b * alibi_batch_stride + h; null without ALiBi
+  int64_t alibi_batch_stride;
   bool bf16;  // __nv_bfloat16 when true, else __half
 };
+
+// P's window from the caller's causal flag and window_left / window_right (-1: unbounded; the
+// right bound is 0 when causal). P's sequence lengths are set first.
+__host__ inline void set_window(AttentionParams& p, bool causal, int64_t window_left, int64_t window_right) {
+  const int64_t unbounded = static_cast<int64_t>(p.seqlen_q) + p.seqlen_k;
+  auto bound = [&](int64_t w) { return static_cast<int>(w < 0 || w > unbounded ? unbounded : w); };
+  p.window_left = bound(window_left);
+  p.window_right = causal ? 0 : bound(window_right);
+}
+
+// P's softcapping at SOFTCAP (none at 0). P's softmax_scale is set first.
+__host__ inline void set_softcap(AttentionParams& p, float softcap) {
+  p.softcap_in = softcap > 0.f ? p.softmax_scale / softcap : 0.f;
+  p.softcap_out = softcap > 0.f ? softcap * 1.4426950408889634f : 0.f;
+}
 
 namespace attn {
 
@@ -71,14 +102,20 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 // Block shapes by padded head dim D. M: query rows, N: keys. Chosen so that the fp32
 // accumulators and fragments fit in registers without spilling (tests/build/test_cuda_compile.py):
-//   forward: o (16 x D) and q's fragments per warp; keys stream past in blocks of 64.
-//   dK/dV: dK and dV (16 x D each) per warp; query blocks stream past, 32 at D = 128.
-//   dQ: dQ (16 x D), q's and dO's fragments per warp; key blocks of 32 at D = 128.
+//   forward: o (16 x D) and q's fragments per warp; keys stream past in blocks of 64 (32 at 256).
+//   dK/dV: dK and dV (16 x kDkdvCols each) per warp; query blocks stream past, 32 at D = 128,
+//     16 at 256 (its P^T and dS^T blocks are what is left room for).
+//   dQ: dQ (16 x D), q's and dO's fragments per warp; key blocks of 32 at D = 128, 16 at 256.
 template <int D>
 struct Tiles {
-  static constexpr int kFwdM = kWarps * kRowsPerWarp, kFwdN = 64;
-  static constexpr int kDkdvM = D > 64 ? 32 : 64, kDkdvN = kWarps * kRowsPerWarp;
-  static constexpr int kDqM = kWarps * kRowsPerWarp, kDqN = D > 64 ? 32 : 64;
+  // q's (and dO's) A fragments, D / 4 registers each, stay in registers up to D = 128.
+  static constexpr bool kRowsInRegisters = D <= 128;
+  static constexpr int kFragments = kRowsInRegisters ? D / 16 : 1;  // the fragment arrays' length
+  static constexpr int kFwdM = kWarps * kRowsPerWarp, kFwdN = D > 128 ? 32 : 64;
+  static constexpr int kDkdvM = D > 128 ? 16 : D > 64 ? 32 : 64, kDkdvN = kWarps * kRowsPerWarp;
+  static constexpr int kDkdvCols = D > 128 ? 128 : D;  // the dK/dV columns one block accumulates
+  static constexpr int kDkdvColumnBlocks = D / kDkdvCols;
+  static constexpr int kDqM = kWarps * kRowsPerWarp, kDqN = D > 128 ? 16 : D > 64 ? 32 : 64;
   static constexpr int kTileBytes = D * 2;  // one row of a shared tile
   // Q, and two stages of K and V.
   static constexpr int kFwdSmem = (kFwdM + 4 * kFwdN) * kTileBytes;
@@ -176,10 +213,12 @@ __device__ __forceinline__ void multiply_abt_streamed(float (&acc)[N / 8][4], co
   }
 }
 
-// ACC (16 x D) += P (16 x K, fp32 accumulators rounded to T) B, B the K rows 0.. of a shared
-// tile (k its rows): o += P V, dV += P^T dO, dK += dS^T Q, dQ += dS K.
-template <typename T, int D, int K>
-__device__ __forceinline__ void multiply_pb(float (&acc)[D / 8][4], const float (&p)[K / 8][4], const T* tile) {
+// ACC (16 x C) += P (16 x K, fp32 accumulators rounded to T) B, B the K rows 0.. of a shared
+// tile of width D (k its rows), columns 8 CHUNK0.. (C of them, all D by default): o += P V,
+// dV += P^T dO, dK += dS^T Q, dQ += dS K.
+template <typename T, int D, int K, int C = D>
+__device__ __forceinline__ void multiply_pb(float (&acc)[C / 8][4], const float (&p)[K / 8][4], const T* tile,
+                                            int chunk0 = 0) {
   const int lane = threadIdx.x % 32, m = lane / 8;
 #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk) {
@@ -188,14 +227,33 @@ __device__ __forceinline__ void multiply_pb(float (&acc)[D / 8][4], const float 
                            tc::pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3])};
     const int row = 16 * kk + lane % 8 + 8 * (m & 1);
 #pragma unroll
-    for (int dp = 0; dp < D / 16; ++dp) {
+    for (int dp = 0; dp < C / 16; ++dp) {
       uint32_t b[4];
-      tc::ldmatrix_x4_trans(b, tile + swizzled<D>(row, 2 * dp + (m >> 1)));
+      tc::ldmatrix_x4_trans(b, tile + swizzled<D>(row, chunk0 + 2 * dp + (m >> 1)));
       const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
       tc::mma_16816<T>(acc[2 * dp], a, b0);
       tc::mma_16816<T>(acc[2 * dp + 1], a, b1);
     }
   }
+}
+
+// ACC (16 x N) += A B^T, A the warp's 16 rows A_ROW0.. of the shared tile A_TILE, from their
+// fragments FRAG where they stay in registers (Tiles<D>::kRowsInRegisters), else read from the tile.
+template <typename T, int D, int N>
+__device__ __forceinline__ void multiply_rows_abt(float (&acc)[N / 8][4],
+                                                  const uint32_t (&frag)[Tiles<D>::kFragments][4], const T* a_tile,
+                                                  int a_row0, const T* tile) {
+  if constexpr (Tiles<D>::kRowsInRegisters) {
+    multiply_abt<T, D, N>(acc, frag, tile);
+  } else {
+    multiply_abt_streamed<T, D, N>(acc, a_tile, a_row0, tile);
+  }
+}
+
+// Loads FRAG from the warp's rows ROW0.. of TILE where they stay in registers; else nothing.
+template <typename T, int D>
+__device__ __forceinline__ void load_row_fragments(uint32_t (&frag)[Tiles<D>::kFragments][4], const T* tile, int row0) {
+  if constexpr (Tiles<D>::kRowsInRegisters) load_a_fragments<T, D>(frag, tile, row0);
 }
 
 template <int N>
@@ -263,11 +321,65 @@ __device__ __forceinline__ BlockIndex block_index(int blocks, int heads) {
           static_cast<int>(id / (static_cast<int64_t>(blocks) * heads))};
 }
 
-// The key blocks of width N that query rows m0..m0+M-1 see: ceil(keys seen / N).
-__device__ __forceinline__ int key_blocks(const AttentionParams& p, int m0, int M, int N) {
-  int end = p.seqlen_k;
-  if (p.causal) end = imin(end, m0 + M + p.seqlen_k - p.seqlen_q);
-  return end > 0 ? ceil_div(end, N) : 0;
+// The blocks first.. (count of them) of width N along one sequence that hold the positions
+// [lo, hi) some row of a block sees (lo, hi in int64: the window's sums may pass int's range).
+struct Blocks {
+  int first, count;
+};
+__device__ __forceinline__ Blocks blocks_holding(int64_t lo, int64_t hi, int seqlen, int N) {
+  lo = lo < 0 ? 0 : lo;
+  hi = hi > seqlen ? seqlen : hi;
+  if (hi <= lo) return {0, 0};
+  const int first = static_cast<int>(lo / N);
+  return {first, ceil_div(static_cast<int>(hi), N) - first};
+}
+
+// The key blocks of width N that query rows m0..m0+M-1 see: keys i + Sk - Sq - left ..
+// i + Sk - Sq + right of each row i.
+__device__ __forceinline__ Blocks key_blocks(const AttentionParams& p, int m0, int M, int N) {
+  const int64_t diag = p.seqlen_k - p.seqlen_q, rows_end = imin(m0 + M, p.seqlen_q);
+  return blocks_holding(m0 + diag - p.window_left, rows_end + diag + p.window_right, p.seqlen_k, N);
+}
+
+// The query blocks of width M that see keys n0..n0+N-1: rows j - (Sk - Sq) - right ..
+// j - (Sk - Sq) + left of each key j.
+__device__ __forceinline__ Blocks query_blocks(const AttentionParams& p, int n0, int N, int M) {
+  const int64_t diag = p.seqlen_k - p.seqlen_q, keys_end = imin(n0 + N, p.seqlen_k);
+  return blocks_holding(n0 - diag - p.window_right, keys_end - diag + p.window_left, p.seqlen_q, M);
+}
+
+// Whether query ROW sees key COL (a key past the sequence is seen by none).
+__device__ __forceinline__ bool visible(const AttentionParams& p, int row, int col) {
+  const int from_diagonal = col - row - (p.seqlen_k - p.seqlen_q);
+  return col < p.seqlen_k && from_diagonal >= -p.window_left && from_diagonal <= p.window_right;
+}
+
+// Whether every existing query row of m0..m0+M-1 sees every key of n0..n0+N-1.
+__device__ __forceinline__ bool sees_all(const AttentionParams& p, int m0, int M, int n0, int N) {
+  const int64_t diag = p.seqlen_k - p.seqlen_q, last_row = imin(m0 + M, p.seqlen_q) - 1;
+  return n0 + N <= p.seqlen_k && n0 + N - 1 - m0 - diag <= p.window_right &&
+         n0 - last_row - diag >= -p.window_left;
+}
+
+// The ALiBi slope of (batch B, head H) in base 2; 0 without ALiBi.
+__device__ __forceinline__ float alibi_slope_log2(const AttentionParams& p, int b, int h) {
+  return p.alibi_slopes ? p.alibi_slopes[b * p.alibi_batch_stride + h] * kLog2e : 0.f;
+}
+
+// The score in base 2 of the raw product X = q . k of query ROW and key COL: scaled (by
+// SCALE_LOG2, the scale times log2 e), softcapped, ALiBi-biased (SLOPE_LOG2 from
+// alibi_slope_log2). T gets tanh(scale x / c) under softcapping (the backward's derivative), else 0.
+__device__ __forceinline__ float score_log2(const AttentionParams& p, float x, float scale_log2, float slope_log2,
+                                            int row, int col, float& t) {
+  t = 0.f;
+  if (p.softcap_in != 0.f) {
+    t = tanhf(x * p.softcap_in);
+    x = t * p.softcap_out;
+  } else {
+    x *= scale_log2;
+  }
+  if (slope_log2 != 0.f) x -= slope_log2 * fabsf(static_cast<float>(row + (p.seqlen_k - p.seqlen_q) - col));
+  return x;
 }
 
 // lse (natural log) as the backward uses it: log2 units, +inf for rows that see no key or lie
@@ -289,47 +401,48 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(const Attention
   const BlockIndex at = block_index(ceil_div(p.seqlen_q, M), p.heads);
   const int b = at.batch, h = at.head, kv_h = h / (p.heads / p.kv_heads);
   const int m0 = at.block * M, warp = threadIdx.x / 32;
-  const int diag = p.seqlen_k - p.seqlen_q;
   const T* q = slice<T>(p.q, p.q_stride, b, h);
   const T* k = slice<T>(p.k, p.k_stride, b, kv_h);
   const T* v = slice<T>(p.v, p.v_stride, b, kv_h);
-  const int n_blocks = key_blocks(p, m0, M, N);
-  const float scale_log2 = p.softmax_scale * kLog2e;
+  const Blocks keys = key_blocks(p, m0, M, N);
+  const float scale_log2 = p.softmax_scale * kLog2e, slope_log2 = alibi_slope_log2(p, b, h);
 
   float acc[D / 8][4];
   zero(acc);
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};  // thread-partial sums
-  uint32_t q_frag[D / 16][4];
-  if (n_blocks > 0) {
+  uint32_t q_frag[Tiles<D>::kFragments][4];
+  if (keys.count > 0) {
     load_tile<T, D, M>(s_q, q, p.q_stride[2], m0, p.seqlen_q, p.head_dim);
-    load_kv_block<T, D, N>(s_k, s_v, 0, k, v, p, 0);
+    load_kv_block<T, D, N>(s_k, s_v, 0, k, v, p, keys.first * N);
     tc::cp_async_commit();
   }
-  for (int j = 0; j < n_blocks; ++j) {
+  for (int j = 0; j < keys.count; ++j) {
     // Block j has landed for every thread, and every thread is done with block j - 1's stage.
     tc::cp_async_wait<0>();
     __syncthreads();
-    if (j == 0) load_a_fragments<T, D>(q_frag, s_q, warp * kRowsPerWarp);
-    const int stage = j & 1, n0 = j * N;
-    if (j + 1 < n_blocks) {
+    if (j == 0) load_row_fragments<T, D>(q_frag, s_q, warp * kRowsPerWarp);
+    const int stage = j & 1, n0 = (keys.first + j) * N;
+    if (j + 1 < keys.count) {
       load_kv_block<T, D, N>(s_k, s_v, stage ^ 1, k, v, p, n0 + N);
       tc::cp_async_commit();
     }
     float s[N / 8][4];
     zero(s);
-    multiply_abt<T, D, N>(s, q_frag, s_k + stage * N * D);
+    multiply_rows_abt<T, D, N>(s, q_frag, s_q, warp * kRowsPerWarp, s_k + stage * N * D);
 
-    // Mask (the tail of the keys, the causal triangle), scale, and the block's row maxima.
+    // The scores (scaled, capped, biased), masked (the tail of the keys, the window), and the
+    // block's row maxima.
     const int row0 = m0 + warp * kRowsPerWarp;
-    const bool masked = n0 + N > p.seqlen_k || (p.causal && n0 + N - 1 > m0 + diag);
+    const bool masked = !sees_all(p, m0, M, n0, N);
     float block_max[2] = {row_max[0], row_max[1]};
 #pragma unroll
     for (int nt = 0; nt < N / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int col = n0 + acc_col(nt, e), row = row0 + acc_row(e);
-        const bool visible = !masked || (col < p.seqlen_k && (!p.causal || col <= row + diag));
-        s[nt][e] = visible ? s[nt][e] * scale_log2 : -INFINITY;
+        float t;
+        const float x = score_log2(p, s[nt][e], scale_log2, slope_log2, row, col, t);
+        s[nt][e] = !masked || visible(p, row, col) ? x : -INFINITY;
         block_max[e >> 1] = fmaxf(block_max[e >> 1], s[nt][e]);
       }
     }
@@ -397,10 +510,12 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_preprocess_kernel(cons
   }
 }
 
-// dK and dV of 64 keys (16 a warp) of one (batch, key/value head).
+// dK and dV of 64 keys (16 a warp) of one (batch, key/value head); at D = 256, of half their
+// columns (Tiles<D>::kDkdvColumnBlocks blocks a key block, the fastest varying block index).
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const AttentionParams p) {
-  constexpr int M = Tiles<D>::kDkdvM, N = Tiles<D>::kDkdvN;
+  constexpr int M = Tiles<D>::kDkdvM, N = Tiles<D>::kDkdvN, C = Tiles<D>::kDkdvCols;
+  constexpr int kColumnBlocks = Tiles<D>::kDkdvColumnBlocks;
   REMAT_DYNAMIC_SMEM(unsigned char, smem);
   T* s_k = reinterpret_cast<T*>(smem);
   T* s_v = s_k + N * D;
@@ -408,20 +523,19 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const Attentio
   T* s_do = s_q + 2 * M * D;
   float* s_lse = reinterpret_cast<float*>(s_do + 2 * M * D);  // log2 units (lse_log2)
   float* s_delta = s_lse + 2 * M;
-  const BlockIndex at = block_index(ceil_div(p.seqlen_k, N), p.kv_heads);
-  const int b = at.batch, kv_h = at.head, n0 = at.block * N, warp = threadIdx.x / 32;
-  const int group = p.heads / p.kv_heads, diag = p.seqlen_k - p.seqlen_q;
-  // The first query block with a query that sees one of these keys (query i sees key j iff
-  // i >= j - diag), and the iterations: every query block of every query head of the group.
-  const int m_first = p.causal ? imax(0, n0 - diag) / M : 0;
-  const int m_count = imax(0, ceil_div(p.seqlen_q, M) - m_first);
-  const int iterations = group * m_count;
+  const BlockIndex at = block_index(ceil_div(p.seqlen_k, N) * kColumnBlocks, p.kv_heads);
+  const int b = at.batch, kv_h = at.head, n0 = at.block / kColumnBlocks * N, warp = threadIdx.x / 32;
+  const int col0 = at.block % kColumnBlocks * C;  // the first dK/dV column of this block
+  const int group = p.heads / p.kv_heads;
+  // The iterations: every query block that sees one of these keys, of every query head of the group.
+  const Blocks queries = query_blocks(p, n0, N, M);
+  const int iterations = group * queries.count;
   const float scale_log2 = p.softmax_scale * kLog2e;
 
   // Starts the loads of iteration IT into STAGE: q and dO by cp.async, lse and delta by plain
   // loads (their rows need not be 16-byte aligned).
   auto issue = [&](int it, int stage) {
-    const int h = kv_h * group + it / m_count, m0 = (m_first + it % m_count) * M;
+    const int h = kv_h * group + it / queries.count, m0 = (queries.first + it % queries.count) * M;
     load_tile<T, D, M>(s_q + stage * M * D, slice<T>(p.q, p.q_stride, b, h), p.q_stride[2], m0, p.seqlen_q,
                        p.head_dim);
     load_tile<T, D, M>(s_do + stage * M * D, slice<T>(p.dout, p.dout_stride, b, h), p.dout_stride[2], m0,
@@ -433,7 +547,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const Attentio
     }
   };
 
-  float dk[D / 8][4], dv[D / 8][4];
+  float dk[C / 8][4], dv[C / 8][4];
   zero(dk);
   zero(dv);
   if (iterations > 0) {
@@ -445,7 +559,8 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const Attentio
   for (int it = 0; it < iterations; ++it) {
     tc::cp_async_wait<0>();
     __syncthreads();
-    const int stage = it & 1, m0 = (m_first + it % m_count) * M;
+    const int stage = it & 1, m0 = (queries.first + it % queries.count) * M;
+    const float slope_log2 = alibi_slope_log2(p, b, kv_h * group + it / queries.count);
     if (it + 1 < iterations) {
       issue(it + 1, stage ^ 1);
       tc::cp_async_commit();
@@ -455,37 +570,35 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const Attentio
     const float* lse = s_lse + stage * M;
     const float* delta = s_delta + stage * M;
 
-    // P^T (16 keys x M queries) = exp2(K Q^T scale log2e - lse), causal-masked.
-    float pt[M / 8][4];
+    // dP^T = V dO^T and the raw scores K Q^T (16 keys x M queries); then, where the query sees
+    // the key, P^T = exp2(score - lse) and dS^T = P^T * (dP^T - delta) (1 - tanh^2 under the
+    // cap; t = 0 otherwise, so the factor is exactly 1). Then dV += P^T dO and dK += dS^T Q.
+    float pt[M / 8][4], dst[M / 8][4];
+    zero(dst);
     zero(pt);
+    multiply_abt_streamed<T, D, M>(dst, s_v, warp * kRowsPerWarp, dout);
     multiply_abt_streamed<T, D, M>(pt, s_k, warp * kRowsPerWarp, q);
     const int key0 = n0 + warp * kRowsPerWarp;
 #pragma unroll
     for (int nt = 0; nt < M / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int col = acc_col(nt, e);
-        const bool visible = !p.causal || key0 + acc_row(e) <= m0 + col + diag;
-        pt[nt][e] = visible ? exp2f(pt[nt][e] * scale_log2 - lse[col]) : 0.f;
+        const int col = acc_col(nt, e), query = m0 + col, key = key0 + acc_row(e);
+        float t;
+        const float x = score_log2(p, pt[nt][e], scale_log2, slope_log2, query, key, t);
+        pt[nt][e] = visible(p, query, key) ? exp2f(x - lse[col]) : 0.f;
+        dst[nt][e] = pt[nt][e] * (dst[nt][e] - delta[col]) * (1.f - t * t);
       }
     }
-    multiply_pb<T, D, M>(dv, pt, dout);  // dV += P^T dO
-
-    // dS^T = P^T * (V dO^T - delta), then dK += dS^T Q.
-    float dst[M / 8][4];
-    zero(dst);
-    multiply_abt_streamed<T, D, M>(dst, s_v, warp * kRowsPerWarp, dout);
-#pragma unroll
-    for (int nt = 0; nt < M / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dst[nt][e] = pt[nt][e] * (dst[nt][e] - delta[acc_col(nt, e)]);
-    }
-    multiply_pb<T, D, M>(dk, dst, q);
+    multiply_pb<T, D, M, C>(dv, pt, dout, col0 / 8);
+    multiply_pb<T, D, M, C>(dk, dst, q, col0 / 8);
   }
   const float scale[2] = {p.softmax_scale, p.softmax_scale}, one[2] = {1.f, 1.f};
   const int key0 = n0 + warp * kRowsPerWarp;
-  store_rows<T, D>(slice<T>(p.dk, p.dk_stride, b, kv_h), p.dk_stride[2], key0, p.seqlen_k, p.head_dim, dk, scale);
-  store_rows<T, D>(slice<T>(p.dv, p.dv_stride, b, kv_h), p.dv_stride[2], key0, p.seqlen_k, p.head_dim, dv, one);
+  store_rows<T, C>(slice<T>(p.dk, p.dk_stride, b, kv_h) + col0, p.dk_stride[2], key0, p.seqlen_k,
+                   p.head_dim - col0, dk, scale);
+  store_rows<T, C>(slice<T>(p.dv, p.dv_stride, b, kv_h) + col0, p.dv_stride[2], key0, p.seqlen_k,
+                   p.head_dim - col0, dv, one);
 }
 
 // dQ of 64 query rows (16 a warp) of one (batch, head).
@@ -500,11 +613,10 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const AttentionP
   const BlockIndex at = block_index(ceil_div(p.seqlen_q, M), p.heads);
   const int b = at.batch, h = at.head, kv_h = h / (p.heads / p.kv_heads);
   const int m0 = at.block * M, warp = threadIdx.x / 32, row0 = m0 + warp * kRowsPerWarp;
-  const int diag = p.seqlen_k - p.seqlen_q;
   const T* k = slice<T>(p.k, p.k_stride, b, kv_h);
   const T* v = slice<T>(p.v, p.v_stride, b, kv_h);
-  const int n_blocks = key_blocks(p, m0, M, N);
-  const float scale_log2 = p.softmax_scale * kLog2e;
+  const Blocks keys = key_blocks(p, m0, M, N);
+  const float scale_log2 = p.softmax_scale * kLog2e, slope_log2 = alibi_slope_log2(p, b, h);
   const int64_t rows = (static_cast<int64_t>(b) * p.heads + h) * p.seqlen_q;
   float lse[2], delta[2];
 #pragma unroll
@@ -516,22 +628,22 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const AttentionP
 
   float dq[D / 8][4];
   zero(dq);
-  uint32_t q_frag[D / 16][4], do_frag[D / 16][4];
-  if (n_blocks > 0) {
+  uint32_t q_frag[Tiles<D>::kFragments][4], do_frag[Tiles<D>::kFragments][4];
+  if (keys.count > 0) {
     load_tile<T, D, M>(s_q, slice<T>(p.q, p.q_stride, b, h), p.q_stride[2], m0, p.seqlen_q, p.head_dim);
     load_tile<T, D, M>(s_do, slice<T>(p.dout, p.dout_stride, b, h), p.dout_stride[2], m0, p.seqlen_q, p.head_dim);
-    load_kv_block<T, D, N>(s_k, s_v, 0, k, v, p, 0);
+    load_kv_block<T, D, N>(s_k, s_v, 0, k, v, p, keys.first * N);
     tc::cp_async_commit();
   }
-  for (int j = 0; j < n_blocks; ++j) {
+  for (int j = 0; j < keys.count; ++j) {
     tc::cp_async_wait<0>();
     __syncthreads();
     if (j == 0) {
-      load_a_fragments<T, D>(q_frag, s_q, warp * kRowsPerWarp);
-      load_a_fragments<T, D>(do_frag, s_do, warp * kRowsPerWarp);
+      load_row_fragments<T, D>(q_frag, s_q, warp * kRowsPerWarp);
+      load_row_fragments<T, D>(do_frag, s_do, warp * kRowsPerWarp);
     }
-    const int stage = j & 1, n0 = j * N;
-    if (j + 1 < n_blocks) {
+    const int stage = j & 1, n0 = (keys.first + j) * N;
+    if (j + 1 < keys.count) {
       load_kv_block<T, D, N>(s_k, s_v, stage ^ 1, k, v, p, n0 + N);
       tc::cp_async_commit();
     }
@@ -539,18 +651,20 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const AttentionP
     float s[N / 8][4], ds[N / 8][4];
     zero(s);
     zero(ds);
-    multiply_abt<T, D, N>(s, q_frag, k_tile);
-    multiply_abt<T, D, N>(ds, do_frag, s_v + stage * N * D);  // dP = dO V^T
-    // dS = P * (dP - delta). The key tail is masked explicitly: its zero keys score 0, and
-    // exp2(0 - lse) may overflow where the row's scores are all very negative.
+    multiply_rows_abt<T, D, N>(s, q_frag, s_q, warp * kRowsPerWarp, k_tile);
+    multiply_rows_abt<T, D, N>(ds, do_frag, s_do, warp * kRowsPerWarp, s_v + stage * N * D);  // dP = dO V^T
+    // dS = P * (dP - delta) (times 1 - tanh^2 under the cap). The key tail is masked
+    // explicitly: its zero keys score 0, and exp2(0 - lse) may overflow where the row's scores
+    // are all very negative.
 #pragma unroll
     for (int nt = 0; nt < N / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int col = n0 + acc_col(nt, e), row = row0 + acc_row(e);
-        const bool visible = col < p.seqlen_k && (!p.causal || col <= row + diag);
-        const float prob = visible ? exp2f(s[nt][e] * scale_log2 - lse[e >> 1]) : 0.f;
-        ds[nt][e] = prob * (ds[nt][e] - delta[e >> 1]);
+        float t;
+        const float x = score_log2(p, s[nt][e], scale_log2, slope_log2, row, col, t);
+        const float prob = visible(p, row, col) ? exp2f(x - lse[e >> 1]) : 0.f;
+        ds[nt][e] = prob * (ds[nt][e] - delta[e >> 1]) * (1.f - t * t);
       }
     }
     multiply_pb<T, D, N>(dq, ds, k_tile);
@@ -563,8 +677,8 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const AttentionP
 
 // The tile width a head dim runs at; 0 when these kernels do not take it.
 __host__ inline int padded_head_dim(int head_dim) {
-  if (head_dim <= 0 || head_dim % 8 != 0 || head_dim > 128) return 0;
-  return head_dim <= 32 ? 32 : head_dim <= 64 ? 64 : 128;
+  if (head_dim <= 0 || head_dim % 8 != 0 || head_dim > 256) return 0;
+  return head_dim <= 32 ? 32 : head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256;
 }
 
 // Calls f(T{}, std::integral_constant<int, D>{}) for the storage type and padded head dim of P.
@@ -574,7 +688,8 @@ __host__ void dispatch(const AttentionParams& p, F&& f) {
     switch (padded_head_dim(p.head_dim)) {
       case 32: return f(type, std::integral_constant<int, 32>{});
       case 64: return f(type, std::integral_constant<int, 64>{});
-      default: return f(type, std::integral_constant<int, 128>{});
+      case 128: return f(type, std::integral_constant<int, 128>{});
+      default: return f(type, std::integral_constant<int, 256>{});
     }
   };
   if (p.bf16) {
@@ -614,7 +729,8 @@ __host__ void attention_backward(const AttentionParams& p, Launch&& launch) {
     launch(attn::attention_bwd_preprocess_kernel<T>, grid_of(attn::ceil_div(p.seqlen_q, attn::kPreRows), p.heads,
                                                              p.batch),
            dim3(attn::kThreads), 0, p);
-    launch(attn::attention_dkdv_kernel<T, D>, grid_of(attn::ceil_div(p.seqlen_k, Tiles::kDkdvN), p.kv_heads, p.batch),
+    launch(attn::attention_dkdv_kernel<T, D>,
+           grid_of(attn::ceil_div(p.seqlen_k, Tiles::kDkdvN) * Tiles::kDkdvColumnBlocks, p.kv_heads, p.batch),
            dim3(attn::kThreads), Tiles::kDkdvSmem, p);
     launch(attn::attention_dq_kernel<T, D>, grid_of(attn::ceil_div(p.seqlen_q, Tiles::kDqM), p.heads, p.batch),
            dim3(attn::kThreads), Tiles::kDqSmem, p);

@@ -173,8 +173,8 @@ def _check_qkv(q, k, v):
         raise ValueError(f"k must have q's batch and head_dim, got shapes {tuple(q.shape)} and {tuple(k.shape)}")
     if k.size(1) == 0 or q.size(1) % k.size(1) != 0:
         raise ValueError(f"q's heads ({q.size(1)}) must be a multiple of k's ({k.size(1)})")
-    if not (8 <= q.size(3) <= 128 and q.size(3) % 8 == 0):
-        raise ValueError(f"head_dim must be a multiple of 8 from 8 to 128, got {q.size(3)}")
+    if not (8 <= q.size(3) <= 256 and q.size(3) % 8 == 0):
+        raise ValueError(f"head_dim must be a multiple of 8 from 8 to 256, got {q.size(3)}")
 
 
 def _copyable(t):
@@ -192,8 +192,9 @@ def _span_bytes(t):
     return (1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))) * t.element_size()
 
 
-def _run_attention(backward, tensors, causal, scale, sizes):
-    """Calls attention_harness.cpp's entry point with TENSORS, a dict by _BUFFERS name."""
+def _run_attention(backward, tensors, causal, scale, sizes, window_left, window_right, softcap, alibi_slopes):
+    """Calls attention_harness.cpp's entry point with TENSORS, a dict by _BUFFERS name, and the
+    score options as csrc/attention.cu takes them (ALIBI_SLOPES: None, or fp32 (H,) or (B, H))."""
     library = build_emulated("attention_harness.cpp", "attention_harness")
     pointers = (ctypes.c_void_p * len(_BUFFERS))()
     strides = (ctypes.c_int64 * (3 * len(_BUFFERS)))()
@@ -207,15 +208,25 @@ def _run_attention(backward, tensors, causal, scale, sizes):
         if t.dim() == 4:
             strides[3 * i:3 * i + 3] = list(t.stride()[:3])
     bf16 = int(tensors["q"].dtype == torch.bfloat16)
-    message = call(library.emulated_attention, int(backward), (ctypes.c_int * 6)(*sizes), bf16, int(causal),
-                   ctypes.c_float(scale), pointers, strides, spans)
+    slopes, slopes_batch_stride = None, 0
+    if alibi_slopes is not None:
+        if alibi_slopes.dtype != torch.float32 or tuple(alibi_slopes.shape) not in ((sizes[1],), (sizes[0], sizes[1])):
+            raise ValueError(f"alibi_slopes must be float32 of shape (heads,) or (batch, heads), got "
+                             f"{alibi_slopes.dtype} {tuple(alibi_slopes.shape)}")
+        slopes = alibi_slopes.contiguous()
+        slopes_batch_stride = slopes.stride(0) if slopes.dim() == 2 else 0
+    message = call(library.emulated_attention, int(backward), (ctypes.c_int * 6)(*sizes), bf16, ctypes.c_float(scale),
+                   int(causal), ctypes.c_int64(window_left), ctypes.c_int64(window_right), ctypes.c_float(softcap),
+                   ctypes.c_void_p(None if slopes is None else slopes.data_ptr()), ctypes.c_int64(slopes_batch_stride),
+                   pointers, strides, spans)
     if message:
         raise RuntimeError(f"attention {'backward' if backward else 'forward'}: {message}")
 
 
-def emulated_attention_fwd(q, k, v, causal, scale):
+def emulated_attention_fwd(q, k, v, causal, scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
     """csrc/attention_kernels.cuh's forward on the emulator: (o, lse) for (B, H, Sq, D) q and
-    (B, Hkv, Sk, D) k, v (float16 or bfloat16 CPU tensors, unit last stride). As csrc/attention.cu:
+    (B, Hkv, Sk, D) k, v (float16 or bfloat16 CPU tensors, unit last stride), with the score
+    options of remat.ops.attention.attention_fwd. As csrc/attention.cu:
     inputs cp.async cannot read are copied contiguous first; o is (B, Sq, H, D) memory viewed as
     (B, H, Sq, D), lse (B, H, Sq) fp32. Raises RuntimeError on a kernel fault or a store outside o
     or lse; elements the kernels never store come back NaN."""
@@ -225,15 +236,17 @@ def emulated_attention_fwd(q, k, v, causal, scale):
     o = _GuardedOutput("o", (B, H, Sq, D), q.dtype, order=(0, 2, 1, 3))
     lse = _GuardedOutput("lse", (B, H, Sq), torch.float32)
     _run_attention(False, {"q": q, "k": k, "v": v, "o": o.tensor, "lse": lse.tensor}, causal, scale,
-                   (B, H, k.size(1), Sq, k.size(2), D))
+                   (B, H, k.size(1), Sq, k.size(2), D), window_left, window_right, softcap, alibi_slopes)
     o.check_guards()
     lse.check_guards()
     return o.tensor, lse.tensor
 
 
-def emulated_attention_bwd(do, q, k, v, o, lse, causal, scale):
+def emulated_attention_bwd(do, q, k, v, o, lse, causal, scale, window_left=-1, window_right=-1, softcap=0.0,
+                           alibi_slopes=None):
     """csrc/attention_kernels.cuh's backward on the emulator: (dq, dk, dv), contiguous, shaped like
-    q, k, v (as csrc/attention.cu allocates them). DO and O: q's shape and dtype, unit last stride;
+    q, k, v (as csrc/attention.cu allocates them), the score options as the forward's. DO and O:
+    q's shape and dtype, unit last stride;
     LSE: (B, H, Sq) fp32. Raises RuntimeError on a kernel fault or a store outside an output or
     the delta workspace; elements the kernels never store come back NaN."""
     _check_qkv(q, k, v)
@@ -249,7 +262,8 @@ def emulated_attention_bwd(do, q, k, v, o, lse, causal, scale):
     outputs["delta"] = _GuardedOutput("delta", (B, H, Sq), torch.float32)
     tensors = {"q": q, "k": k, "v": v, "o": o, "lse": lse.contiguous(), "do": do,
                **{name: out.tensor for name, out in outputs.items()}}
-    _run_attention(True, tensors, causal, scale, (B, H, k.size(1), Sq, k.size(2), D))
+    _run_attention(True, tensors, causal, scale, (B, H, k.size(1), Sq, k.size(2), D), window_left, window_right,
+                   softcap, alibi_slopes)
     for out in outputs.values():
         out.check_guards()
     return outputs["dq"].tensor, outputs["dk"].tensor, outputs["dv"].tensor

@@ -17,8 +17,18 @@ void copy_strides(int64_t (&to)[3], const int64_t* from) {
   for (int d = 0; d < 3; ++d) to[d] = from[d];
 }
 
-remat::AttentionParams make_params(const int* sizes, int bf16, int causal, float softmax_scale, void* const* buffers,
-                                   const int64_t* strides) {
+// The score options, as csrc/attention.cu takes them: window bounds (-1 unbounded), softcap (0:
+// none), ALiBi slopes (fp32, (b, h) at b * alibi_batch_stride + h; null: none).
+struct ScoreOptions {
+  int causal;
+  int64_t window_left, window_right;
+  float softcap;
+  const float* alibi_slopes;
+  int64_t alibi_batch_stride;
+};
+
+remat::AttentionParams make_params(const int* sizes, int bf16, float softmax_scale, const ScoreOptions& options,
+                                   void* const* buffers, const int64_t* strides) {
   remat::AttentionParams p{};
   p.q = buffers[kQ];
   p.k = buffers[kK];
@@ -45,7 +55,10 @@ remat::AttentionParams make_params(const int* sizes, int bf16, int causal, float
   p.seqlen_k = sizes[4];
   p.head_dim = sizes[5];
   p.softmax_scale = softmax_scale;
-  p.causal = causal != 0;
+  remat::set_window(p, options.causal != 0, options.window_left, options.window_right);
+  remat::set_softcap(p, options.softcap);
+  p.alibi_slopes = options.alibi_slopes;
+  p.alibi_batch_stride = options.alibi_batch_stride;
   p.bf16 = bf16 != 0;
   return p;
 }
@@ -69,13 +82,16 @@ struct EmulatorLauncher {
 extern "C" {
 
 // The forward (BACKWARD = 0: reads q, k, v; writes o, lse) or the backward (reads do, q, k, v, o,
-// lse; writes delta, dq, dk, dv). SIZES: batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim.
-// cp.async may read only inside q, k, v and do. Returns 0, or -1 with the message in ERROR.
-int emulated_attention(int backward, const int* sizes, int bf16, int causal, float softmax_scale,
+// lse; writes delta, dq, dk, dv). SIZES: batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim;
+// the score options as ScoreOptions. cp.async may read only inside q, k, v and do. Returns 0,
+// or -1 with the message in ERROR.
+int emulated_attention(int backward, const int* sizes, int bf16, float softmax_scale, int causal, int64_t window_left,
+                       int64_t window_right, float softcap, const float* alibi_slopes, int64_t alibi_batch_stride,
                        void* const* buffers, const int64_t* strides, const int64_t* bytes, char* error,
                        int error_bytes) {
   return remat_emu::report_errors(error, error_bytes, [&] {
-    const remat::AttentionParams p = make_params(sizes, bf16, causal, softmax_scale, buffers, strides);
+    const ScoreOptions options{causal, window_left, window_right, softcap, alibi_slopes, alibi_batch_stride};
+    const remat::AttentionParams p = make_params(sizes, bf16, softmax_scale, options, buffers, strides);
     std::vector<remat_emu::GlobalBuffer> readable;
     for (Buffer b : {kQ, kK, kV, kDout}) {
       if (b != kDout || backward) readable.push_back({buffers[b], static_cast<size_t>(bytes[b]), kBufferNames[b]});

@@ -5,8 +5,8 @@ Without a GPU: the launches each shape would make (grid, threads, shared memory,
 compiled for), from the built extension's own host code; the dispatch of backend "cuda" (what the
 kernels take, what falls back to Triton). The kernels' numerics without a GPU are in
 test_attention_cuda_emulated.py (the same source built for the CPU under a warp emulator). On a
-GPU: every dtype and head dim the kernels take against float64 and against the Triton kernels,
-bitwise determinism, and that backend "cuda" runs them.
+GPU: every dtype and head dim the kernels take, and the window, softcapping and ALiBi, against
+float64 and against the Triton kernels, bitwise determinism, and that backend "cuda" runs them.
 """
 
 import math
@@ -40,27 +40,29 @@ def _plan(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, bf16, causal, ba
 
 
 def _padded(head_dim):
-    return 32 if head_dim <= 32 else 64 if head_dim <= 64 else 128
+    return 32 if head_dim <= 32 else 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
 
 
 def _expected_shared(kernel, head_dim):
     """Bytes of the tiles each kernel keeps (16-bit rows of the padded head dim), written out
-    from the kernels' layout: forward Q (64 rows) + two stages of K and V (64 rows each);
-    dK/dV: K and V (64 rows) + two stages of Q and dO (32 rows at 128, else 64) + two of lse
-    and delta (fp32); dQ: Q and dO (64 rows) + two stages of K and V (32 rows at 128, else 64)."""
+    from the kernels' layout: forward Q (64 rows) + two stages of K and V (64 rows each, 32 at
+    256); dK/dV: K and V (64 rows) + two stages of Q and dO (64 rows, 32 at 128, 16 at 256) + two
+    of lse and delta (fp32); dQ: Q and dO (64 rows) + two stages of K and V (as dK/dV's Q)."""
     d = _padded(head_dim)
     row = 2 * d
-    streamed = 32 if d == 128 else 64
-    return {FORWARD: (64 + 4 * 64) * row, PREPROCESS: 0,
+    forward_keys = 32 if d == 256 else 64
+    streamed = {32: 64, 64: 64, 128: 32, 256: 16}[d]
+    return {FORWARD: (64 + 4 * forward_keys) * row, PREPROCESS: 0,
             DKDV: (2 * 64 + 4 * streamed) * row + 4 * streamed * 4, DQ: (2 * 64 + 4 * streamed) * row}[kernel]
 
 
-# The shapes of test_attention.py's CASES the kernels take (head dims up to 128), and others
-# only they take (40, 8, 120).
+# The shapes of test_attention.py's CASES the kernels take, and others only they take (40, 8,
+# 120, 136, 200).
 PLAN_SHAPES = [(1, 2, 2, 17, 17, 32), (2, 2, 2, 33, 33, 64), (1, 2, 2, 17, 40, 64), (1, 2, 2, 40, 17, 32),
                (1, 4, 1, 17, 17, 64), (1, 4, 2, 33, 20, 32), (2, 1, 1, 1, 1, 64), (1, 1, 1, 65, 65, 80),
                (1, 1, 1, 33, 33, 96), (1, 1, 1, 33, 17, 128), (1, 1, 1, 127, 129, 64), (3, 5, 1, 1000, 3000, 40),
-               (1, 1, 1, 9, 9, 8), (2, 8, 2, 4096, 4096, 120), (1, 2, 2, 0, 5, 64), (1, 70000, 7000, 20, 24, 32)]
+               (1, 1, 1, 9, 9, 8), (2, 8, 2, 4096, 4096, 120), (1, 2, 2, 0, 5, 64), (1, 70000, 7000, 20, 24, 32),
+               (1, 2, 1, 33, 65, 256), (2, 3, 3, 100, 70, 136), (1, 4, 2, 129, 129, 200)]
 
 
 @needs_extension
@@ -71,10 +73,12 @@ def test_launch_plan(shape, bf16):
     forward = _plan(*shape, bf16, True, False)
     backward = _plan(*shape, bf16, True, True)
     assert [launch["kernel"] for launch in forward + backward] == [FORWARD, PREPROCESS, DKDV, DQ]
-    # 1-D grids: sequence blocks x heads x batch (no axis limit on heads or batch).
+    # 1-D grids: sequence blocks x heads x batch (no axis limit on heads or batch); at head dim
+    # 256 two dK/dV blocks (a column half each) a key block.
+    column_halves = 2 if _padded(head_dim) == 256 else 1
     grids = {FORWARD: (math.ceil(seqlen_q / 64) * heads * batch, 1, 1),
              PREPROCESS: (math.ceil(seqlen_q / 16) * heads * batch, 1, 1),
-             DKDV: (math.ceil(seqlen_k / 64) * kv_heads * batch, 1, 1),
+             DKDV: (math.ceil(seqlen_k / 64) * column_halves * kv_heads * batch, 1, 1),
              DQ: (math.ceil(seqlen_q / 64) * heads * batch, 1, 1)}
     for launch in forward + backward:
         assert launch["head_dim"] == _padded(head_dim)
@@ -86,33 +90,32 @@ def test_launch_plan(shape, bf16):
 
 
 @needs_extension
-@pytest.mark.parametrize("head_dim", [0, 4, 12, 136, 256])
+@pytest.mark.parametrize("head_dim", [0, 4, 12, 252, 264, 512])
 def test_launch_plan_refuses_head_dims_the_kernels_lack(head_dim):
-    with pytest.raises(RuntimeError, match="head_dim must be a multiple of 8 from 8 to 128"):
+    with pytest.raises(RuntimeError, match="head_dim must be a multiple of 8 from 8 to 256"):
         _plan(1, 1, 1, 8, 8, head_dim, True, False, False)
 
 
 @pytest.mark.parametrize("dtype, head_dim, computes", [
     (torch.bfloat16, 64, True), (torch.float16, 128, True), (torch.float16, 40, True), (torch.bfloat16, 8, True),
-    (torch.float32, 64, False), (torch.bfloat16, 256, False), (torch.float16, 36, False), (torch.float16, 136, False),
+    (torch.bfloat16, 256, True), (torch.float16, 136, True), (torch.float32, 64, False), (torch.float16, 36, False),
+    (torch.float16, 264, False), (torch.bfloat16, 512, False),
 ])
-def test_cuda_kernels_compute_half_types_and_head_dims_up_to_128(dtype, head_dim, computes):
+def test_cuda_kernels_compute_half_types_and_head_dims_up_to_256(dtype, head_dim, computes):
     q = torch.empty(1, 2, 5, head_dim, dtype=dtype)
     assert attn_ops.cuda_kernel_computes(q, q, q, True, 0.125) is computes
     assert attn_ops.cuda_kernel_computes(q, q, q, q, q, q, False, 0.125) is computes  # the backward's arguments
 
 
-@pytest.mark.parametrize("causal, features", [
-    (True, (4,)), (False, (-1, 3)), (True, (-1, -1, 5.0)), (True, (-1, -1, 0.0, torch.ones(2))),
-    (True, (-1, -1, 0.0, None, 0.1)),
-], ids=["window", "window-right", "softcap", "alibi", "dropout"])
-def test_cuda_kernels_compute_no_features(causal, features):
+@pytest.mark.parametrize("causal, features, computes", [
+    (True, (4,), True), (False, (-1, 3), True), (True, (-1, -1, 5.0), True), (True, (-1, -1, 0.0, torch.ones(2)), True),
+    (False, (7, 2, 30.0, torch.ones(1, 2)), True), (True, (-1, -1, 0.0, None, 0.1), False),
+    (False, (3, 3, 1.0, None, 0.5, torch.ones(1)), False), (True, (-1, -1, 0.0, None, 0.0, None), True),
+], ids=["window", "window-right", "softcap", "alibi", "all-three", "dropout", "dropout-and-more", "no-dropout"])
+def test_cuda_kernels_compute_every_score_option_but_dropout(causal, features, computes):
     q = torch.empty(1, 2, 5, 64, dtype=torch.float16)
-    assert not attn_ops.cuda_kernel_computes(q, q, q, causal, 0.125, *features)
-    assert not attn_ops.cuda_kernel_computes(q, q, q, q, q, q, causal, 0.125, *features)
-    plain = (-1, -1, 0.0, None, 0.0, None)
-    assert attn_ops.cuda_kernel_computes(q, q, q, causal, 0.125, *plain)
-    assert attn_ops.cuda_kernel_computes(q, q, q, True, 0.125, -1, 7)  # a causal mask ignores window_right
+    assert attn_ops.cuda_kernel_computes(q, q, q, causal, 0.125, *features) is computes
+    assert attn_ops.cuda_kernel_computes(q, q, q, q, q, q, causal, 0.125, *features) is computes  # the backward's
 
 
 def test_backend_cuda_sends_what_the_kernels_do_not_take_to_triton_and_says_so_once(monkeypatch):
@@ -136,16 +139,17 @@ def _qkv(shape, dtype):
     return make(heads, seqlen_q), make(kv_heads, seqlen_k), make(kv_heads, seqlen_k)
 
 
-def _run(backend, q, k, v, do, causal):
+def _run(backend, q, k, v, do, causal, **features):
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     with remat.use_backend(backend):
-        o, lse = attn_ops.attention(*leaves, causal=causal, return_lse=True)
+        o, lse = attn_ops.attention(*leaves, causal=causal, return_lse=True, **features)
     o.backward(do)
     return (o, lse, *[t.grad for t in leaves])
 
 
 GPU_SHAPES = [(1, 2, 2, 17, 17, 32), (2, 4, 1, 129, 70, 64), (1, 2, 2, 70, 129, 64), (1, 3, 3, 200, 200, 128),
-              (1, 2, 1, 65, 65, 80), (1, 1, 1, 33, 33, 96), (1, 2, 2, 1, 1, 64), (1, 2, 2, 100, 100, 40)]
+              (1, 2, 1, 65, 65, 80), (1, 1, 1, 33, 33, 96), (1, 2, 2, 1, 1, 64), (1, 2, 2, 100, 100, 40),
+              (1, 2, 1, 130, 70, 256), (1, 2, 2, 70, 130, 256), (1, 1, 1, 65, 65, 200)]
 
 
 @needs_gpu
@@ -166,6 +170,37 @@ def test_matches_float64_and_the_triton_kernels(shape, dtype, causal):
     if q.shape[-1] in attn_ops.HEAD_DIMS:  # the Triton kernels' head dims
         triton = _run("triton", q, k, v, do, causal)
         torch.testing.assert_close(ours[1], triton[1], rtol=0, atol=1e-3)  # lse, fp32
+
+
+# (shape, causal, window_size, softcap, ALiBi slopes' shape: None, "head" or "batch").
+GPU_FEATURE_CASES = [
+    pytest.param((1, 2, 1, 300, 300, 128), True, (20, -1), 0.0, None, id="causal-window20-d128"),
+    pytest.param((1, 2, 2, 150, 90, 256), False, (10, 25), 3.0, "batch", id="window-softcap-alibi-d256"),
+    pytest.param((2, 4, 2, 129, 70, 64), True, (-1, -1), 30.0, "head", id="softcap-alibi-gqa"),
+    pytest.param((1, 3, 3, 100, 200, 32), False, (-1, 7), 0.0, None, id="window-right7-q100-k200"),
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape, causal, window, softcap, alibi", GPU_FEATURE_CASES)
+def test_score_options_match_float64_and_the_triton_kernels(shape, causal, window, softcap, alibi, dtype):
+    q, k, v = _qkv(shape, dtype)
+    do = torch.randn(q.shape, device="cuda").to(dtype)
+    batch, heads = shape[:2]
+    slopes = None if alibi is None else torch.rand((heads,) if alibi == "head" else (batch, heads), device="cuda")
+    features = dict(window_size=window, softcap=softcap, alibi_slopes=slopes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the CUDA kernel itself, no fallback
+        ours = _run("cuda", q, k, v, do, causal, **features)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    o, lse = attn_ops.attention_ref(*leaves, causal, q.shape[-1] ** -0.5, *window, softcap, slopes)
+    o.backward(do.double())
+    assert_matches_float64(ours, (o, lse, *[t.grad for t in leaves]), dtype)
+    triton = _run("triton", q, k, v, do, causal, **features)
+    finite = torch.isfinite(triton[1])
+    torch.testing.assert_close(ours[1][finite], triton[1][finite], rtol=0, atol=1e-3)  # lse, fp32
+    assert torch.equal(torch.isfinite(ours[1]), finite)  # the same rows see no key
 
 
 @needs_gpu

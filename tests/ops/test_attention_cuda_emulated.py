@@ -19,7 +19,9 @@ DTYPES = [torch.float16, torch.bfloat16]
 
 # (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal). Blocks are 64 queries (16 a warp)
 # by 64 keys (32 at head dim 128 in the backward): lengths 1, 17, 65, 129 leave ragged tails and
-# several blocks; 80, 96 and 40 run padded (to 128 and 64).
+# several blocks; 80, 96 and 40 run padded (to 128 and 64), 200 to 256. Head dim 256 reads q and
+# dO from shared memory at each product, narrows the key blocks to 32 and splits each key block's
+# dK/dV into two column halves.
 CASES = [
     pytest.param((1, 2, 2, 17, 17, 32, False), id="plain-17-d32"),
     pytest.param((2, 2, 2, 65, 65, 64, True), id="causal-65"),
@@ -34,6 +36,8 @@ CASES = [
     pytest.param((1, 1, 1, 40, 33, 96, False), id="d96"),
     pytest.param((1, 2, 2, 70, 70, 40, True), id="d40"),
     pytest.param((1, 1, 1, 130, 130, 128, True), id="causal-130-d128"),
+    pytest.param((1, 2, 1, 70, 40, 256, True), id="gqa-causal-q70-k40-d256"),
+    pytest.param((1, 1, 1, 33, 65, 200, False), id="noncausal-q33-k65-d200"),
 ]
 
 
@@ -46,16 +50,17 @@ def _inputs(shape, dtype):
     return q, k, v, do, causal
 
 
-def _float64(q, k, v, do, causal, scale):
+def _float64(q, k, v, do, causal, scale, *features):
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    o, lse = attn_ops.attention_ref(*leaves, causal, scale)
+    o, lse = attn_ops.attention_ref(*leaves, causal, scale, *features)
     o.backward(do.double())
     return (o, lse, *[t.grad for t in leaves])
 
 
-def _emulated(q, k, v, do, causal, scale):
-    o, lse = emulated_attention_fwd(q, k, v, causal, scale)
-    return (o, lse, *emulated_attention_bwd(do, q, k, v, o, lse, causal, scale))
+def _emulated(q, k, v, do, causal, scale, *features):
+    """features: window_left, window_right, softcap, alibi_slopes (attention_fwd's order)."""
+    o, lse = emulated_attention_fwd(q, k, v, causal, scale, *features)
+    return (o, lse, *emulated_attention_bwd(do, q, k, v, o, lse, causal, scale, *features))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -105,3 +110,44 @@ def test_large_scores_stay_finite():
     for t in ours:
         assert torch.isfinite(t).all()
     assert_matches_float64(ours, _float64(q, k, v, do, False, 4.0), torch.float16)
+
+
+# (shape as CASES, window_left, window_right, softcap, ALiBi slopes: None, "per-head" or
+# "per-batch"). Windows narrower than a block skip whole key blocks (200 rows, left 20) and whole
+# query blocks in dK/dV; Sq != Sk moves the diagonal both ways.
+FEATURE_CASES = [
+    pytest.param((1, 2, 1, 200, 200, 64, True), 20, -1, 0.0, None, id="causal-window-left20-skips-blocks"),
+    pytest.param((1, 2, 2, 150, 90, 32, False), 10, 25, 0.0, None, id="window-10-25-q150-k90"),
+    pytest.param((1, 1, 1, 70, 130, 128, False), -1, 5, 0.0, None, id="window-right5-q70-k130-d128"),
+    pytest.param((1, 2, 2, 65, 129, 64, True), -1, -1, 2.0, None, id="softcap"),
+    pytest.param((1, 4, 2, 70, 70, 64, True), -1, -1, 0.0, "per-head", id="alibi-per-head-gqa"),
+    pytest.param((2, 2, 2, 33, 65, 32, False), -1, -1, 0.0, "per-batch", id="alibi-per-batch"),
+    pytest.param((1, 2, 1, 100, 80, 256, False), 30, 10, 3.0, "per-batch", id="all-d256"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case, window_left, window_right, softcap, alibi", FEATURE_CASES)
+def test_score_options_match_float64(case, window_left, window_right, softcap, alibi, dtype):
+    q, k, v, do, causal = _inputs(case, dtype)
+    batch, heads = q.shape[:2]
+    slopes = None if alibi is None else torch.rand((heads,) if alibi == "per-head" else (batch, heads))
+    features = (window_left, window_right, softcap, slopes)
+    scale = q.shape[-1] ** -0.5
+    ours = _emulated(q, k, v, do, causal, scale, *features)
+    assert_matches_float64(ours, _float64(q, k, v, do, causal, scale, *features), dtype)
+
+
+def test_window_hides_keys_exactly():
+    """A key outside every row's window gets zero dK and dV; a window of one key (left = right =
+    0) is attention to the diagonal only: o = v there, lse = the scaled score."""
+    q, k, v, do, _ = _inputs((1, 1, 1, 40, 100, 64, False), torch.float16)
+    o, lse, dq, dk, dv = _emulated(q, k, v, do, False, 0.125, 0, 0, 0.0, None)
+    diagonal = torch.arange(40) + 60  # query i's key
+    torch.testing.assert_close(o[0, 0], v[0, 0, diagonal], rtol=0, atol=0)
+    scores = (q[0, 0].float() * k[0, 0, diagonal].float()).sum(-1) * 0.125
+    torch.testing.assert_close(lse[0, 0], scores, rtol=1e-5, atol=1e-5)
+    assert (dk[0, 0, :60] == 0).all() and (dv[0, 0, :60] == 0).all()
+    # One key a row: P = 1 and dS = dP - delta = 0 but for rounding (dP = dO . v by tensor cores,
+    # delta = dO . o in another order): a few fp16 ulps of zero, where the scores' gradient would be ~1.
+    torch.testing.assert_close(dq, torch.zeros_like(dq), rtol=0, atol=1e-5)

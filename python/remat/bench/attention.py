@@ -147,17 +147,20 @@ def _sdpa_dropout(backend=None):
 def feature_implementations(device, feature):
     """A Variant for every implementation of a feature case, and the stock one its check builds on
     (None for dropout: no two implementations draw the same mask)."""
-    ours = Variant(f"remat-{remat._backend.choose('attention', device, kernels=('triton',))}", True,
-                   _remat_feature(feature))
+    if device.type == "cuda" and feature != "dropout":  # the Triton kernels and the CUDA extension's, each its rows
+        ours = [Variant(name, True, _remat_feature(feature), backend) for name, backend in ours_by_backend(device)]
+    else:  # the CUDA kernels take no dropout
+        ours = [Variant(f"remat-{remat._backend.choose('attention', device, kernels=('triton',))}", True,
+                        _remat_feature(feature))]
     if feature == "dropout":
         if device.type != "cuda":
-            return [ours, Variant("sdpa", False, _sdpa_dropout())], None
-        return [ours] + [Variant(f"sdpa-{name}", False, _sdpa_dropout(backend)) for name, backend in
-                         (("flash", "FLASH_ATTENTION"), ("efficient", "EFFICIENT_ATTENTION"))], None
+            return ours + [Variant("sdpa", False, _sdpa_dropout())], None
+        return ours + [Variant(f"sdpa-{name}", False, _sdpa_dropout(backend)) for name, backend in
+                       (("flash", "FLASH_ATTENTION"), ("efficient", "EFFICIENT_ATTENTION"))], None
     stock = _sdpa_window() if feature == "window" else _reference_in_dtype(feature)
     if device.type != "cuda":
-        return [ours, Variant("sdpa" if feature == "window" else "reference", False, stock)], stock
-    impls = [ours]
+        return ours + [Variant("sdpa" if feature == "window" else "reference", False, stock)], stock
+    impls = list(ours)
     if feature == "window":
         impls.append(Variant("sdpa-efficient", False, _sdpa_window("EFFICIENT_ATTENTION")))
     impls.append(Variant("flex_attention", False, _flex_feature(feature), compiles=True))
@@ -237,11 +240,17 @@ def _build(mode, causal):
 
 
 def sanitize_calls(device, dtype):
-    """The call of remat.attention that bench/sanitize_check.py runs, forward and backward, under
-    compute-sanitizer: GQA with seqlen_q != seqlen_k, causal (masked tails, the mask off the diagonal)."""
+    """The calls of remat.attention that bench/sanitize_check.py runs, forward and backward, under
+    compute-sanitizer: GQA with seqlen_q != seqlen_k, causal (masked tails, the mask off the
+    diagonal); then a window with softcapping and ALiBi at head dim 256 (skipped blocks, the
+    column halves of dK/dV)."""
     q = torch.randn(1, 2, 37, 64, device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(1, 1, 45, 64, device=device, dtype=dtype, requires_grad=True)
     yield functools.partial(remat.attention, q, k, k, causal=True)
+    q = torch.randn(1, 2, 150, 256, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, 2, 90, 256, device=device, dtype=dtype, requires_grad=True)
+    slopes = torch.rand(2, device=device)
+    yield functools.partial(remat.attention, q, k, k, window_size=(10, 25), softcap=3.0, alibi_slopes=slopes)
 
 
 def cases(device, dtypes, quick, sizes=None):

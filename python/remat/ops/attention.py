@@ -16,9 +16,9 @@ Conventions (shared by the reference, the Triton kernels and the fallback):
 
 Backends: CUDA tensors run the Triton kernels for backends "auto" and "triton"; backend "cuda"
 runs the CUDA extension's own kernels (csrc/attention_kernels.cuh) on what they take (see
-cuda_kernel_takes: half or bfloat16, head dims that are a multiple of 8 up to 128, no window,
-softcapping, ALiBi or dropout, a GPU of compute capability 8.0 or newer) and the Triton kernels,
-with a one-time warning, on the rest. CPU tensors run the Triton kernel
+cuda_kernel_takes: half or bfloat16, head dims that are a multiple of 8 up to 256, any window,
+softcapping or ALiBi but no dropout, a GPU of compute capability 8.0 or newer) and the Triton
+kernels, with a one-time warning, on the rest. CPU tensors run the Triton kernel
 under TRITON_INTERPRET=1, else the reference. Head dims outside HEAD_DIMS run the reference on
 CPU; on CUDA, those and GPUs Triton cannot target (compute capability < 8.0) fall back to
 torch.nn.functional.scaled_dot_product_attention with a one-time warning (to the reference when a
@@ -563,8 +563,7 @@ def _samples(device):
     return OpSamples(forward, backward)
 
 
-CUDA_KERNEL_MAX_HEAD_DIM = 128
-_PLAIN_FEATURES = (-1, -1, 0.0, None, 0.0)  # window_left, window_right, softcap, alibi_slopes, dropout_p
+CUDA_KERNEL_MAX_HEAD_DIM = 256
 
 
 def cuda_kernel_takes(*args):
@@ -578,15 +577,12 @@ def cuda_kernel_takes(*args):
 def cuda_kernel_computes(*args):
     """Whether the CUDA kernels compute attention_fwd's or attention_bwd's arguments (given or
     defaulted): the first tensor (q or do) half or bfloat16 with a head dim that is a multiple of 8
-    up to 128, and plain attention, causal or not: no window, softcapping, ALiBi or dropout."""
+    up to 256, causal or not, with any window, softcapping or ALiBi, but no dropout."""
     first = args[0]
-    at = next(i for i, a in enumerate(args) if isinstance(a, bool))  # causal; the scale follows
-    given = args[at + 2:at + 7]
-    window_left, window_right, softcap, alibi_slopes, dropout_p = (*given, *_PLAIN_FEATURES[len(given):])
-    plain = (window_left < 0 and (args[at] or window_right < 0) and softcap == 0.0 and alibi_slopes is None
-             and dropout_p == 0.0)
+    at = next(i for i, a in enumerate(args) if isinstance(a, bool))  # causal; the scale, then the features follow
+    dropout_p = args[at + 6] if len(args) > at + 6 else 0.0
     head_dim = first.shape[-1]
-    return (plain and first.dtype in (torch.float16, torch.bfloat16)
+    return (dropout_p == 0.0 and first.dtype in (torch.float16, torch.bfloat16)
             and head_dim % 8 == 0 and 0 < head_dim <= CUDA_KERNEL_MAX_HEAD_DIM)
 
 
