@@ -1,16 +1,21 @@
 // Attention's CUDA entry points: argument checks, outputs, the launches of attention_kernels.cuh,
-// and their registration as torch.ops.remat_C.attention_fwd / attention_bwd (the schemas of
-// remat::attention_fwd / _bwd, remat/ops/attention.py, which registers their fakes and
-// autograd), plus remat_C::attention_launch_plan, the launches a call would make, for the tests.
+// and their registration as torch.ops.remat_C.attention_fwd / attention_bwd and
+// attention_varlen_fwd / _bwd (the schemas of remat::attention_fwd / _bwd, remat/ops/attention.py,
+// and remat::attention_varlen_fwd / _bwd, remat/ops/attention_varlen.py, which register their
+// fakes and autograd), plus remat_C::attention_launch_plan, the launches a call would make, for
+// the tests.
 //
 // The kernels take half or bfloat16, head dims that are a multiple of 8 up to 256, causal or
-// not, GQA, a sliding window, softcapping and ALiBi. Dropout is refused here with an error naming
+// not, GQA, packed sequences, a sliding window, softcapping and ALiBi. Dropout is refused here with an error naming
 // the argument; remat's dispatch sends those calls to the Triton kernels instead.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -27,68 +32,92 @@ namespace {
 
 constexpr const char* kOp = "attention (CUDA kernel)";
 
-// q (B, H, Sq, D) or k/v (B, Hkv, Sk, D): 4-D, half or bfloat16 on the GPU, unit last stride.
-void check_qkv_tensor(const at::Tensor& t, const char* name) {
+// q, k or v: DIMS-D (4: (batch, heads, seq, head_dim); 3: packed (total, heads, head_dim)), half
+// or bfloat16 on the GPU, unit last stride.
+void check_qkv_tensor(const at::Tensor& t, const char* name, int64_t dims) {
   TORCH_CHECK(t.is_cuda(), kOp, ": ", name, " must be a CUDA tensor, got device ", t.device());
-  TORCH_CHECK(t.dim() == 4, kOp, ": ", name, " must be 4-D (batch, heads, seq, head_dim), got shape ", t.sizes());
+  TORCH_CHECK(t.dim() == dims, kOp, ": ", name, " must be ",
+              dims == 4 ? "4-D (batch, heads, seq, head_dim)" : "3-D (total, heads, head_dim)", ", got shape ",
+              t.sizes());
   TORCH_CHECK(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16, kOp, ": ", name,
               " must be float16 or bfloat16, got ", t.scalar_type());
-  TORCH_CHECK(t.stride(3) == 1 || t.size(3) <= 1, kOp, ": ", name, " must have a unit stride in its last dim, got strides ",
-              t.strides());
+  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) <= 1, kOp, ": ", name,
+              " must have a unit stride in its last dim, got strides ", t.strides());
 }
 
-void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  check_qkv_tensor(q, "q");
-  check_qkv_tensor(k, "k");
-  check_qkv_tensor(v, "v");
+// q, k, v as check_qkv_tensor's (DIMS 4: k with q's batch; 3: packed), of one device and dtype,
+// k and v of one shape, GQA heads, a head dim the kernels take.
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t dims) {
+  check_qkv_tensor(q, "q", dims);
+  check_qkv_tensor(k, "k", dims);
+  check_qkv_tensor(v, "v", dims);
   TORCH_CHECK(k.device() == q.device() && v.device() == q.device(), kOp, ": q, k and v must be on one device, got ",
               q.device(), ", ", k.device(), ", ", v.device());
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), kOp,
               ": q, k and v must have one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ", v.scalar_type());
   TORCH_CHECK(k.sizes() == v.sizes(), kOp, ": k and v must have one shape, got ", k.sizes(), " and ", v.sizes());
-  TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == q.size(3), kOp,
-              ": k must have q's batch and head_dim (", q.size(0), ", ", q.size(3), "), got shape ", k.sizes());
-  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, kOp, ": q's heads (", q.size(1),
-              ") must be a multiple of k's (", k.size(1), ")");
-  TORCH_CHECK(attn::padded_head_dim(static_cast<int>(q.size(3))) != 0, kOp,
-              ": head_dim must be a multiple of 8 from 8 to 256, got ", q.size(3));
-  // The 1-D grids (sequence blocks x heads x batch) fit: the largest are the backward's delta, 16
-  // query rows a block, and its dK/dV, 64 keys a block (two blocks, a column half each, at 256).
-  const int64_t key_block_blocks = attn::padded_head_dim(static_cast<int>(q.size(3))) > 128 ? 2 : 1;
-  const int64_t key_blocks = ceil_div(k.size(2), attn::kWarps * attn::kRowsPerWarp) * key_block_blocks;
-  const int64_t blocks = std::max(ceil_div(q.size(2), attn::kPreRows) * q.size(1), key_blocks * k.size(1));
-  TORCH_CHECK(blocks * q.size(0) <= std::numeric_limits<int>::max(), kOp,
-              ": too many blocks for one grid: q ", q.sizes(), ", k ", k.sizes());
-  TORCH_CHECK(q.size(2) <= std::numeric_limits<int>::max() / 2 && k.size(2) <= std::numeric_limits<int>::max() / 2,
-              kOp, ": sequences too long: ", q.size(2), ", ", k.size(2));
+  TORCH_CHECK((dims == 3 || k.size(0) == q.size(0)) && k.size(-1) == q.size(-1), kOp, ": k must have q's ",
+              dims == 4 ? "batch and " : "", "head_dim, got shapes ", q.sizes(), " and ", k.sizes());
+  const int64_t heads = q.size(1), kv_heads = k.size(1);  // dim 1 of both layouts
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, kOp, ": q's heads (", heads, ") must be a multiple of k's (",
+              kv_heads, ")");
+  TORCH_CHECK(attn::padded_head_dim(static_cast<int>(q.size(-1))) != 0, kOp,
+              ": head_dim must be a multiple of 8 from 8 to 256, got ", q.size(-1));
 }
 
-// The score options: their values, and dropout, which these kernels do not compute yet.
-void check_features(const at::Tensor& q, double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                    double dropout_p) {
+// The 1-D grids (sequence blocks x heads x batch) fit: the largest are the backward's delta, 16
+// query rows a block, and its dK/dV, 64 keys a block (two blocks, a column half each, at 256).
+void check_grid(int64_t batch, int64_t heads, int64_t kv_heads, int64_t seqlen_q, int64_t seqlen_k, int64_t head_dim) {
+  TORCH_CHECK(seqlen_q <= std::numeric_limits<int>::max() / 2 && seqlen_k <= std::numeric_limits<int>::max() / 2,
+              kOp, ": sequences too long: ", seqlen_q, ", ", seqlen_k);
+  const int64_t key_block_blocks = attn::padded_head_dim(static_cast<int>(head_dim)) > 128 ? 2 : 1;
+  const int64_t key_blocks = ceil_div(seqlen_k, attn::kWarps * attn::kRowsPerWarp) * key_block_blocks;
+  const int64_t blocks = std::max(ceil_div(seqlen_q, attn::kPreRows) * heads, key_blocks * kv_heads);
+  TORCH_CHECK(blocks * batch <= std::numeric_limits<int>::max(), kOp, ": too many blocks for one grid: batch ",
+              batch, ", heads ", heads, ", kv_heads ", kv_heads, ", seqlen_q ", seqlen_q, ", seqlen_k ", seqlen_k);
+}
+
+// The score options' values (ALiBi slopes per head or per (batch, head): BATCH counts the packed
+// sequences), and dropout, which these kernels do not compute yet.
+void check_features(const at::Tensor& q, int64_t batch, int64_t heads, double softcap,
+                    const std::optional<at::Tensor>& alibi_slopes, double dropout_p) {
   TORCH_CHECK(std::isfinite(softcap) && softcap >= 0.0, kOp, ": softcap must be finite and >= 0, got ", softcap);
   if (present(alibi_slopes)) {
     const at::Tensor& slopes = *alibi_slopes;
-    const bool per_head = slopes.dim() == 1 && slopes.size(0) == q.size(1);
-    const bool per_batch = slopes.dim() == 2 && slopes.size(0) == q.size(0) && slopes.size(1) == q.size(1);
+    const bool per_head = slopes.dim() == 1 && slopes.size(0) == heads;
+    const bool per_batch = slopes.dim() == 2 && slopes.size(0) == batch && slopes.size(1) == heads;
     TORCH_CHECK(slopes.device() == q.device() && slopes.scalar_type() == at::kFloat && (per_head || per_batch), kOp,
-                ": alibi_slopes must be float32 of shape (heads,) or (batch, heads) on q's device, got ",
-                slopes.scalar_type(), " ", slopes.sizes(), " on ", slopes.device());
+                ": alibi_slopes must be float32 of shape (", heads, ",) or (", batch, ", ", heads,
+                ") on q's device, got ", slopes.scalar_type(), " ", slopes.sizes(), " on ", slopes.device());
   }
   TORCH_CHECK(dropout_p == 0.0, kOp, ": dropout_p is not supported; remat runs dropout with Triton");
 }
 
-// A tensor whose rows cp.async can copy 16 bytes at a time: 16-byte aligned data and batch,
-// head and sequence strides that are multiples of 8 elements; else a fresh contiguous copy (which is,
-// the head dim being a multiple of 8).
+// A tensor whose rows cp.async can copy 16 bytes at a time: 16-byte aligned data and strides but
+// the last that are multiples of 8 elements; else a fresh contiguous copy (which is, the head dim
+// being a multiple of 8).
 at::Tensor copyable(const at::Tensor& t) {
   bool ok = is_aligned(t.data_ptr(), 16);
-  for (int d = 0; d < 3; ++d) ok = ok && (t.size(d) <= 1 || t.stride(d) % 8 == 0);
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) ok = ok && (t.size(d) <= 1 || t.stride(d) % 8 == 0);
   return ok ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
+// The (batch, head, sequence) strides of a 4-D tensor, or of a packed (total, heads, head_dim)
+// one (batch stride 0: the kernels find a sequence's first row from cu_seqlens).
 void set_strides(int64_t (&out)[3], const at::Tensor& t) {
-  for (int d = 0; d < 3; ++d) out[d] = t.stride(d);
+  if (t.dim() == 3) {
+    out[0] = 0;
+    out[1] = t.stride(1);
+    out[2] = t.stride(0);
+  } else {
+    for (int d = 0; d < 3; ++d) out[d] = t.stride(d);
+  }
+}
+
+// lse's (or delta's) batch and head strides: (B, H, Sq), or packed (H, total_q).
+void set_lse_strides(AttentionParams& p, const at::Tensor& lse) {
+  p.lse_stride[0] = lse.dim() == 3 ? lse.stride(0) : 0;
+  p.lse_stride[1] = lse.dim() == 3 ? lse.stride(1) : lse.stride(0);
 }
 
 // The slopes as the kernels read them (contiguous fp32, (heads,) or (batch, heads)); undefined
@@ -97,9 +126,40 @@ at::Tensor alibi_rows(const std::optional<at::Tensor>& alibi_slopes) {
   return present(alibi_slopes) ? alibi_slopes->contiguous() : at::Tensor();
 }
 
-AttentionParams make_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                            double softmax_scale, int64_t window_left, int64_t window_right, double softcap,
-                            const at::Tensor& alibi) {
+// A call's score options.
+struct Scores {
+  bool causal;
+  double softmax_scale;
+  int64_t window_left, window_right;
+  double softcap;
+  at::Tensor alibi;  // from alibi_rows
+};
+
+// Packed sequences: int32 (batch + 1) cumulative lengths on q's device, and the longest lengths.
+struct Packed {
+  at::Tensor cu_seqlens_q, cu_seqlens_k;
+  int64_t max_seqlen_q, max_seqlen_k;
+};
+
+void check_packed(const at::Tensor& q, const Packed& packed) {
+  using Named = std::pair<const at::Tensor&, const char*>;
+  for (const auto& [t, name] :
+       {Named{packed.cu_seqlens_q, "cu_seqlens_q"}, Named{packed.cu_seqlens_k, "cu_seqlens_k"}}) {
+    TORCH_CHECK(t.device() == q.device() && t.scalar_type() == at::kInt && t.dim() == 1 && t.size(0) >= 1 &&
+                    t.is_contiguous(),
+                kOp, ": ", name, " must be a contiguous 1-D int32 tensor (sequences + 1) on q's device, got ",
+                t.scalar_type(), " ", t.sizes(), " on ", t.device());
+  }
+  TORCH_CHECK(packed.cu_seqlens_k.size(0) == packed.cu_seqlens_q.size(0), kOp,
+              ": cu_seqlens_k must have cu_seqlens_q's length ", packed.cu_seqlens_q.size(0), ", got ",
+              packed.cu_seqlens_k.size(0));
+  TORCH_CHECK(packed.max_seqlen_q >= 0 && packed.max_seqlen_k >= 0, kOp,
+              ": max_seqlen_q and max_seqlen_k must be >= 0, got ", packed.max_seqlen_q, ", ", packed.max_seqlen_k);
+}
+
+// Q, K, V (4-D, or packed 3-D with PACKED) and the score options as the kernels take them.
+AttentionParams make_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Scores& scores,
+                            const Packed* packed) {
   AttentionParams p{};
   p.q = q.data_ptr();
   p.k = k.data_ptr();
@@ -107,18 +167,26 @@ AttentionParams make_params(const at::Tensor& q, const at::Tensor& k, const at::
   set_strides(p.q_stride, q);
   set_strides(p.k_stride, k);
   set_strides(p.v_stride, v);
-  p.batch = static_cast<int>(q.size(0));
-  p.heads = static_cast<int>(q.size(1));
+  p.heads = static_cast<int>(q.size(1));  // dim 1 of both layouts
   p.kv_heads = static_cast<int>(k.size(1));
-  p.seqlen_q = static_cast<int>(q.size(2));
-  p.seqlen_k = static_cast<int>(k.size(2));
-  p.head_dim = static_cast<int>(q.size(3));
-  p.softmax_scale = static_cast<float>(softmax_scale);
-  set_window(p, causal, window_left, window_right);
-  set_softcap(p, static_cast<float>(softcap));
-  if (alibi.defined()) {
-    p.alibi_slopes = alibi.data_ptr<float>();
-    p.alibi_batch_stride = alibi.dim() == 2 ? alibi.stride(0) : 0;
+  p.head_dim = static_cast<int>(q.size(-1));
+  if (packed != nullptr) {
+    p.batch = static_cast<int>(packed->cu_seqlens_q.size(0) - 1);
+    p.seqlen_q = static_cast<int>(packed->max_seqlen_q);
+    p.seqlen_k = static_cast<int>(packed->max_seqlen_k);
+    p.cu_seqlens_q = packed->cu_seqlens_q.data_ptr<int>();
+    p.cu_seqlens_k = packed->cu_seqlens_k.data_ptr<int>();
+  } else {
+    p.batch = static_cast<int>(q.size(0));
+    p.seqlen_q = static_cast<int>(q.size(2));
+    p.seqlen_k = static_cast<int>(k.size(2));
+  }
+  p.softmax_scale = static_cast<float>(scores.softmax_scale);
+  set_window(p, scores.causal, scores.window_left, scores.window_right);
+  set_softcap(p, static_cast<float>(scores.softcap));
+  if (scores.alibi.defined()) {
+    p.alibi_slopes = scores.alibi.data_ptr<float>();
+    p.alibi_batch_stride = scores.alibi.dim() == 2 ? scores.alibi.stride(0) : 0;
   }
   p.bf16 = q.scalar_type() == at::kBFloat16;
   return p;
@@ -139,53 +207,38 @@ struct StreamLauncher {
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q_in, const at::Tensor& k_in,
-                                                 const at::Tensor& v_in, bool causal, double softmax_scale,
-                                                 int64_t window_left, int64_t window_right, double softcap,
-                                                 const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
-                                                 const std::optional<at::Tensor>& dropout_seed) {
-  check_inputs(q_in, k_in, v_in);
-  check_features(q_in, softcap, alibi_slopes, dropout_p);
-  const c10::cuda::CUDAGuard guard(q_in.device());
-  const at::Tensor q = copyable(q_in), k = copyable(k_in), v = copyable(v_in), alibi = alibi_rows(alibi_slopes);
-  const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), D = q.size(3);
-  // o (B, H, Sq, D) laid out as (B, Sq, H, D), as every backend returns it (ops/attention.py).
-  at::Tensor o = at::empty({B, Sq, H, D}, q.options()).transpose(1, 2);
-  at::Tensor lse = at::empty({B, H, Sq}, q.options().dtype(at::kFloat));
-  AttentionParams p = make_params(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi);
+// The forward into O and LSE (allocated by the caller in the op's layouts).
+void run_forward(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const Scores& scores,
+                 const Packed* packed, const at::Tensor& o, const at::Tensor& lse) {
+  const at::Tensor q = copyable(q_in), k = copyable(k_in), v = copyable(v_in);
+  AttentionParams p = make_params(q, k, v, scores, packed);
   p.o = o.data_ptr();
   set_strides(p.o_stride, o);
   p.lse = lse.data_ptr<float>();
+  set_lse_strides(p, lse);
   attention_forward(p, StreamLauncher{current_stream(q)});
-  return {o, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
-    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-    const at::Tensor& o, const at::Tensor& lse, bool causal, double softmax_scale, int64_t window_left,
-    int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
-    const std::optional<at::Tensor>& dropout_seed) {
-  check_inputs(q_in, k_in, v_in);
-  check_features(q_in, softcap, alibi_slopes, dropout_p);
+// The backward: (dq, dk, dv), contiguous, shaped like q, k, v.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(const at::Tensor& dout_in, const at::Tensor& q_in,
+                                                            const at::Tensor& k_in, const at::Tensor& v_in,
+                                                            const at::Tensor& o, const at::Tensor& lse,
+                                                            const Scores& scores, const Packed* packed) {
   check_like(kOp, dout_in, "do", q_in, "q");
   check_like(kOp, o, "o", q_in, "q");
-  TORCH_CHECK(o.stride(3) == 1 && dout_in.stride(3) == 1, kOp, ": o and do must have a unit stride in their last dim");
-  TORCH_CHECK(lse.device() == q_in.device() && lse.scalar_type() == at::kFloat && lse.dim() == 3 &&
-                  lse.size(0) == q_in.size(0) && lse.size(1) == q_in.size(1) && lse.size(2) == q_in.size(2),
-              kOp, ": lse must be float32 of shape (batch, heads, seqlen_q), got ", lse.scalar_type(), " ",
-              lse.sizes());
-  const c10::cuda::CUDAGuard guard(q_in.device());
+  TORCH_CHECK(o.stride(-1) == 1 && dout_in.stride(-1) == 1, kOp,
+              ": o and do must have a unit stride in their last dim");
   const at::Tensor q = copyable(q_in), k = copyable(k_in), v = copyable(v_in), dout = copyable(dout_in);
-  const at::Tensor alibi = alibi_rows(alibi_slopes);
   const at::Tensor lse_rows = lse.contiguous();
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
   at::Tensor delta = at::empty(lse.sizes(), lse.options());
-  AttentionParams p = make_params(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi);
+  AttentionParams p = make_params(q, k, v, scores, packed);
   p.o = const_cast<void*>(o.data_ptr());
   set_strides(p.o_stride, o);
   p.lse = const_cast<float*>(lse_rows.data_ptr<float>());
+  set_lse_strides(p, lse_rows);
   p.dout = dout.data_ptr();
   set_strides(p.dout_stride, dout);
   p.delta = delta.data_ptr<float>();
@@ -197,6 +250,83 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   set_strides(p.dv_stride, dv);
   attention_backward(p, StreamLauncher{current_stream(q)});
   return {dq, dk, dv};
+}
+
+void check_lse(const at::Tensor& lse, const at::Tensor& q, at::IntArrayRef shape, const char* layout) {
+  TORCH_CHECK(lse.device() == q.device() && lse.scalar_type() == at::kFloat && lse.sizes() == shape, kOp,
+              ": lse must be float32 of shape ", layout, " ", shape, ", got ", lse.scalar_type(), " ", lse.sizes());
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 bool causal, double softmax_scale, int64_t window_left,
+                                                 int64_t window_right, double softcap,
+                                                 const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+                                                 const std::optional<at::Tensor>& dropout_seed) {
+  check_inputs(q, k, v, 4);
+  check_grid(q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3));
+  check_features(q, q.size(0), q.size(1), softcap, alibi_slopes, dropout_p);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), D = q.size(3);
+  // o (B, H, Sq, D) laid out as (B, Sq, H, D), as every backend returns it (ops/attention.py).
+  at::Tensor o = at::empty({B, Sq, H, D}, q.options()).transpose(1, 2);
+  at::Tensor lse = at::empty({B, H, Sq}, q.options().dtype(at::kFloat));
+  const Scores scores{causal, softmax_scale, window_left, window_right, softcap, alibi_rows(alibi_slopes)};
+  run_forward(q, k, v, scores, nullptr, o, lse);
+  return {o, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
+    const at::Tensor& lse, bool causal, double softmax_scale, int64_t window_left, int64_t window_right,
+    double softcap, const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+    const std::optional<at::Tensor>& dropout_seed) {
+  check_inputs(q, k, v, 4);
+  check_grid(q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3));
+  check_features(q, q.size(0), q.size(1), softcap, alibi_slopes, dropout_p);
+  check_lse(lse, q, {q.size(0), q.size(1), q.size(2)}, "(batch, heads, seqlen_q)");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const Scores scores{causal, softmax_scale, window_left, window_right, softcap, alibi_rows(alibi_slopes)};
+  return run_backward(dout, q, k, v, o, lse, scores, nullptr);
+}
+
+// Packed sequences, as remat::attention_varlen_fwd / _bwd (ops/attention_varlen.py): q (total_q,
+// H, D), k and v (total_k, Hkv, D); o like q, lse (H, total_q).
+Packed checked_packed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+                      const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  check_inputs(q, k, v, 3);
+  Packed packed{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
+  check_packed(q, packed);
+  check_grid(cu_seqlens_q.size(0) - 1, q.size(1), k.size(1), max_seqlen_q, max_seqlen_k, q.size(2));
+  return packed;
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal, double softmax_scale,
+    int64_t window_left, int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    double dropout_p, const std::optional<at::Tensor>& dropout_seed) {
+  const Packed packed = checked_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  check_features(q, cu_seqlens_q.size(0) - 1, q.size(1), softcap, alibi_slopes, dropout_p);
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor o = at::empty(q.sizes(), q.options());
+  at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+  const Scores scores{causal, softmax_scale, window_left, window_right, softcap, alibi_rows(alibi_slopes)};
+  run_forward(q, k, v, scores, &packed, o, lse);
+  return {o, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
+    const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, bool causal, double softmax_scale, int64_t window_left, int64_t window_right,
+    double softcap, const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+    const std::optional<at::Tensor>& dropout_seed) {
+  const Packed packed = checked_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  check_features(q, cu_seqlens_q.size(0) - 1, q.size(1), softcap, alibi_slopes, dropout_p);
+  check_lse(lse, q, {q.size(1), q.size(0)}, "(heads, total_q)");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const Scores scores{causal, softmax_scale, window_left, window_right, softcap, alibi_rows(alibi_slopes)};
+  return run_backward(dout, q, k, v, o, lse, scores, &packed);
 }
 
 // The launches a forward (backward=false) or backward call of this shape would make, without a
@@ -243,6 +373,16 @@ TORCH_LIBRARY_FRAGMENT(remat_C, m) {
       "float softmax_scale, SymInt window_left=-1, SymInt window_right=-1, float softcap=0., "
       "Tensor? alibi_slopes=None, float dropout_p=0., Tensor? dropout_seed=None) -> (Tensor, Tensor, Tensor)");
   m.def(
+      "attention_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, float softmax_scale, SymInt window_left=-1, "
+      "SymInt window_right=-1, float softcap=0., Tensor? alibi_slopes=None, float dropout_p=0., "
+      "Tensor? dropout_seed=None) -> (Tensor, Tensor)");
+  m.def(
+      "attention_varlen_bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor cu_seqlens_q, "
+      "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, float softmax_scale, "
+      "SymInt window_left=-1, SymInt window_right=-1, float softcap=0., Tensor? alibi_slopes=None, "
+      "float dropout_p=0., Tensor? dropout_seed=None) -> (Tensor, Tensor, Tensor)");
+  m.def(
       "attention_launch_plan(int batch, int heads, int kv_heads, int seqlen_q, int seqlen_k, int head_dim, "
       "bool bf16, bool causal, bool backward) -> int[]",
       &remat::attention_launch_plan);
@@ -251,4 +391,6 @@ TORCH_LIBRARY_FRAGMENT(remat_C, m) {
 TORCH_LIBRARY_IMPL(remat_C, CUDA, m) {
   m.impl("attention_fwd", &remat::attention_fwd);
   m.impl("attention_bwd", &remat::attention_bwd);
+  m.impl("attention_varlen_fwd", &remat::attention_varlen_fwd);
+  m.impl("attention_varlen_bwd", &remat::attention_varlen_bwd);
 }

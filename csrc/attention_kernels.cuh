@@ -10,7 +10,10 @@
 //   - logit softcapping: the scaled score x becomes c tanh(x / c); dS gets the factor 1 - tanh^2.
 //   - ALiBi: -slope |i + Sk - Sq - j| added to the (capped) scaled score, a slope per (batch, head).
 // Key (or query) blocks no row of a block sees are skipped; blocks every row sees entirely skip
-// the mask in the forward.
+// the mask in the forward. Packed sequences (varlen, as flash_attn_varlen_func): q (total_q, H, D),
+// k and v (total_k, Hkv, D), sequence b at rows cu_seqlens[b]..cu_seqlens[b + 1], each attending
+// to itself only with every convention above applied to its own lengths; the grid's batch index
+// is the sequence's, its blocks sized for the longest, those past a sequence's end exit at once.
 //
 // Forward (attention_fwd_kernel): a block of 4 warps takes 64 query rows, 16 a warp, of one
 // (batch, head); key/value blocks stream through shared memory by cp.async, double-buffered
@@ -59,15 +62,19 @@ struct AttentionParams {
   int64_t q_stride[3], k_stride[3], v_stride[3];
   void* o;  // the forward's output, the backward's input
   int64_t o_stride[3];
-  float* lse;  // (B, H, Sq) contiguous fp32
+  float* lse;  // fp32 rows: (b, h)'s at b * lse_stride[0] + h * lse_stride[1], contiguous
   const void* dout;  // backward only, from here on
   int64_t dout_stride[3];
-  float* delta;  // (B, H, Sq) contiguous fp32 workspace: rowsum(dO * O)
+  float* delta;  // fp32 workspace laid out as lse: rowsum(dO * O)
   void* dq;
   void* dk;
   void* dv;
   int64_t dq_stride[3], dk_stride[3], dv_stride[3];
-  int batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim;
+  int64_t lse_stride[2];  // lse's (and delta's) batch and head strides
+  int batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim;  // packed: sequences, and the longest lengths
+  // Packed sequences: int32 (batch + 1) cumulative lengths, the tensors' batch strides 0; null otherwise.
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
   float softmax_scale;
   // Keys a query row sees left and right of its diagonal (see above): set_window.
   int window_left, window_right;
@@ -95,7 +102,8 @@ __host__ inline void set_softcap(AttentionParams& p, float softcap) {
 namespace attn {
 
 constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
+constexpr int kThreads = kWarps * 32;  // the kernels' __launch_bounds__(kThreads, 1): without the 1,
+                                       // ptxas capped registers (168 at head dim 32) and spilled
 constexpr int kRowsPerWarp = 16;  // one m16n8k16 row tile
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -309,6 +317,40 @@ __device__ __forceinline__ T* slice(void* base, const int64_t (&stride)[3], int 
   return static_cast<T*>(base) + b * stride[0] + h * stride[1];
 }
 
+// PTR moved ROWS rows of STRIDE on (null stays null: a tensor the call has not).
+template <typename T>
+__device__ __forceinline__ T* rows_on(T* ptr, int64_t rows, int64_t stride) {
+  return ptr == nullptr ? ptr : ptr + rows * stride;
+}
+
+// The view of P that a block of batch B works in: for packed sequences, sequence B's lengths and
+// every tensor's pointer moved to the sequence's first row (their batch strides, lse's too, are
+// 0); P itself otherwise (moved by 0 rows: one code path, no selects of every pointer).
+template <typename T>
+__device__ __forceinline__ AttentionParams in_sequence(const AttentionParams& p, int b) {
+  const bool packed = p.cu_seqlens_q != nullptr;
+  const int q0 = packed ? p.cu_seqlens_q[b] : 0, k0 = packed ? p.cu_seqlens_k[b] : 0;
+  AttentionParams s = p;
+  s.seqlen_q = packed ? p.cu_seqlens_q[b + 1] - q0 : p.seqlen_q;
+  s.seqlen_k = packed ? p.cu_seqlens_k[b + 1] - k0 : p.seqlen_k;
+  s.q = rows_on(static_cast<const T*>(p.q), q0, p.q_stride[2]);
+  s.k = rows_on(static_cast<const T*>(p.k), k0, p.k_stride[2]);
+  s.v = rows_on(static_cast<const T*>(p.v), k0, p.v_stride[2]);
+  s.o = rows_on(static_cast<T*>(p.o), q0, p.o_stride[2]);
+  s.dout = rows_on(static_cast<const T*>(p.dout), q0, p.dout_stride[2]);
+  s.dq = rows_on(static_cast<T*>(p.dq), q0, p.dq_stride[2]);
+  s.dk = rows_on(static_cast<T*>(p.dk), k0, p.dk_stride[2]);
+  s.dv = rows_on(static_cast<T*>(p.dv), k0, p.dv_stride[2]);
+  s.lse = rows_on(p.lse, q0, 1);
+  s.delta = rows_on(p.delta, q0, 1);
+  return s;
+}
+
+// The offset of (batch b, head h)'s rows in lse and delta.
+__device__ __forceinline__ int64_t lse_rows(const AttentionParams& p, int b, int h) {
+  return b * p.lse_stride[0] + h * p.lse_stride[1];
+}
+
 // A block's (sequence block, head, batch) from its index in a 1-D grid of BLOCKS sequence blocks
 // times HEADS heads times the batch: no grid axis limits the heads or the batch (y and z hold
 // 65535 at most).
@@ -392,15 +434,17 @@ __device__ __forceinline__ float lse_log2(const float* lse, int row, int seqlen)
 // ----------------------------------------------------------------------------------- forward ----
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) attention_fwd_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(kThreads, 1) attention_fwd_kernel(const AttentionParams params) {
   constexpr int M = Tiles<D>::kFwdM, N = Tiles<D>::kFwdN;
   REMAT_DYNAMIC_SMEM(unsigned char, smem);
   T* s_q = reinterpret_cast<T*>(smem);
   T* s_k = s_q + M * D;  // two stages each
   T* s_v = s_k + 2 * N * D;
-  const BlockIndex at = block_index(ceil_div(p.seqlen_q, M), p.heads);
+  const BlockIndex at = block_index(ceil_div(params.seqlen_q, M), params.heads);
+  const AttentionParams p = in_sequence<T>(params, at.batch);
   const int b = at.batch, h = at.head, kv_h = h / (p.heads / p.kv_heads);
   const int m0 = at.block * M, warp = threadIdx.x / 32;
+  if (m0 >= p.seqlen_q) return;  // past a packed sequence's end
   const T* q = slice<T>(p.q, p.q_stride, b, h);
   const T* k = slice<T>(p.k, p.k_stride, b, kv_h);
   const T* v = slice<T>(p.v, p.v_stride, b, kv_h);
@@ -475,7 +519,7 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(const Attention
   // o = acc / l; lse = (m + log2 l) ln 2, -inf (and o = 0) for rows that saw no key.
   float inv_sum[2];
   const int row0 = m0 + warp * kRowsPerWarp;
-  float* lse = p.lse + (static_cast<int64_t>(b) * p.heads + h) * p.seqlen_q;
+  float* lse = p.lse + lse_rows(p, b, h);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float total = quad_sum(row_sum[r]);
@@ -492,12 +536,13 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(const Attention
 
 // delta = rowsum(dO * O) in fp32, a warp a row.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) attention_bwd_preprocess_kernel(const AttentionParams p) {
-  const BlockIndex at = block_index(ceil_div(p.seqlen_q, kPreRows), p.heads);
+__global__ void __launch_bounds__(kThreads) attention_bwd_preprocess_kernel(const AttentionParams params) {
+  const BlockIndex at = block_index(ceil_div(params.seqlen_q, kPreRows), params.heads);
+  const AttentionParams p = in_sequence<T>(params, at.batch);
   const int b = at.batch, h = at.head, lane = threadIdx.x % 32;
   const T* o = slice<T>(p.o, p.o_stride, b, h);
   const T* dout = slice<T>(p.dout, p.dout_stride, b, h);
-  float* delta = p.delta + (static_cast<int64_t>(b) * p.heads + h) * p.seqlen_q;
+  float* delta = p.delta + lse_rows(p, b, h);
   for (int row = at.block * kPreRows + threadIdx.x / 32; row < imin((at.block + 1) * kPreRows, p.seqlen_q);
        row += kWarps) {
     float sum = 0.f;
@@ -513,7 +558,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_preprocess_kernel(cons
 // dK and dV of 64 keys (16 a warp) of one (batch, key/value head); at D = 256, of half their
 // columns (Tiles<D>::kDkdvColumnBlocks blocks a key block, the fastest varying block index).
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(kThreads, 1) attention_dkdv_kernel(const AttentionParams params) {
   constexpr int M = Tiles<D>::kDkdvM, N = Tiles<D>::kDkdvN, C = Tiles<D>::kDkdvCols;
   constexpr int kColumnBlocks = Tiles<D>::kDkdvColumnBlocks;
   REMAT_DYNAMIC_SMEM(unsigned char, smem);
@@ -523,9 +568,11 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const Attentio
   T* s_do = s_q + 2 * M * D;
   float* s_lse = reinterpret_cast<float*>(s_do + 2 * M * D);  // log2 units (lse_log2)
   float* s_delta = s_lse + 2 * M;
-  const BlockIndex at = block_index(ceil_div(p.seqlen_k, N) * kColumnBlocks, p.kv_heads);
+  const BlockIndex at = block_index(ceil_div(params.seqlen_k, N) * kColumnBlocks, params.kv_heads);
+  const AttentionParams p = in_sequence<T>(params, at.batch);
   const int b = at.batch, kv_h = at.head, n0 = at.block / kColumnBlocks * N, warp = threadIdx.x / 32;
   const int col0 = at.block % kColumnBlocks * C;  // the first dK/dV column of this block
+  if (n0 >= p.seqlen_k) return;  // past a packed sequence's end
   const int group = p.heads / p.kv_heads;
   // The iterations: every query block that sees one of these keys, of every query head of the group.
   const Blocks queries = query_blocks(p, n0, N, M);
@@ -540,7 +587,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const Attentio
                        p.head_dim);
     load_tile<T, D, M>(s_do + stage * M * D, slice<T>(p.dout, p.dout_stride, b, h), p.dout_stride[2], m0,
                        p.seqlen_q, p.head_dim);
-    const int64_t rows = (static_cast<int64_t>(b) * p.heads + h) * p.seqlen_q;
+    const int64_t rows = lse_rows(p, b, h);
     for (int i = threadIdx.x; i < M; i += kThreads) {
       s_lse[stage * M + i] = lse_log2(p.lse + rows, m0 + i, p.seqlen_q);
       s_delta[stage * M + i] = m0 + i < p.seqlen_q ? p.delta[rows + m0 + i] : 0.f;
@@ -603,21 +650,23 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const Attentio
 
 // dQ of 64 query rows (16 a warp) of one (batch, head).
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) attention_dq_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(kThreads, 1) attention_dq_kernel(const AttentionParams params) {
   constexpr int M = Tiles<D>::kDqM, N = Tiles<D>::kDqN;
   REMAT_DYNAMIC_SMEM(unsigned char, smem);
   T* s_q = reinterpret_cast<T*>(smem);
   T* s_do = s_q + M * D;
   T* s_k = s_do + M * D;  // two stages each
   T* s_v = s_k + 2 * N * D;
-  const BlockIndex at = block_index(ceil_div(p.seqlen_q, M), p.heads);
+  const BlockIndex at = block_index(ceil_div(params.seqlen_q, M), params.heads);
+  const AttentionParams p = in_sequence<T>(params, at.batch);
   const int b = at.batch, h = at.head, kv_h = h / (p.heads / p.kv_heads);
   const int m0 = at.block * M, warp = threadIdx.x / 32, row0 = m0 + warp * kRowsPerWarp;
+  if (m0 >= p.seqlen_q) return;  // past a packed sequence's end
   const T* k = slice<T>(p.k, p.k_stride, b, kv_h);
   const T* v = slice<T>(p.v, p.v_stride, b, kv_h);
   const Blocks keys = key_blocks(p, m0, M, N);
   const float scale_log2 = p.softmax_scale * kLog2e, slope_log2 = alibi_slope_log2(p, b, h);
-  const int64_t rows = (static_cast<int64_t>(b) * p.heads + h) * p.seqlen_q;
+  const int64_t rows = lse_rows(p, b, h);
   float lse[2], delta[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {

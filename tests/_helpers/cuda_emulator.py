@@ -7,7 +7,8 @@ of the sources, the headers beside them and the flags. A test that needs it is s
 reason, only when g++ or the CUDA toolkit's headers are absent; a compile error fails it.
 
 ``emulated_attention_fwd`` / ``emulated_attention_bwd`` run csrc/attention_kernels.cuh's forward
-and backward on CPU tensors through tests/cuda_emulator/attention_harness.cpp.
+and backward on CPU tensors through tests/cuda_emulator/attention_harness.cpp;
+``emulated_attention_varlen_fwd`` / ``_bwd`` the same over packed sequences.
 """
 
 import ctypes
@@ -117,18 +118,18 @@ _INT_OF_SIZE = {2: torch.int16, 4: torch.int32}
 
 
 class _GuardedOutput:
-    """An output tensor (dim 2 its sequence) inside a buffer with _GUARD_ROWS rows of a known
+    """An output tensor (dim SEQ_DIM its sequence) inside a buffer with _GUARD_ROWS rows of a known
     pattern either side, its own elements NaN until the kernels store them. A store past either
     end by up to a tile of rows changes the pattern; one into another (batch, head) slice of the
     tensor shows only in the values."""
 
-    def __init__(self, name, shape, dtype, order=None):
+    def __init__(self, name, shape, dtype, order=None, seq_dim=2):
         self.name = name
         order = tuple(range(len(shape))) if order is None else order
         layout = [shape[d] for d in order]  # the memory order of the dims
         numel, row = 1, 1
         for position in reversed(range(len(layout))):
-            if order[position] == 2:
+            if order[position] == seq_dim:
                 row = numel
             numel *= layout[position]
         self.guard = _GUARD_ROWS * row
@@ -149,39 +150,40 @@ class _GuardedOutput:
                                    f"(guard elements {written[:8]} of {self.guard})")
 
 
-def _check_16bit_4d(t, name, dtype=None):
+def _check_16bit_4d(t, name, dtype=None, dims=4):
     if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
         raise ValueError(f"{name} must be a CPU tensor")
     if t.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"{name} must be float16 or bfloat16, got {t.dtype}")
     if dtype is not None and t.dtype != dtype:
         raise ValueError(f"{name} must have q's dtype {dtype}, got {t.dtype}")
-    if t.dim() != 4:
-        raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
-    if t.stride(3) != 1 and t.size(3) > 1:
+    if t.dim() != dims:
+        layout = "4-D (batch, heads, seq, head_dim)" if dims == 4 else "3-D (total, heads, head_dim)"
+        raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
+    if t.stride(-1) != 1 and t.size(-1) > 1:
         raise ValueError(f"{name} must have a unit stride in its last dim, got strides {t.stride()}")
 
 
-def _check_qkv(q, k, v):
-    """csrc/attention.cu's checks of q, k, v."""
-    _check_16bit_4d(q, "q")
-    _check_16bit_4d(k, "k", q.dtype)
-    _check_16bit_4d(v, "v", q.dtype)
+def _check_qkv(q, k, v, dims=4):
+    """csrc/attention.cu's checks of q, k, v: 4-D, or packed 3-D (total, heads, head_dim) at DIMS 3."""
+    _check_16bit_4d(q, "q", dims=dims)
+    _check_16bit_4d(k, "k", q.dtype, dims)
+    _check_16bit_4d(v, "v", q.dtype, dims)
     if k.shape != v.shape:
         raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.size(0) != q.size(0) or k.size(3) != q.size(3):
+    if (dims == 4 and k.size(0) != q.size(0)) or k.size(-1) != q.size(-1):
         raise ValueError(f"k must have q's batch and head_dim, got shapes {tuple(q.shape)} and {tuple(k.shape)}")
-    if k.size(1) == 0 or q.size(1) % k.size(1) != 0:
+    if k.size(1) == 0 or q.size(1) % k.size(1) != 0:  # heads: dim 1 of both layouts
         raise ValueError(f"q's heads ({q.size(1)}) must be a multiple of k's ({k.size(1)})")
-    if not (8 <= q.size(3) <= 256 and q.size(3) % 8 == 0):
-        raise ValueError(f"head_dim must be a multiple of 8 from 8 to 256, got {q.size(3)}")
+    if not (8 <= q.size(-1) <= 256 and q.size(-1) % 8 == 0):
+        raise ValueError(f"head_dim must be a multiple of 8 from 8 to 256, got {q.size(-1)}")
 
 
 def _copyable(t):
     """As csrc/attention.cu's copyable(): T when cp.async can copy its rows 16 bytes at a time
-    (16-byte aligned data, batch, head and sequence strides multiples of 8), else a contiguous copy
-    (a fresh one: t.contiguous() would keep a contiguous tensor's misaligned data)."""
-    ok = t.data_ptr() % 16 == 0 and all(t.size(d) <= 1 or t.stride(d) % 8 == 0 for d in range(3))
+    (16-byte aligned data, strides but the last multiples of 8), else a contiguous copy (a fresh
+    one: t.contiguous() would keep a contiguous tensor's misaligned data)."""
+    ok = t.data_ptr() % 16 == 0 and all(t.size(d) <= 1 or t.stride(d) % 8 == 0 for d in range(t.dim() - 1))
     return t if ok else t.clone(memory_format=torch.contiguous_format)
 
 
@@ -192,9 +194,20 @@ def _span_bytes(t):
     return (1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))) * t.element_size()
 
 
-def _run_attention(backward, tensors, causal, scale, sizes, window_left, window_right, softcap, alibi_slopes):
+def _kernel_strides(t):
+    """(batch, head, sequence) strides as csrc/attention.cu's set_strides gives them: of a 4-D
+    tensor, a packed (total, heads, head_dim) one (batch stride 0), or lse-like fp32 rows, (B, H,
+    Sq) or packed (H, total), whose sequence stride is unused (0)."""
+    if t.dtype == torch.float32:
+        return (t.stride(0), t.stride(1), 0) if t.dim() == 3 else (0, t.stride(0), 0)
+    return tuple(t.stride()[:3]) if t.dim() == 4 else (0, t.stride(1), t.stride(0))
+
+
+def _run_attention(backward, tensors, causal, scale, sizes, window_left, window_right, softcap, alibi_slopes,
+                   cu_seqlens=(None, None)):
     """Calls attention_harness.cpp's entry point with TENSORS, a dict by _BUFFERS name, and the
-    score options as csrc/attention.cu takes them (ALIBI_SLOPES: None, or fp32 (H,) or (B, H))."""
+    score options as csrc/attention.cu takes them (ALIBI_SLOPES: None, or fp32 (H,) or (B, H));
+    CU_SEQLENS: packed sequences' int32 cumulative lengths (q's, k's), or None."""
     library = build_emulated("attention_harness.cpp", "attention_harness")
     pointers = (ctypes.c_void_p * len(_BUFFERS))()
     strides = (ctypes.c_int64 * (3 * len(_BUFFERS)))()
@@ -205,8 +218,7 @@ def _run_attention(backward, tensors, causal, scale, sizes, window_left, window_
             continue
         pointers[i] = t.data_ptr()
         spans[i] = _span_bytes(t)
-        if t.dim() == 4:
-            strides[3 * i:3 * i + 3] = list(t.stride()[:3])
+        strides[3 * i:3 * i + 3] = list(_kernel_strides(t))
     bf16 = int(tensors["q"].dtype == torch.bfloat16)
     slopes, slopes_batch_stride = None, 0
     if alibi_slopes is not None:
@@ -218,7 +230,8 @@ def _run_attention(backward, tensors, causal, scale, sizes, window_left, window_
     message = call(library.emulated_attention, int(backward), (ctypes.c_int * 6)(*sizes), bf16, ctypes.c_float(scale),
                    int(causal), ctypes.c_int64(window_left), ctypes.c_int64(window_right), ctypes.c_float(softcap),
                    ctypes.c_void_p(None if slopes is None else slopes.data_ptr()), ctypes.c_int64(slopes_batch_stride),
-                   pointers, strides, spans)
+                   *[ctypes.c_void_p(None if c is None else c.data_ptr()) for c in cu_seqlens], pointers, strides,
+                   spans)
     if message:
         raise RuntimeError(f"attention {'backward' if backward else 'forward'}: {message}")
 
@@ -264,6 +277,60 @@ def emulated_attention_bwd(do, q, k, v, o, lse, causal, scale, window_left=-1, w
                **{name: out.tensor for name, out in outputs.items()}}
     _run_attention(True, tensors, causal, scale, (B, H, k.size(1), Sq, k.size(2), D), window_left, window_right,
                    softcap, alibi_slopes)
+    for out in outputs.values():
+        out.check_guards()
+    return outputs["dq"].tensor, outputs["dk"].tensor, outputs["dv"].tensor
+
+
+def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k):
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or not cu.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous 1-D int32 tensor")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError("cu_seqlens_k must have cu_seqlens_q's length")
+
+
+def emulated_attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                                  window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+    """The forward over packed sequences, as remat.ops.attention_varlen.attention_varlen_fwd: q
+    (total_q, H, D), k and v (total_k, Hkv, D), sequence b at rows cu_seqlens[b]:cu_seqlens[b + 1];
+    returns o (total_q, H, D) and lse (H, total_q) fp32. As emulated_attention_fwd otherwise."""
+    _check_qkv(q, k, v, dims=3)
+    _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
+    q, k, v = _copyable(q), _copyable(k), _copyable(v)
+    total_q, H, D = q.shape
+    o = _GuardedOutput("o", (total_q, H, D), q.dtype, seq_dim=0)
+    lse = _GuardedOutput("lse", (H, total_q), torch.float32, seq_dim=1)
+    _run_attention(False, {"q": q, "k": k, "v": v, "o": o.tensor, "lse": lse.tensor}, causal, scale,
+                   (cu_seqlens_q.numel() - 1, H, k.size(1), max_seqlen_q, max_seqlen_k, D), window_left, window_right,
+                   softcap, alibi_slopes, (cu_seqlens_q, cu_seqlens_k))
+    o.check_guards()
+    lse.check_guards()
+    return o.tensor, lse.tensor
+
+
+def emulated_attention_varlen_bwd(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                  scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+    """The backward over packed sequences: (dq, dk, dv), contiguous, shaped like q, k, v; DO and O
+    like q, LSE (H, total_q) fp32. As emulated_attention_bwd otherwise."""
+    _check_qkv(q, k, v, dims=3)
+    _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
+    for t, name in ((do, "do"), (o, "o")):
+        _check_16bit_4d(t, name, q.dtype, dims=3)
+        if t.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
+    if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or lse.shape != (q.shape[1], q.shape[0]):
+        raise ValueError(f"lse must be float32 of shape (heads, total_q) {(q.shape[1], q.shape[0])}")
+    q, k, v, do = _copyable(q), _copyable(k), _copyable(v), _copyable(do)
+    total_q, H, D = q.shape
+    outputs = {name: _GuardedOutput(name, like.shape, like.dtype, seq_dim=0)
+               for name, like in (("dq", q), ("dk", k), ("dv", v))}
+    outputs["delta"] = _GuardedOutput("delta", (H, total_q), torch.float32, seq_dim=1)
+    tensors = {"q": q, "k": k, "v": v, "o": o, "lse": lse.contiguous(), "do": do,
+               **{name: out.tensor for name, out in outputs.items()}}
+    sizes = (cu_seqlens_q.numel() - 1, H, k.size(1), max_seqlen_q, max_seqlen_k, D)
+    _run_attention(True, tensors, causal, scale, sizes, window_left, window_right, softcap, alibi_slopes,
+                   (cu_seqlens_q, cu_seqlens_k))
     for out in outputs.values():
         out.check_guards()
     return outputs["dq"].tensor, outputs["dk"].tensor, outputs["dv"].tensor

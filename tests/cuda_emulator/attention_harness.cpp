@@ -4,8 +4,8 @@
 
 namespace {
 
-// The buffers of a call, in this order: pointers, strides (batch, head, sequence; zeros for lse
-// and delta) and bytes from the pointer to the end of the last element.
+// The buffers of a call, in this order: pointers, strides (batch, head, sequence; for lse and
+// delta batch, head and 0) and bytes from the pointer to the end of the last element.
 enum Buffer { kQ, kK, kV, kO, kLse, kDout, kDelta, kDq, kDk, kDv, kBuffers };
 const char* const kBufferNames[kBuffers] = {"q", "k", "v", "o", "lse", "do", "delta", "dq", "dk", "dv"};
 
@@ -27,8 +27,11 @@ struct ScoreOptions {
   int64_t alibi_batch_stride;
 };
 
+// SIZES: batch (sequences when packed), heads, kv_heads, seqlen_q, seqlen_k (the longest when
+// packed), head_dim. CU_SEQLENS_Q / _K: packed sequences' int32 cumulative lengths, or null.
 remat::AttentionParams make_params(const int* sizes, int bf16, float softmax_scale, const ScoreOptions& options,
-                                   void* const* buffers, const int64_t* strides) {
+                                   const int* cu_seqlens_q, const int* cu_seqlens_k, void* const* buffers,
+                                   const int64_t* strides) {
   remat::AttentionParams p{};
   p.q = buffers[kQ];
   p.k = buffers[kK];
@@ -48,6 +51,10 @@ remat::AttentionParams make_params(const int* sizes, int bf16, float softmax_sca
   copy_strides(p.dq_stride, strides + 3 * kDq);
   copy_strides(p.dk_stride, strides + 3 * kDk);
   copy_strides(p.dv_stride, strides + 3 * kDv);
+  p.lse_stride[0] = strides[3 * kLse];
+  p.lse_stride[1] = strides[3 * kLse + 1];
+  p.cu_seqlens_q = cu_seqlens_q;
+  p.cu_seqlens_k = cu_seqlens_k;
   p.batch = sizes[0];
   p.heads = sizes[1];
   p.kv_heads = sizes[2];
@@ -82,16 +89,17 @@ struct EmulatorLauncher {
 extern "C" {
 
 // The forward (BACKWARD = 0: reads q, k, v; writes o, lse) or the backward (reads do, q, k, v, o,
-// lse; writes delta, dq, dk, dv). SIZES: batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim;
-// the score options as ScoreOptions. cp.async may read only inside q, k, v and do. Returns 0,
-// or -1 with the message in ERROR.
+// lse; writes delta, dq, dk, dv). SIZES and CU_SEQLENS_Q / _K as make_params's; the score
+// options as ScoreOptions. cp.async may read only inside q, k, v and do. Returns 0, or -1 with
+// the message in ERROR.
 int emulated_attention(int backward, const int* sizes, int bf16, float softmax_scale, int causal, int64_t window_left,
                        int64_t window_right, float softcap, const float* alibi_slopes, int64_t alibi_batch_stride,
-                       void* const* buffers, const int64_t* strides, const int64_t* bytes, char* error,
-                       int error_bytes) {
+                       const int* cu_seqlens_q, const int* cu_seqlens_k, void* const* buffers, const int64_t* strides,
+                       const int64_t* bytes, char* error, int error_bytes) {
   return remat_emu::report_errors(error, error_bytes, [&] {
     const ScoreOptions options{causal, window_left, window_right, softcap, alibi_slopes, alibi_batch_stride};
-    const remat::AttentionParams p = make_params(sizes, bf16, softmax_scale, options, buffers, strides);
+    const remat::AttentionParams p =
+        make_params(sizes, bf16, softmax_scale, options, cu_seqlens_q, cu_seqlens_k, buffers, strides);
     std::vector<remat_emu::GlobalBuffer> readable;
     for (Buffer b : {kQ, kK, kV, kDout}) {
       if (b != kDout || backward) readable.push_back({buffers[b], static_cast<size_t>(bytes[b]), kBufferNames[b]});

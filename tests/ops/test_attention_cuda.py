@@ -243,3 +243,40 @@ def test_backend_cuda_runs_the_cuda_kernels_and_fp32_the_triton_ones(monkeypatch
     with pytest.warns(UserWarning, match="does not take some of these calls"):
         _run("cuda", q, k, v, torch.randn_like(q), True)
     assert torch.ops.remat_C.attention_fwd not in chosen
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim, causal, features", [
+    (64, True, {}), (128, False, dict(window_size=(30, 5))), (256, True, dict(softcap=20.0)),
+    (40, True, dict(alibi_slopes="batch")),
+], ids=["causal-d64", "window-d128", "softcap-d256", "alibi-d40"])
+def test_packed_sequences_run_the_cuda_kernels_and_match_float64(head_dim, causal, features, dtype, monkeypatch):
+    from remat.ops import attention_varlen as varlen_ops
+
+    lengths_q, lengths_k = [130, 0, 1, 77], [100, 9, 1, 200]
+    cu_q, cu_k = (varlen_ops.cu_seqlens_of(n, "cuda") for n in (lengths_q, lengths_k))
+    q = torch.randn(sum(lengths_q), 4, head_dim, device="cuda").to(dtype)
+    k, v = (torch.randn(sum(lengths_k), 2, head_dim, device="cuda").to(dtype) for _ in range(2))
+    do = torch.randn(q.shape, device="cuda").to(dtype)
+    if features.get("alibi_slopes") == "batch":
+        features = dict(alibi_slopes=torch.rand(len(lengths_q), 4, device="cuda"))
+    chosen = []
+    real = varlen_ops.FAMILY._implementation
+    monkeypatch.setattr(varlen_ops.FAMILY, "_implementation", lambda index, args: chosen.append(real(index, args))
+                        or chosen[-1])
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with remat.use_backend("cuda"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # the CUDA kernels themselves, no fallback
+        o, lse = remat.attention_varlen(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k), causal, return_lse=True,
+                                        **features)
+        o.backward(do)
+    assert chosen == [torch.ops.remat_C.attention_varlen_fwd, torch.ops.remat_C.attention_varlen_bwd]
+    window = features.get("window_size", (-1, -1))
+    score_options = (*window, features.get("softcap", 0.0), features.get("alibi_slopes"))
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    o_ref, lse_ref = varlen_ops.attention_varlen_ref(*ref_leaves, cu_q, cu_k, causal, head_dim ** -0.5, *score_options)
+    o_ref.backward(do.double())
+    assert_matches_float64((o, lse, *[t.grad for t in leaves]), (o_ref, lse_ref, *[t.grad for t in ref_leaves]), dtype)
+    torch.library.opcheck(torch.ops.remat_C.attention_varlen_fwd.default,
+                          (q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal, 0.125))

@@ -11,9 +11,15 @@ import pytest
 import torch
 
 from remat.ops import attention as attn_ops
+from remat.ops import attention_varlen as varlen_ops
 
 from attention_checks import assert_matches_float64
-from cuda_emulator import emulated_attention_bwd, emulated_attention_fwd
+from cuda_emulator import (
+    emulated_attention_bwd,
+    emulated_attention_fwd,
+    emulated_attention_varlen_bwd,
+    emulated_attention_varlen_fwd,
+)
 
 DTYPES = [torch.float16, torch.bfloat16]
 
@@ -151,3 +157,38 @@ def test_window_hides_keys_exactly():
     # One key a row: P = 1 and dS = dP - delta = 0 but for rounding (dP = dO . v by tensor cores,
     # delta = dO . o in another order): a few fp16 ulps of zero, where the scores' gradient would be ~1.
     torch.testing.assert_close(dq, torch.zeros_like(dq), rtol=0, atol=1e-5)
+
+
+# Packed sequences: (lengths of q's sequences, of k's, heads, kv_heads, head_dim, causal, window,
+# softcap, ALiBi). Empty sequences, one longer than a block (several blocks, its tail ragged), a
+# causal sequence with more queries than keys (rows that see nothing), GQA, and every score option.
+VARLEN_CASES = [
+    pytest.param((5, 0, 70, 1), (9, 3, 70, 1), 2, 1, 64, True, (-1, -1), 0.0, None, id="causal-gqa-empty"),
+    pytest.param((130, 17), (40, 17), 2, 2, 32, True, (-1, -1), 0.0, None, id="causal-q130-k40"),
+    pytest.param((33, 65, 1), (65, 33, 2), 2, 2, 128, False, (-1, -1), 0.0, None, id="noncausal-d128"),
+    pytest.param((80, 20), (90, 20), 4, 2, 64, True, (12, -1), 3.0, "per-batch", id="window-softcap-alibi"),
+    pytest.param((40, 7), (30, 50), 2, 1, 256, False, (5, 9), 0.0, "per-head", id="window-alibi-d256"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("lengths_q, lengths_k, heads, kv_heads, head_dim, causal, window, softcap, alibi",
+                         VARLEN_CASES)
+def test_packed_sequences_match_float64(lengths_q, lengths_k, heads, kv_heads, head_dim, causal, window, softcap,
+                                        alibi, dtype):
+    cu_q, cu_k = varlen_ops.cu_seqlens_of(lengths_q), varlen_ops.cu_seqlens_of(lengths_k)
+    q = torch.randn(sum(lengths_q), heads, head_dim).to(dtype)
+    k = torch.randn(sum(lengths_k), kv_heads, head_dim).to(dtype)
+    v = torch.randn(sum(lengths_k), kv_heads, head_dim).to(dtype)
+    do = torch.randn(q.shape).to(dtype)
+    batch = len(lengths_q)
+    slopes = None if alibi is None else torch.rand((heads,) if alibi == "per-head" else (batch, heads))
+    scale, features = head_dim ** -0.5, (*window, softcap, slopes)
+    sizes = (cu_q, cu_k, max(lengths_q), max(lengths_k), causal, scale)
+    o, lse = emulated_attention_varlen_fwd(q, k, v, *sizes, *features)
+    ours = (o, lse, *emulated_attention_varlen_bwd(do, q, k, v, o, lse, *sizes, *features))
+
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    o_ref, lse_ref = varlen_ops.attention_varlen_ref(*leaves, cu_q, cu_k, causal, scale, *features)
+    o_ref.backward(do.double())
+    assert_matches_float64(ours, (o_ref, lse_ref, *[t.grad for t in leaves]), dtype)

@@ -340,7 +340,7 @@ def test_an_output_guard_reports_a_store_past_either_end():
     (lambda q, k, v: (q.float(), k, v), "q must be float16 or bfloat16"),
     (lambda q, k, v: (q, k.bfloat16(), v), "k must have q's dtype"),
     (lambda q, k, v: (q, k, v.transpose(2, 3)), "v must have a unit stride in its last dim"),
-    (lambda q, k, v: (q[..., :12], k[..., :12], v[..., :12]), "head_dim must be a multiple of 8 from 8 to 128, got 12"),
+    (lambda q, k, v: (q[..., :12], k[..., :12], v[..., :12]), "head_dim must be a multiple of 8 from 8 to 256, got 12"),
     (lambda q, k, v: (q[:, :3], k, v), r"q's heads \(3\) must be a multiple of k's \(2\)"),
 ])
 def test_the_attention_wrappers_name_a_bad_argument(change, message):

@@ -26,6 +26,7 @@ from remat.ops.attention_varlen import attention_varlen_ref, cu_seqlens_of
 
 from .cases import Case, Check, Variant, op_built
 from .check import outputs_and_grads
+from .layer_norm import ours_by_backend
 
 # (longest sequence, number of sequences, heads, head dim) per device type.
 GPU_MIXES = ((4096, 16, 16, 128), (2048, 32, 16, 64))
@@ -115,9 +116,12 @@ def _flex_packed(batch):
 
 
 def implementations(device):
-    backend = remat._backend.choose("attention_varlen", device, kernels=("triton",))
-    impls = [Variant(f"remat-{backend}", True, _remat_varlen), Variant("remat-padded", True, _remat_padded),
-             Variant("sdpa-padded", False, _sdpa_padded)]
+    if device.type == "cuda":  # the Triton kernels and the CUDA extension's, each in its own rows
+        impls = [Variant(name, True, _remat_varlen, backend) for name, backend in ours_by_backend(device)]
+    else:
+        impls = [Variant(f"remat-{remat._backend.choose('attention_varlen', device, kernels=('triton',))}", True,
+                         _remat_varlen)]
+    impls += [Variant("remat-padded", True, _remat_padded), Variant("sdpa-padded", False, _sdpa_padded)]
     if device.type == "cuda":
         impls.append(Variant("flex_attention", False, _flex_packed, compiles=True))
     return impls

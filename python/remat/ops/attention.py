@@ -298,9 +298,10 @@ def _device_index(t):
     return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
-def _fallback_reason(q, k, v, op_args=None):
+def _fallback_reason(q, k, v, op_args=None, family=None):
     """Why CUDA tensors q, k, v cannot run the kernels (None when they can). op_args: the whole
-    attention_fwd call, which under backend "cuda" the CUDA kernels may take whatever Triton's limits.
+    forward call of FAMILY (attention's by default), which under backend "cuda" the CUDA kernels
+    may take whatever Triton's limits.
 
     Size is never a reason: the kernels index in int64 and use a 1-D grid (2^31 - 1 programs),
     so any batch, head count, length or stride that fits in GPU memory runs them.
@@ -314,13 +315,14 @@ def _fallback_reason(q, k, v, op_args=None):
     else:
         return None
     # Asked only when Triton cannot: most calls never look at the backend here.
-    return None if op_args is not None and _runs_cuda_kernels(op_args) else reason
+    return None if op_args is not None and _runs_cuda_kernels(op_args, family or FAMILY) else reason
 
 
-def _runs_cuda_kernels(op_args):
-    """Whether attention_fwd(*op_args) runs the CUDA extension's kernels (backend "cuda", and a call they take)."""
-    chosen = _backend.choose("attention", op_args[0].device, kernels=FAMILY.kernels)
-    return chosen == "cuda" and cuda_kernel_takes(*op_args)
+def _runs_cuda_kernels(op_args, family):
+    """Whether FAMILY's forward op on op_args runs the CUDA extension's kernels (backend "cuda",
+    and a call they take)."""
+    chosen = _backend.choose(family.name, op_args[0].device, kernels=family.kernels)
+    return chosen == "cuda" and family.cuda_takes(*op_args)
 
 
 def _fallback(q, k, v, causal, softmax_scale, return_lse, features):
@@ -567,9 +569,9 @@ CUDA_KERNEL_MAX_HEAD_DIM = 256
 
 
 def cuda_kernel_takes(*args):
-    """Whether the CUDA extension's kernels run a call of attention_fwd or attention_bwd with these
-    arguments: on a GPU of compute capability >= 8.0 (tensor-core mma, cp.async), and what
-    cuda_kernel_computes."""
+    """Whether the CUDA extension's kernels run a call of attention_fwd or attention_bwd (or of
+    attention_varlen_fwd / _bwd, whose arguments after causal are the same) with these arguments:
+    on a GPU of compute capability >= 8.0 (tensor-core mma, cp.async), and what cuda_kernel_computes."""
     first = args[0]
     return first.device.type == "cuda" and _ampere_or_newer(_device_index(first)) and cuda_kernel_computes(*args)
 

@@ -9,6 +9,8 @@ bottom-right aligned to that sequence's lengths, GQA, windows, softcapping, ALiB
 Triton kernels are remat.attention's, with the sequence bounds read per program; autograd keeps q,
 k, v, o, the fp32 lse (heads, total_q) and the two cu_seqlens, and the backward recomputes the
 probabilities. Empty sequences are allowed; key blocks past a sequence's end are never visited.
+Under backend "cuda" the CUDA extension's kernels run packed sequences too (remat.attention's
+cuda_kernel_takes says which calls).
 """
 
 import math
@@ -34,6 +36,7 @@ from .attention import (
     attention_grads_ref,
     attention_ref,
     checked_call,
+    cuda_kernel_takes,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -252,7 +255,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                     alibi_slopes, dropout_p)
     softmax_scale, features = checked_call(q, causal, return_lse, softmax_scale, window_left, window_right, softcap,
                                            alibi_slopes, dropout_p)
-    reason = _fallback_reason(q, k, v)
+    op_args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, *features)
+    reason = _fallback_reason(q, k, v, op_args, FAMILY)
     if reason is not None:  # the differentiable reference, sequence by sequence
         _warn_fallback_once(reason)
         o, lse = attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, *features)
@@ -335,7 +339,10 @@ FAMILY = OpFamily(
     triton_launchers=("attention_varlen_fwd", "attention_varlen_bwd"),
     # Head dims outside HEAD_DIMS run the reference (the first tensor, q or do, ends in the head dim).
     triton_takes=lambda first, *_: first.shape[-1] in HEAD_DIMS,
-    cuda=False,  # as remat.attention: a "cuda" backend runs the Triton kernel
+    # Backend "cuda": the CUDA extension's kernels (csrc/attention_kernels.cuh, packed), which take
+    # what they take for remat.attention (half types, head dims to 256, no dropout).
+    cuda=True,
+    cuda_takes=cuda_kernel_takes,
     uses_tl_dot=True,
 )
 attention_varlen_fwd, attention_varlen_bwd = FAMILY.forward_op, FAMILY.backward_op
