@@ -21,9 +21,8 @@ import torch.nn.functional as F
 
 import remat
 
-from .cases import Case, Variant, check_against, op_built
+from .cases import Case, Variant, check_against, op_built, ours_by_backend
 from .check import outputs_and_grads
-from .layer_norm import ours_by_backend
 
 GPU_SHAPES = ((8, 16, 2048, 64), (4, 16, 4096, 128), (1, 16, 16384, 128))
 QUICK_SHAPES = GPU_SHAPES  # the shapes attention is judged at; --quick only times fewer calls

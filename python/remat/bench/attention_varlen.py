@@ -24,9 +24,8 @@ import remat
 from remat.ops.attention import _visible_mask
 from remat.ops.attention_varlen import attention_varlen_ref, cu_seqlens_of
 
-from .cases import Case, Check, Variant, op_built
+from .cases import Case, Check, Variant, op_built, ours_by_backend
 from .check import outputs_and_grads
-from .layer_norm import ours_by_backend
 
 # (longest sequence, number of sequences, heads, head dim) per device type.
 GPU_MIXES = ((4096, 16, 16, 128), (2048, 32, 16, 64))

@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from .. import _backend
 from .._backend import use_backend as remat_backend
 from ..saved import count_saved_bytes
 from .check import Check, compare, outputs_and_grads
@@ -61,6 +62,14 @@ class Variant:
     def implementation(self, wrap):
         """The Implementation whose build is wrap(fn)."""
         return Implementation(self.name, self.ours, wrap(self.fn), self.backend, self.compiles)
+
+
+def ours_by_backend(device):
+    """(name, backend) of each remat implementation to measure on `device`: on a GPU one per
+    compiled backend this install has (the Triton kernels', the CUDA extension's), each in its rows."""
+    if device.type != "cuda":
+        return [(f"remat-{_backend.choose('bench', device)}", "auto")]
+    return [(f"remat-{backend}", backend) for backend in ("triton", "cuda") if _backend.backends()[backend][0]]
 
 
 @dataclasses.dataclass

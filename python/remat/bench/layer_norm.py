@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import remat
 
-from .cases import Case, Variant, check_against, op_built
+from .cases import Case, Variant, check_against, op_built, ours_by_backend
 
 GPU_ROWS, GPU_WIDTHS, QUICK_WIDTHS = 32768, (1024, 2048, 4096, 8192), (1024, 4096)
 CPU_ROWS, CPU_WIDTHS = 256, (256, 1000)  # a functional run: small, awkward widths
@@ -41,13 +41,6 @@ def _liger():
     from liger_kernel.ops.layer_norm import LigerLayerNormFunction
 
     return lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, EPS)
-
-
-def ours_by_backend(device):
-    """(name, backend) of each remat implementation to measure on `device`."""
-    if device.type != "cuda":
-        return [(f"remat-{remat._backend.choose('bench', device)}", "auto")]
-    return [(f"remat-{backend}", backend) for backend in ("triton", "cuda") if remat.backends()[backend][0]]
 
 
 def peer_variants(device, ours, stock, compiled, liger=None):

@@ -11,9 +11,8 @@ import torch
 
 import remat
 
-from .cases import Case, Variant, check_against, module_built
+from .cases import Case, Variant, check_against, module_built, ours_by_backend
 from .check import randomize_norms
-from .layer_norm import ours_by_backend
 
 GPU_TOKENS, GPU_HIDDEN, QUICK_HIDDEN = 16384, (1024, 2048, 4096), (2048,)
 CPU_TOKENS, CPU_HIDDEN = 128, (64, 96)
