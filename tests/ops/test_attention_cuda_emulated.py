@@ -192,3 +192,26 @@ def test_packed_sequences_match_float64(lengths_q, lengths_k, heads, kv_heads, h
     o_ref, lse_ref = varlen_ops.attention_varlen_ref(*leaves, cu_q, cu_k, causal, scale, *features)
     o_ref.backward(do.double())
     assert_matches_float64(ours, (o_ref, lse_ref, *[t.grad for t in leaves]), dtype)
+
+
+def test_packed_sequences_read_through_strides_and_each_gets_what_it_gets_alone():
+    """q, k, v as views of one packed qkv projection (total, 3, H, D): the kernels read through
+    the strides; and each sequence's o, lse and gradients are bitwise what the dense kernels give
+    it alone (the same blocks, only the offsets differ)."""
+    dtype, heads, head_dim, lengths = torch.float16, 2, 64, (70, 0, 33)
+    qkv = torch.randn(sum(lengths), 3, heads, head_dim).to(dtype)
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    do = torch.randn(q.shape).to(dtype)
+    cu = varlen_ops.cu_seqlens_of(lengths)
+    sizes = (cu, cu, max(lengths), max(lengths), True, 0.125)
+    o, lse = emulated_attention_varlen_fwd(q, k, v, *sizes)
+    grads = emulated_attention_varlen_bwd(do, q, k, v, o, lse, *sizes)
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if end == start:
+            continue
+        alone = [t[start:end].transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v, do)]
+        want = _emulated(*alone, True, 0.125)
+        got = [o[start:end], lse[:, start:end], *[g[start:end] for g in grads]]
+        for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+            b = b[0] if name == "lse" else b[0].transpose(0, 1)
+            assert torch.equal(a, b), name
