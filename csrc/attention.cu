@@ -6,10 +6,9 @@
 // the tests.
 //
 // The kernels take half or bfloat16, head dims that are a multiple of 8 up to 256, causal or
-// not, GQA, packed sequences, a sliding window, softcapping and ALiBi. Dropout is refused here with an error naming
-// the argument; remat's dispatch sends those calls to the Triton kernels instead.
+// not, GQA, packed sequences, a sliding window, softcapping, ALiBi and dropout (the Triton
+// kernels' mask, drawn from the seed tensor on the device).
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -65,32 +64,66 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               ": head_dim must be a multiple of 8 from 8 to 256, got ", q.size(-1));
 }
 
-// The 1-D grids (sequence blocks x heads x batch) fit: the largest are the backward's delta, 16
-// query rows a block, and its dK/dV, 64 keys a block (two blocks, a column half each, at 256).
-void check_grid(int64_t batch, int64_t heads, int64_t kv_heads, int64_t seqlen_q, int64_t seqlen_k, int64_t head_dim) {
+// The sequence lengths fit the kernels' int positions, with room for a window's sums.
+void check_lengths(int64_t seqlen_q, int64_t seqlen_k) {
   TORCH_CHECK(seqlen_q <= std::numeric_limits<int>::max() / 2 && seqlen_k <= std::numeric_limits<int>::max() / 2,
               kOp, ": sequences too long: ", seqlen_q, ", ", seqlen_k);
-  const int64_t key_block_blocks = attn::padded_head_dim(static_cast<int>(head_dim)) > 128 ? 2 : 1;
-  const int64_t key_blocks = ceil_div(seqlen_k, attn::kWarps * attn::kRowsPerWarp) * key_block_blocks;
-  const int64_t blocks = std::max(ceil_div(seqlen_q, attn::kPreRows) * heads, key_blocks * kv_heads);
-  TORCH_CHECK(blocks * batch <= std::numeric_limits<int>::max(), kOp, ": too many blocks for one grid: batch ",
-              batch, ", heads ", heads, ", kv_heads ", kv_heads, ", seqlen_q ", seqlen_q, ", seqlen_k ", seqlen_k);
 }
 
-// The score options' values (ALiBi slopes per head or per (batch, head): BATCH counts the packed
-// sequences), and dropout, which these kernels do not compute yet.
-void check_features(const at::Tensor& q, int64_t batch, int64_t heads, double softcap,
-                    const std::optional<at::Tensor>& alibi_slopes, double dropout_p) {
+// Every launch's 1-D grid (sequence blocks x heads x batch, grid_blocks) fits in grid.x.
+void check_grids(const AttentionParams& p) {
+  auto check = [&](auto, int64_t blocks, int, int, const AttentionParams&) {
+    TORCH_CHECK(blocks <= std::numeric_limits<int>::max(), kOp, ": too many blocks for one grid: batch ", p.batch,
+                ", heads ", p.heads, ", kv_heads ", p.kv_heads, ", seqlen_q ", p.seqlen_q, ", seqlen_k ", p.seqlen_k);
+  };
+  attention_forward(p, check);
+  attention_backward(p, check);
+}
+
+// A call's score options and dropout, checked.
+struct Scores {
+  bool causal;
+  double softmax_scale;
+  int64_t window_left, window_right;
+  double softcap;
+  at::Tensor alibi;  // contiguous fp32 slopes, (heads,) or (batch, heads); undefined without ALiBi
+  double dropout_p;
+  at::Tensor dropout_seed;  // (1,) int64 on q's device; undefined without dropout
+};
+
+// The ALiBi slopes per head or per (batch, head) (BATCH counts the packed sequences), as the
+// kernels read them.
+at::Tensor checked_alibi(const at::Tensor& q, int64_t batch, const std::optional<at::Tensor>& alibi_slopes) {
+  if (!present(alibi_slopes)) return at::Tensor();
+  const at::Tensor& slopes = *alibi_slopes;
+  const int64_t heads = q.size(1);  // dim 1 of both layouts
+  const bool per_head = slopes.dim() == 1 && slopes.size(0) == heads;
+  const bool per_batch = slopes.dim() == 2 && slopes.size(0) == batch && slopes.size(1) == heads;
+  TORCH_CHECK(slopes.device() == q.device() && slopes.scalar_type() == at::kFloat && (per_head || per_batch), kOp,
+              ": alibi_slopes must be float32 of shape (", heads, ",) or (", batch, ", ", heads, ") on q's device, got ",
+              slopes.scalar_type(), " ", slopes.sizes(), " on ", slopes.device());
+  return slopes.contiguous();
+}
+
+// The seed of a call with dropout (dropout_p in (0, 1)); undefined without.
+at::Tensor checked_dropout_seed(const at::Tensor& q, double dropout_p, const std::optional<at::Tensor>& dropout_seed) {
+  TORCH_CHECK(std::isfinite(dropout_p) && dropout_p >= 0.0 && dropout_p < 1.0, kOp,
+              ": dropout_p must be in [0, 1), got ", dropout_p);
+  if (dropout_p == 0.0) return at::Tensor();
+  TORCH_CHECK(present(dropout_seed), kOp, ": dropout_seed must be given when dropout_p > 0");
+  const at::Tensor& seed = *dropout_seed;
+  TORCH_CHECK(seed.device() == q.device() && seed.scalar_type() == at::kLong && seed.numel() == 1, kOp,
+              ": dropout_seed must be one int64 on q's device, got ", seed.scalar_type(), " ", seed.sizes(), " on ",
+              seed.device());
+  return seed.contiguous();
+}
+
+Scores checked_scores(const at::Tensor& q, int64_t batch, bool causal, double softmax_scale, int64_t window_left,
+                      int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                      double dropout_p, const std::optional<at::Tensor>& dropout_seed) {
   TORCH_CHECK(std::isfinite(softcap) && softcap >= 0.0, kOp, ": softcap must be finite and >= 0, got ", softcap);
-  if (present(alibi_slopes)) {
-    const at::Tensor& slopes = *alibi_slopes;
-    const bool per_head = slopes.dim() == 1 && slopes.size(0) == heads;
-    const bool per_batch = slopes.dim() == 2 && slopes.size(0) == batch && slopes.size(1) == heads;
-    TORCH_CHECK(slopes.device() == q.device() && slopes.scalar_type() == at::kFloat && (per_head || per_batch), kOp,
-                ": alibi_slopes must be float32 of shape (", heads, ",) or (", batch, ", ", heads,
-                ") on q's device, got ", slopes.scalar_type(), " ", slopes.sizes(), " on ", slopes.device());
-  }
-  TORCH_CHECK(dropout_p == 0.0, kOp, ": dropout_p is not supported; remat runs dropout with Triton");
+  return {causal, softmax_scale, window_left, window_right, softcap, checked_alibi(q, batch, alibi_slopes),
+          dropout_p, checked_dropout_seed(q, dropout_p, dropout_seed)};
 }
 
 // A tensor whose rows cp.async can copy 16 bytes at a time: 16-byte aligned data and strides but
@@ -120,21 +153,6 @@ void set_lse_strides(AttentionParams& p, const at::Tensor& lse) {
   p.lse_stride[1] = lse.dim() == 3 ? lse.stride(1) : lse.stride(0);
 }
 
-// The slopes as the kernels read them (contiguous fp32, (heads,) or (batch, heads)); undefined
-// without ALiBi. The caller keeps the tensor alive through the launches.
-at::Tensor alibi_rows(const std::optional<at::Tensor>& alibi_slopes) {
-  return present(alibi_slopes) ? alibi_slopes->contiguous() : at::Tensor();
-}
-
-// A call's score options.
-struct Scores {
-  bool causal;
-  double softmax_scale;
-  int64_t window_left, window_right;
-  double softcap;
-  at::Tensor alibi;  // from alibi_rows
-};
-
 // Packed sequences: int32 (batch + 1) cumulative lengths on q's device, and the longest lengths.
 struct Packed {
   at::Tensor cu_seqlens_q, cu_seqlens_k;
@@ -157,7 +175,8 @@ void check_packed(const at::Tensor& q, const Packed& packed) {
               ": max_seqlen_q and max_seqlen_k must be >= 0, got ", packed.max_seqlen_q, ", ", packed.max_seqlen_k);
 }
 
-// Q, K, V (4-D, or packed 3-D with PACKED) and the score options as the kernels take them.
+// Q, K, V (4-D, or packed 3-D with PACKED) and the score options as the kernels take them; the
+// launches' grids checked.
 AttentionParams make_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Scores& scores,
                             const Packed* packed) {
   AttentionParams p{};
@@ -170,16 +189,14 @@ AttentionParams make_params(const at::Tensor& q, const at::Tensor& k, const at::
   p.heads = static_cast<int>(q.size(1));  // dim 1 of both layouts
   p.kv_heads = static_cast<int>(k.size(1));
   p.head_dim = static_cast<int>(q.size(-1));
+  const int64_t seqlen_q = packed ? packed->max_seqlen_q : q.size(2), seqlen_k = packed ? packed->max_seqlen_k : k.size(2);
+  check_lengths(seqlen_q, seqlen_k);
+  p.seqlen_q = static_cast<int>(seqlen_q);
+  p.seqlen_k = static_cast<int>(seqlen_k);
+  p.batch = static_cast<int>(packed ? packed->cu_seqlens_q.size(0) - 1 : q.size(0));
   if (packed != nullptr) {
-    p.batch = static_cast<int>(packed->cu_seqlens_q.size(0) - 1);
-    p.seqlen_q = static_cast<int>(packed->max_seqlen_q);
-    p.seqlen_k = static_cast<int>(packed->max_seqlen_k);
     p.cu_seqlens_q = packed->cu_seqlens_q.data_ptr<int>();
     p.cu_seqlens_k = packed->cu_seqlens_k.data_ptr<int>();
-  } else {
-    p.batch = static_cast<int>(q.size(0));
-    p.seqlen_q = static_cast<int>(q.size(2));
-    p.seqlen_k = static_cast<int>(k.size(2));
   }
   p.softmax_scale = static_cast<float>(scores.softmax_scale);
   set_window(p, scores.causal, scores.window_left, scores.window_right);
@@ -188,21 +205,23 @@ AttentionParams make_params(const at::Tensor& q, const at::Tensor& k, const at::
     p.alibi_slopes = scores.alibi.data_ptr<float>();
     p.alibi_batch_stride = scores.alibi.dim() == 2 ? scores.alibi.stride(0) : 0;
   }
+  set_dropout(p, scores.dropout_p, scores.dropout_seed.defined() ? scores.dropout_seed.data_ptr<int64_t>() : nullptr);
   p.bf16 = q.scalar_type() == at::kBFloat16;
+  check_grids(p);
   return p;
 }
 
-// Launches on STREAM; a grid without blocks is skipped; shared memory above the default 48 KiB
-// is allowed per kernel first.
+// Launches on STREAM (grids checked by make_params); a grid without blocks is skipped; shared
+// memory above the default 48 KiB is allowed per kernel first.
 struct StreamLauncher {
   cudaStream_t stream;
   template <class Kernel>
-  void operator()(Kernel kernel, dim3 grid, dim3 block, int smem, const AttentionParams& p) const {
-    if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+  void operator()(Kernel kernel, int64_t blocks, int threads, int smem, const AttentionParams& p) const {
+    if (blocks == 0) return;
     if (smem > 48 * 1024) {
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     }
-    kernel<<<grid, block, smem, stream>>>(p);
+    kernel<<<dim3(static_cast<unsigned>(blocks)), dim3(threads), smem, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 };
@@ -263,14 +282,13 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
                                                  const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
                                                  const std::optional<at::Tensor>& dropout_seed) {
   check_inputs(q, k, v, 4);
-  check_grid(q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3));
-  check_features(q, q.size(0), q.size(1), softcap, alibi_slopes, dropout_p);
+  const Scores scores = checked_scores(q, q.size(0), causal, softmax_scale, window_left, window_right, softcap,
+                                       alibi_slopes, dropout_p, dropout_seed);
   const c10::cuda::CUDAGuard guard(q.device());
   const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), D = q.size(3);
   // o (B, H, Sq, D) laid out as (B, Sq, H, D), as every backend returns it (ops/attention.py).
   at::Tensor o = at::empty({B, Sq, H, D}, q.options()).transpose(1, 2);
   at::Tensor lse = at::empty({B, H, Sq}, q.options().dtype(at::kFloat));
-  const Scores scores{causal, softmax_scale, window_left, window_right, softcap, alibi_rows(alibi_slopes)};
   run_forward(q, k, v, scores, nullptr, o, lse);
   return {o, lse};
 }
@@ -281,11 +299,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     double softcap, const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
     const std::optional<at::Tensor>& dropout_seed) {
   check_inputs(q, k, v, 4);
-  check_grid(q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3));
-  check_features(q, q.size(0), q.size(1), softcap, alibi_slopes, dropout_p);
+  const Scores scores = checked_scores(q, q.size(0), causal, softmax_scale, window_left, window_right, softcap,
+                                       alibi_slopes, dropout_p, dropout_seed);
   check_lse(lse, q, {q.size(0), q.size(1), q.size(2)}, "(batch, heads, seqlen_q)");
   const c10::cuda::CUDAGuard guard(q.device());
-  const Scores scores{causal, softmax_scale, window_left, window_right, softcap, alibi_rows(alibi_slopes)};
   return run_backward(dout, q, k, v, o, lse, scores, nullptr);
 }
 
@@ -296,7 +313,6 @@ Packed checked_packed(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   check_inputs(q, k, v, 3);
   Packed packed{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
   check_packed(q, packed);
-  check_grid(cu_seqlens_q.size(0) - 1, q.size(1), k.size(1), max_seqlen_q, max_seqlen_k, q.size(2));
   return packed;
 }
 
@@ -306,11 +322,11 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd(
     int64_t window_left, int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     double dropout_p, const std::optional<at::Tensor>& dropout_seed) {
   const Packed packed = checked_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
-  check_features(q, cu_seqlens_q.size(0) - 1, q.size(1), softcap, alibi_slopes, dropout_p);
+  const Scores scores = checked_scores(q, cu_seqlens_q.size(0) - 1, causal, softmax_scale, window_left, window_right,
+                                       softcap, alibi_slopes, dropout_p, dropout_seed);
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor o = at::empty(q.sizes(), q.options());
   at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
-  const Scores scores{causal, softmax_scale, window_left, window_right, softcap, alibi_rows(alibi_slopes)};
   run_forward(q, k, v, scores, &packed, o, lse);
   return {o, lse};
 }
@@ -322,16 +338,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd(
     double softcap, const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
     const std::optional<at::Tensor>& dropout_seed) {
   const Packed packed = checked_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
-  check_features(q, cu_seqlens_q.size(0) - 1, q.size(1), softcap, alibi_slopes, dropout_p);
+  const Scores scores = checked_scores(q, cu_seqlens_q.size(0) - 1, causal, softmax_scale, window_left, window_right,
+                                       softcap, alibi_slopes, dropout_p, dropout_seed);
   check_lse(lse, q, {q.size(1), q.size(0)}, "(heads, total_q)");
   const c10::cuda::CUDAGuard guard(q.device());
-  const Scores scores{causal, softmax_scale, window_left, window_right, softcap, alibi_rows(alibi_slopes)};
   return run_backward(dout, q, k, v, o, lse, scores, &packed);
 }
 
 // The launches a forward (backward=false) or backward call of this shape would make, without a
 // GPU: per launch, its kernel (0 forward, 1 the backward's delta, 2 dK/dV, 3 dQ), the padded
-// head dim it was compiled for, grid x, y, z, threads and dynamic shared memory bytes, flattened.
+// head dim it was compiled for, grid x, y, z (the 1-D grids' blocks, 1, 1), threads and dynamic
+// shared memory bytes, flattened.
 std::vector<int64_t> attention_launch_plan(int64_t batch, int64_t heads, int64_t kv_heads, int64_t seqlen_q,
                                            int64_t seqlen_k, int64_t head_dim, bool bf16, bool causal,
                                            bool backward) {
@@ -349,8 +366,8 @@ std::vector<int64_t> attention_launch_plan(int64_t batch, int64_t heads, int64_t
   set_window(p, causal, -1, -1);
   std::vector<int64_t> plan;
   int index = backward ? 1 : 0;
-  auto record = [&](auto, dim3 grid, dim3 block, int smem, const AttentionParams&) {
-    plan.insert(plan.end(), {index++, attn::padded_head_dim(p.head_dim), grid.x, grid.y, grid.z, block.x, smem});
+  auto record = [&](auto, int64_t blocks, int threads, int smem, const AttentionParams&) {
+    plan.insert(plan.end(), {index++, attn::padded_head_dim(p.head_dim), blocks, 1, 1, threads, smem});
   };
   if (backward) {
     attention_backward(p, record);

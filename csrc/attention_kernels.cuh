@@ -4,11 +4,14 @@
 // GQA (H a multiple of the key/value heads), any sequence lengths (the tails masked), head dims
 // that are a multiple of 8 up to 256 (computed at the next of 32, 64, 128, 256; the columns past
 // the head dim are zero-filled on load and never stored). The same contract as the Triton
-// kernels (triton_kernels/attention.py), dropout aside:
+// kernels (triton_kernels/attention.py):
 //   - a window, aligned bottom-right: query i sees key j iff -left <= j - (i + Sk - Sq) <= right.
 //     Causal is right = 0; an unbounded side is Sq + Sk (past every key), so one test masks all.
 //   - logit softcapping: the scaled score x becomes c tanh(x / c); dS gets the factor 1 - tanh^2.
 //   - ALiBi: -slope |i + Sk - Sq - j| added to the (capped) scaled score, a slope per (batch, head).
+//   - dropout on the probabilities, kept ones scaled by 1 / (1 - p), with the Triton kernels'
+//     mask: a function of (seed, batch * H + head, query, key) by Philox-4x32-10 (DropoutMask),
+//     drawn again in the backward for dV and dP, never stored. The seed is read on the device.
 // Key (or query) blocks no row of a block sees are skipped; blocks every row sees entirely skip
 // the mask in the forward. Packed sequences (varlen, as flash_attn_varlen_func): q (total_q, H, D),
 // k and v (total_k, Hkv, D), sequence b at rows cu_seqlens[b]..cu_seqlens[b + 1], each attending
@@ -81,6 +84,11 @@ struct AttentionParams {
   float softcap_in, softcap_out;  // softmax_scale / c and c log2(e) with softcapping at c, else 0
   const float* alibi_slopes;  // fp32, slope of (b, h) at b * alibi_batch_stride + h; null without ALiBi
   int64_t alibi_batch_stride;
+  // Dropout: one int64 seed on the device (null without dropout), the threshold p * 2^31 the top
+  // 31 bits of a probability's Philox word must reach for it to be kept, and 1 / (1 - p).
+  const int64_t* dropout_seed;
+  uint32_t dropout_threshold;
+  float dropout_scale;
   bool bf16;  // __nv_bfloat16 when true, else __half
 };
 
@@ -97,6 +105,16 @@ __host__ inline void set_window(AttentionParams& p, bool causal, int64_t window_
 __host__ inline void set_softcap(AttentionParams& p, float softcap) {
   p.softcap_in = softcap > 0.f ? p.softmax_scale / softcap : 0.f;
   p.softcap_out = softcap > 0.f ? softcap * 1.4426950408889634f : 0.f;
+}
+
+// P's dropout at probability DROPOUT_P (none at 0) with the int64 seed at SEED (device memory),
+// the threshold and scale computed as the Triton kernels' (triton_kernels/attention.py).
+__host__ inline void set_dropout(AttentionParams& p, double dropout_p, const int64_t* seed) {
+  const bool on = dropout_p > 0.0;
+  const double threshold = dropout_p * 2147483648.0;  // truncated, at most 2^31 - 1
+  p.dropout_seed = on ? seed : nullptr;
+  p.dropout_threshold = !on ? 0u : threshold >= 2147483647.0 ? 2147483647u : static_cast<uint32_t>(threshold);
+  p.dropout_scale = on ? static_cast<float>(1.0 / (1.0 - dropout_p)) : 1.f;
 }
 
 namespace attn {
@@ -424,6 +442,67 @@ __device__ __forceinline__ float score_log2(const AttentionParams& p, float x, f
   return x;
 }
 
+// The first output word of Philox-4x32-10 (Salmon et al. 2011; Triton's tl.philox) with key
+// (KEY0, KEY1) and counter (C0, C1, C2, 0).
+__host__ __device__ __forceinline__ uint32_t philox_first_word(uint32_t key0, uint32_t key1, uint32_t c0, uint32_t c1,
+                                                               uint32_t c2) {
+  uint32_t c3 = 0;
+#pragma unroll
+  for (int round = 0; round < 10; ++round) {
+    const uint64_t b = static_cast<uint64_t>(0xCD9E8D57u) * c2, a = static_cast<uint64_t>(0xD2511F53u) * c0;
+    c0 = static_cast<uint32_t>(b >> 32) ^ c1 ^ key0;
+    c1 = static_cast<uint32_t>(b);
+    c2 = static_cast<uint32_t>(a >> 32) ^ c3 ^ key1;
+    c3 = static_cast<uint32_t>(a);
+    key0 += 0x9E3779B9u;
+    key1 += 0xBB67AE85u;
+  }
+  return c0;
+}
+
+// Dropout's mask for one (batch, head) slice: whether the probability of query ROW and key COL
+// is kept. The Triton kernels' _dropout_kept (remat.ops.attention.dropout_keep_mask): the top 31
+// bits of Philox's first word for key the seed and counter (key, query, batch * H + head, 0),
+// at least the threshold. A function of the positions alone, so every kernel and tile shape
+// draws the same mask.
+struct DropoutMask {
+  uint32_t key0, key1, slice, threshold;
+  __device__ __forceinline__ bool kept(int row, int col) const {
+    return (philox_first_word(key0, key1, static_cast<uint32_t>(col), static_cast<uint32_t>(row), slice) >> 1) >=
+           threshold;
+  }
+};
+
+// The mask of (batch B, head H); P has dropout (P.dropout_seed is not null).
+__device__ __forceinline__ DropoutMask dropout_mask(const AttentionParams& p, int b, int h) {
+  const uint64_t seed = static_cast<uint64_t>(*p.dropout_seed);
+  return {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32),
+          static_cast<uint32_t>(static_cast<int64_t>(b) * p.heads + h), p.dropout_threshold};
+}
+
+// Which of this thread's accumulator values of a 16 x 8 TILES block dropout keeps: bit 4 nt + e
+// for value e of tile nt, at row ROW0 + acc_row(e) and column COL0 + acc_col(nt, e) (queries
+// along the rows, or, with kKeyRows, keys: the dK/dV kernel's transposed blocks). All ones
+// without dropout. Computed before a block's products, one value at a time in a loop left
+// rolled: the 10 Philox rounds of every value unrolled and interleaved took the registers the
+// products need (ptxas spilled), where 32 bits are all that live on.
+template <int TILES, bool kKeyRows = false>
+__device__ __forceinline__ uint32_t kept_bits(const AttentionParams& p, int b, int h, int row0, int col0) {
+  static_assert(TILES * 4 <= 32, "one bit per accumulator value");
+  if (p.dropout_seed == nullptr) return ~0u;
+  const DropoutMask mask = dropout_mask(p, b, h);
+  uint32_t bits = 0;
+#pragma unroll 1
+  for (int i = 0; i < TILES * 4; ++i) {
+    const int row = row0 + acc_row(i % 4), col = col0 + acc_col(i / 4, i % 4);
+    bits |= static_cast<uint32_t>(kKeyRows ? mask.kept(col, row) : mask.kept(row, col)) << i;
+  }
+  return bits;
+}
+
+// Bit 4 NT + E of BITS (kept_bits's) set: the value is kept.
+__device__ __forceinline__ bool is_kept(uint32_t bits, int nt, int e) { return (bits >> (4 * nt + e)) & 1u; }
+
 // lse (natural log) as the backward uses it: log2 units, +inf for rows that see no key or lie
 // past the sequence, so that exp2(s - lse) is 0 there rather than NaN.
 __device__ __forceinline__ float lse_log2(const float* lse, int row, int seqlen) {
@@ -450,6 +529,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd_kernel(const Attent
   const T* v = slice<T>(p.v, p.v_stride, b, kv_h);
   const Blocks keys = key_blocks(p, m0, M, N);
   const float scale_log2 = p.softmax_scale * kLog2e, slope_log2 = alibi_slope_log2(p, b, h);
+  const bool dropout = p.dropout_seed != nullptr;
 
   float acc[D / 8][4];
   zero(acc);
@@ -470,13 +550,14 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd_kernel(const Attent
       load_kv_block<T, D, N>(s_k, s_v, stage ^ 1, k, v, p, n0 + N);
       tc::cp_async_commit();
     }
+    const int row0 = m0 + warp * kRowsPerWarp;
+    const uint32_t kept = kept_bits<N / 8>(p, b, h, row0, n0);
     float s[N / 8][4];
     zero(s);
     multiply_rows_abt<T, D, N>(s, q_frag, s_q, warp * kRowsPerWarp, s_k + stage * N * D);
 
     // The scores (scaled, capped, biased), masked (the tail of the keys, the window), and the
     // block's row maxima.
-    const int row0 = m0 + warp * kRowsPerWarp;
     const bool masked = !sees_all(p, m0, M, n0, N);
     float block_max[2] = {row_max[0], row_max[1]};
 #pragma unroll
@@ -508,6 +589,13 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd_kernel(const Attent
         row_sum[e >> 1] += s[nt][e];
       }
     }
+    if (dropout) {  // after the sums: dropout acts on the normalised probabilities (1 / (1 - p) at the end)
+#pragma unroll
+      for (int nt = 0; nt < N / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] = is_kept(kept, nt, e) ? s[nt][e] : 0.f;
+      }
+    }
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt) {
 #pragma unroll
@@ -516,14 +604,15 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd_kernel(const Attent
     multiply_pb<T, D, N>(acc, s, s_v + stage * N * D);
   }
 
-  // o = acc / l; lse = (m + log2 l) ln 2, -inf (and o = 0) for rows that saw no key.
+  // o = acc / l (times 1 / (1 - p) under dropout); lse = (m + log2 l) ln 2, -inf (and o = 0)
+  // for rows that saw no key.
   float inv_sum[2];
   const int row0 = m0 + warp * kRowsPerWarp;
   float* lse = p.lse + lse_rows(p, b, h);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float total = quad_sum(row_sum[r]);
-    inv_sum[r] = total > 0.f ? 1.f / total : 0.f;
+    inv_sum[r] = total > 0.f ? p.dropout_scale / total : 0.f;
     const int row = row0 + acc_row(2 * r);
     if (threadIdx.x % 4 == 0 && row < p.seqlen_q) {
       lse[row] = total > 0.f ? (row_max[r] + log2f(total)) * kLn2 : -INFINITY;
@@ -607,7 +696,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_dkdv_kernel(const Atten
     tc::cp_async_wait<0>();
     __syncthreads();
     const int stage = it & 1, m0 = (queries.first + it % queries.count) * M;
-    const float slope_log2 = alibi_slope_log2(p, b, kv_h * group + it / queries.count);
+    const int h = kv_h * group + it / queries.count, key0 = n0 + warp * kRowsPerWarp;
+    const float slope_log2 = alibi_slope_log2(p, b, h);
     if (it + 1 < iterations) {
       issue(it + 1, stage ^ 1);
       tc::cp_async_commit();
@@ -616,16 +706,18 @@ __global__ void __launch_bounds__(kThreads, 1) attention_dkdv_kernel(const Atten
     const T* dout = s_do + stage * M * D;
     const float* lse = s_lse + stage * M;
     const float* delta = s_delta + stage * M;
+    const uint32_t kept = kept_bits<M / 8, true>(p, b, h, key0, m0);
 
     // dP^T = V dO^T and the raw scores K Q^T (16 keys x M queries); then, where the query sees
     // the key, P^T = exp2(score - lse) and dS^T = P^T * (dP^T - delta) (1 - tanh^2 under the
     // cap; t = 0 otherwise, so the factor is exactly 1). Then dV += P^T dO and dK += dS^T Q.
+    // Dropout: dV takes the dropped P^T and dS^T the dropped dP^T (each kept entry times 1 / (1 - p);
+    // without dropout every entry is kept and the scale is 1).
     float pt[M / 8][4], dst[M / 8][4];
     zero(dst);
     zero(pt);
     multiply_abt_streamed<T, D, M>(dst, s_v, warp * kRowsPerWarp, dout);
     multiply_abt_streamed<T, D, M>(pt, s_k, warp * kRowsPerWarp, q);
-    const int key0 = n0 + warp * kRowsPerWarp;
 #pragma unroll
     for (int nt = 0; nt < M / 8; ++nt) {
 #pragma unroll
@@ -633,8 +725,11 @@ __global__ void __launch_bounds__(kThreads, 1) attention_dkdv_kernel(const Atten
         const int col = acc_col(nt, e), query = m0 + col, key = key0 + acc_row(e);
         float t;
         const float x = score_log2(p, pt[nt][e], scale_log2, slope_log2, query, key, t);
-        pt[nt][e] = visible(p, query, key) ? exp2f(x - lse[col]) : 0.f;
-        dst[nt][e] = pt[nt][e] * (dst[nt][e] - delta[col]) * (1.f - t * t);
+        const float prob = visible(p, query, key) ? exp2f(x - lse[col]) : 0.f;
+        const bool keep = is_kept(kept, nt, e);
+        const float dp = keep ? dst[nt][e] * p.dropout_scale : 0.f;
+        pt[nt][e] = keep ? prob * p.dropout_scale : 0.f;
+        dst[nt][e] = prob * (dp - delta[col]) * (1.f - t * t);
       }
     }
     multiply_pb<T, D, M, C>(dv, pt, dout, col0 / 8);
@@ -697,14 +792,15 @@ __global__ void __launch_bounds__(kThreads, 1) attention_dq_kernel(const Attenti
       tc::cp_async_commit();
     }
     const T* k_tile = s_k + stage * N * D;
+    const uint32_t kept = kept_bits<N / 8>(p, b, h, row0, n0);
     float s[N / 8][4], ds[N / 8][4];
     zero(s);
     zero(ds);
     multiply_rows_abt<T, D, N>(s, q_frag, s_q, warp * kRowsPerWarp, k_tile);
     multiply_rows_abt<T, D, N>(ds, do_frag, s_do, warp * kRowsPerWarp, s_v + stage * N * D);  // dP = dO V^T
-    // dS = P * (dP - delta) (times 1 - tanh^2 under the cap). The key tail is masked
-    // explicitly: its zero keys score 0, and exp2(0 - lse) may overflow where the row's scores
-    // are all very negative.
+    // dS = P * (dP - delta) (times 1 - tanh^2 under the cap), dP dropped under dropout. The key
+    // tail is masked explicitly: its zero keys score 0, and exp2(0 - lse) may overflow where the
+    // row's scores are all very negative.
 #pragma unroll
     for (int nt = 0; nt < N / 8; ++nt) {
 #pragma unroll
@@ -713,7 +809,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_dq_kernel(const Attenti
         float t;
         const float x = score_log2(p, s[nt][e], scale_log2, slope_log2, row, col, t);
         const float prob = visible(p, row, col) ? exp2f(x - lse[e >> 1]) : 0.f;
-        ds[nt][e] = prob * (ds[nt][e] - delta[e >> 1]) * (1.f - t * t);
+        const float dp = is_kept(kept, nt, e) ? ds[nt][e] * p.dropout_scale : 0.f;
+        ds[nt][e] = prob * (dp - delta[e >> 1]) * (1.f - t * t);
       }
     }
     multiply_pb<T, D, N>(dq, ds, k_tile);
@@ -750,21 +847,22 @@ __host__ void dispatch(const AttentionParams& p, F&& f) {
 
 }  // namespace attn
 
-// A 1-D grid of BLOCKS sequence blocks x HEADS x BATCH (see block_index); the host checks it fits.
-__host__ inline dim3 grid_of(int blocks, int heads, int batch) {
-  return dim3(static_cast<unsigned>(static_cast<int64_t>(blocks) * heads * batch));
+// The blocks of a 1-D grid of BLOCKS sequence blocks x HEADS x BATCH (see block_index), in int64:
+// the host checks that every launch's fits in grid.x (csrc/attention.cu's check_grids).
+__host__ inline int64_t grid_blocks(int blocks, int heads, int batch) {
+  return static_cast<int64_t>(blocks) * heads * batch;
 }
 
-// The forward's launch: LAUNCH(kernel, grid, block, shared memory bytes, params), once. A
-// launcher skips a grid with no blocks.
+// The forward's launch: LAUNCH(kernel, grid blocks, threads, shared memory bytes, params), once.
+// A launcher skips a grid with no blocks.
 template <class Launch>
 __host__ void attention_forward(const AttentionParams& p, Launch&& launch) {
   attn::dispatch(p, [&](auto type, auto dim) {
     using T = decltype(type);
     constexpr int D = decltype(dim)::value;
     using Tiles = attn::Tiles<D>;
-    launch(attn::attention_fwd_kernel<T, D>, grid_of(attn::ceil_div(p.seqlen_q, Tiles::kFwdM), p.heads, p.batch),
-           dim3(attn::kThreads), Tiles::kFwdSmem, p);
+    launch(attn::attention_fwd_kernel<T, D>, grid_blocks(attn::ceil_div(p.seqlen_q, Tiles::kFwdM), p.heads, p.batch),
+           attn::kThreads, Tiles::kFwdSmem, p);
   });
 }
 
@@ -775,14 +873,13 @@ __host__ void attention_backward(const AttentionParams& p, Launch&& launch) {
     using T = decltype(type);
     constexpr int D = decltype(dim)::value;
     using Tiles = attn::Tiles<D>;
-    launch(attn::attention_bwd_preprocess_kernel<T>, grid_of(attn::ceil_div(p.seqlen_q, attn::kPreRows), p.heads,
-                                                             p.batch),
-           dim3(attn::kThreads), 0, p);
+    launch(attn::attention_bwd_preprocess_kernel<T>,
+           grid_blocks(attn::ceil_div(p.seqlen_q, attn::kPreRows), p.heads, p.batch), attn::kThreads, 0, p);
     launch(attn::attention_dkdv_kernel<T, D>,
-           grid_of(attn::ceil_div(p.seqlen_k, Tiles::kDkdvN) * Tiles::kDkdvColumnBlocks, p.kv_heads, p.batch),
-           dim3(attn::kThreads), Tiles::kDkdvSmem, p);
-    launch(attn::attention_dq_kernel<T, D>, grid_of(attn::ceil_div(p.seqlen_q, Tiles::kDqM), p.heads, p.batch),
-           dim3(attn::kThreads), Tiles::kDqSmem, p);
+           grid_blocks(attn::ceil_div(p.seqlen_k, Tiles::kDkdvN) * Tiles::kDkdvColumnBlocks, p.kv_heads, p.batch),
+           attn::kThreads, Tiles::kDkdvSmem, p);
+    launch(attn::attention_dq_kernel<T, D>, grid_blocks(attn::ceil_div(p.seqlen_q, Tiles::kDqM), p.heads, p.batch),
+           attn::kThreads, Tiles::kDqSmem, p);
   });
 }
 

@@ -23,3 +23,33 @@ def assert_matches_float64(ours, ref, dtype, exactly_zero=()):
             continue
         assert got.dtype == dtype and torch.isfinite(got).all(), name
         assert rel_error(got, want) <= REL_TOL[dtype], f"{name}: {rel_error(got, want):.3g}"
+
+
+def mask_revealing_inputs(batch, heads, seqlen_q, seqlen_k, head_dim, dtype, device="cpu"):
+    """(q, k, v, do, unit_keys): inputs from whose outputs each kernel's dropout mask reads exactly
+    (head_dim >= seqlen_q + seqlen_k; see masks_read_from). q = 0, so every probability is 1 / Sk;
+    k random; v's key j and unit_keys' key j the unit vector e_j; dO's row i ones on the first Sk
+    columns and e_(Sk + i) after them."""
+    assert head_dim >= seqlen_q + seqlen_k, "the columns hold one unit vector per key and per query"
+    shape = (batch, heads, seqlen_q, head_dim)
+    keys, queries = range(seqlen_k), range(seqlen_q)
+    q = torch.zeros(shape, dtype=dtype, device=device)
+    k = torch.randn(batch, heads, seqlen_k, head_dim, device=device).to(dtype)
+    v = torch.zeros(batch, heads, seqlen_k, head_dim, dtype=dtype, device=device)
+    v[..., keys, keys] = 1
+    do = torch.zeros(shape, dtype=dtype, device=device)
+    do[..., :seqlen_k] = 1
+    do[..., queries, range(seqlen_k, seqlen_k + seqlen_q)] = 1
+    return q, k, v, do, v.clone()
+
+
+def masks_read_from(o, dv, dq, seqlen_k):
+    """The dropout masks, (B, H, Sq, Sk) bool, that the forward, the dK/dV and the dQ kernels drew
+    for mask_revealing_inputs (O and DV of a run with k, DQ of one with unit_keys). With s = 1 /
+    (1 - p): o[i, j] = kept(i, j) s / Sk; dV[j, Sk + i] = kept(i, j) s / Sk; dQ[i, j] = scale / Sk
+    (kept(i, j) s - delta_i), one value where kept and a smaller one where not (dP[i, j] = 1 before
+    the mask, and dQ's column j is key j's alone)."""
+    seqlen_q = o.shape[2]
+    dq = dq[..., :seqlen_k].float()
+    return (o[..., :seqlen_k] != 0, dv[..., seqlen_k:seqlen_k + seqlen_q].transpose(-1, -2) != 0,
+            dq > (dq.amax(-1, keepdim=True) + dq.amin(-1, keepdim=True)) / 2)

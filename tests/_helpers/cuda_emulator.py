@@ -204,10 +204,11 @@ def _kernel_strides(t):
 
 
 def _run_attention(backward, tensors, causal, scale, sizes, window_left, window_right, softcap, alibi_slopes,
-                   cu_seqlens=(None, None)):
+                   dropout_p, dropout_seed, cu_seqlens=(None, None)):
     """Calls attention_harness.cpp's entry point with TENSORS, a dict by _BUFFERS name, and the
-    score options as csrc/attention.cu takes them (ALIBI_SLOPES: None, or fp32 (H,) or (B, H));
-    CU_SEQLENS: packed sequences' int32 cumulative lengths (q's, k's), or None."""
+    score options as csrc/attention.cu takes them (ALIBI_SLOPES: None, or fp32 (H,) or (B, H);
+    DROPOUT_SEED: a (1,) int64 tensor, read when DROPOUT_P > 0); CU_SEQLENS: packed sequences'
+    int32 cumulative lengths (q's, k's), or None."""
     library = build_emulated("attention_harness.cpp", "attention_harness")
     pointers = (ctypes.c_void_p * len(_BUFFERS))()
     strides = (ctypes.c_int64 * (3 * len(_BUFFERS)))()
@@ -227,16 +228,23 @@ def _run_attention(backward, tensors, causal, scale, sizes, window_left, window_
                              f"{alibi_slopes.dtype} {tuple(alibi_slopes.shape)}")
         slopes = alibi_slopes.contiguous()
         slopes_batch_stride = slopes.stride(0) if slopes.dim() == 2 else 0
+    seed = None
+    if dropout_p > 0:
+        if not isinstance(dropout_seed, torch.Tensor) or dropout_seed.dtype != torch.int64 or dropout_seed.numel() != 1:
+            raise ValueError("dropout_seed must be one int64 when dropout_p > 0")
+        seed = dropout_seed.contiguous()
     message = call(library.emulated_attention, int(backward), (ctypes.c_int * 6)(*sizes), bf16, ctypes.c_float(scale),
                    int(causal), ctypes.c_int64(window_left), ctypes.c_int64(window_right), ctypes.c_float(softcap),
                    ctypes.c_void_p(None if slopes is None else slopes.data_ptr()), ctypes.c_int64(slopes_batch_stride),
+                   ctypes.c_double(dropout_p), ctypes.c_void_p(None if seed is None else seed.data_ptr()),
                    *[ctypes.c_void_p(None if c is None else c.data_ptr()) for c in cu_seqlens], pointers, strides,
                    spans)
     if message:
         raise RuntimeError(f"attention {'backward' if backward else 'forward'}: {message}")
 
 
-def emulated_attention_fwd(q, k, v, causal, scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+def emulated_attention_fwd(q, k, v, causal, scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                           dropout_p=0.0, dropout_seed=None):
     """csrc/attention_kernels.cuh's forward on the emulator: (o, lse) for (B, H, Sq, D) q and
     (B, Hkv, Sk, D) k, v (float16 or bfloat16 CPU tensors, unit last stride), with the score
     options of remat.ops.attention.attention_fwd. As csrc/attention.cu:
@@ -249,14 +257,15 @@ def emulated_attention_fwd(q, k, v, causal, scale, window_left=-1, window_right=
     o = _GuardedOutput("o", (B, H, Sq, D), q.dtype, order=(0, 2, 1, 3))
     lse = _GuardedOutput("lse", (B, H, Sq), torch.float32)
     _run_attention(False, {"q": q, "k": k, "v": v, "o": o.tensor, "lse": lse.tensor}, causal, scale,
-                   (B, H, k.size(1), Sq, k.size(2), D), window_left, window_right, softcap, alibi_slopes)
+                   (B, H, k.size(1), Sq, k.size(2), D), window_left, window_right, softcap, alibi_slopes, dropout_p,
+                   dropout_seed)
     o.check_guards()
     lse.check_guards()
     return o.tensor, lse.tensor
 
 
 def emulated_attention_bwd(do, q, k, v, o, lse, causal, scale, window_left=-1, window_right=-1, softcap=0.0,
-                           alibi_slopes=None):
+                           alibi_slopes=None, dropout_p=0.0, dropout_seed=None):
     """csrc/attention_kernels.cuh's backward on the emulator: (dq, dk, dv), contiguous, shaped like
     q, k, v (as csrc/attention.cu allocates them), the score options as the forward's. DO and O:
     q's shape and dtype, unit last stride;
@@ -276,7 +285,7 @@ def emulated_attention_bwd(do, q, k, v, o, lse, causal, scale, window_left=-1, w
     tensors = {"q": q, "k": k, "v": v, "o": o, "lse": lse.contiguous(), "do": do,
                **{name: out.tensor for name, out in outputs.items()}}
     _run_attention(True, tensors, causal, scale, (B, H, k.size(1), Sq, k.size(2), D), window_left, window_right,
-                   softcap, alibi_slopes)
+                   softcap, alibi_slopes, dropout_p, dropout_seed)
     for out in outputs.values():
         out.check_guards()
     return outputs["dq"].tensor, outputs["dk"].tensor, outputs["dv"].tensor
@@ -291,7 +300,8 @@ def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k):
 
 
 def emulated_attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                                  window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+                                  window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                                  dropout_seed=None):
     """The forward over packed sequences, as remat.ops.attention_varlen.attention_varlen_fwd: q
     (total_q, H, D), k and v (total_k, Hkv, D), sequence b at rows cu_seqlens[b]:cu_seqlens[b + 1];
     returns o (total_q, H, D) and lse (H, total_q) fp32. As emulated_attention_fwd otherwise."""
@@ -303,14 +313,15 @@ def emulated_attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     lse = _GuardedOutput("lse", (H, total_q), torch.float32, seq_dim=1)
     _run_attention(False, {"q": q, "k": k, "v": v, "o": o.tensor, "lse": lse.tensor}, causal, scale,
                    (cu_seqlens_q.numel() - 1, H, k.size(1), max_seqlen_q, max_seqlen_k, D), window_left, window_right,
-                   softcap, alibi_slopes, (cu_seqlens_q, cu_seqlens_k))
+                   softcap, alibi_slopes, dropout_p, dropout_seed, (cu_seqlens_q, cu_seqlens_k))
     o.check_guards()
     lse.check_guards()
     return o.tensor, lse.tensor
 
 
 def emulated_attention_varlen_bwd(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                  scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+                                  scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                                  dropout_seed=None):
     """The backward over packed sequences: (dq, dk, dv), contiguous, shaped like q, k, v; DO and O
     like q, LSE (H, total_q) fp32. As emulated_attention_bwd otherwise."""
     _check_qkv(q, k, v, dims=3)
@@ -329,8 +340,8 @@ def emulated_attention_varlen_bwd(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_
     tensors = {"q": q, "k": k, "v": v, "o": o, "lse": lse.contiguous(), "do": do,
                **{name: out.tensor for name, out in outputs.items()}}
     sizes = (cu_seqlens_q.numel() - 1, H, k.size(1), max_seqlen_q, max_seqlen_k, D)
-    _run_attention(True, tensors, causal, scale, sizes, window_left, window_right, softcap, alibi_slopes,
-                   (cu_seqlens_q, cu_seqlens_k))
+    _run_attention(True, tensors, causal, scale, sizes, window_left, window_right, softcap, alibi_slopes, dropout_p,
+                   dropout_seed, (cu_seqlens_q, cu_seqlens_k))
     for out in outputs.values():
         out.check_guards()
     return outputs["dq"].tensor, outputs["dk"].tensor, outputs["dv"].tensor

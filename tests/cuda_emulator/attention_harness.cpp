@@ -18,13 +18,16 @@ void copy_strides(int64_t (&to)[3], const int64_t* from) {
 }
 
 // The score options, as csrc/attention.cu takes them: window bounds (-1 unbounded), softcap (0:
-// none), ALiBi slopes (fp32, (b, h) at b * alibi_batch_stride + h; null: none).
+// none), ALiBi slopes (fp32, (b, h) at b * alibi_batch_stride + h; null: none), dropout (at
+// dropout_p, 0: none, with the int64 seed at dropout_seed).
 struct ScoreOptions {
   int causal;
   int64_t window_left, window_right;
   float softcap;
   const float* alibi_slopes;
   int64_t alibi_batch_stride;
+  double dropout_p;
+  const int64_t* dropout_seed;
 };
 
 // SIZES: batch (sequences when packed), heads, kv_heads, seqlen_q, seqlen_k (the longest when
@@ -66,6 +69,7 @@ remat::AttentionParams make_params(const int* sizes, int bf16, float softmax_sca
   remat::set_softcap(p, options.softcap);
   p.alibi_slopes = options.alibi_slopes;
   p.alibi_batch_stride = options.alibi_batch_stride;
+  remat::set_dropout(p, options.dropout_p, options.dropout_seed);
   p.bf16 = bf16 != 0;
   return p;
 }
@@ -73,14 +77,14 @@ remat::AttentionParams make_params(const int* sizes, int bf16, float softmax_sca
 // Runs each launch on the emulator; as csrc/attention.cu's StreamLauncher, skips a grid without blocks.
 struct EmulatorLauncher {
   template <class Kernel>
-  void operator()(Kernel kernel, dim3 grid, dim3 block, int smem, const remat::AttentionParams& p) const {
-    if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+  void operator()(Kernel kernel, int64_t blocks, int threads, int smem, const remat::AttentionParams& p) const {
+    if (blocks == 0) return;
     if (smem > kMaxSharedBytes) {
       throw remat_emu::KernelFault("remat_emu: a launch asks for " + std::to_string(smem) +
                                    " bytes of dynamic shared memory, more than an sm_80 block may have (" +
                                    std::to_string(kMaxSharedBytes) + ")");
     }
-    remat_emu::launch(kernel, grid, block, static_cast<size_t>(smem), p);
+    remat_emu::launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), static_cast<size_t>(smem), p);
   }
 };
 
@@ -94,10 +98,11 @@ extern "C" {
 // the message in ERROR.
 int emulated_attention(int backward, const int* sizes, int bf16, float softmax_scale, int causal, int64_t window_left,
                        int64_t window_right, float softcap, const float* alibi_slopes, int64_t alibi_batch_stride,
-                       const int* cu_seqlens_q, const int* cu_seqlens_k, void* const* buffers, const int64_t* strides,
+                       double dropout_p, const int64_t* dropout_seed, const int* cu_seqlens_q, const int* cu_seqlens_k, void* const* buffers, const int64_t* strides,
                        const int64_t* bytes, char* error, int error_bytes) {
   return remat_emu::report_errors(error, error_bytes, [&] {
-    const ScoreOptions options{causal, window_left, window_right, softcap, alibi_slopes, alibi_batch_stride};
+    const ScoreOptions options{causal, window_left, window_right, softcap, alibi_slopes, alibi_batch_stride,
+                               dropout_p, dropout_seed};
     const remat::AttentionParams p =
         make_params(sizes, bf16, softmax_scale, options, cu_seqlens_q, cu_seqlens_k, buffers, strides);
     std::vector<remat_emu::GlobalBuffer> readable;

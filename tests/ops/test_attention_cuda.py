@@ -5,8 +5,9 @@ Without a GPU: the launches each shape would make (grid, threads, shared memory,
 compiled for), from the built extension's own host code; the dispatch of backend "cuda" (what the
 kernels take, what falls back to Triton). The kernels' numerics without a GPU are in
 test_attention_cuda_emulated.py (the same source built for the CPU under a warp emulator). On a
-GPU: every dtype and head dim the kernels take, and the window, softcapping and ALiBi, against
-float64 and against the Triton kernels, bitwise determinism, and that backend "cuda" runs them.
+GPU: every dtype and head dim the kernels take, and the window, softcapping, ALiBi and dropout
+(the Triton kernels' mask, read exactly), against float64 and against the Triton kernels, bitwise
+determinism, and that backend "cuda" runs them.
 """
 
 import math
@@ -19,7 +20,7 @@ import remat
 from remat import _backend
 from remat.ops import attention as attn_ops
 
-from attention_checks import assert_matches_float64
+from attention_checks import assert_matches_float64, mask_revealing_inputs, masks_read_from
 
 HAS_GPU = torch.cuda.is_available()
 EXTENSION, WHY_NOT = remat.backends()["cuda"]
@@ -107,13 +108,14 @@ def test_cuda_kernels_compute_half_types_and_head_dims_up_to_256(dtype, head_dim
     assert attn_ops.cuda_kernel_computes(q, q, q, q, q, q, False, 0.125) is computes  # the backward's arguments
 
 
-@pytest.mark.parametrize("causal, features, computes", [
-    (True, (4,), True), (False, (-1, 3), True), (True, (-1, -1, 5.0), True), (True, (-1, -1, 0.0, torch.ones(2)), True),
-    (False, (7, 2, 30.0, torch.ones(1, 2)), True), (True, (-1, -1, 0.0, None, 0.1), False),
-    (False, (3, 3, 1.0, None, 0.5, torch.ones(1)), False), (True, (-1, -1, 0.0, None, 0.0, None), True),
-], ids=["window", "window-right", "softcap", "alibi", "all-three", "dropout", "dropout-and-more", "no-dropout"])
-def test_cuda_kernels_compute_every_score_option_but_dropout(causal, features, computes):
-    q = torch.empty(1, 2, 5, 64, dtype=torch.float16)
+@pytest.mark.parametrize("causal, features", [
+    (True, (4,)), (False, (-1, 3)), (True, (-1, -1, 5.0)), (True, (-1, -1, 0.0, torch.ones(2))),
+    (False, (7, 2, 30.0, torch.ones(1, 2))), (True, (-1, -1, 0.0, None, 0.1, torch.ones(1, dtype=torch.int64))),
+    (False, (3, 3, 1.0, torch.ones(2), 0.5, torch.ones(1, dtype=torch.int64))),
+], ids=["window", "window-right", "softcap", "alibi", "all-three", "dropout", "dropout-and-more"])
+@pytest.mark.parametrize("dtype, computes", [(torch.bfloat16, True), (torch.float32, False)], ids=str)
+def test_cuda_kernels_compute_every_score_option(causal, features, dtype, computes):
+    q = torch.empty(1, 2, 5, 64, dtype=dtype)
     assert attn_ops.cuda_kernel_computes(q, q, q, causal, 0.125, *features) is computes
     assert attn_ops.cuda_kernel_computes(q, q, q, q, q, q, causal, 0.125, *features) is computes  # the backward's
 
@@ -201,6 +203,70 @@ def test_score_options_match_float64_and_the_triton_kernels(shape, causal, windo
     finite = torch.isfinite(triton[1])
     torch.testing.assert_close(ours[1][finite], triton[1][finite], rtol=0, atol=1e-3)  # lse, fp32
     assert torch.equal(torch.isfinite(ours[1]), finite)  # the same rows see no key
+
+
+SEED = torch.tensor([-0x3C6EF372FE94F82B], dtype=torch.int64)  # both 32-bit halves of Philox's key matter
+
+
+def _run_op(backend, q, k, v, do, causal, *features):
+    """(o, lse, dq, dk, dv) of the attention_fwd op (its features positional, the seed given) under BACKEND."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with remat.use_backend(backend):
+        o, lse = attn_ops.attention_fwd(*leaves, causal, q.shape[-1] ** -0.5, *features)
+        return (o, lse, *torch.autograd.grad(o, leaves, do))
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape, causal, window, dropout_p", [
+    ((2, 4, 2, 129, 70, 64), True, (-1, -1), 0.17), ((1, 2, 2, 150, 300, 128), False, (40, 20), 0.5),
+    ((1, 2, 1, 65, 130, 256), True, (-1, -1), 0.3), ((1, 3, 3, 33, 33, 32), False, (-1, -1), 0.9),
+], ids=["gqa-causal-d64", "window-d128", "causal-d256", "p0.9-d32"])
+def test_dropout_matches_float64_and_the_triton_kernels_with_the_same_mask(shape, causal, window, dropout_p, dtype):
+    q, k, v = _qkv(shape, dtype)
+    do = torch.randn(q.shape, device="cuda").to(dtype)
+    features = (*window, 0.0, None, dropout_p, SEED.cuda())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the CUDA kernel itself, no fallback
+        ours = _run_op("cuda", q, k, v, do, causal, *features)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    o, lse = attn_ops.attention_ref(*leaves, causal, q.shape[-1] ** -0.5, *features)
+    ref = (o, lse, *torch.autograd.grad(o, leaves, do.double()))
+    assert_matches_float64(ours, ref, dtype)
+    assert_matches_float64(_run_op("triton", q, k, v, do, causal, *features), ref, dtype)
+
+
+@needs_gpu
+@pytest.mark.parametrize("head_dim, seqlen_q, seqlen_k", [(64, 20, 40), (128, 50, 70), (256, 150, 100)],
+                         ids=["d64", "d128", "d256"])
+def test_dropout_draws_the_triton_kernels_mask_in_every_kernel(head_dim, seqlen_q, seqlen_k):
+    """Each compiled kernel's mask, read exactly from its outputs (attention_checks.mask_revealing_inputs),
+    is remat.ops.attention.dropout_keep_mask (the Triton kernels'), as in the emulator's test."""
+    batch, heads, dropout_p = 2, 2, 0.5
+    q, k, v, do, unit_keys = mask_revealing_inputs(batch, heads, seqlen_q, seqlen_k, head_dim, torch.float16, "cuda")
+    features = (-1, -1, 0.0, None, dropout_p, SEED.cuda())
+    o, _, _, _, dv = _run_op("cuda", q, k, v, do, False, *features)
+    dq = _run_op("cuda", q, unit_keys, v, do, False, *features)[2]
+    kept = attn_ops.dropout_keep_mask(SEED, batch, heads, seqlen_q, seqlen_k, dropout_p, "cuda")
+    for kernel, mask in zip(("forward", "dK/dV", "dQ"), masks_read_from(o, dv, dq, seqlen_k)):
+        assert torch.equal(mask, kept), kernel
+
+
+@needs_gpu
+@pytest.mark.parametrize("arguments, message", [
+    (dict(dropout_p=0.1), "dropout_seed must be given when dropout_p > 0"),
+    (dict(dropout_p=0.1, dropout_seed=torch.ones(1, dtype=torch.int32)), "dropout_seed must be one int64"),
+    (dict(dropout_p=0.1, dropout_seed=torch.ones(2, dtype=torch.int64)), "dropout_seed must be one int64"),
+    (dict(dropout_p=1.0, dropout_seed=torch.ones(1, dtype=torch.int64)), r"dropout_p must be in \[0, 1\)"),
+    (dict(softcap=-1.0), "softcap must be finite and >= 0"),
+    (dict(alibi_slopes=torch.ones(3)), "alibi_slopes must be float32 of shape"),
+], ids=["no-seed", "int32-seed", "two-seeds", "p1", "negative-softcap", "alibi-shape"])
+def test_the_cuda_ops_name_the_bad_argument(arguments, message):
+    """The ops themselves (remat's Python checks bypassed) refuse what the kernels cannot read."""
+    q = torch.randn(1, 2, 8, 64, device="cuda").to(torch.float16)
+    arguments = {name: a.cuda() if isinstance(a, torch.Tensor) else a for name, a in arguments.items()}
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.remat_C.attention_fwd(q, q, q, True, 0.125, **arguments)
 
 
 @needs_gpu

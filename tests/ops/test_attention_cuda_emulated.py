@@ -13,7 +13,7 @@ import torch
 from remat.ops import attention as attn_ops
 from remat.ops import attention_varlen as varlen_ops
 
-from attention_checks import assert_matches_float64
+from attention_checks import assert_matches_float64, mask_revealing_inputs, masks_read_from
 from cuda_emulator import (
     emulated_attention_bwd,
     emulated_attention_fwd,
@@ -64,7 +64,8 @@ def _float64(q, k, v, do, causal, scale, *features):
 
 
 def _emulated(q, k, v, do, causal, scale, *features):
-    """features: window_left, window_right, softcap, alibi_slopes (attention_fwd's order)."""
+    """features: window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed
+    (attention_fwd's order)."""
     o, lse = emulated_attention_fwd(q, k, v, causal, scale, *features)
     return (o, lse, *emulated_attention_bwd(do, q, k, v, o, lse, causal, scale, *features))
 
@@ -118,30 +119,54 @@ def test_large_scores_stay_finite():
     assert_matches_float64(ours, _float64(q, k, v, do, False, 4.0), torch.float16)
 
 
+# A dropout seed whose two 32-bit halves (Philox's key) both matter, the high one negative as int64.
+SEED = torch.tensor([-0x3C6EF372FE94F82B], dtype=torch.int64)
+
 # (shape as CASES, window_left, window_right, softcap, ALiBi slopes: None, "per-head" or
-# "per-batch"). Windows narrower than a block skip whole key blocks (200 rows, left 20) and whole
-# query blocks in dK/dV; Sq != Sk moves the diagonal both ways.
+# "per-batch", dropout_p). Windows narrower than a block skip whole key blocks (200 rows, left 20)
+# and whole query blocks in dK/dV; Sq != Sk moves the diagonal both ways. Dropout with GQA sums
+# each head's own mask into dK and dV.
 FEATURE_CASES = [
-    pytest.param((1, 2, 1, 200, 200, 64, True), 20, -1, 0.0, None, id="causal-window-left20-skips-blocks"),
-    pytest.param((1, 2, 2, 150, 90, 32, False), 10, 25, 0.0, None, id="window-10-25-q150-k90"),
-    pytest.param((1, 1, 1, 70, 130, 128, False), -1, 5, 0.0, None, id="window-right5-q70-k130-d128"),
-    pytest.param((1, 2, 2, 65, 129, 64, True), -1, -1, 2.0, None, id="softcap"),
-    pytest.param((1, 4, 2, 70, 70, 64, True), -1, -1, 0.0, "per-head", id="alibi-per-head-gqa"),
-    pytest.param((2, 2, 2, 33, 65, 32, False), -1, -1, 0.0, "per-batch", id="alibi-per-batch"),
-    pytest.param((1, 2, 1, 100, 80, 256, False), 30, 10, 3.0, "per-batch", id="all-d256"),
+    pytest.param((1, 2, 1, 200, 200, 64, True), 20, -1, 0.0, None, 0.0, id="causal-window-left20-skips-blocks"),
+    pytest.param((1, 2, 2, 150, 90, 32, False), 10, 25, 0.0, None, 0.0, id="window-10-25-q150-k90"),
+    pytest.param((1, 1, 1, 70, 130, 128, False), -1, 5, 0.0, None, 0.0, id="window-right5-q70-k130-d128"),
+    pytest.param((1, 2, 2, 65, 129, 64, True), -1, -1, 2.0, None, 0.0, id="softcap"),
+    pytest.param((1, 4, 2, 70, 70, 64, True), -1, -1, 0.0, "per-head", 0.0, id="alibi-per-head-gqa"),
+    pytest.param((2, 2, 2, 33, 65, 32, False), -1, -1, 0.0, "per-batch", 0.0, id="alibi-per-batch"),
+    pytest.param((1, 2, 1, 100, 80, 256, False), 30, 10, 3.0, "per-batch", 0.0, id="all-d256"),
+    pytest.param((2, 4, 2, 129, 70, 64, True), -1, -1, 0.0, None, 0.17, id="dropout-gqa-causal"),
+    pytest.param((1, 2, 2, 70, 130, 128, False), 40, 20, 5.0, "per-head", 0.5, id="dropout-and-all-d128"),
+    pytest.param((1, 2, 1, 65, 50, 256, True), -1, -1, 0.0, None, 0.3, id="dropout-d256"),
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case, window_left, window_right, softcap, alibi", FEATURE_CASES)
-def test_score_options_match_float64(case, window_left, window_right, softcap, alibi, dtype):
+@pytest.mark.parametrize("case, window_left, window_right, softcap, alibi, dropout_p", FEATURE_CASES)
+def test_score_options_match_float64(case, window_left, window_right, softcap, alibi, dropout_p, dtype):
     q, k, v, do, causal = _inputs(case, dtype)
     batch, heads = q.shape[:2]
     slopes = None if alibi is None else torch.rand((heads,) if alibi == "per-head" else (batch, heads))
-    features = (window_left, window_right, softcap, slopes)
+    features = (window_left, window_right, softcap, slopes, dropout_p, SEED)
     scale = q.shape[-1] ** -0.5
     ours = _emulated(q, k, v, do, causal, scale, *features)
     assert_matches_float64(ours, _float64(q, k, v, do, causal, scale, *features), dtype)
+
+
+@pytest.mark.parametrize("head_dim, seqlen_q, seqlen_k", [(128, 50, 70), (256, 150, 100)], ids=["d128", "d256"])
+def test_dropout_draws_the_triton_kernels_mask_in_every_kernel(head_dim, seqlen_q, seqlen_k):
+    """The masks the forward, dK/dV and dQ kernels draw, read exactly from their outputs
+    (attention_checks.mask_revealing_inputs), are each remat.ops.attention.dropout_keep_mask, the
+    Triton kernels' (tests/ops/test_attention_dropout.py). Several blocks of queries and keys, two
+    heads, two batches: every part of Philox's counter moves."""
+    batch, heads, dropout_p = 2, 2, 0.5
+    q, k, v, do, unit_keys = mask_revealing_inputs(batch, heads, seqlen_q, seqlen_k, head_dim, torch.float16)
+    kept = attn_ops.dropout_keep_mask(SEED, batch, heads, seqlen_q, seqlen_k, dropout_p)
+    assert 0.4 < kept.float().mean() < 0.6
+    features = (-1, -1, 0.0, None, dropout_p, SEED)
+    o, _, _, _, dv = _emulated(q, k, v, do, False, 0.125, *features)
+    dq = _emulated(q, unit_keys, v, do, False, 0.125, *features)[2]
+    for kernel, mask in zip(("forward", "dK/dV", "dQ"), masks_read_from(o, dv, dq, seqlen_k)):
+        assert torch.equal(mask, kept), kernel
 
 
 def test_window_hides_keys_exactly():
@@ -160,22 +185,24 @@ def test_window_hides_keys_exactly():
 
 
 # Packed sequences: (lengths of q's sequences, of k's, heads, kv_heads, head_dim, causal, window,
-# softcap, ALiBi). Empty sequences, one longer than a block (several blocks, its tail ragged), a
-# causal sequence with more queries than keys (rows that see nothing), GQA, and every score option.
+# softcap, ALiBi, dropout_p). Empty sequences, one longer than a block (several blocks, its tail
+# ragged), a causal sequence with more queries than keys (rows that see nothing), GQA, and every
+# score option; dropout's mask counts the sequence as the batch index.
 VARLEN_CASES = [
-    pytest.param((5, 0, 70, 1), (9, 3, 70, 1), 2, 1, 64, True, (-1, -1), 0.0, None, id="causal-gqa-empty"),
-    pytest.param((130, 17), (40, 17), 2, 2, 32, True, (-1, -1), 0.0, None, id="causal-q130-k40"),
-    pytest.param((33, 65, 1), (65, 33, 2), 2, 2, 128, False, (-1, -1), 0.0, None, id="noncausal-d128"),
-    pytest.param((80, 20), (90, 20), 4, 2, 64, True, (12, -1), 3.0, "per-batch", id="window-softcap-alibi"),
-    pytest.param((40, 7), (30, 50), 2, 1, 256, False, (5, 9), 0.0, "per-head", id="window-alibi-d256"),
+    pytest.param((5, 0, 70, 1), (9, 3, 70, 1), 2, 1, 64, True, (-1, -1), 0.0, None, 0.0, id="causal-gqa-empty"),
+    pytest.param((130, 17), (40, 17), 2, 2, 32, True, (-1, -1), 0.0, None, 0.0, id="causal-q130-k40"),
+    pytest.param((33, 65, 1), (65, 33, 2), 2, 2, 128, False, (-1, -1), 0.0, None, 0.0, id="noncausal-d128"),
+    pytest.param((80, 20), (90, 20), 4, 2, 64, True, (12, -1), 3.0, "per-batch", 0.0, id="window-softcap-alibi"),
+    pytest.param((40, 7), (30, 50), 2, 1, 256, False, (5, 9), 0.0, "per-head", 0.0, id="window-alibi-d256"),
+    pytest.param((3, 0, 70, 33), (9, 4, 70, 20), 2, 1, 64, True, (-1, -1), 0.0, None, 0.25, id="dropout-gqa-causal"),
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("lengths_q, lengths_k, heads, kv_heads, head_dim, causal, window, softcap, alibi",
+@pytest.mark.parametrize("lengths_q, lengths_k, heads, kv_heads, head_dim, causal, window, softcap, alibi, dropout_p",
                          VARLEN_CASES)
 def test_packed_sequences_match_float64(lengths_q, lengths_k, heads, kv_heads, head_dim, causal, window, softcap,
-                                        alibi, dtype):
+                                        alibi, dropout_p, dtype):
     cu_q, cu_k = varlen_ops.cu_seqlens_of(lengths_q), varlen_ops.cu_seqlens_of(lengths_k)
     q = torch.randn(sum(lengths_q), heads, head_dim).to(dtype)
     k = torch.randn(sum(lengths_k), kv_heads, head_dim).to(dtype)
@@ -183,7 +210,7 @@ def test_packed_sequences_match_float64(lengths_q, lengths_k, heads, kv_heads, h
     do = torch.randn(q.shape).to(dtype)
     batch = len(lengths_q)
     slopes = None if alibi is None else torch.rand((heads,) if alibi == "per-head" else (batch, heads))
-    scale, features = head_dim ** -0.5, (*window, softcap, slopes)
+    scale, features = head_dim ** -0.5, (*window, softcap, slopes, dropout_p, SEED)
     sizes = (cu_q, cu_k, max(lengths_q), max(lengths_k), causal, scale)
     o, lse = emulated_attention_varlen_fwd(q, k, v, *sizes, *features)
     ours = (o, lse, *emulated_attention_varlen_bwd(do, q, k, v, o, lse, *sizes, *features))

@@ -146,9 +146,9 @@ def _sdpa_dropout(backend=None):
 def feature_implementations(device, feature):
     """A Variant for every implementation of a feature case, and the stock one its check builds on
     (None for dropout: no two implementations draw the same mask)."""
-    if device.type == "cuda" and feature != "dropout":  # the Triton kernels and the CUDA extension's, each its rows
+    if device.type == "cuda":  # the Triton kernels and the CUDA extension's, each its rows
         ours = [Variant(name, True, _remat_feature(feature), backend) for name, backend in ours_by_backend(device)]
-    else:  # the CUDA kernels take no dropout
+    else:
         ours = [Variant(f"remat-{remat._backend.choose('attention', device, kernels=('triton',))}", True,
                         _remat_feature(feature))]
     if feature == "dropout":
@@ -242,7 +242,7 @@ def sanitize_calls(device, dtype):
     """The calls of remat.attention that bench/sanitize_check.py runs, forward and backward, under
     compute-sanitizer: GQA with seqlen_q != seqlen_k, causal (masked tails, the mask off the
     diagonal); then a window with softcapping and ALiBi at head dim 256 (skipped blocks, the
-    column halves of dK/dV)."""
+    column halves of dK/dV); dropout at head dim 128 (the mask drawn in each kernel)."""
     q = torch.randn(1, 2, 37, 64, device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(1, 1, 45, 64, device=device, dtype=dtype, requires_grad=True)
     yield functools.partial(remat.attention, q, k, k, causal=True)
@@ -250,6 +250,9 @@ def sanitize_calls(device, dtype):
     k = torch.randn(1, 2, 90, 256, device=device, dtype=dtype, requires_grad=True)
     slopes = torch.rand(2, device=device)
     yield functools.partial(remat.attention, q, k, k, window_size=(10, 25), softcap=3.0, alibi_slopes=slopes)
+    q = torch.randn(2, 2, 70, 128, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 2, 130, 128, device=device, dtype=dtype, requires_grad=True)
+    yield functools.partial(remat.attention, q, k, k, causal=True, dropout_p=0.2)
 
 
 def cases(device, dtypes, quick, sizes=None):

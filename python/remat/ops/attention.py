@@ -17,10 +17,10 @@ Conventions (shared by the reference, the Triton kernels and the fallback):
 Backends: CUDA tensors run the Triton kernels for backends "auto" and "triton"; backend "cuda"
 runs the CUDA extension's own kernels (csrc/attention_kernels.cuh) on what they take (see
 cuda_kernel_takes: half or bfloat16, head dims that are a multiple of 8 up to 256, any window,
-softcapping or ALiBi but no dropout, a GPU of compute capability 8.0 or newer) and the Triton
-kernels, with a one-time warning, on the rest. CPU tensors run the Triton kernel
-under TRITON_INTERPRET=1, else the reference. Head dims outside HEAD_DIMS run the reference on
-CPU; on CUDA, those and GPUs Triton cannot target (compute capability < 8.0) fall back to
+softcapping, ALiBi or dropout, a GPU of compute capability 8.0 or newer) and the Triton kernels,
+with a one-time warning, on the rest. Both draw the same dropout mask (dropout_keep_mask). CPU
+tensors run the Triton kernel under TRITON_INTERPRET=1, else the reference. Head dims outside
+HEAD_DIMS run the reference on CPU; on CUDA, those and GPUs Triton cannot target (compute capability < 8.0) fall back to
 torch.nn.functional.scaled_dot_product_attention with a one-time warning (to the reference when a
 window, softcapping, ALiBi or dropout is asked for: it computes each as the kernels do, dropout with
 the kernels' own mask).
@@ -577,15 +577,13 @@ def cuda_kernel_takes(*args):
 
 
 def cuda_kernel_computes(*args):
-    """Whether the CUDA kernels compute attention_fwd's or attention_bwd's arguments (given or
-    defaulted): the first tensor (q or do) half or bfloat16 with a head dim that is a multiple of 8
-    up to 256, causal or not, with any window, softcapping or ALiBi, but no dropout."""
+    """Whether the CUDA kernels compute attention_fwd's or attention_bwd's arguments: the first
+    tensor (q or do) half or bfloat16 with a head dim that is a multiple of 8 up to 256. Every
+    score option (causal, window, softcapping, ALiBi, dropout) they compute as the Triton kernels do."""
     first = args[0]
-    at = next(i for i, a in enumerate(args) if isinstance(a, bool))  # causal; the scale, then the features follow
-    dropout_p = args[at + 6] if len(args) > at + 6 else 0.0
     head_dim = first.shape[-1]
-    return (dropout_p == 0.0 and first.dtype in (torch.float16, torch.bfloat16)
-            and head_dim % 8 == 0 and 0 < head_dim <= CUDA_KERNEL_MAX_HEAD_DIM)
+    return (first.dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
+            and 0 < head_dim <= CUDA_KERNEL_MAX_HEAD_DIM)
 
 
 def _stock_attention(t):

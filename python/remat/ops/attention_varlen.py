@@ -340,7 +340,7 @@ FAMILY = OpFamily(
     # Head dims outside HEAD_DIMS run the reference (the first tensor, q or do, ends in the head dim).
     triton_takes=lambda first, *_: first.shape[-1] in HEAD_DIMS,
     # Backend "cuda": the CUDA extension's kernels (csrc/attention_kernels.cuh, packed), which take
-    # what they take for remat.attention (half types, head dims to 256, no dropout).
+    # what they take for remat.attention (half types, head dims to 256).
     cuda=True,
     cuda_takes=cuda_kernel_takes,
     uses_tl_dot=True,
