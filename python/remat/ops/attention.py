@@ -549,7 +549,9 @@ def multihead_self_attention(x, in_proj_weight, in_proj_bias, out_proj_weight, o
 def _samples(device):
     """GQA (2 query heads on 1 key/value head), seqlen_q 9 != seqlen_k 12 (masked tails, the causal
     mask off the diagonal), causal and not, with and without the window, softcap and ALiBi; the
-    forward's inputs require grad (so opcheck checks its autograd too), the backward's do not."""
+    forward's inputs require grad (so opcheck checks its autograd too), the backward's do not. On a
+    GPU every other variant is bfloat16, which the CUDA extension's kernels take (their ops are then
+    checked on the same samples)."""
     q = torch.randn(1, 2, 9, 32, device=device)
     k, v = torch.randn(1, 1, 12, 32, device=device), torch.randn(1, 1, 12, 32, device=device)
     forward, backward = [], []
@@ -558,11 +560,17 @@ def _samples(device):
     seed = torch.tensor([1234], dtype=torch.int64, device=device)
     variants = [(False, ()), (True, ()), (True, (4, -1, 0.0, torch.rand(2, device=device))),
                 (False, (3, 5, 2.0, torch.rand(1, 2, device=device))), (True, (-1, -1, 0.0, None, 0.3, seed))]
-    for causal, features in variants:
-        forward.append((*grad_leaves(q, k, v), causal, 0.25, *features))
-        o, lse = _attention_fwd_ref(q, k, v, causal, 0.25, *features)
-        backward.append((torch.randn_like(o), q, k, v, o, lse, causal, 0.25, *features))
+    for index, (causal, features) in enumerate(variants):
+        qkv = [t.to(sample_dtype(device, index)) for t in (q, k, v)]
+        forward.append((*grad_leaves(*qkv), causal, 0.25, *features))
+        o, lse = _attention_fwd_ref(*qkv, causal, 0.25, *features)
+        backward.append((torch.randn_like(o), *qkv, o, lse, causal, 0.25, *features))
     return OpSamples(forward, backward)
+
+
+def sample_dtype(device, index):
+    """The dtype of sample variant INDEX: bfloat16 for every other one on a GPU, else float32."""
+    return torch.bfloat16 if device.type == "cuda" and index % 2 == 0 else torch.float32
 
 
 CUDA_KERNEL_MAX_HEAD_DIM = 256

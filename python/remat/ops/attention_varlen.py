@@ -37,6 +37,7 @@ from .attention import (
     attention_ref,
     checked_call,
     cuda_kernel_takes,
+    sample_dtype,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -280,7 +281,8 @@ def cu_seqlens_of(lengths, device=None):
 def _samples(device):
     """Three sequences (query lengths 3, 0, 6; key lengths 5, 2, 9: an empty one, one whose queries
     outnumber nothing, seqlen_q != seqlen_k), GQA (2 query heads on 1), causal and not, with and
-    without a window, softcapping, ALiBi per sequence and dropout."""
+    without a window, softcapping, ALiBi per sequence and dropout; on a GPU every other variant in
+    bfloat16 (see remat.ops.attention's samples)."""
     cu_q, cu_k = cu_seqlens_of([3, 0, 6], device), cu_seqlens_of([5, 2, 9], device)
     q = torch.randn(9, 2, 32, device=device)
     k, v = torch.randn(16, 1, 32, device=device), torch.randn(16, 1, 32, device=device)
@@ -288,10 +290,11 @@ def _samples(device):
     variants = [(False, ()), (True, ()), (True, (4, -1, 0.0, torch.rand(3, 2, device=device))),
                 (False, (3, 5, 2.0, torch.rand(2, device=device))), (True, (-1, -1, 0.0, None, 0.3, seed))]
     forward, backward = [], []
-    for causal, features in variants:
-        forward.append((*grad_leaves(q, k, v), cu_q, cu_k, 6, 9, causal, 0.25, *features))
-        o, lse = _attention_varlen_fwd_ref(q, k, v, cu_q, cu_k, 6, 9, causal, 0.25, *features)
-        backward.append((torch.randn_like(o), q, k, v, o, lse, cu_q, cu_k, 6, 9, causal, 0.25, *features))
+    for index, (causal, features) in enumerate(variants):
+        qkv = [t.to(sample_dtype(device, index)) for t in (q, k, v)]
+        forward.append((*grad_leaves(*qkv), cu_q, cu_k, 6, 9, causal, 0.25, *features))
+        o, lse = _attention_varlen_fwd_ref(*qkv, cu_q, cu_k, 6, 9, causal, 0.25, *features)
+        backward.append((torch.randn_like(o), *qkv, o, lse, cu_q, cu_k, 6, 9, causal, 0.25, *features))
     return OpSamples(forward, backward)
 
 
