@@ -493,3 +493,18 @@ def test_backend_cuda_keeps_the_head_dims_only_its_kernels_take(monkeypatch):
     assert attn_ops._fallback_reason(half, half, half, (half, half, half, True, 0.125)) is None
     assert "head dim 48" in attn_ops._fallback_reason(single, single, single, (single, single, single, True, 0.125))
     assert "head dim 48" in attn_ops._fallback_reason(half, half, half)  # without the call: Triton's limits
+
+
+@pytest.mark.parametrize("features, fallback", [
+    ({}, r"torch\.nn\.functional\.scaled_dot_product_attention \(correct, but not remat's memory layout\)"),
+    (dict(softcap=5.0), r"remat's PyTorch reference \(correct, but it materialises"),
+], ids=["plain-sdpa", "softcap-reference"])
+def test_the_fallback_warning_names_what_runs_instead(monkeypatch, features, fallback):
+    """SDPA runs plain and causal calls the kernels cannot; the reference runs those with a window,
+    softcapping, ALiBi or dropout (SDPA has none of them as the kernels compute them)."""
+    monkeypatch.setattr(attn_ops, "_fallback_reason", lambda *args: "a reason the kernels decline")
+    monkeypatch.setattr(attn_ops, "_warned", set())
+    q, k, v = make_qkv((1, 2, 2, 16, 16, 32), torch.float32, "cpu")
+    with pytest.warns(UserWarning, match=r"^remat\.attention: a reason the kernels decline; falling back to "
+                                         + fallback):
+        remat.attention(q, k, v, causal=True, **features)

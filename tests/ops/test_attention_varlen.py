@@ -167,3 +167,18 @@ def test_queries_without_keys_get_zero_output_and_minus_inf_lse(target):
     assert torch.equal(o[:4], torch.zeros_like(o[:4])) and torch.isneginf(lse[:, :4]).all()
     assert torch.equal(dq[:4], torch.zeros_like(dq[:4]))
     assert_matches_float64((o, lse, dq, dk, dv), float64_varlen(q, k, v, do, cu_q, cu_k), torch.float32)
+
+
+def test_the_fallback_warning_names_the_function_and_the_reference_it_runs(monkeypatch):
+    """Where the kernels cannot run a call (on a GPU: a head dim neither backend takes, an old GPU),
+    attention_varlen runs its PyTorch reference sequence by sequence, and says so by name."""
+    from remat.ops import attention as attn_ops
+    from remat.ops import attention_varlen as varlen_ops
+
+    monkeypatch.setattr(varlen_ops, "_fallback_reason", lambda *args: "a reason the kernels decline")
+    monkeypatch.setattr(attn_ops, "_warned", set())
+    q, k, v, do, cu_q, cu_k = packed_inputs([3, 5], [4, 6], 2, 1, 32, torch.float32, "cpu")
+    with pytest.warns(UserWarning, match=r"^remat\.attention_varlen: a reason the kernels decline; falling back "
+                                         r"to remat's PyTorch reference \(correct, but it materialises"):
+        ours = run_varlen(q, k, v, do, cu_q, cu_k, causal=True)
+    assert_matches_float64(ours, float64_varlen(q, k, v, do, cu_q, cu_k, causal=True), torch.float32)

@@ -277,14 +277,16 @@ def _backward(ctx, do, _dlse):
 _warned = set()
 
 
-def _warn_fallback_once(reason):
-    if reason not in _warned:
-        _warned.add(reason)
-        warnings.warn(
-            f"remat.attention: {reason}; falling back to torch.nn.functional.scaled_dot_product_attention "
-            "(correct, but not remat's memory layout)",
-            stacklevel=3,
-        )
+SDPA_FALLBACK = "torch.nn.functional.scaled_dot_product_attention (correct, but not remat's memory layout)"
+REFERENCE_FALLBACK = ("remat's PyTorch reference (correct, but it materialises every seqlen_q x seqlen_k score "
+                      "matrix)")
+
+
+def _warn_fallback_once(reason, function="remat.attention", fallback=SDPA_FALLBACK):
+    """Says once per (function, reason, fallback) that FUNCTION runs FALLBACK instead of the kernels."""
+    if (function, reason, fallback) not in _warned:
+        _warned.add((function, reason, fallback))
+        warnings.warn(f"{function}: {reason}; falling back to {fallback}", stacklevel=3)
 
 
 @torch.compiler.assume_constant_result
@@ -508,7 +510,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, attn_
                                            alibi_slopes, dropout_p)
     reason = _fallback_reason(q, k, v, (q, k, v, causal, softmax_scale, *features))
     if reason is not None:
-        _warn_fallback_once(reason)
+        _warn_fallback_once(reason, fallback=SDPA_FALLBACK if features == _NO_FEATURES else REFERENCE_FALLBACK)
         return _fallback(q, k, v, causal, softmax_scale, return_lse, features)
 
     o, lse = attention_fwd(_unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v), causal, softmax_scale,

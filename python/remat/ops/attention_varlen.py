@@ -25,6 +25,7 @@ from .._validate import autocast_dtype, cast_for_autocast, check_float_tensor, c
 from ._family import OpFamily, OpSamples, PublicCall, grad_leaves
 from .attention import (
     HEAD_DIMS,
+    REFERENCE_FALLBACK,
     _check_alibi_slopes,
     _check_dropout_p,
     _check_softcap,
@@ -259,7 +260,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     op_args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, *features)
     reason = _fallback_reason(q, k, v, op_args, FAMILY)
     if reason is not None:  # the differentiable reference, sequence by sequence
-        _warn_fallback_once(reason)
+        _warn_fallback_once(reason, "remat.attention_varlen", REFERENCE_FALLBACK)
         o, lse = attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, *features)
         return (o, lse.detach().to(torch.float32)) if return_lse else o
     o, lse = attention_varlen_fwd(_unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v), cu_seqlens_q,
