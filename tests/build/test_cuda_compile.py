@@ -1,12 +1,17 @@
-"""The CUDA sources compile for the GPUs we ship (sm_80, sm_90) without register spills.
+"""The CUDA sources compile for the GPUs we ship (sm_80, sm_90) without register spills, and
+their SASS has the instructions the kernels are written for.
 
-Runs nvcc on each csrc/*.cu standalone with the flags torch's extension build uses, parses the
-`-Xptxas -v` report and fails on any kernel that spills. Needs nvcc, not a GPU; skips without it.
-Both architectures are compiled in one nvcc call (the host front end runs once).
+Reads the device code of the built extension (remat._C) when it is newer than every file of csrc/
+and holds both architectures of every csrc/*.cu, as the README's install builds it: what ships is
+what is checked, and nothing compiles twice. Otherwise runs nvcc on each source standalone with
+the flags torch's extension build uses (both architectures in one call). Registers, stack frame
+and local memory per kernel come from `cuobjdump --dump-resource-usage` (what `-Xptxas -v`
+reports; a spill needs a stack frame). Needs nvcc, not a GPU; skips without it.
 """
 
 import functools
 import glob
+import importlib.util
 import inspect
 import os
 import re
@@ -79,7 +84,7 @@ def nvcc_command(nvcc, source, output):
 
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS]
     return (
-        [nvcc, "-c", source, "-o", output, f"-std={torch_cxx_std()}", "-O3", "-Xptxas", "-v"]
+        [nvcc, "-c", source, "-o", output, f"-std={torch_cxx_std()}", "-O3"]
         + gencode
         + list(cpp_extension.COMMON_NVCC_FLAGS)  # -D__CUDA_NO_HALF_OPERATORS__ ..., as the real build
         + ["-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H", "--compiler-options", "-fPIC"]
@@ -95,29 +100,27 @@ def demangle(names):
     return dict(zip(names, out)) if len(out) == len(names) else {n: n for n in names}
 
 
-def parse_ptxas(log):
-    """[(arch, function, registers or None, spill_stores, spill_loads)] from a -Xptxas -v log."""
-    functions = []
-    arch = None
-    current = None
-    for line in log.splitlines():
-        m = re.search(r"Compiling entry function '([^']+)' for '(sm_\d+)'", line)
-        if m:
-            arch = m.group(2)
-            continue
-        m = re.search(r"Function properties for (\S+)", line)
-        if m:
-            current = [arch, m.group(1), None, None, None]
-            functions.append(current)
-            continue
-        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
-        if m and current is not None:
-            current[3], current[4] = int(m.group(1)), int(m.group(2))
-            continue
-        m = re.search(r"Used (\d+) registers", line)
-        if m and current is not None:
-            current[2] = int(m.group(1))
-    return [tuple(f) for f in functions]
+@functools.cache
+def resource_usage(binary, source=None):
+    """{(arch, source file name): {mangled kernel: (registers, stack frame bytes, local bytes)}} of
+    the device code in a binary: the extension's shared library, whose code names its source file,
+    or SOURCE's object file, whose code does not."""
+    text = subprocess.run([cuda_binary_tool("cuobjdump"), "--dump-resource-usage", binary], capture_output=True,
+                          text=True, check=True).stdout
+    usage, arch, named, kernel = {}, None, None, None
+    for line in text.splitlines():
+        if line.startswith("Fatbin"):
+            named = None
+        elif m := re.match(r"arch = sm_(\d+)", line):
+            arch = m[1]
+        elif m := re.match(r"identifier = (.+)", line):
+            named = m[1].strip()
+        elif m := re.match(r"\s*Function (\S+):", line):
+            kernel = m[1]
+        elif m := re.match(r"\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", line):
+            key = (arch, os.path.basename(named or source or "?"))
+            usage.setdefault(key, {})[kernel] = tuple(int(g) for g in m.groups())
+    return usage
 
 
 requires_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found (set CUDA_HOME or add it to PATH)")
@@ -125,36 +128,57 @@ requires_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found (
 
 @functools.cache
 def compile_source(source):
-    """(ptxas log, object file) of one nvcc compile of `source` for ARCHS, shared by the tests."""
+    """The object file of one nvcc compile of `source` for ARCHS, shared by the tests."""
     nvcc = find_nvcc()
     output = os.path.join(tempfile.mkdtemp(prefix="remat-nvcc-"), "out.o")
     command = nvcc_command(nvcc, source, output)
     result = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
     log = result.stdout + result.stderr
     assert result.returncode == 0, f"nvcc failed on {os.path.basename(source)}:\n{' '.join(command)}\n{log[-6000:]}"
-    return log, output
+    return output
+
+
+@functools.cache
+def built_extension():
+    """The built extension's shared library when it is newer than every file of csrc/ (not stale)
+    and holds code for every ARCHS of every CUDA source, else None."""
+    try:
+        spec = importlib.util.find_spec("remat._C")
+    except ImportError:
+        return None
+    if spec is None or not spec.origin or not os.path.exists(spec.origin):
+        return None
+    if os.path.getmtime(spec.origin) < max(os.path.getmtime(p) for p in glob.glob(os.path.join(CSRC, "*"))):
+        return None
+    usage = resource_usage(spec.origin)
+    has_all = all(usage.get((arch, os.path.basename(s))) for arch in ARCHS for s in CUDA_SOURCES)
+    return spec.origin if has_all else None
+
+
+def binary_of(source):
+    """A binary with SOURCE's device code for ARCHS: the built extension, else a compile of SOURCE alone."""
+    return built_extension() or compile_source(source)
 
 
 @requires_nvcc
 @pytest.mark.parametrize("source", CUDA_SOURCES, ids=os.path.basename)
 def test_compiles_without_spills(source):
     pytest.importorskip("torch")
-    log, _ = compile_source(source)
-
-    functions = parse_ptxas(log)
-    assert functions, f"no ptxas report parsed for {os.path.basename(source)}:\n{log[-3000:]}"
-    assert {f[0] for f in functions} >= {f"sm_{a}" for a in ARCHS}, "ptxas did not report every architecture"
-    spilling = [f for f in functions if (f[3] or 0) + (f[4] or 0) > 0]
-    names = demangle(sorted({f[1] for f in spilling}))
-    report = "\n".join(
-        f"  {arch} {names[name]}: {regs} registers, {stores} bytes spill stores, {loads} bytes spill loads"
-        for arch, name, regs, stores, loads in spilling
-    )
-    assert not spilling, f"register spills in {os.path.basename(source)}:\n{report}"
+    name = os.path.basename(source)
+    usage = resource_usage(binary_of(source), source)
+    for arch in ARCHS:
+        assert usage.get((arch, name)), f"no sm_{arch} kernels of {name} in the binary"
+    spilling = [(arch, kernel, *counts) for arch in ARCHS for kernel, counts in usage[(arch, name)].items()
+                if counts[1] or counts[2]]
+    names = demangle(sorted({kernel for _, kernel, *_ in spilling}))
+    report = "\n".join(f"  sm_{arch} {names[kernel]}: {regs} registers, {stack} bytes stack frame, {local} bytes local"
+                       for arch, kernel, regs, stack, local in spilling)
+    assert not spilling, f"register spills (a stack frame or local memory) in {name}:\n{report}"
 
 
+@functools.cache
 def sass_functions(obj, arch):
-    """{demangled function name: its SASS} of the sm_<arch> code in an object file."""
+    """{demangled function name: its SASS} of the sm_<arch> code in a binary."""
     text = subprocess.run([cuda_binary_tool("cuobjdump"), "-sass", "-arch", f"sm_{arch}", obj], capture_output=True,
                           text=True, check=True).stdout
     bodies = dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s+Function : |\Z)", text, flags=re.S))
@@ -183,7 +207,7 @@ def test_layer_norm_backward_loads_the_next_row_before_its_reductions(arch):
     issues cp.async copies (LDGSTS) of the next row before this row's first warp shuffle, and the
     wait before that shuffle leaves one copy group in flight (DEPBAR.LE SB0, 0x1): the next row's
     loads overlap this row's reductions."""
-    _, obj = compile_source(os.path.join(CSRC, "layer_norm.cu"))
+    obj = binary_of(os.path.join(CSRC, "layer_norm.cu"))
     kernels = {name: body for name, body in sass_functions(obj, arch).items() if prefetches_rows(name)}
     # (5 LayerNorm (x, parameter) dtype pairs + 7 RMSNorm modes with y in x's dtype: 1 for fp32 x,
     # 3 for each 16-bit x) x 4 (elements a thread, warp or block per row) x recompute or not
@@ -206,7 +230,7 @@ GATED_KERNEL = re.compile(r"gated_(fwd|bwd)_kernel<(?P<t>[\w:]+), (?P<vec>\d+), 
 def test_gated_kernels_on_aligned_rows_access_memory_in_16_byte_packs(arch):
     """Every global load and store of the gated kernels compiled for 16-byte packs (VEC 8 for
     16-bit types, 4 for fp32) is one 16-byte access: gate, up and dy in, y, d_gate and d_up out."""
-    _, obj = compile_source(os.path.join(CSRC, "gated.cu"))
+    obj = binary_of(os.path.join(CSRC, "gated.cu"))
     packed = {}
     for name, body in sass_functions(obj, arch).items():
         m = GATED_KERNEL.search(name)
@@ -228,7 +252,7 @@ ATTENTION_KERNEL = re.compile(r"attention_(fwd|dkdv|dq)_kernel<")
 def test_attention_kernels_multiply_on_tensor_cores(arch):
     """Every attention kernel's products are m16n8k16 tensor-core instructions (HMMA.16816 with
     fp32 accumulators), fed by ldmatrix (LDSM) from shared memory that cp.async (LDGSTS) filled."""
-    _, obj = compile_source(os.path.join(CSRC, "attention.cu"))
+    obj = binary_of(os.path.join(CSRC, "attention.cu"))
     kernels = {name: body for name, body in sass_functions(obj, arch).items() if ATTENTION_KERNEL.search(name)}
     assert len(kernels) == 3 * 2 * 4, sorted(kernels)  # 3 kernels x fp16/bf16 x head dims 32, 64, 128, 256
     for name, body in kernels.items():
