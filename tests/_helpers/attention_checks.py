@@ -4,6 +4,9 @@ import torch
 
 from numerics import REL_TOL, rel_error
 
+# A dropout seed whose two 32-bit halves (Philox's key) both matter, the high one negative as int64.
+DROPOUT_SEED = torch.tensor([-0x3C6EF372FE94F82B], dtype=torch.int64)
+
 
 def assert_matches_float64(ours, ref, dtype, exactly_zero=()):
     """(o, lse, dq, dk, dv) against float64: each within REL_TOL of `dtype`, lse in fp32 and -inf

@@ -20,7 +20,7 @@ import remat
 from remat import _backend
 from remat.ops import attention as attn_ops
 
-from attention_checks import assert_matches_float64, mask_revealing_inputs, masks_read_from
+from attention_checks import DROPOUT_SEED, assert_matches_float64, mask_revealing_inputs, masks_read_from
 
 HAS_GPU = torch.cuda.is_available()
 EXTENSION, WHY_NOT = remat.backends()["cuda"]
@@ -205,9 +205,6 @@ def test_score_options_match_float64_and_the_triton_kernels(shape, causal, windo
     assert torch.equal(torch.isfinite(ours[1]), finite)  # the same rows see no key
 
 
-SEED = torch.tensor([-0x3C6EF372FE94F82B], dtype=torch.int64)  # both 32-bit halves of Philox's key matter
-
-
 def _run_op(backend, q, k, v, do, causal, *features):
     """(o, lse, dq, dk, dv) of the attention_fwd op (its features positional, the seed given) under BACKEND."""
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -225,7 +222,7 @@ def _run_op(backend, q, k, v, do, causal, *features):
 def test_dropout_matches_float64_and_the_triton_kernels_with_the_same_mask(shape, causal, window, dropout_p, dtype):
     q, k, v = _qkv(shape, dtype)
     do = torch.randn(q.shape, device="cuda").to(dtype)
-    features = (*window, 0.0, None, dropout_p, SEED.cuda())
+    features = (*window, 0.0, None, dropout_p, DROPOUT_SEED.cuda())
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the CUDA kernel itself, no fallback
         ours = _run_op("cuda", q, k, v, do, causal, *features)
@@ -244,10 +241,10 @@ def test_dropout_draws_the_triton_kernels_mask_in_every_kernel(head_dim, seqlen_
     is remat.ops.attention.dropout_keep_mask (the Triton kernels'), as in the emulator's test."""
     batch, heads, dropout_p = 2, 2, 0.5
     q, k, v, do, unit_keys = mask_revealing_inputs(batch, heads, seqlen_q, seqlen_k, head_dim, torch.float16, "cuda")
-    features = (-1, -1, 0.0, None, dropout_p, SEED.cuda())
+    features = (-1, -1, 0.0, None, dropout_p, DROPOUT_SEED.cuda())
     o, _, _, _, dv = _run_op("cuda", q, k, v, do, False, *features)
     dq = _run_op("cuda", q, unit_keys, v, do, False, *features)[2]
-    kept = attn_ops.dropout_keep_mask(SEED, batch, heads, seqlen_q, seqlen_k, dropout_p, "cuda")
+    kept = attn_ops.dropout_keep_mask(DROPOUT_SEED, batch, heads, seqlen_q, seqlen_k, dropout_p, "cuda")
     for kernel, mask in zip(("forward", "dK/dV", "dQ"), masks_read_from(o, dv, dq, seqlen_k)):
         assert torch.equal(mask, kept), kernel
 

@@ -13,7 +13,7 @@ import torch
 from remat.ops import attention as attn_ops
 from remat.ops import attention_varlen as varlen_ops
 
-from attention_checks import assert_matches_float64, mask_revealing_inputs, masks_read_from
+from attention_checks import DROPOUT_SEED, assert_matches_float64, mask_revealing_inputs, masks_read_from
 from cuda_emulator import (
     emulated_attention_bwd,
     emulated_attention_fwd,
@@ -119,9 +119,6 @@ def test_large_scores_stay_finite():
     assert_matches_float64(ours, _float64(q, k, v, do, False, 4.0), torch.float16)
 
 
-# A dropout seed whose two 32-bit halves (Philox's key) both matter, the high one negative as int64.
-SEED = torch.tensor([-0x3C6EF372FE94F82B], dtype=torch.int64)
-
 # (shape as CASES, window_left, window_right, softcap, ALiBi slopes: None, "per-head" or
 # "per-batch", dropout_p). Windows narrower than a block skip whole key blocks (200 rows, left 20)
 # and whole query blocks in dK/dV; Sq != Sk moves the diagonal both ways. Dropout with GQA sums
@@ -146,7 +143,7 @@ def test_score_options_match_float64(case, window_left, window_right, softcap, a
     q, k, v, do, causal = _inputs(case, dtype)
     batch, heads = q.shape[:2]
     slopes = None if alibi is None else torch.rand((heads,) if alibi == "per-head" else (batch, heads))
-    features = (window_left, window_right, softcap, slopes, dropout_p, SEED)
+    features = (window_left, window_right, softcap, slopes, dropout_p, DROPOUT_SEED)
     scale = q.shape[-1] ** -0.5
     ours = _emulated(q, k, v, do, causal, scale, *features)
     assert_matches_float64(ours, _float64(q, k, v, do, causal, scale, *features), dtype)
@@ -160,9 +157,9 @@ def test_dropout_draws_the_triton_kernels_mask_in_every_kernel(head_dim, seqlen_
     heads, two batches: every part of Philox's counter moves."""
     batch, heads, dropout_p = 2, 2, 0.5
     q, k, v, do, unit_keys = mask_revealing_inputs(batch, heads, seqlen_q, seqlen_k, head_dim, torch.float16)
-    kept = attn_ops.dropout_keep_mask(SEED, batch, heads, seqlen_q, seqlen_k, dropout_p)
+    kept = attn_ops.dropout_keep_mask(DROPOUT_SEED, batch, heads, seqlen_q, seqlen_k, dropout_p)
     assert 0.4 < kept.float().mean() < 0.6
-    features = (-1, -1, 0.0, None, dropout_p, SEED)
+    features = (-1, -1, 0.0, None, dropout_p, DROPOUT_SEED)
     o, _, _, _, dv = _emulated(q, k, v, do, False, 0.125, *features)
     dq = _emulated(q, unit_keys, v, do, False, 0.125, *features)[2]
     for kernel, mask in zip(("forward", "dK/dV", "dQ"), masks_read_from(o, dv, dq, seqlen_k)):
@@ -210,7 +207,7 @@ def test_packed_sequences_match_float64(lengths_q, lengths_k, heads, kv_heads, h
     do = torch.randn(q.shape).to(dtype)
     batch = len(lengths_q)
     slopes = None if alibi is None else torch.rand((heads,) if alibi == "per-head" else (batch, heads))
-    scale, features = head_dim ** -0.5, (*window, softcap, slopes, dropout_p, SEED)
+    scale, features = head_dim ** -0.5, (*window, softcap, slopes, dropout_p, DROPOUT_SEED)
     sizes = (cu_q, cu_k, max(lengths_q), max(lengths_k), causal, scale)
     o, lse = emulated_attention_varlen_fwd(q, k, v, *sizes, *features)
     ours = (o, lse, *emulated_attention_varlen_bwd(do, q, k, v, o, lse, *sizes, *features))

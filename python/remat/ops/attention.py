@@ -20,10 +20,10 @@ cuda_kernel_takes: half or bfloat16, head dims that are a multiple of 8 up to 25
 softcapping, ALiBi or dropout, a GPU of compute capability 8.0 or newer) and the Triton kernels,
 with a one-time warning, on the rest. Both draw the same dropout mask (dropout_keep_mask). CPU
 tensors run the Triton kernel under TRITON_INTERPRET=1, else the reference. Head dims outside
-HEAD_DIMS run the reference on CPU; on CUDA, those and GPUs Triton cannot target (compute capability < 8.0) fall back to
-torch.nn.functional.scaled_dot_product_attention with a one-time warning (to the reference when a
-window, softcapping, ALiBi or dropout is asked for: it computes each as the kernels do, dropout with
-the kernels' own mask).
+HEAD_DIMS run the reference on CPU; on CUDA, those and GPUs Triton cannot target (compute
+capability < 8.0) fall back to torch.nn.functional.scaled_dot_product_attention with a one-time
+warning (to the reference when a window, softcapping, ALiBi or dropout is asked for: it computes
+each as the kernels do, dropout with the kernels' own mask).
 
 Block sizes on a GPU are autotuned: the first call per (head dim, causal, dtype, GPU, length
 class) times a few candidate configurations and keeps the fastest, remembered in
@@ -327,12 +327,15 @@ def _runs_cuda_kernels(op_args, family):
     return chosen == "cuda" and family.cuda_takes(*op_args)
 
 
-def _fallback(q, k, v, causal, softmax_scale, return_lse, features):
+def _fallback(q, k, v, causal, softmax_scale, return_lse, features, reason):
     """SDPA for plain and causal attention; with a window, softcapping, ALiBi or dropout the
     differentiable reference (SDPA has no softcap nor the kernels' dropout mask; the reference
-    computes every feature as the kernels do). features: as attention_fwd's arguments after softmax_scale."""
+    computes every feature as the kernels do), saying once which and why (REASON). features: as
+    attention_fwd's arguments after softmax_scale."""
     if features == _NO_FEATURES:
+        _warn_fallback_once(reason)
         return _sdpa_fallback(q, k, v, causal, softmax_scale, return_lse)
+    _warn_fallback_once(reason, fallback=REFERENCE_FALLBACK)
     o, lse = attention_ref(q, k, v, causal, softmax_scale, *features)
     return (o, lse.detach().to(torch.float32)) if return_lse else o
 
@@ -510,8 +513,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, attn_
                                            alibi_slopes, dropout_p)
     reason = _fallback_reason(q, k, v, (q, k, v, causal, softmax_scale, *features))
     if reason is not None:
-        _warn_fallback_once(reason, fallback=SDPA_FALLBACK if features == _NO_FEATURES else REFERENCE_FALLBACK)
-        return _fallback(q, k, v, causal, softmax_scale, return_lse, features)
+        return _fallback(q, k, v, causal, softmax_scale, return_lse, features, reason)
 
     o, lse = attention_fwd(_unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v), causal, softmax_scale,
                            *features)
