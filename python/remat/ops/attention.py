@@ -327,15 +327,12 @@ def _runs_cuda_kernels(op_args, family):
     return chosen == "cuda" and family.cuda_takes(*op_args)
 
 
-def _fallback(q, k, v, causal, softmax_scale, return_lse, features, reason):
+def _fallback(q, k, v, causal, softmax_scale, return_lse, features):
     """SDPA for plain and causal attention; with a window, softcapping, ALiBi or dropout the
     differentiable reference (SDPA has no softcap nor the kernels' dropout mask; the reference
-    computes every feature as the kernels do), saying once which and why (REASON). features: as
-    attention_fwd's arguments after softmax_scale."""
+    computes every feature as the kernels do). features: as attention_fwd's arguments after softmax_scale."""
     if features == _NO_FEATURES:
-        _warn_fallback_once(reason)
         return _sdpa_fallback(q, k, v, causal, softmax_scale, return_lse)
-    _warn_fallback_once(reason, fallback=REFERENCE_FALLBACK)
     o, lse = attention_ref(q, k, v, causal, softmax_scale, *features)
     return (o, lse.detach().to(torch.float32)) if return_lse else o
 
@@ -513,7 +510,8 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, attn_
                                            alibi_slopes, dropout_p)
     reason = _fallback_reason(q, k, v, (q, k, v, causal, softmax_scale, *features))
     if reason is not None:
-        return _fallback(q, k, v, causal, softmax_scale, return_lse, features, reason)
+        _warn_fallback_once(reason, fallback=SDPA_FALLBACK if features == _NO_FEATURES else REFERENCE_FALLBACK)
+        return _fallback(q, k, v, causal, softmax_scale, return_lse, features)
 
     o, lse = attention_fwd(_unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v), causal, softmax_scale,
                            *features)
