@@ -243,6 +243,14 @@ def _run_attention(backward, tensors, causal, scale, sizes, window_left, window_
         raise RuntimeError(f"attention {'backward' if backward else 'forward'}: {message}")
 
 
+def take_ldmatrix_extra_passes():
+    """The passes beyond one a matrix that the attention kernels' ldmatrix calls took for bank
+    conflicts since the last call (in this process), and resets the count."""
+    library = build_emulated("attention_harness.cpp", "attention_harness")
+    library.emulated_take_ldmatrix_extra_passes.restype = ctypes.c_uint64
+    return library.emulated_take_ldmatrix_extra_passes()
+
+
 def emulated_attention_fwd(q, k, v, causal, scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
                            dropout_p=0.0, dropout_seed=None):
     """csrc/attention_kernels.cuh's forward on the emulator: (o, lse) for (B, H, Sq, D) q and

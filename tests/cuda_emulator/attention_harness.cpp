@@ -118,4 +118,7 @@ int emulated_attention(int backward, const int* sizes, int bf16, float softmax_s
   });
 }
 
+// The extra passes the kernels' ldmatrix calls took for bank conflicts since the last call.
+uint64_t emulated_take_ldmatrix_extra_passes() { return remat_emu::take_ldmatrix_extra_passes(); }
+
 }  // extern "C"

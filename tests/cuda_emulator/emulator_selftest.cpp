@@ -165,6 +165,9 @@ int selftest_ldmatrix(const int* offsets, int smem_elements, int transpose, uint
   });
 }
 
+// The extra passes of the ldmatrix calls since the last call (remat_emu::take_ldmatrix_extra_passes).
+uint64_t selftest_take_ldmatrix_extra_passes() { return remat_emu::take_ldmatrix_extra_passes(); }
+
 int selftest_shfl_xor(int threads, unsigned mask, int lane_mask, float* f, int* n, unsigned* u, char* error,
                       int error_bytes) {
   return report_errors(error, error_bytes,

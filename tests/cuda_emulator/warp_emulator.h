@@ -14,6 +14,8 @@
 //   - each block's dynamic shared memory starts filled with 0xFF bytes (NaN as fp16, bf16 and
 //     fp32), so a read of shared memory nobody wrote shows up as NaN; a guard page after its end
 //     turns a store past the end into a crash rather than silent corruption.
+//   - ldmatrix's bank conflicts are counted (take_ldmatrix_extra_passes), as passes a matrix
+//     takes beyond one: the one property of speed the emulator sees exactly.
 // A fault (a misaligned or out-of-bounds ldmatrix or cp.async address, lanes of one warp calling
 // different collectives, a thread exiting while others wait for it, a deadlock) stops the launch:
 // launch throws remat_emu::KernelFault with a message that names the check, the thread and the
@@ -27,6 +29,7 @@
 #include <unistd.h>
 #include <vector_types.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -396,6 +399,20 @@ inline std::string run_block(Block& b, char* stacks, size_t stride) {
 // The current block's dynamic shared memory (16-byte aligned, smem_bytes long).
 inline void* dynamic_shared_memory() { return detail::block().smem; }
 
+// Bank conflicts of ldmatrix. Shared memory has 32 banks of 4 bytes: an 8 x 8 matrix (8 rows of
+// 16 bytes) is read in one pass when its rows fall in 8 different 16-byte groups of banks
+// (shared offset / 16 % 8), rows at one address counting once (a broadcast). Each pass more that
+// a matrix takes, the most rows at distinct addresses in one group minus one, is counted here.
+namespace detail {
+inline std::atomic<uint64_t>& ldmatrix_extra_passes() {
+  static std::atomic<uint64_t> passes{0};
+  return passes;
+}
+}  // namespace detail
+
+// The extra ldmatrix passes counted since the last call (on any host thread), and resets them.
+inline uint64_t take_ldmatrix_extra_passes() { return detail::ldmatrix_extra_passes().exchange(0); }
+
 // While alive, every cp_async_16 with valid=true on this host thread must read inside BUFFERS.
 class ReadableGlobalMemory {
  public:
@@ -542,6 +559,29 @@ constexpr const char* mma_name() {
   return std::is_same_v<T, __nv_bfloat16> ? "mma_16816<__nv_bfloat16>" : "mma_16816<__half>";
 }
 
+// Adds the extra passes the four matrices of one ldmatrix take (see take_ldmatrix_extra_passes).
+template <class Lane>
+void count_bank_conflicts(Lane* const* lanes) {
+  const char* smem = static_cast<const char*>(remat_emu::dynamic_shared_memory());
+  uint64_t extra = 0;
+  for (int matrix = 0; matrix < 4; ++matrix) {
+    long long units[8];  // the rows' 16-byte units of shared memory
+    for (int r = 0; r < 8; ++r) units[r] = (static_cast<const char*>(lanes[8 * matrix + r]->row) - smem) / 16;
+    int passes = 1;
+    for (int group = 0; group < 8; ++group) {
+      int addresses = 0;  // distinct row addresses in this group
+      for (int r = 0; r < 8; ++r) {
+        bool repeated = false;
+        for (int e = 0; e < r; ++e) repeated = repeated || units[e] == units[r];
+        addresses += units[r] % 8 == group && !repeated;
+      }
+      passes = addresses > passes ? addresses : passes;
+    }
+    extra += passes - 1;
+  }
+  remat_emu::detail::ldmatrix_extra_passes() += extra;
+}
+
 // The four 8 x 8 matrices whose rows the 32 lanes' ROW addresses give; lane l receives in r[i]
 // row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1 of matrix i (TRANSPOSE: of its transpose).
 inline void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool transpose) {
@@ -555,6 +595,7 @@ inline void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool transpose) {
     d::Thread* warp_threads = &d::thread() - d::thread().linear % d::kWarpSize;
     for (int l = 0; l < d::kWarpSize; ++l)
       d::check_shared_16(lanes[l]->row, (std::string(name) + " row address").c_str(), warp_threads[l]);
+    count_bank_conflicts(lanes);
     auto element = [&](int matrix, int row, int col) {
       uint16_t v;
       std::memcpy(&v, static_cast<const char*>(lanes[8 * matrix + row]->row) + 2 * col, 2);

@@ -163,6 +163,23 @@ def test_ldmatrix_faults_on_a_bad_row_address(transpose, offset, problem):
     assert "thread 5 (threadIdx (5,0,0), warp 0 lane 5)" in message
 
 
+def test_ldmatrix_counts_the_passes_bank_conflicts_cost():
+    """Matrix 0's rows 128 bytes apart share one bank group (8 passes, 7 extra); matrix 1's
+    consecutive rows take one; matrix 2's eight rows at one address are a broadcast (one pass);
+    matrix 3's rows 0 and 1 differ by 128 bytes (2 passes: 1 extra)."""
+    library = selftest()
+    library.selftest_take_ldmatrix_extra_passes.restype = ctypes.c_uint64
+    offsets = ([64 * r for r in range(8)] + [512 + 8 * r for r in range(8)] + [640] * 8
+               + [768, 832] + [776 + 8 * r for r in range(6)])
+    library.selftest_take_ldmatrix_extra_passes()
+    for transpose in (False, True):
+        message, _ = run_ldmatrix(offsets, transpose)
+        assert message == ""
+        assert library.selftest_take_ldmatrix_extra_passes() == 7 + 0 + 0 + 1
+    message, _ = run_ldmatrix([8 * lane for lane in range(32)], False)
+    assert message == "" and library.selftest_take_ldmatrix_extra_passes() == 0
+
+
 # ---- __shfl_xor_sync ----
 
 def run_shfl(lane_mask, threads=64, mask=0xFFFFFFFF):
