@@ -2,7 +2,7 @@
 //
 // softmax(scale * q k^T) v for (B, H, S, D) half or bfloat16 tensors with a unit last stride,
 // GQA (H a multiple of the key/value heads), any sequence lengths (the tails masked), head dims
-// that are a multiple of 8 up to 256 (computed at the next of 32, 64, 128, 256; the columns past
+// that are a multiple of 8 up to 256 (computed at the next of 32, 64, 96, 128, 256; the columns past
 // the head dim are zero-filled on load and never stored). The same contract as the Triton
 // kernels (triton_kernels/attention.py):
 //   - a window, aligned bottom-right: query i sees key j iff -left <= j - (i + Sk - Sq) <= right.
@@ -129,9 +129,11 @@ constexpr float kLn2 = 0.6931471805599453f;
 // Block shapes by padded head dim D. M: query rows, N: keys. Chosen so that the fp32
 // accumulators and fragments fit in registers without spilling (tests/build/test_cuda_compile.py):
 //   forward: o (16 x D) and q's fragments per warp; keys stream past in blocks of 64 (32 at 256).
-//   dK/dV: dK and dV (16 x kDkdvCols each) per warp; query blocks stream past, 32 at D = 128,
-//     16 at 256 (its P^T and dS^T blocks are what is left room for).
-//   dQ: dQ (16 x D), q's and dO's fragments per warp; key blocks of 32 at D = 128, 16 at 256.
+//   dK/dV: dK and dV (16 x kDkdvCols each) per warp; query blocks stream past, 32 at D = 96 and
+//     128, 16 at 256 (its P^T and dS^T blocks are what is left room for).
+//   dQ: dQ (16 x D), q's and dO's fragments per warp; key blocks of 32 at D = 96 and 128, 16 at 256.
+// Head dim 96 has its own instantiation (rather than running padded to 128) because the head
+// dims 72..96 (Phi-3's 96, Phi-2's and OPT's 80) would otherwise pay 4/3 of their products.
 template <int D>
 struct Tiles {
   // q's (and dO's) A fragments, D / 4 registers each, stay in registers up to D = 128.
@@ -157,12 +159,21 @@ __host__ __device__ inline int ceil_div(int a, int b) { return (a + b - 1) / b; 
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 __device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
 
-// Element offset of chunk CHUNK (8 values) of row ROW in a swizzled shared tile of width D.
+// Element offset of chunk CHUNK (8 values) of row ROW in a swizzled shared tile of width D. An
+// ldmatrix reads one chunk of 8 rows 8r..8r+7 at once; they fall in 8 different 16-byte bank
+// groups (of a 128-byte line's 8) when: rows of a multiple of 8 chunks (D = 64, 128, 256) start
+// at group 0, so the chunk's low 3 bits are XORed with row % 8; rows of 4 mod 8 chunks (D = 32,
+// 96) start at group 0 or 4 by the row's parity, so the low 2 bits are XORed with row / 2 % 4.
+// Either way a chunk stays in its row's aligned group of 8 (or 4) chunks.
 template <int D>
 __device__ __forceinline__ int swizzled(int row, int chunk) {
   constexpr int kChunks = D / 8;
-  constexpr int kMask = (kChunks < 8 ? kChunks : 8) - 1;
-  return row * D + ((chunk ^ (row & kMask)) * 8);
+  static_assert(kChunks % 4 == 0, "a tile row is a multiple of 4 chunks");
+  if constexpr (kChunks % 8 == 0) {
+    return row * D + ((chunk ^ (row & 7)) * 8);
+  } else {
+    return row * D + ((chunk ^ ((row >> 1) & 3)) * 8);
+  }
 }
 
 // Starts copying ROWS rows, row0.., of a (seqlen, head_dim) slice at BASE (row stride STRIDE)
@@ -824,7 +835,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_dq_kernel(const Attenti
 // The tile width a head dim runs at; 0 when these kernels do not take it.
 __host__ inline int padded_head_dim(int head_dim) {
   if (head_dim <= 0 || head_dim % 8 != 0 || head_dim > 256) return 0;
-  return head_dim <= 32 ? 32 : head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256;
+  return head_dim <= 32 ? 32 : head_dim <= 64 ? 64 : head_dim <= 96 ? 96 : head_dim <= 128 ? 128 : 256;
 }
 
 // Calls f(T{}, std::integral_constant<int, D>{}) for the storage type and padded head dim of P.
@@ -834,6 +845,7 @@ __host__ void dispatch(const AttentionParams& p, F&& f) {
     switch (padded_head_dim(p.head_dim)) {
       case 32: return f(type, std::integral_constant<int, 32>{});
       case 64: return f(type, std::integral_constant<int, 64>{});
+      case 96: return f(type, std::integral_constant<int, 96>{});
       case 128: return f(type, std::integral_constant<int, 128>{});
       default: return f(type, std::integral_constant<int, 256>{});
     }

@@ -41,18 +41,18 @@ def _plan(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, bf16, causal, ba
 
 
 def _padded(head_dim):
-    return 32 if head_dim <= 32 else 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    return next(d for d in (32, 64, 96, 128, 256) if head_dim <= d)
 
 
 def _expected_shared(kernel, head_dim):
     """Bytes of the tiles each kernel keeps (16-bit rows of the padded head dim), written out
     from the kernels' layout: forward Q (64 rows) + two stages of K and V (64 rows each, 32 at
-    256); dK/dV: K and V (64 rows) + two stages of Q and dO (64 rows, 32 at 128, 16 at 256) + two
-    of lse and delta (fp32); dQ: Q and dO (64 rows) + two stages of K and V (as dK/dV's Q)."""
+    256); dK/dV: K and V (64 rows) + two stages of Q and dO (64 rows, 32 at 96 and 128, 16 at 256)
+    + two of lse and delta (fp32); dQ: Q and dO (64 rows) + two stages of K and V (as dK/dV's Q)."""
     d = _padded(head_dim)
     row = 2 * d
     forward_keys = 32 if d == 256 else 64
-    streamed = {32: 64, 64: 64, 128: 32, 256: 16}[d]
+    streamed = {32: 64, 64: 64, 96: 32, 128: 32, 256: 16}[d]
     return {FORWARD: (64 + 4 * forward_keys) * row, PREPROCESS: 0,
             DKDV: (2 * 64 + 4 * streamed) * row + 4 * streamed * 4, DQ: (2 * 64 + 4 * streamed) * row}[kernel]
 

@@ -19,13 +19,14 @@ from cuda_emulator import (
     emulated_attention_fwd,
     emulated_attention_varlen_bwd,
     emulated_attention_varlen_fwd,
+    take_ldmatrix_extra_passes,
 )
 
 DTYPES = [torch.float16, torch.bfloat16]
 
 # (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal). Blocks are 64 queries (16 a warp)
 # by 64 keys (32 at head dim 128 in the backward): lengths 1, 17, 65, 129 leave ragged tails and
-# several blocks; 80, 96 and 40 run padded (to 128 and 64), 200 to 256. Head dim 256 reads q and
+# several blocks; 80 and 40 run padded (to 96 and 64), 200 to 256. Head dim 256 reads q and
 # dO from shared memory at each product, narrows the key blocks to 32 and splits each key block's
 # dK/dV into two column halves.
 CASES = [
@@ -78,6 +79,16 @@ def test_matches_float64(case, dtype):
     ours = _emulated(q, k, v, do, causal, scale)
     exactly_zero = {"dq", "dk"} if k.shape[2] == 1 else set()  # one key: P = 1, dS = 0
     assert_matches_float64(ours, _float64(q, k, v, do, causal, scale), dtype, exactly_zero)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
+def test_ldmatrix_reads_have_no_bank_conflicts(head_dim):
+    """At every head dim compiled for, each ldmatrix of the forward and the backward reads its
+    matrices' 8 rows from 8 different bank groups (the swizzle of swizzled<D>)."""
+    q, k, v, do, causal = _inputs((1, 1, 1, 20, 20, head_dim, True), torch.float16)
+    take_ldmatrix_extra_passes()
+    _emulated(q, k, v, do, causal, 0.125)
+    assert take_ldmatrix_extra_passes() == 0
 
 
 def test_rows_that_see_no_key_are_zero_with_lse_minus_infinity():
@@ -134,6 +145,7 @@ FEATURE_CASES = [
     pytest.param((2, 4, 2, 129, 70, 64, True), -1, -1, 0.0, None, 0.17, id="dropout-gqa-causal"),
     pytest.param((1, 2, 2, 70, 130, 128, False), 40, 20, 5.0, "per-head", 0.5, id="dropout-and-all-d128"),
     pytest.param((1, 2, 1, 65, 50, 256, True), -1, -1, 0.0, None, 0.3, id="dropout-d256"),
+    pytest.param((1, 4, 2, 100, 130, 96, False), 40, 20, 2.0, "per-head", 0.2, id="dropout-and-all-gqa-d96"),
 ]
 
 
