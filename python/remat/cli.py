@@ -142,7 +142,7 @@ def parser():
     plan.add_argument("--optimizer", help="with --budget-kind peak: sgd, momentum, adam, adamw (states per parameter "
                       "element in its dtype) or bytes per parameter element (12: fp32 master weights and Adam)")
     plan.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    plan.add_argument("--device", default="H100", choices=["A100", "H100", "H200", "cpu"],
+    plan.add_argument("--device", default="H200", choices=["A100", "H100", "H200", "cpu"],
                       help="whose constants predict the time of each choice; for a GPU, offloading a layer's "
                            "saved tensors to host memory is a choice too")
     plan.add_argument("--json", help="also write the plan here (remat.Plan.from_json reads it)")

@@ -49,7 +49,7 @@ def model_on_gpu(name, batch, seq, dtype=torch.bfloat16):
     return model, example
 
 
-def run(name, batch, seq, budget, device="H100", dtype=torch.bfloat16, json_path=None, budget_kind="saved",
+def run(name, batch, seq, budget, device="H200", dtype=torch.bfloat16, json_path=None, budget_kind="saved",
         optimizer=None):
     from .. import memory
     from . import plan
