@@ -566,17 +566,15 @@ void count_bank_conflicts(Lane* const* lanes) {
   uint64_t extra = 0;
   for (int matrix = 0; matrix < 4; ++matrix) {
     long long units[8];  // the rows' 16-byte units of shared memory
-    for (int r = 0; r < 8; ++r) units[r] = (static_cast<const char*>(lanes[8 * matrix + r]->row) - smem) / 16;
-    int passes = 1;
-    for (int group = 0; group < 8; ++group) {
-      int addresses = 0;  // distinct row addresses in this group
-      for (int r = 0; r < 8; ++r) {
-        bool repeated = false;
-        for (int e = 0; e < r; ++e) repeated = repeated || units[e] == units[r];
-        addresses += units[r] % 8 == group && !repeated;
-      }
-      passes = addresses > passes ? addresses : passes;
+    int addresses[8] = {};  // distinct row addresses in each bank group
+    for (int r = 0; r < 8; ++r) {
+      units[r] = (static_cast<const char*>(lanes[8 * matrix + r]->row) - smem) / 16;
+      bool repeated = false;
+      for (int e = 0; e < r; ++e) repeated = repeated || units[e] == units[r];
+      if (!repeated) ++addresses[units[r] % 8];
     }
+    int passes = 1;
+    for (int group = 0; group < 8; ++group) passes = addresses[group] > passes ? addresses[group] : passes;
     extra += passes - 1;
   }
   remat_emu::detail::ldmatrix_extra_passes() += extra;

@@ -3,8 +3,9 @@ against the warp emulator (tests/cuda_emulator/), which gives mma, ldmatrix, cp.
 __syncthreads their PTX semantics, one std::thread per CUDA thread. The same kernel source as the
 GPU build, the same launches (grid, block, shared memory) from its host code: what this checks is
 the kernels' indexing, fragment layouts, masks, online softmax, pipelining and GQA, and that no
-ldmatrix has a bank conflict. Not checked here: speed, cp.async's store conflicts, and anything the
-emulator cannot see (the GPU's exp2 approximation, ptxas). On a GPU, test_attention_cuda.py runs the compiled kernels against the same references.
+ldmatrix has a bank conflict. Not checked here: speed, cp.async's store conflicts, and anything
+the emulator cannot see (the GPU's exp2 approximation, ptxas). On a GPU, test_attention_cuda.py
+runs the compiled kernels against the same references.
 """
 
 import pytest
