@@ -10,7 +10,8 @@ import torch
 import remat
 from remat.gpt import GPTConfig, torch_stack
 from remat.planner import DEVICES, calibrate
-from remat.planner.cost import Device, device_constants
+from remat.planner.cost import device_constants
+from remat.planner.devices import Device
 from remat.planner.units import is_planned
 
 

@@ -12,8 +12,9 @@ import torch
 import remat
 from remat.gpt import GPTConfig, torch_stack
 from remat.planner import measure, meta_copy, offers_offload, saved_bytes_of
-from remat.planner.cost import DEVICES, Device, extra_seconds
+from remat.planner.cost import extra_seconds
 from remat.planner.counting import UnitSaves, Work
+from remat.planner.devices import DEVICES, Device
 from remat.planner.units import apply_choices
 
 from hf_models import assert_same_step, build, inputs

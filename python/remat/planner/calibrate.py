@@ -30,7 +30,7 @@ import warnings
 import torch
 
 from ..triton_kernels import _autotune
-from .cost import Device
+from .devices import Device
 
 CACHE_FILE = "planner-constants.json"
 CHOICES_FILE = "planner-choices.json"
