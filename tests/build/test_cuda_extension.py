@@ -17,6 +17,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import remat  # noqa: F401  (registers the remat:: custom ops the extension's kernels stand in for)
+from remat.ops._family import FAMILIES
 
 pytest.importorskip("remat._C", reason="the CUDA extension remat._C is not built")
 
@@ -34,19 +35,25 @@ def ops_defined_in_sources():
     return defined
 
 
+# The families' tools (attention_launch_plan): ops that launch nothing, one kernel for every device.
+TOOLS = {name.split("::", 1)[1] for family in FAMILIES.values() for name in family.cuda_tools}
+
+
 def test_each_source_registers_its_ops_as_cuda_kernels():
     """The ops of remat_C are those the .cu files define (a source missing from the build, or a
-    stale build, shows here), and each has a CUDA kernel."""
+    stale build, shows here), and each has a CUDA kernel (a tool, one for every device)."""
     defined = ops_defined_in_sources()
     registered = sorted(n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names()
                         if n.startswith("remat_C::"))
     assert defined, f"no m.def in {CSRC}/*.cu"
     assert registered == sorted(defined), "remat._C does not register what csrc/*.cu defines (rebuild it?)"
+    assert TOOLS <= set(defined)
     for name, source in defined.items():
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"remat_C::{name}", "CUDA"), f"{source}: {name}"
+        key = "CompositeImplicitAutograd" if name in TOOLS else "CUDA"
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"remat_C::{name}", key), f"{source}: {name}"
 
 
-@pytest.mark.parametrize("name", sorted(ops_defined_in_sources()))
+@pytest.mark.parametrize("name", sorted(set(ops_defined_in_sources()) - TOOLS))
 def test_each_extension_op_has_the_schema_of_the_python_custom_op_of_its_name(name):
     """remat_C::<name> is the CUDA implementation of the remat::<name> custom op: same schema."""
     source = ops_defined_in_sources()[name]
