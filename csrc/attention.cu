@@ -17,8 +17,10 @@
 #include <utility>
 #include <vector>
 
+#include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -238,6 +240,10 @@ void run_forward(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tenso
   attention_forward(p, StreamLauncher{current_stream(q)});
 }
 
+// Whether a backward runs in one pass, dQ added by fp32 atomics (attention_kernels.cuh): unless
+// torch.use_deterministic_algorithms(True), as PyTorch's own flash attention backward decides.
+bool one_pass_backward() { return !at::globalContext().deterministicAlgorithms(); }
+
 // The backward: (dq, dk, dv), contiguous, shaped like q, k, v.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(const at::Tensor& dout_in, const at::Tensor& q_in,
                                                             const at::Tensor& k_in, const at::Tensor& v_in,
@@ -249,7 +255,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(const at::Tensor& do
               ": o and do must have a unit stride in their last dim");
   const at::Tensor q = copyable(q_in), k = copyable(k_in), v = copyable(v_in), dout = copyable(dout_in);
   const at::Tensor lse_rows = lse.contiguous();
-  at::Tensor dq = at::empty(q.sizes(), q.options());
+  const bool one_pass = one_pass_backward();
+  // One pass: dQ's fp32 sums, rounded to dq at the end (a transient of twice dq's bytes).
+  at::Tensor dq_accum = one_pass ? at::zeros(q.sizes(), q.options().dtype(at::kFloat)) : at::Tensor();
+  at::Tensor dq = one_pass ? at::Tensor() : at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
   at::Tensor delta = at::empty(lse.sizes(), lse.options());
@@ -261,14 +270,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(const at::Tensor& do
   p.dout = dout.data_ptr();
   set_strides(p.dout_stride, dout);
   p.delta = delta.data_ptr<float>();
-  p.dq = dq.data_ptr();
+  if (one_pass) {
+    p.dq_accum = dq_accum.data_ptr<float>();
+    set_strides(p.dq_accum_stride, dq_accum);
+  } else {
+    p.dq = dq.data_ptr();
+    set_strides(p.dq_stride, dq);
+  }
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
-  set_strides(p.dq_stride, dq);
   set_strides(p.dk_stride, dk);
   set_strides(p.dv_stride, dv);
   attention_backward(p, StreamLauncher{current_stream(q)});
-  return {dq, dk, dv};
+  return {one_pass ? dq_accum.to(q.scalar_type()) : dq, dk, dv};
 }
 
 void check_lse(const at::Tensor& lse, const at::Tensor& q, at::IntArrayRef shape, const char* layout) {
@@ -348,10 +362,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd(
 // The launches a forward (backward=false) or backward call of this shape would make, without a
 // GPU: per launch, its kernel (0 forward, 1 the backward's delta, 2 dK/dV, 3 dQ), the padded
 // head dim it was compiled for, grid x, y, z (the 1-D grids' blocks, 1, 1), threads and dynamic
-// shared memory bytes, flattened.
+// shared memory bytes, flattened. DETERMINISTIC: the backward as under
+// torch.use_deterministic_algorithms(True) (a dQ kernel), else as one_pass_backward's; None: as
+// this process's setting now.
 std::vector<int64_t> attention_launch_plan(int64_t batch, int64_t heads, int64_t kv_heads, int64_t seqlen_q,
                                            int64_t seqlen_k, int64_t head_dim, bool bf16, bool causal,
-                                           bool backward) {
+                                           bool backward, std::optional<bool> deterministic) {
   TORCH_CHECK(attn::padded_head_dim(static_cast<int>(head_dim)) != 0, kOp,
               ": head_dim must be a multiple of 8 from 8 to 256, got ", head_dim);
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, kOp, ": heads must be a multiple of kv_heads");
@@ -364,6 +380,8 @@ std::vector<int64_t> attention_launch_plan(int64_t batch, int64_t heads, int64_t
   p.head_dim = static_cast<int>(head_dim);
   p.bf16 = bf16;
   set_window(p, causal, -1, -1);
+  float never_read = 0.f;  // the one pass's dQ sums: a plan launches nothing, so any non-null pointer
+  if (deterministic.has_value() ? !*deterministic : one_pass_backward()) p.dq_accum = &never_read;
   std::vector<int64_t> plan;
   int index = backward ? 1 : 0;
   auto record = [&](auto, int64_t blocks, int threads, int smem, const AttentionParams&) {
@@ -401,7 +419,7 @@ TORCH_LIBRARY_FRAGMENT(remat_C, m) {
       "float dropout_p=0., Tensor? dropout_seed=None) -> (Tensor, Tensor, Tensor)");
   m.def(
       "attention_launch_plan(int batch, int heads, int kv_heads, int seqlen_q, int seqlen_k, int head_dim, "
-      "bool bf16, bool causal, bool backward) -> int[]",
+      "bool bf16, bool causal, bool backward, bool? deterministic=None) -> int[]",
       &remat::attention_launch_plan);
 }
 

@@ -30,12 +30,16 @@
 // natural log-sum-exp, fp32: all the backward needs besides q, k, v, o.
 //
 // Backward: the probabilities are recomputed block by block from q, k and lse; nothing
-// seqlen_q x seqlen_k is stored. Three kernels, no atomics, so the result is bitwise
-// deterministic: delta = rowsum(dO * O) (attention_bwd_preprocess_kernel); dK and dV
-// (attention_dkdv_kernel), a block of 64 keys (16 a warp) walking the query blocks of every
-// query head of its key/value head (GQA sums in a fixed order); dQ (attention_dq_kernel), a block
-// of 64 query rows walking the key blocks. With P = exp2(S log2e scale - lse log2e):
+// seqlen_q x seqlen_k is stored. With P = exp2(S log2e scale - lse log2e):
 //   dV = P^T dO,   dP = dO V^T,   dS = P * (dP - delta),   dK = scale dS^T Q,   dQ = scale dS K.
+// delta = rowsum(dO * O) first (attention_bwd_preprocess_kernel); then dK and dV
+// (attention_dkdv_kernel), a block of 64 keys (16 a warp) walking the query blocks of every
+// query head of its key/value head (GQA sums in a fixed order). dQ two ways:
+//   - deterministic (bitwise, no atomics): its own kernel (attention_dq_kernel), a block of 64
+//     query rows walking the key blocks, which recomputes S and dP: 7 products a score.
+//   - one pass (AttentionParams::dq_accum set), as FlashAttention 2: the dK/dV kernel adds each
+//     block's scale dS K to an fp32 dQ by atomics (add_dq): 5 products a score, but the order of
+//     the sums, and so dQ's last bits, vary from run to run.
 //
 // Head dim 256: a warp's 16 x 256 fp32 accumulator alone takes 128 registers a thread, so q's
 // and dO's rows are read from shared memory at each product instead of kept as fragments, the
@@ -73,6 +77,10 @@ struct AttentionParams {
   void* dk;
   void* dv;
   int64_t dq_stride[3], dk_stride[3], dv_stride[3];
+  // The one-pass backward (null: the dQ kernel's): fp32 dQ shaped as dq, zeroed, that the dK/dV
+  // kernel adds scale dS K to by atomics; the caller rounds it to dq's type.
+  float* dq_accum;
+  int64_t dq_accum_stride[3];
   int64_t lse_stride[2];  // lse's (and delta's) batch and head strides
   int batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim;  // packed: sequences, and the longest lengths
   // Packed sequences: int32 (batch + 1) cumulative lengths, the tensors' batch strides 0; null otherwise.
@@ -149,6 +157,8 @@ struct Tiles {
   static constexpr int kFwdSmem = (kFwdM + 4 * kFwdN) * kTileBytes;
   // K, V, two stages of Q and dO, and two of lse and delta (fp32, per query row).
   static constexpr int kDkdvSmem = (2 * kDkdvN + 4 * kDkdvM) * kTileBytes + 4 * kDkdvM * 4;
+  // The one-pass backward's dS block besides (M queries x N keys, 16-bit).
+  static constexpr int kDkdvOnePassSmem = kDkdvSmem + kDkdvM * kDkdvN * 2;
   // Q, dO, and two stages of K and V.
   static constexpr int kDqSmem = (2 * kDqM + 4 * kDqN) * kTileBytes;
 };
@@ -250,27 +260,70 @@ __device__ __forceinline__ void multiply_abt_streamed(float (&acc)[N / 8][4], co
   }
 }
 
+// ACC (16 x C) += A B for one 16-deep step KK of k: A's fragment (16 x 16), B rows 16 KK.. of a
+// shared tile of width D (k its rows), columns 8 CHUNK0.. (C of them).
+template <typename T, int D, int C>
+__device__ __forceinline__ void multiply_step_b(float (&acc)[C / 8][4], const uint32_t (&a)[4], const T* tile, int kk,
+                                                int chunk0) {
+  const int lane = threadIdx.x % 32, m = lane / 8;
+  const int row = 16 * kk + lane % 8 + 8 * (m & 1);
+#pragma unroll
+  for (int dp = 0; dp < C / 16; ++dp) {
+    uint32_t b[4];
+    tc::ldmatrix_x4_trans(b, tile + swizzled<D>(row, chunk0 + 2 * dp + (m >> 1)));
+    const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+    tc::mma_16816<T>(acc[2 * dp], a, b0);
+    tc::mma_16816<T>(acc[2 * dp + 1], a, b1);
+  }
+}
+
+// P (16 x K fp32 accumulators) rounded to T as the A fragments of P B: fragment kk holds k
+// 16 kk..16 kk + 15, value e of P's tile nt in half e % 2 of register 2 (nt % 2) + e / 2 of
+// fragment nt / 2 (the C layout of two 8-column tiles is the A layout of one 16-deep step).
+template <typename T, int K>
+__device__ __forceinline__ void pack_a(uint32_t (&a)[K / 16][4], const float (&p)[K / 8][4]) {
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float(&tile)[4] = p[2 * kk + r / 2];
+      a[kk][r] = tc::pack2<T>(tile[2 * (r % 2)], tile[2 * (r % 2) + 1]);
+    }
+  }
+}
+
+// ACC (16 x C) += A B, A's K / 16 fragments from pack_a, B the K rows 0.. of a shared tile of
+// width D (k its rows), columns 8 CHUNK0.. (C of them, all D by default).
+template <typename T, int D, int K, int C = D>
+__device__ __forceinline__ void multiply_packed_b(float (&acc)[C / 8][4], const uint32_t (&a)[K / 16][4], const T* tile,
+                                                  int chunk0 = 0) {
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk) multiply_step_b<T, D, C>(acc, a[kk], tile, kk, chunk0);
+}
+
 // ACC (16 x C) += P (16 x K, fp32 accumulators rounded to T) B, B the K rows 0.. of a shared
 // tile of width D (k its rows), columns 8 CHUNK0.. (C of them, all D by default): o += P V,
 // dV += P^T dO, dK += dS^T Q, dQ += dS K.
 template <typename T, int D, int K, int C = D>
 __device__ __forceinline__ void multiply_pb(float (&acc)[C / 8][4], const float (&p)[K / 8][4], const T* tile,
                                             int chunk0 = 0) {
+  uint32_t a[K / 16][4];
+  pack_a<T, K>(a, p);
+  multiply_packed_b<T, D, K, C>(acc, a, tile, chunk0);
+}
+
+// The same with A the 16 rows A_ROW0.. of a shared tile of width K (k its columns): the one-pass
+// backward's dQ += dS K, dS read back from shared memory.
+template <typename T, int D, int K, int C>
+__device__ __forceinline__ void multiply_tile_b(float (&acc)[C / 8][4], const T* a_tile, int a_row0, const T* tile,
+                                                int chunk0) {
   const int lane = threadIdx.x % 32, m = lane / 8;
+  const int a_row = a_row0 + lane % 8 + 8 * (m & 1);
 #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk) {
-    const uint32_t a[4] = {tc::pack2<T>(p[2 * kk][0], p[2 * kk][1]), tc::pack2<T>(p[2 * kk][2], p[2 * kk][3]),
-                           tc::pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]),
-                           tc::pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3])};
-    const int row = 16 * kk + lane % 8 + 8 * (m & 1);
-#pragma unroll
-    for (int dp = 0; dp < C / 16; ++dp) {
-      uint32_t b[4];
-      tc::ldmatrix_x4_trans(b, tile + swizzled<D>(row, chunk0 + 2 * dp + (m >> 1)));
-      const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-      tc::mma_16816<T>(acc[2 * dp], a, b0);
-      tc::mma_16816<T>(acc[2 * dp + 1], a, b1);
-    }
+    uint32_t a[4];
+    tc::ldmatrix_x4(a, a_tile + swizzled<K>(a_row, 2 * kk + (m >> 1)));
+    multiply_step_b<T, D, C>(acc, a, tile, kk, chunk0);
   }
 }
 
@@ -368,6 +421,7 @@ __device__ __forceinline__ AttentionParams in_sequence(const AttentionParams& p,
   s.o = rows_on(static_cast<T*>(p.o), q0, p.o_stride[2]);
   s.dout = rows_on(static_cast<const T*>(p.dout), q0, p.dout_stride[2]);
   s.dq = rows_on(static_cast<T*>(p.dq), q0, p.dq_stride[2]);
+  s.dq_accum = rows_on(p.dq_accum, q0, p.dq_accum_stride[2]);
   s.dk = rows_on(static_cast<T*>(p.dk), k0, p.dk_stride[2]);
   s.dv = rows_on(static_cast<T*>(p.dv), k0, p.dv_stride[2]);
   s.lse = rows_on(p.lse, q0, 1);
@@ -655,6 +709,69 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_preprocess_kernel(cons
   }
 }
 
+// The one-pass backward (P.dq_accum set) adds dQ in the dK/dV kernel: rows m0..m0+M-1 of query
+// head h, columns col0..col0+C-1 (the block's), += scale dS K over the block's N keys, by fp32
+// atomic adds (so the order in which a row's key blocks are summed varies from run to run).
+// First every warp stores its dS^T (16 keys x M queries, DS_A: pack_a's fragments, rounded to T
+// as the dQ kernel rounds dS) into S_DS as rows of queries (store_ds); after a barrier, warp w
+// multiplies row tile w % (M / 16) of dS by column group w / (M / 16) of K's block (add_dq).
+template <typename T, int D>
+__device__ __forceinline__ void store_ds(T* s_ds, const uint32_t (&ds_a)[Tiles<D>::kDkdvM / 16][4]) {
+  constexpr int M = Tiles<D>::kDkdvM, N = Tiles<D>::kDkdvN;
+  const int warp = threadIdx.x / 32;
+  // Value e of tile nt is query 8 nt + acc_col(0, e) and key 16 warp + acc_row(e): its swizzled
+  // place is 8 nt rows past that of tile 0 (8 rows keep the swizzle), so 4 offsets serve them all.
+  uint16_t* ds_bits = reinterpret_cast<uint16_t*>(s_ds);
+  int offset[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int query = acc_col(0, e), key = warp * kRowsPerWarp + acc_row(e);
+    offset[e] = swizzled<N>(query, key / 8) + key % 8;
+  }
+#pragma unroll
+  for (int nt = 0; nt < M / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const uint32_t pair = ds_a[nt / 2][2 * (nt % 2) + e / 2];
+      ds_bits[offset[e] + 8 * nt * N] = static_cast<uint16_t>(pair >> (16 * (e % 2)));
+    }
+  }
+}
+
+// The product and the atomic adds, kChunk columns at a time in a loop left rolled: the kernel's
+// dK and dV accumulators leave no registers for a wider one.
+template <typename T, int D>
+__device__ __forceinline__ void add_dq(const AttentionParams& p, const T* s_ds, const T* s_k, int b, int h, int m0,
+                                       int col0) {
+  constexpr int M = Tiles<D>::kDkdvM, N = Tiles<D>::kDkdvN, C = Tiles<D>::kDkdvCols;
+  constexpr int kRowTiles = M / kRowsPerWarp, kColumns = C / (kWarps / kRowTiles);
+  constexpr int kChunk = kColumns % 32 == 0 ? 32 : 16;
+  static_assert(kWarps % kRowTiles == 0 && kColumns % kChunk == 0, "the warps split dQ's block evenly");
+  const int warp = threadIdx.x / 32, row0 = m0 + warp % kRowTiles * kRowsPerWarp;
+  float* dq_rows = p.dq_accum + b * p.dq_accum_stride[0] + h * p.dq_accum_stride[1];
+  __syncthreads();  // every warp's dS is in S_DS
+#pragma unroll 1
+  for (int first_col = col0 + warp / kRowTiles * kColumns, end = first_col + kColumns; first_col < end;
+       first_col += kChunk) {
+    float dq[kChunk / 8][4];
+    zero(dq);
+    multiply_tile_b<T, D, N, kChunk>(dq, s_ds, row0 - m0, s_k, first_col / 8);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row0 + acc_row(2 * r);
+      if (row >= p.seqlen_q) continue;
+      float* dq_row = dq_rows + static_cast<int64_t>(row) * p.dq_accum_stride[2];
+#pragma unroll
+      for (int dt = 0; dt < kChunk / 8; ++dt) {
+        const int col = first_col + acc_col(dt, 2 * r);
+        if (col >= p.head_dim) continue;  // head_dim is a multiple of 8: a tile is in or out
+        atomicAdd(dq_row + col, dq[dt][2 * r] * p.softmax_scale);
+        atomicAdd(dq_row + col + 1, dq[dt][2 * r + 1] * p.softmax_scale);
+      }
+    }
+  }
+}
+
 // dK and dV of 64 keys (16 a warp) of one (batch, key/value head); at D = 256, of half their
 // columns (Tiles<D>::kDkdvColumnBlocks blocks a key block, the fastest varying block index).
 template <typename T, int D>
@@ -668,6 +785,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_dkdv_kernel(const Atten
   T* s_do = s_q + 2 * M * D;
   float* s_lse = reinterpret_cast<float*>(s_do + 2 * M * D);  // log2 units (lse_log2)
   float* s_delta = s_lse + 2 * M;
+  T* s_ds = reinterpret_cast<T*>(s_delta + 2 * M);  // the one-pass backward's dS block (add_dq)
   const BlockIndex at = block_index(ceil_div(params.seqlen_k, N) * kColumnBlocks, params.kv_heads);
   const AttentionParams p = in_sequence<T>(params, at.batch);
   const int b = at.batch, kv_h = at.head, n0 = at.block / kColumnBlocks * N, warp = threadIdx.x / 32;
@@ -678,6 +796,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_dkdv_kernel(const Atten
   const Blocks queries = query_blocks(p, n0, N, M);
   const int iterations = group * queries.count;
   const float scale_log2 = p.softmax_scale * kLog2e;
+  const bool one_pass = p.dq_accum != nullptr;
 
   // Starts the loads of iteration IT into STAGE: q and dO by cp.async, lse and delta by plain
   // loads (their rows need not be 16-byte aligned).
@@ -743,8 +862,12 @@ __global__ void __launch_bounds__(kThreads, 1) attention_dkdv_kernel(const Atten
         dst[nt][e] = prob * (dp - delta[col]) * (1.f - t * t);
       }
     }
+    uint32_t ds_a[M / 16][4];  // dS^T rounded to T: dK's A operand, and the one pass's dS (store_ds)
+    pack_a<T, M>(ds_a, dst);
+    if (one_pass) store_ds<T, D>(s_ds, ds_a);
     multiply_pb<T, D, M, C>(dv, pt, dout, col0 / 8);
-    multiply_pb<T, D, M, C>(dk, dst, q, col0 / 8);
+    multiply_packed_b<T, D, M, C>(dk, ds_a, q, col0 / 8);
+    if (one_pass) add_dq<T, D>(p, s_ds, s_k, b, h, m0, col0);
   }
   const float scale[2] = {p.softmax_scale, p.softmax_scale}, one[2] = {1.f, 1.f};
   const int key0 = n0 + warp * kRowsPerWarp;
@@ -878,9 +1001,11 @@ __host__ void attention_forward(const AttentionParams& p, Launch&& launch) {
   });
 }
 
-// The backward's launches, in order: delta, then dK/dV, then dQ.
+// The backward's launches, in order: delta, then dK/dV, then dQ; one pass (P.dq_accum set): delta,
+// then dK/dV adding dQ.
 template <class Launch>
 __host__ void attention_backward(const AttentionParams& p, Launch&& launch) {
+  const bool one_pass = p.dq_accum != nullptr;
   attn::dispatch(p, [&](auto type, auto dim) {
     using T = decltype(type);
     constexpr int D = decltype(dim)::value;
@@ -889,7 +1014,8 @@ __host__ void attention_backward(const AttentionParams& p, Launch&& launch) {
            grid_blocks(attn::ceil_div(p.seqlen_q, attn::kPreRows), p.heads, p.batch), attn::kThreads, 0, p);
     launch(attn::attention_dkdv_kernel<T, D>,
            grid_blocks(attn::ceil_div(p.seqlen_k, Tiles::kDkdvN) * Tiles::kDkdvColumnBlocks, p.kv_heads, p.batch),
-           attn::kThreads, Tiles::kDkdvSmem, p);
+           attn::kThreads, one_pass ? Tiles::kDkdvOnePassSmem : Tiles::kDkdvSmem, p);
+    if (one_pass) return;
     launch(attn::attention_dq_kernel<T, D>, grid_blocks(attn::ceil_div(p.seqlen_q, Tiles::kDqM), p.heads, p.batch),
            attn::kThreads, Tiles::kDqSmem, p);
   });

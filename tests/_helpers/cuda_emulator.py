@@ -111,7 +111,9 @@ def call(function, *args):
 
 # ---- attention (csrc/attention_kernels.cuh) ----
 
-_BUFFERS = ("q", "k", "v", "o", "lse", "do", "delta", "dq", "dk", "dv")  # attention_harness.cpp's order
+# attention_harness.cpp's order; dq_accum: the one-pass backward's fp32 dQ (None: the dQ kernel's)
+_BUFFERS = ("q", "k", "v", "o", "lse", "do", "delta", "dq", "dk", "dv", "dq_accum")
+_ROW_BUFFERS = ("lse", "delta")  # fp32 per query row
 _GUARD_ROWS = 64  # sequence rows of a known pattern either side of each output (a kernel's tile height)
 _GUARD_BITS = {2: 0x5A5A, 4: 0x5A5A5A5A}
 _INT_OF_SIZE = {2: torch.int16, 4: torch.int32}
@@ -119,11 +121,11 @@ _INT_OF_SIZE = {2: torch.int16, 4: torch.int32}
 
 class _GuardedOutput:
     """An output tensor (dim SEQ_DIM its sequence) inside a buffer with _GUARD_ROWS rows of a known
-    pattern either side, its own elements NaN until the kernels store them. A store past either
-    end by up to a tile of rows changes the pattern; one into another (batch, head) slice of the
-    tensor shows only in the values."""
+    pattern either side, its own elements NaN until the kernels store them (zeros with ZEROED: an
+    accumulator the kernels add to). A store past either end by up to a tile of rows changes the
+    pattern; one into another (batch, head) slice of the tensor shows only in the values."""
 
-    def __init__(self, name, shape, dtype, order=None, seq_dim=2):
+    def __init__(self, name, shape, dtype, order=None, seq_dim=2, zeroed=False):
         self.name = name
         order = tuple(range(len(shape))) if order is None else order
         layout = [shape[d] for d in order]  # the memory order of the dims
@@ -136,7 +138,8 @@ class _GuardedOutput:
         self.buffer = torch.empty(numel + 2 * self.guard, dtype=dtype)
         bits = self.buffer.view(_INT_OF_SIZE[self.buffer.element_size()])
         bits.fill_(_GUARD_BITS[self.buffer.element_size()])
-        bits[self.guard:self.guard + numel] = -1  # all ones: NaN, so that an element no kernel stores shows
+        # All ones: NaN, so that an element no kernel stores shows.
+        bits[self.guard:self.guard + numel] = 0 if zeroed else -1
         in_memory = self.buffer[self.guard:self.guard + numel].view(layout)
         self.tensor = in_memory.permute([order.index(d) for d in range(len(shape))])
 
@@ -194,11 +197,11 @@ def _span_bytes(t):
     return (1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))) * t.element_size()
 
 
-def _kernel_strides(t):
+def _kernel_strides(t, rows=False):
     """(batch, head, sequence) strides as csrc/attention.cu's set_strides gives them: of a 4-D
-    tensor, a packed (total, heads, head_dim) one (batch stride 0), or lse-like fp32 rows, (B, H,
-    Sq) or packed (H, total), whose sequence stride is unused (0)."""
-    if t.dtype == torch.float32:
+    tensor, a packed (total, heads, head_dim) one (batch stride 0), or with ROWS of lse-like fp32
+    rows, (B, H, Sq) or packed (H, total), whose sequence stride is unused (0)."""
+    if rows:
         return (t.stride(0), t.stride(1), 0) if t.dim() == 3 else (0, t.stride(0), 0)
     return tuple(t.stride()[:3]) if t.dim() == 4 else (0, t.stride(1), t.stride(0))
 
@@ -219,7 +222,7 @@ def _run_attention(backward, tensors, causal, scale, sizes, window_left, window_
             continue
         pointers[i] = t.data_ptr()
         spans[i] = _span_bytes(t)
-        strides[3 * i:3 * i + 3] = list(_kernel_strides(t))
+        strides[3 * i:3 * i + 3] = list(_kernel_strides(t, rows=name in _ROW_BUFFERS))
     bf16 = int(tensors["q"].dtype == torch.bfloat16)
     slopes, slopes_batch_stride = None, 0
     if alibi_slopes is not None:
@@ -272,13 +275,35 @@ def emulated_attention_fwd(q, k, v, causal, scale, window_left=-1, window_right=
     return o.tensor, lse.tensor
 
 
+def _backward_outputs(q, k, v, delta_shape, seq_dims, deterministic):
+    """The backward's guarded outputs by _BUFFERS name: dq (deterministic) or the zeroed fp32
+    dq_accum the one-pass backward adds to, dk, dv and the delta workspace. SEQ_DIMS: the
+    sequence dims of the gradients and of delta."""
+    seq_dim, delta_seq_dim = seq_dims
+    dq = ("dq", q.dtype, False) if deterministic else ("dq_accum", torch.float32, True)
+    outputs = {name: _GuardedOutput(name, like.shape, dtype, seq_dim=seq_dim, zeroed=zeroed)
+               for name, like, dtype, zeroed in ((dq[0], q, dq[1], dq[2]), ("dk", k, k.dtype, False),
+                                                 ("dv", v, v.dtype, False))}
+    outputs["delta"] = _GuardedOutput("delta", delta_shape, torch.float32, seq_dim=delta_seq_dim)
+    return outputs
+
+
+def _backward_results(outputs, dtype):
+    """(dq, dk, dv) from _backward_outputs's after the launches, their guards checked: the
+    one-pass backward's dq rounded from its fp32 sums, as csrc/attention.cu rounds it."""
+    for out in outputs.values():
+        out.check_guards()
+    dq = outputs["dq"].tensor if "dq" in outputs else outputs["dq_accum"].tensor.to(dtype)
+    return dq, outputs["dk"].tensor, outputs["dv"].tensor
+
+
 def emulated_attention_bwd(do, q, k, v, o, lse, causal, scale, window_left=-1, window_right=-1, softcap=0.0,
-                           alibi_slopes=None, dropout_p=0.0, dropout_seed=None):
+                           alibi_slopes=None, dropout_p=0.0, dropout_seed=None, deterministic=True):
     """csrc/attention_kernels.cuh's backward on the emulator: (dq, dk, dv), contiguous, shaped like
     q, k, v (as csrc/attention.cu allocates them), the score options as the forward's. DO and O:
-    q's shape and dtype, unit last stride;
-    LSE: (B, H, Sq) fp32. Raises RuntimeError on a kernel fault or a store outside an output or
-    the delta workspace; elements the kernels never store come back NaN."""
+    q's shape and dtype, unit last stride; LSE: (B, H, Sq) fp32. DETERMINISTIC=False runs the
+    one-pass backward (dQ added by atomics). Raises RuntimeError on a kernel fault or a store
+    outside an output or the delta workspace; elements the kernels never store come back NaN."""
     _check_qkv(q, k, v)
     for t, name in ((do, "do"), (o, "o")):
         _check_16bit_4d(t, name, q.dtype)
@@ -288,15 +313,12 @@ def emulated_attention_bwd(do, q, k, v, o, lse, causal, scale, window_left=-1, w
         raise ValueError(f"lse must be float32 of shape (batch, heads, seqlen_q) {tuple(q.shape[:3])}")
     q, k, v, do = _copyable(q), _copyable(k), _copyable(v), _copyable(do)
     B, H, Sq, D = q.shape
-    outputs = {name: _GuardedOutput(name, like.shape, like.dtype) for name, like in (("dq", q), ("dk", k), ("dv", v))}
-    outputs["delta"] = _GuardedOutput("delta", (B, H, Sq), torch.float32)
+    outputs = _backward_outputs(q, k, v, (B, H, Sq), (2, 2), deterministic)
     tensors = {"q": q, "k": k, "v": v, "o": o, "lse": lse.contiguous(), "do": do,
                **{name: out.tensor for name, out in outputs.items()}}
     _run_attention(True, tensors, causal, scale, (B, H, k.size(1), Sq, k.size(2), D), window_left, window_right,
                    softcap, alibi_slopes, dropout_p, dropout_seed)
-    for out in outputs.values():
-        out.check_guards()
-    return outputs["dq"].tensor, outputs["dk"].tensor, outputs["dv"].tensor
+    return _backward_results(outputs, q.dtype)
 
 
 def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k):
@@ -329,7 +351,7 @@ def emulated_attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
 
 def emulated_attention_varlen_bwd(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                   scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                                  dropout_seed=None):
+                                  dropout_seed=None, deterministic=True):
     """The backward over packed sequences: (dq, dk, dv), contiguous, shaped like q, k, v; DO and O
     like q, LSE (H, total_q) fp32. As emulated_attention_bwd otherwise."""
     _check_qkv(q, k, v, dims=3)
@@ -342,14 +364,10 @@ def emulated_attention_varlen_bwd(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_
         raise ValueError(f"lse must be float32 of shape (heads, total_q) {(q.shape[1], q.shape[0])}")
     q, k, v, do = _copyable(q), _copyable(k), _copyable(v), _copyable(do)
     total_q, H, D = q.shape
-    outputs = {name: _GuardedOutput(name, like.shape, like.dtype, seq_dim=0)
-               for name, like in (("dq", q), ("dk", k), ("dv", v))}
-    outputs["delta"] = _GuardedOutput("delta", (H, total_q), torch.float32, seq_dim=1)
+    outputs = _backward_outputs(q, k, v, (H, total_q), (0, 1), deterministic)
     tensors = {"q": q, "k": k, "v": v, "o": o, "lse": lse.contiguous(), "do": do,
                **{name: out.tensor for name, out in outputs.items()}}
     sizes = (cu_seqlens_q.numel() - 1, H, k.size(1), max_seqlen_q, max_seqlen_k, D)
     _run_attention(True, tensors, causal, scale, sizes, window_left, window_right, softcap, alibi_slopes, dropout_p,
                    dropout_seed, (cu_seqlens_q, cu_seqlens_k))
-    for out in outputs.values():
-        out.check_guards()
-    return outputs["dq"].tensor, outputs["dk"].tensor, outputs["dv"].tensor
+    return _backward_results(outputs, q.dtype)

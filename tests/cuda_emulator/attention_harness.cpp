@@ -6,8 +6,9 @@ namespace {
 
 // The buffers of a call, in this order: pointers, strides (batch, head, sequence; for lse and
 // delta batch, head and 0) and bytes from the pointer to the end of the last element.
-enum Buffer { kQ, kK, kV, kO, kLse, kDout, kDelta, kDq, kDk, kDv, kBuffers };
-const char* const kBufferNames[kBuffers] = {"q", "k", "v", "o", "lse", "do", "delta", "dq", "dk", "dv"};
+// dq_accum: the one-pass backward's zeroed fp32 dQ (shaped as dq), or null for the dQ kernel.
+enum Buffer { kQ, kK, kV, kO, kLse, kDout, kDelta, kDq, kDk, kDv, kDqAccum, kBuffers };
+const char* const kBufferNames[kBuffers] = {"q", "k", "v", "o", "lse", "do", "delta", "dq", "dk", "dv", "dq_accum"};
 
 // The most dynamic shared memory a block may opt in to on sm_80 (A100), the smallest of the
 // archs the kernels ship for (sm_90: 227 KiB).
@@ -46,6 +47,7 @@ remat::AttentionParams make_params(const int* sizes, int bf16, float softmax_sca
   p.dq = buffers[kDq];
   p.dk = buffers[kDk];
   p.dv = buffers[kDv];
+  p.dq_accum = static_cast<float*>(buffers[kDqAccum]);
   copy_strides(p.q_stride, strides + 3 * kQ);
   copy_strides(p.k_stride, strides + 3 * kK);
   copy_strides(p.v_stride, strides + 3 * kV);
@@ -54,6 +56,7 @@ remat::AttentionParams make_params(const int* sizes, int bf16, float softmax_sca
   copy_strides(p.dq_stride, strides + 3 * kDq);
   copy_strides(p.dk_stride, strides + 3 * kDk);
   copy_strides(p.dv_stride, strides + 3 * kDv);
+  copy_strides(p.dq_accum_stride, strides + 3 * kDqAccum);
   p.lse_stride[0] = strides[3 * kLse];
   p.lse_stride[1] = strides[3 * kLse + 1];
   p.cu_seqlens_q = cu_seqlens_q;
@@ -93,9 +96,9 @@ struct EmulatorLauncher {
 extern "C" {
 
 // The forward (BACKWARD = 0: reads q, k, v; writes o, lse) or the backward (reads do, q, k, v, o,
-// lse; writes delta, dq, dk, dv). SIZES and CU_SEQLENS_Q / _K as make_params's; the score
-// options as ScoreOptions. cp.async may read only inside q, k, v and do. Returns 0, or -1 with
-// the message in ERROR.
+// lse; writes delta, dk, dv and dq, or adds to dq_accum instead where given). SIZES and
+// CU_SEQLENS_Q / _K as make_params's; the score options as ScoreOptions. cp.async may read only
+// inside q, k, v and do. Returns 0, or -1 with the message in ERROR.
 int emulated_attention(int backward, const int* sizes, int bf16, float softmax_scale, int causal, int64_t window_left,
                        int64_t window_right, float softcap, const float* alibi_slopes, int64_t alibi_batch_stride,
                        double dropout_p, const int64_t* dropout_seed, const int* cu_seqlens_q, const int* cu_seqlens_k, void* const* buffers, const int64_t* strides,

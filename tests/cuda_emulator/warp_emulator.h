@@ -501,6 +501,14 @@ int report_errors(char* message, size_t bytes, F&& f) {
 
 inline void __syncthreads() { remat_emu::detail::block_barrier(); }
 
+// fp32 atomicAdd (to global memory, as the one-pass backward's dQ): a fiber runs until it blocks
+// at a collective or a barrier, so a plain read-modify-write is never interleaved with another.
+inline float atomicAdd(float* address, float value) {
+  const float old = *address;
+  *address = old + value;
+  return old;
+}
+
 namespace remat_emu::detail {
 
 // Lane l receives the value of lane l ^ (the low 5 bits of its lane_mask): PTX shfl.sync.bfly, width 32.

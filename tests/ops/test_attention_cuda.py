@@ -20,7 +20,13 @@ import remat
 from remat import _backend
 from remat.ops import attention as attn_ops
 
-from attention_checks import DROPOUT_SEED, assert_matches_float64, mask_revealing_inputs, masks_read_from
+from attention_checks import (
+    DROPOUT_SEED,
+    assert_matches_float64,
+    deterministic_algorithms,
+    mask_revealing_inputs,
+    masks_read_from,
+)
 
 HAS_GPU = torch.cuda.is_available()
 EXTENSION, WHY_NOT = remat.backends()["cuda"]
@@ -33,9 +39,10 @@ THREADS = 128  # four warps, 16 query rows (or keys) each
 FORWARD, PREPROCESS, DKDV, DQ = range(4)
 
 
-def _plan(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, bf16, causal, backward):
+def _plan(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, bf16, causal, backward, deterministic=True):
+    """The launches of a call; DETERMINISTIC as attention_launch_plan's (None: as torch's setting now)."""
     flat = torch.ops.remat_C.attention_launch_plan(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, bf16,
-                                                   causal, backward)
+                                                   causal, backward, deterministic)
     rows = [flat[i:i + 7] for i in range(0, len(flat), 7)]
     return [dict(kernel=r[0], head_dim=r[1], grid=tuple(r[2:5]), threads=r[5], shared=r[6]) for r in rows]
 
@@ -44,17 +51,19 @@ def _padded(head_dim):
     return next(d for d in (32, 64, 96, 128, 256) if head_dim <= d)
 
 
-def _expected_shared(kernel, head_dim):
+def _expected_shared(kernel, head_dim, one_pass=False):
     """Bytes of the tiles each kernel keeps (16-bit rows of the padded head dim), written out
     from the kernels' layout: forward Q (64 rows) + two stages of K and V (64 rows each, 32 at
     256); dK/dV: K and V (64 rows) + two stages of Q and dO (64 rows, 32 at 96 and 128, 16 at 256)
-    + two of lse and delta (fp32); dQ: Q and dO (64 rows) + two stages of K and V (as dK/dV's Q)."""
+    + two of lse and delta (fp32), and in the one-pass backward a 16-bit dS block (the streamed
+    queries x 64 keys); dQ: Q and dO (64 rows) + two stages of K and V (as dK/dV's Q)."""
     d = _padded(head_dim)
     row = 2 * d
     forward_keys = 32 if d == 256 else 64
     streamed = {32: 64, 64: 64, 96: 32, 128: 32, 256: 16}[d]
-    return {FORWARD: (64 + 4 * forward_keys) * row, PREPROCESS: 0,
-            DKDV: (2 * 64 + 4 * streamed) * row + 4 * streamed * 4, DQ: (2 * 64 + 4 * streamed) * row}[kernel]
+    dkdv = (2 * 64 + 4 * streamed) * row + 4 * streamed * 4 + (streamed * 64 * 2 if one_pass else 0)
+    return {FORWARD: (64 + 4 * forward_keys) * row, PREPROCESS: 0, DKDV: dkdv,
+            DQ: (2 * 64 + 4 * streamed) * row}[kernel]
 
 
 # The shapes of test_attention.py's CASES the kernels take, and others only they take (40, 8,
@@ -67,13 +76,16 @@ PLAN_SHAPES = [(1, 2, 2, 17, 17, 32), (2, 2, 2, 33, 33, 64), (1, 2, 2, 17, 40, 6
 
 
 @needs_extension
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "one-pass"])
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("shape", PLAN_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_launch_plan(shape, bf16):
+def test_launch_plan(shape, bf16, deterministic):
     batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim = shape
     forward = _plan(*shape, bf16, True, False)
-    backward = _plan(*shape, bf16, True, True)
-    assert [launch["kernel"] for launch in forward + backward] == [FORWARD, PREPROCESS, DKDV, DQ]
+    backward = _plan(*shape, bf16, True, True, deterministic)
+    # The one-pass backward adds dQ in the dK/dV kernel: no dQ kernel.
+    kernels = [FORWARD, PREPROCESS, DKDV] + ([DQ] if deterministic else [])
+    assert [launch["kernel"] for launch in forward + backward] == kernels
     # 1-D grids: sequence blocks x heads x batch (no axis limit on heads or batch); at head dim
     # 256 two dK/dV blocks (a column half each) a key block.
     column_halves = 2 if _padded(head_dim) == 256 else 1
@@ -85,9 +97,21 @@ def test_launch_plan(shape, bf16):
         assert launch["head_dim"] == _padded(head_dim)
         assert launch["threads"] == THREADS
         assert launch["grid"] == grids[launch["kernel"]], launch
-        assert launch["shared"] == _expected_shared(launch["kernel"], head_dim), launch
+        assert launch["shared"] == _expected_shared(launch["kernel"], head_dim, not deterministic), launch
         assert launch["shared"] <= min(MAX_SHARED.values())
-    assert _plan(*shape, bf16, False, True) == backward  # causal or not: the same launches
+    assert _plan(*shape, bf16, False, True, deterministic) == backward  # causal or not: the same launches
+
+
+@needs_extension
+def test_the_backward_is_deterministic_as_torch_says():
+    """Without an explicit choice the backward follows torch.use_deterministic_algorithms, as
+    PyTorch's flash attention backward does: on, a dQ kernel (bitwise reproducible); off (torch's
+    default), one pass adding dQ by atomics."""
+    kernels = lambda: [launch["kernel"] for launch in _plan(1, 2, 2, 70, 70, 64, True, True, True, None)]  # noqa: E731
+    with deterministic_algorithms():
+        assert kernels() == [PREPROCESS, DKDV, DQ]
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert kernels() == [PREPROCESS, DKDV]
 
 
 @needs_extension
@@ -281,12 +305,32 @@ def test_more_heads_than_a_grid_axis_holds():
 
 
 @needs_gpu
-def test_backward_is_bitwise_deterministic():
+def test_backward_is_bitwise_deterministic_under_deterministic_algorithms():
     q, k, v = _qkv((2, 8, 2, 300, 300, 128), torch.bfloat16)
     do = torch.randn(q.shape, device="cuda").to(torch.bfloat16)
-    first, second = _run("cuda", q, k, v, do, True), _run("cuda", q, k, v, do, True)
+    with deterministic_algorithms():
+        first, second = _run("cuda", q, k, v, do, True), _run("cuda", q, k, v, do, True)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+@needs_gpu
+@pytest.mark.parametrize("shape", [(2, 8, 2, 300, 300, 128), (1, 4, 1, 200, 130, 64), (1, 2, 1, 130, 70, 256)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_one_pass_backward_gives_the_deterministic_dk_dv_bitwise_and_dq_to_rounding(shape):
+    """The one-pass backward (dQ by atomics, torch's default) computes dK and dV with the same code
+    as the deterministic one, so bitwise the same; its dQ sums the same products in another order
+    (fp32), so it differs only by that rounding; both match float64 (test_matches_float64...)."""
+    q, k, v = _qkv(shape, torch.bfloat16)
+    do = torch.randn(q.shape, device="cuda").to(torch.bfloat16)
+    one_pass = _run("cuda", q, k, v, do, True)
+    with deterministic_algorithms():
+        deterministic = _run("cuda", q, k, v, do, True)
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), one_pass, deterministic):
+        if name == "dq":
+            torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-3 * b.abs().max().item())
+        else:
+            assert torch.equal(a, b), name
 
 
 @needs_gpu

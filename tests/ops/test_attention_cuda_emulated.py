@@ -1,8 +1,9 @@
 """The CUDA attention kernels' numerics without a GPU: csrc/attention_kernels.cuh built for the CPU
 against the warp emulator (tests/cuda_emulator/), which gives mma, ldmatrix, cp.async, shuffles and
-__syncthreads their PTX semantics, one std::thread per CUDA thread. The same kernel source as the
-GPU build, the same launches (grid, block, shared memory) from its host code: what this checks is
-the kernels' indexing, fragment layouts, masks, online softmax, pipelining and GQA, and that no
+__syncthreads their PTX semantics, one fiber per CUDA thread. The same kernel source as the GPU
+build, the same launches (grid, block, shared memory) from its host code: what this checks is the
+kernels' indexing, fragment layouts, masks, online softmax, pipelining and GQA, in both backwards
+(the deterministic one's dQ kernel, and the one pass that adds dQ by atomics), and that no
 ldmatrix has a bank conflict. Not checked here: speed, cp.async's store conflicts, and anything
 the emulator cannot see (the GPU's exp2 approximation, ptxas). On a GPU, test_attention_cuda.py
 runs the compiled kernels against the same references.
@@ -65,11 +66,12 @@ def _float64(q, k, v, do, causal, scale, *features):
     return (o, lse, *[t.grad for t in leaves])
 
 
-def _emulated(q, k, v, do, causal, scale, *features):
+def _emulated(q, k, v, do, causal, scale, *features, deterministic=True):
     """features: window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed
-    (attention_fwd's order)."""
+    (attention_fwd's order). DETERMINISTIC=False: the one-pass backward (dQ added by atomics)."""
     o, lse = emulated_attention_fwd(q, k, v, causal, scale, *features)
-    return (o, lse, *emulated_attention_bwd(do, q, k, v, o, lse, causal, scale, *features))
+    return (o, lse, *emulated_attention_bwd(do, q, k, v, o, lse, causal, scale, *features,
+                                            deterministic=deterministic))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -82,14 +84,49 @@ def test_matches_float64(case, dtype):
     assert_matches_float64(ours, _float64(q, k, v, do, causal, scale), dtype, exactly_zero)
 
 
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "one-pass"])
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
-def test_ldmatrix_reads_have_no_bank_conflicts(head_dim):
-    """At every head dim compiled for, each ldmatrix of the forward and the backward reads its
-    matrices' 8 rows from 8 different bank groups (the swizzle of swizzled<D>)."""
+def test_ldmatrix_reads_have_no_bank_conflicts(head_dim, deterministic):
+    """At every head dim compiled for, each ldmatrix of the forward and of both backwards (the
+    one-pass one reads its dS block back too) reads its matrices' 8 rows from 8 different bank
+    groups (the swizzle of swizzled<D>)."""
     q, k, v, do, causal = _inputs((1, 1, 1, 20, 20, head_dim, True), torch.float16)
     take_ldmatrix_extra_passes()
-    _emulated(q, k, v, do, causal, 0.125)
+    _emulated(q, k, v, do, causal, 0.125, deterministic=deterministic)
     assert take_ldmatrix_extra_passes() == 0
+
+
+# The one-pass backward at every head dim compiled for (200 padded to 256), with the key tail,
+# rows that see no key, GQA, and the features (shape as CASES, then window_left, window_right,
+# softcap, ALiBi, dropout_p as FEATURE_CASES).
+ONE_PASS_CASES = [
+    pytest.param((1, 2, 2, 17, 17, 32, False), -1, -1, 0.0, None, 0.0, id="plain-17-d32"),
+    pytest.param((1, 2, 2, 129, 17, 64, True), -1, -1, 0.0, None, 0.0, id="causal-q129-k17-rows-without-keys"),
+    pytest.param((1, 4, 2, 80, 50, 64, False), -1, -1, 0.0, None, 0.0, id="gqa"),
+    pytest.param((1, 2, 2, 70, 130, 128, False), -1, -1, 0.0, None, 0.0, id="noncausal-q70-k130-d128"),
+    pytest.param((1, 2, 1, 70, 40, 256, True), -1, -1, 0.0, None, 0.0, id="gqa-causal-q70-k40-d256"),
+    pytest.param((1, 1, 1, 33, 65, 200, False), -1, -1, 0.0, None, 0.0, id="noncausal-q33-k65-d200"),
+    pytest.param((1, 4, 2, 100, 130, 96, False), 40, 20, 2.0, "per-head", 0.2, id="dropout-and-all-gqa-d96"),
+    pytest.param((2, 2, 2, 150, 90, 32, False), 10, 25, 3.0, "per-batch", 0.3, id="window-softcap-alibi-dropout"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case, window_left, window_right, softcap, alibi, dropout_p", ONE_PASS_CASES)
+def test_one_pass_backward_matches_float64_and_the_deterministic_dk_dv_bitwise(case, window_left, window_right,
+                                                                              softcap, alibi, dropout_p, dtype):
+    """dQ added by atomics from the dK/dV kernel matches float64 as the dQ kernel's does; dK and
+    dV, computed by the same code either way, are bitwise the deterministic backward's."""
+    q, k, v, do, causal = _inputs(case, dtype)
+    batch, heads = q.shape[:2]
+    slopes = None if alibi is None else torch.rand((heads,) if alibi == "per-head" else (batch, heads))
+    features = (window_left, window_right, softcap, slopes, dropout_p, DROPOUT_SEED)
+    scale = q.shape[-1] ** -0.5
+    one_pass = _emulated(q, k, v, do, causal, scale, *features, deterministic=False)
+    exactly_zero = {"dq", "dk"} if k.shape[2] == 1 else set()
+    assert_matches_float64(one_pass, _float64(q, k, v, do, causal, scale, *features), dtype, exactly_zero)
+    deterministic = emulated_attention_bwd(do, q, k, v, *one_pass[:2], causal, scale, *features)
+    assert torch.equal(one_pass[3], deterministic[1]) and torch.equal(one_pass[4], deterministic[2])
 
 
 def test_rows_that_see_no_key_are_zero_with_lse_minus_infinity():
@@ -164,10 +201,10 @@ def test_score_options_match_float64(case, window_left, window_right, softcap, a
 
 @pytest.mark.parametrize("head_dim, seqlen_q, seqlen_k", [(128, 50, 70), (256, 150, 100)], ids=["d128", "d256"])
 def test_dropout_draws_the_triton_kernels_mask_in_every_kernel(head_dim, seqlen_q, seqlen_k):
-    """The masks the forward, dK/dV and dQ kernels draw, read exactly from their outputs
-    (attention_checks.mask_revealing_inputs), are each remat.ops.attention.dropout_keep_mask, the
-    Triton kernels' (tests/ops/test_attention_dropout.py). Several blocks of queries and keys, two
-    heads, two batches: every part of Philox's counter moves."""
+    """The masks the forward, dK/dV and dQ kernels draw (and the dK/dV kernel for the one-pass
+    backward's dQ), read exactly from their outputs (attention_checks.mask_revealing_inputs), are
+    each remat.ops.attention.dropout_keep_mask, the Triton kernels' (tests/ops/test_attention_dropout.py).
+    Several blocks of queries and keys, two heads, two batches: every part of Philox's counter moves."""
     batch, heads, dropout_p = 2, 2, 0.5
     q, k, v, do, unit_keys = mask_revealing_inputs(batch, heads, seqlen_q, seqlen_k, head_dim, torch.float16)
     kept = attn_ops.dropout_keep_mask(DROPOUT_SEED, batch, heads, seqlen_q, seqlen_k, dropout_p)
@@ -175,7 +212,9 @@ def test_dropout_draws_the_triton_kernels_mask_in_every_kernel(head_dim, seqlen_
     features = (-1, -1, 0.0, None, dropout_p, DROPOUT_SEED)
     o, _, _, _, dv = _emulated(q, k, v, do, False, 0.125, *features)
     dq = _emulated(q, unit_keys, v, do, False, 0.125, *features)[2]
-    for kernel, mask in zip(("forward", "dK/dV", "dQ"), masks_read_from(o, dv, dq, seqlen_k)):
+    one_pass_dq = _emulated(q, unit_keys, v, do, False, 0.125, *features, deterministic=False)[2]
+    masks = (*masks_read_from(o, dv, dq, seqlen_k), masks_read_from(o, dv, one_pass_dq, seqlen_k)[2])
+    for kernel, mask in zip(("forward", "dK/dV", "dQ", "one-pass dQ"), masks):
         assert torch.equal(mask, kept), kernel
 
 
@@ -208,11 +247,12 @@ VARLEN_CASES = [
 ]
 
 
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "one-pass"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("lengths_q, lengths_k, heads, kv_heads, head_dim, causal, window, softcap, alibi, dropout_p",
                          VARLEN_CASES)
 def test_packed_sequences_match_float64(lengths_q, lengths_k, heads, kv_heads, head_dim, causal, window, softcap,
-                                        alibi, dropout_p, dtype):
+                                        alibi, dropout_p, dtype, deterministic):
     cu_q, cu_k = varlen_ops.cu_seqlens_of(lengths_q), varlen_ops.cu_seqlens_of(lengths_k)
     q = torch.randn(sum(lengths_q), heads, head_dim).to(dtype)
     k = torch.randn(sum(lengths_k), kv_heads, head_dim).to(dtype)
@@ -223,7 +263,8 @@ def test_packed_sequences_match_float64(lengths_q, lengths_k, heads, kv_heads, h
     scale, features = head_dim ** -0.5, (*window, softcap, slopes, dropout_p, DROPOUT_SEED)
     sizes = (cu_q, cu_k, max(lengths_q), max(lengths_k), causal, scale)
     o, lse = emulated_attention_varlen_fwd(q, k, v, *sizes, *features)
-    ours = (o, lse, *emulated_attention_varlen_bwd(do, q, k, v, o, lse, *sizes, *features))
+    ours = (o, lse, *emulated_attention_varlen_bwd(do, q, k, v, o, lse, *sizes, *features,
+                                                   deterministic=deterministic))
 
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
     o_ref, lse_ref = varlen_ops.attention_varlen_ref(*leaves, cu_q, cu_k, causal, scale, *features)

@@ -18,7 +18,11 @@ Backends: CUDA tensors run the Triton kernels for backends "auto" and "triton"; 
 runs the CUDA extension's own kernels (csrc/attention_kernels.cuh) on what they take (see
 cuda_kernel_takes: half or bfloat16, head dims that are a multiple of 8 up to 256, any window,
 softcapping, ALiBi or dropout, a GPU of compute capability 8.0 or newer) and the Triton kernels,
-with a one-time warning, on the rest. Both draw the same dropout mask (dropout_keep_mask). CPU
+with a one-time warning, on the rest. Both draw the same dropout mask (dropout_keep_mask). The
+CUDA kernels' backward runs in one pass, adding dQ by fp32 atomics as FlashAttention 2 and
+PyTorch's flash backend do (so dQ's last bits vary from run to run), unless
+torch.use_deterministic_algorithms(True): then a separate dQ pass, bitwise reproducible, at 7
+matrix products a score instead of 5. The Triton kernels' backward is always deterministic. CPU
 tensors run the Triton kernel under TRITON_INTERPRET=1, else the reference. Head dims outside
 HEAD_DIMS run the reference on CPU; on CUDA, those and GPUs Triton cannot target (compute
 capability < 8.0) fall back to torch.nn.functional.scaled_dot_product_attention with a one-time
@@ -483,8 +487,9 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, attn_
     - dropout_p: dropout on the probabilities before P V, kept ones scaled by 1 / (1 - dropout_p).
       The mask is never stored: a counter-based generator (Philox) draws it from a seed taken from
       torch's generator of q's device at the call, and the backward regenerates it. So
-      torch.manual_seed before two calls gives bitwise-identical outputs and gradients, and
-      activation checkpointing reproduces the forward. Pass 0 in evaluation.
+      torch.manual_seed before two calls gives bitwise-identical outputs and gradients (under
+      backend "cuda", the gradients with torch.use_deterministic_algorithms(True): see the
+      module's docstring), and activation checkpointing reproduces the forward. Pass 0 in evaluation.
     Key blocks wholly outside the window are skipped: a window costs in proportion to its width.
 
     Autograd saves q, k, v, o and the lse (4 bytes per query row and head), and the ALiBi slopes.
