@@ -331,13 +331,21 @@ def test_attention_extreme_logits_as_pytorch(target, case, dtype):
     # first. Their error relative to the vanishing exact value is rounding noise times
     # softmax_scale (>> 1 at scale 1e3, for PyTorch's as for ours): a ratio of two noises is no
     # measure, so dq and dk are held to PyTorch's finiteness only; o and dv to its accuracy.
-    for name, o, t, e in zip(("o", "dq", "dk", "dv"), ours, theirs, exact):
-        assert_like_pytorch(name, o, t, e, compare_error=name in ("o", "dv"))
-    _, lse = remat.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    # In fp32, dv's error is the algorithm's (see _pytorch_flash_attention): each probability
+    # recomputed as exp(s - lse) carries the fp32 roundings of s and lse, a few |s| 2^-24 each in
+    # its exponent. PyTorch's CPU flash backward is no oracle for it: on some CPUs it carries that
+    # error, on AVX-512 ones it does not. So fp32 dv is held to 4 |logit|max 2^-24 instead.
     scale = softmax_scale or q.shape[-1] ** -0.5
     logits = (q.double() @ k.double().transpose(-1, -2)) * scale
     if causal:
         logits = logits.masked_fill(torch.ones_like(logits, dtype=torch.bool).triu(1), float("-inf"))
+    fp32_dv = dtype == torch.float32
+    for name, o, t, e in zip(("o", "dq", "dk", "dv"), ours, theirs, exact):
+        assert_like_pytorch(name, o, t, e, compare_error=name == "o" or (name == "dv" and not fp32_dv))
+    if fp32_dv:
+        bound = 4 * logits.abs().nan_to_num(posinf=0.0).max().item() * 2**-24
+        assert rel_error(ours[3], exact[3]) <= max(REL_TOL[dtype], bound)
+    _, lse = remat.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
     assert rel_error(lse, torch.logsumexp(logits, dim=-1)) <= REL_TOL[torch.float32]
 
 
