@@ -5,7 +5,8 @@
 
 Every op family runs the calls its benchmark module lists (sanitize_calls): shapes awkward on
 purpose (odd widths, a strided view, a misaligned slice) so that the scalar paths and the masked
-tails run too. Exits non-zero if an op raises.
+tails run too; the CUDA backend's twice, for both of its attention backwards (one pass adding dQ
+by atomics, and under torch.use_deterministic_algorithms the dQ kernel). Exits non-zero if an op raises.
 """
 
 import torch
@@ -26,10 +27,13 @@ def run_all(device="cuda"):
         if not remat.backends()[backend][0]:
             print(f"skip {backend}: {remat.backends()[backend][1]}")
             continue
-        with remat.use_backend(backend):
-            for dtype in (torch.float32, torch.bfloat16):
-                for _name, call in family_calls(device, dtype):
-                    call().sum().backward()
+        for deterministic in (False, True) if backend == "cuda" else (False,):
+            torch.use_deterministic_algorithms(deterministic, warn_only=True)
+            with remat.use_backend(backend):
+                for dtype in (torch.float32, torch.bfloat16):
+                    for _name, call in family_calls(device, dtype):
+                        call().sum().backward()
+    torch.use_deterministic_algorithms(False)
     torch.cuda.synchronize()
     print("sanitize_check: all ops ran")
 

@@ -18,9 +18,10 @@
 // to itself only with every convention above applied to its own lengths; the grid's batch index
 // is the sequence's, its blocks sized for the longest, those past a sequence's end exit at once.
 //
-// Forward (attention_fwd_kernel): a block of 4 warps takes 64 query rows, 16 a warp, of one
-// (batch, head); key/value blocks stream through shared memory by cp.async, double-buffered
-// (block j + 1 loads while block j is multiplied). Per key block each warp computes its scores
+// Forward (attention_fwd_kernel): a block of 4 warps takes 128 query rows (two 16-row tiles a
+// warp) of one (batch, head) up to head dim 64, else 64 (one tile a warp); key/value blocks
+// stream through shared memory by cp.async, double-buffered (block j + 1 loads while block j is
+// multiplied). Per key block each warp computes its scores
 // S = Q K^T with m16n8k16 tensor-core products (Q's fragments stay in registers), masks them,
 // and updates an online softmax in base 2 (the scale is multiplied by log2(e) once, so one exp2
 // a score): a running row maximum m, a running row sum l, and the fp32 output accumulator
@@ -136,7 +137,8 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 // Block shapes by padded head dim D. M: query rows, N: keys. Chosen so that the fp32
 // accumulators and fragments fit in registers without spilling (tests/build/test_cuda_compile.py):
-//   forward: o (16 x D) and q's fragments per warp; keys stream past in blocks of 64 (32 at 256).
+//   forward: o (16 x D) and q's fragments per row tile (two tiles a warp up to D = 64); keys
+//     stream past in blocks of 64 at D = 96 and 128, else 32.
 //   dK/dV: dK and dV (16 x kDkdvCols each) per warp; query blocks stream past, 32 at D = 96 and
 //     128, 16 at 256 (its P^T and dS^T blocks are what is left room for).
 //   dQ: dQ (16 x D), q's and dO's fragments per warp; key blocks of 32 at D = 96 and 128, 16 at 256.
@@ -147,7 +149,13 @@ struct Tiles {
   // q's (and dO's) A fragments, D / 4 registers each, stay in registers up to D = 128.
   static constexpr bool kRowsInRegisters = D <= 128;
   static constexpr int kFragments = kRowsInRegisters ? D / 16 : 1;  // the fragment arrays' length
-  static constexpr int kFwdM = kWarps * kRowsPerWarp, kFwdN = D > 128 ? 32 : 64;
+  // The forward's row tiles of 16 a warp: two up to D = 64, where the registers hold two tiles'
+  // accumulators, scores and q fragments (with key blocks of 32). Each K or V fragment read from
+  // shared memory (512 bytes an ldmatrix.x4) then feeds 4 m16n8k16 products instead of 2: 32
+  // FLOPs a byte instead of 16, where an H100/H200 SM's tensor cores (~4096 FLOPs a clock) would
+  // need 32 to outrun its 128 bytes a clock of shared memory.
+  static constexpr int kFwdRowTiles = D <= 64 ? 2 : 1;
+  static constexpr int kFwdM = kWarps * kRowsPerWarp * kFwdRowTiles, kFwdN = D > 128 || D <= 64 ? 32 : 64;
   static constexpr int kDkdvM = D > 128 ? 16 : D > 64 ? 32 : 64, kDkdvN = kWarps * kRowsPerWarp;
   static constexpr int kDkdvCols = D > 128 ? 128 : D;  // the dK/dV columns one block accumulates
   static constexpr int kDkdvColumnBlocks = D / kDkdvCols;
@@ -218,10 +226,22 @@ __device__ __forceinline__ void load_a_fragments(uint32_t (&a)[D / 16][4], const
   for (int kk = 0; kk < D / 16; ++kk) tc::ldmatrix_x4(a[kk], tile + swizzled<D>(row, 2 * kk + (m >> 1)));
 }
 
-// ACC (16 x N) += A (16 x D) B^T, B^T the N rows 0.. of a shared tile (B's columns are its rows,
-// k its columns): S = Q K^T, dP = dO V^T.
-template <typename T, int D, int N>
-__device__ __forceinline__ void multiply_abt(float (&acc)[N / 8][4], const uint32_t (&a)[D / 16][4], const T* tile) {
+// X, a 16-row tile's accumulator or fragments, as the one tile of the R-tile products' arrays.
+template <typename E, int I, int J>
+__device__ __forceinline__ auto one_tile(E (&x)[I][J]) -> E (&)[1][I][J] {
+  return reinterpret_cast<E(&)[1][I][J]>(x);
+}
+template <typename E, int I>
+__device__ __forceinline__ auto one_tile(E (&x)[I]) -> E (&)[1][I] {
+  return reinterpret_cast<E(&)[1][I]>(x);
+}
+
+// ACC[r] (16 x N) += A[r] (16 x D) B^T for R row tiles, B^T the N rows 0.. of a shared tile
+// (B's columns are its rows, k its columns): S = Q K^T, dP = dO V^T. Each B fragment read from
+// shared memory feeds all R tiles' products.
+template <typename T, int D, int N, int R>
+__device__ __forceinline__ void multiply_tiles_abt(float (&acc)[R][N / 8][4], const uint32_t (&a)[R][D / 16][4],
+                                                   const T* tile) {
   const int lane = threadIdx.x % 32, m = lane / 8;
 #pragma unroll
   for (int np = 0; np < N / 16; ++np) {
@@ -231,10 +251,19 @@ __device__ __forceinline__ void multiply_abt(float (&acc)[N / 8][4], const uint3
       uint32_t b[4];
       tc::ldmatrix_x4(b, tile + swizzled<D>(row, 2 * kk + (m & 1)));
       const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-      tc::mma_16816<T>(acc[2 * np], a[kk], b0);
-      tc::mma_16816<T>(acc[2 * np + 1], a[kk], b1);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        tc::mma_16816<T>(acc[r][2 * np], a[r][kk], b0);
+        tc::mma_16816<T>(acc[r][2 * np + 1], a[r][kk], b1);
+      }
     }
   }
+}
+
+// The same for one row tile.
+template <typename T, int D, int N>
+__device__ __forceinline__ void multiply_abt(float (&acc)[N / 8][4], const uint32_t (&a)[D / 16][4], const T* tile) {
+  multiply_tiles_abt<T, D, N, 1>(one_tile(acc), one_tile(a), tile);
 }
 
 // The same with A read from rows a_row0..a_row0+15 of a shared tile one 16-deep step at a time
@@ -260,11 +289,12 @@ __device__ __forceinline__ void multiply_abt_streamed(float (&acc)[N / 8][4], co
   }
 }
 
-// ACC (16 x C) += A B for one 16-deep step KK of k: A's fragment (16 x 16), B rows 16 KK.. of a
-// shared tile of width D (k its rows), columns 8 CHUNK0.. (C of them).
-template <typename T, int D, int C>
-__device__ __forceinline__ void multiply_step_b(float (&acc)[C / 8][4], const uint32_t (&a)[4], const T* tile, int kk,
-                                                int chunk0) {
+// ACC[r] (16 x C) += A[r] B for R row tiles and one 16-deep step KK of k: A's fragments (16 x 16),
+// B rows 16 KK.. of a shared tile of width D (k its rows), columns 8 CHUNK0.. (C of them). Each B
+// fragment read from shared memory feeds all R tiles' products.
+template <typename T, int D, int C, int R>
+__device__ __forceinline__ void multiply_tiles_step_b(float (&acc)[R][C / 8][4], const uint32_t (&a)[R][4],
+                                                      const T* tile, int kk, int chunk0) {
   const int lane = threadIdx.x % 32, m = lane / 8;
   const int row = 16 * kk + lane % 8 + 8 * (m & 1);
 #pragma unroll
@@ -272,24 +302,38 @@ __device__ __forceinline__ void multiply_step_b(float (&acc)[C / 8][4], const ui
     uint32_t b[4];
     tc::ldmatrix_x4_trans(b, tile + swizzled<D>(row, chunk0 + 2 * dp + (m >> 1)));
     const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-    tc::mma_16816<T>(acc[2 * dp], a, b0);
-    tc::mma_16816<T>(acc[2 * dp + 1], a, b1);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      tc::mma_16816<T>(acc[r][2 * dp], a[r], b0);
+      tc::mma_16816<T>(acc[r][2 * dp + 1], a[r], b1);
+    }
   }
 }
 
-// P (16 x K fp32 accumulators) rounded to T as the A fragments of P B: fragment kk holds k
-// 16 kk..16 kk + 15, value e of P's tile nt in half e % 2 of register 2 (nt % 2) + e / 2 of
-// fragment nt / 2 (the C layout of two 8-column tiles is the A layout of one 16-deep step).
+// The same for one row tile.
+template <typename T, int D, int C>
+__device__ __forceinline__ void multiply_step_b(float (&acc)[C / 8][4], const uint32_t (&a)[4], const T* tile, int kk,
+                                                int chunk0) {
+  multiply_tiles_step_b<T, D, C, 1>(one_tile(acc), one_tile(a), tile, kk, chunk0);
+}
+
+// Fragment KK (k 16 kk..16 kk + 15) of P (16 x K fp32 accumulators) rounded to T as the A
+// operand of P B: register r holds values 2 (r % 2) and 2 (r % 2) + 1 (low half first) of P's
+// tile 2 kk + r / 2 (the C layout of two 8-column tiles is the A layout of one 16-deep step).
+template <typename T, int K>
+__device__ __forceinline__ void pack_step(uint32_t (&a)[4], const float (&p)[K / 8][4], int kk) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const float(&tile)[4] = p[2 * kk + r / 2];
+    a[r] = tc::pack2<T>(tile[2 * (r % 2)], tile[2 * (r % 2) + 1]);
+  }
+}
+
+// All K / 16 fragments of P.
 template <typename T, int K>
 __device__ __forceinline__ void pack_a(uint32_t (&a)[K / 16][4], const float (&p)[K / 8][4]) {
 #pragma unroll
-  for (int kk = 0; kk < K / 16; ++kk) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const float(&tile)[4] = p[2 * kk + r / 2];
-      a[kk][r] = tc::pack2<T>(tile[2 * (r % 2)], tile[2 * (r % 2) + 1]);
-    }
-  }
+  for (int kk = 0; kk < K / 16; ++kk) pack_step<T, K>(a[kk], p, kk);
 }
 
 // ACC (16 x C) += A B, A's K / 16 fragments from pack_a, B the K rows 0.. of a shared tile of
@@ -310,6 +354,20 @@ __device__ __forceinline__ void multiply_pb(float (&acc)[C / 8][4], const float 
   uint32_t a[K / 16][4];
   pack_a<T, K>(a, p);
   multiply_packed_b<T, D, K, C>(acc, a, tile, chunk0);
+}
+
+// ACC[r] (16 x D) += P[r] (16 x K, fp32 accumulators rounded to T) B for R row tiles, B the K
+// rows 0.. of a shared tile of width D (k its rows): the forward's o += P V.
+template <typename T, int D, int K, int R>
+__device__ __forceinline__ void multiply_tiles_pb(float (&acc)[R][D / 8][4], const float (&p)[R][K / 8][4],
+                                                  const T* tile) {
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk) {
+    uint32_t a[R][4];
+#pragma unroll
+    for (int r = 0; r < R; ++r) pack_step<T, K>(a[r], p[r], kk);
+    multiply_tiles_step_b<T, D, D, R>(acc, a, tile, kk, 0);
+  }
 }
 
 // The same with A the 16 rows A_ROW0.. of a shared tile of width K (k its columns): the one-pass
@@ -579,7 +637,7 @@ __device__ __forceinline__ float lse_log2(const float* lse, int row, int seqlen)
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 1) attention_fwd_kernel(const AttentionParams params) {
-  constexpr int M = Tiles<D>::kFwdM, N = Tiles<D>::kFwdN;
+  constexpr int M = Tiles<D>::kFwdM, N = Tiles<D>::kFwdN, R = Tiles<D>::kFwdRowTiles;
   REMAT_DYNAMIC_SMEM(unsigned char, smem);
   T* s_q = reinterpret_cast<T*>(smem);
   T* s_k = s_q + M * D;  // two stages each
@@ -595,11 +653,18 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd_kernel(const Attent
   const Blocks keys = key_blocks(p, m0, M, N);
   const float scale_log2 = p.softmax_scale * kLog2e, slope_log2 = alibi_slope_log2(p, b, h);
   const bool dropout = p.dropout_seed != nullptr;
+  // The warp's R row tiles: rows tile_row(r).. of the block (16 each).
+  auto tile_row = [&](int r) { return (warp * R + r) * kRowsPerWarp; };
 
-  float acc[D / 8][4];
-  zero(acc);
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};  // thread-partial sums
-  uint32_t q_frag[Tiles<D>::kFragments][4];
+  float acc[R][D / 8][4];
+  float row_max[R][2], row_sum[R][2];  // thread-partial sums
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    zero(acc[r]);
+    row_max[r][0] = row_max[r][1] = -INFINITY;
+    row_sum[r][0] = row_sum[r][1] = 0.f;
+  }
+  uint32_t q_frag[R][Tiles<D>::kFragments][4];
   if (keys.count > 0) {
     load_tile<T, D, M>(s_q, q, p.q_stride[2], m0, p.seqlen_q, p.head_dim);
     load_kv_block<T, D, N>(s_k, s_v, 0, k, v, p, keys.first * N);
@@ -609,81 +674,99 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd_kernel(const Attent
     // Block j has landed for every thread, and every thread is done with block j - 1's stage.
     tc::cp_async_wait<0>();
     __syncthreads();
-    if (j == 0) load_row_fragments<T, D>(q_frag, s_q, warp * kRowsPerWarp);
+    if (j == 0) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) load_row_fragments<T, D>(q_frag[r], s_q, tile_row(r));
+    }
     const int stage = j & 1, n0 = (keys.first + j) * N;
     if (j + 1 < keys.count) {
       load_kv_block<T, D, N>(s_k, s_v, stage ^ 1, k, v, p, n0 + N);
       tc::cp_async_commit();
     }
-    const int row0 = m0 + warp * kRowsPerWarp;
-    const uint32_t kept = kept_bits<N / 8>(p, b, h, row0, n0);
-    float s[N / 8][4];
-    zero(s);
-    multiply_rows_abt<T, D, N>(s, q_frag, s_q, warp * kRowsPerWarp, s_k + stage * N * D);
+    const T* k_tile = s_k + stage * N * D;
+    uint32_t kept[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) kept[r] = kept_bits<N / 8>(p, b, h, m0 + tile_row(r), n0);
+    float s[R][N / 8][4];
+#pragma unroll
+    for (int r = 0; r < R; ++r) zero(s[r]);
+    if constexpr (Tiles<D>::kRowsInRegisters) {
+      multiply_tiles_abt<T, D, N, R>(s, q_frag, k_tile);
+    } else {
+      static_assert(R == 1, "q's rows stream from shared memory one tile a warp");
+      multiply_abt_streamed<T, D, N>(s[0], s_q, tile_row(0), k_tile);
+    }
 
-    // The scores (scaled, capped, biased), masked (the tail of the keys, the window), and the
-    // block's row maxima.
     const bool masked = !sees_all(p, m0, M, n0, N);
-    float block_max[2] = {row_max[0], row_max[1]};
 #pragma unroll
-    for (int nt = 0; nt < N / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = n0 + acc_col(nt, e), row = row0 + acc_row(e);
-        float t;
-        const float x = score_log2(p, s[nt][e], scale_log2, slope_log2, row, col, t);
-        s[nt][e] = !masked || visible(p, row, col) ? x : -INFINITY;
-        block_max[e >> 1] = fmaxf(block_max[e >> 1], s[nt][e]);
-      }
-    }
-    // The online softmax: rescale what was summed so far to the new maxima.
-    float shift[2], alpha[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float new_max = quad_max(block_max[r]);
-      shift[r] = new_max == -INFINITY ? 0.f : new_max;  // a row that has seen no key yet stays at 0
-      alpha[r] = exp2f(row_max[r] - shift[r]);
-      row_max[r] = new_max;
-      row_sum[r] *= alpha[r];
-    }
-#pragma unroll
-    for (int nt = 0; nt < N / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[nt][e] = exp2f(s[nt][e] - shift[e >> 1]);
-        row_sum[e >> 1] += s[nt][e];
-      }
-    }
-    if (dropout) {  // after the sums: dropout acts on the normalised probabilities (1 / (1 - p) at the end)
+    for (int r = 0; r < R; ++r) {
+      const int row0 = m0 + tile_row(r);
+      // The scores (scaled, capped, biased), masked (the tail of the keys, the window), and the
+      // block's row maxima.
+      float block_max[2] = {row_max[r][0], row_max[r][1]};
 #pragma unroll
       for (int nt = 0; nt < N / 8; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] = is_kept(kept, nt, e) ? s[nt][e] : 0.f;
+        for (int e = 0; e < 4; ++e) {
+          const int col = n0 + acc_col(nt, e), row = row0 + acc_row(e);
+          float t;
+          const float x = score_log2(p, s[r][nt][e], scale_log2, slope_log2, row, col, t);
+          s[r][nt][e] = !masked || visible(p, row, col) ? x : -INFINITY;
+          block_max[e >> 1] = fmaxf(block_max[e >> 1], s[r][nt][e]);
+        }
+      }
+      // The online softmax: rescale what was summed so far to the new maxima.
+      float shift[2], alpha[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float new_max = quad_max(block_max[i]);
+        shift[i] = new_max == -INFINITY ? 0.f : new_max;  // a row that has seen no key yet stays at 0
+        alpha[i] = exp2f(row_max[r][i] - shift[i]);
+        row_max[r][i] = new_max;
+        row_sum[r][i] *= alpha[i];
+      }
+#pragma unroll
+      for (int nt = 0; nt < N / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[r][nt][e] = exp2f(s[r][nt][e] - shift[e >> 1]);
+          row_sum[r][e >> 1] += s[r][nt][e];
+        }
+      }
+      if (dropout) {  // after the sums: dropout acts on the normalised probabilities (1 / (1 - p) at the end)
+#pragma unroll
+        for (int nt = 0; nt < N / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[r][nt][e] = is_kept(kept[r], nt, e) ? s[r][nt][e] : 0.f;
+        }
+      }
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[r][dt][e] *= alpha[e >> 1];
       }
     }
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[dt][e] *= alpha[e >> 1];
-    }
-    multiply_pb<T, D, N>(acc, s, s_v + stage * N * D);
+    multiply_tiles_pb<T, D, N, R>(acc, s, s_v + stage * N * D);
   }
 
   // o = acc / l (times 1 / (1 - p) under dropout); lse = (m + log2 l) ln 2, -inf (and o = 0)
   // for rows that saw no key.
-  float inv_sum[2];
-  const int row0 = m0 + warp * kRowsPerWarp;
   float* lse = p.lse + lse_rows(p, b, h);
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float total = quad_sum(row_sum[r]);
-    inv_sum[r] = total > 0.f ? p.dropout_scale / total : 0.f;
-    const int row = row0 + acc_row(2 * r);
-    if (threadIdx.x % 4 == 0 && row < p.seqlen_q) {
-      lse[row] = total > 0.f ? (row_max[r] + log2f(total)) * kLn2 : -INFINITY;
+  for (int r = 0; r < R; ++r) {
+    const int row0 = m0 + tile_row(r);
+    float inv_sum[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float total = quad_sum(row_sum[r][i]);
+      inv_sum[i] = total > 0.f ? p.dropout_scale / total : 0.f;
+      const int row = row0 + acc_row(2 * i);
+      if (threadIdx.x % 4 == 0 && row < p.seqlen_q) {
+        lse[row] = total > 0.f ? (row_max[r][i] + log2f(total)) * kLn2 : -INFINITY;
+      }
     }
+    store_rows<T, D>(slice<T>(p.o, p.o_stride, b, h), p.o_stride[2], row0, p.seqlen_q, p.head_dim, acc[r], inv_sum);
   }
-  store_rows<T, D>(slice<T>(p.o, p.o_stride, b, h), p.o_stride[2], row0, p.seqlen_q, p.head_dim, acc, inv_sum);
 }
 
 // ---------------------------------------------------------------------------------- backward ----

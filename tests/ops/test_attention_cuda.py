@@ -51,18 +51,23 @@ def _padded(head_dim):
     return next(d for d in (32, 64, 96, 128, 256) if head_dim <= d)
 
 
+def _forward_rows(head_dim):
+    """Query rows a forward block takes: 4 warps of two 16-row tiles up to head dim 64, else one."""
+    return 128 if _padded(head_dim) <= 64 else 64
+
+
 def _expected_shared(kernel, head_dim, one_pass=False):
     """Bytes of the tiles each kernel keeps (16-bit rows of the padded head dim), written out
-    from the kernels' layout: forward Q (64 rows) + two stages of K and V (64 rows each, 32 at
-    256); dK/dV: K and V (64 rows) + two stages of Q and dO (64 rows, 32 at 96 and 128, 16 at 256)
+    from the kernels' layout: forward Q (_forward_rows) + two stages of K and V (64 rows each, 32
+    at 32, 64 and 256); dK/dV: K and V (64 rows) + two stages of Q and dO (64 rows, 32 at 96 and 128, 16 at 256)
     + two of lse and delta (fp32), and in the one-pass backward a 16-bit dS block (the streamed
     queries x 64 keys); dQ: Q and dO (64 rows) + two stages of K and V (as dK/dV's Q)."""
     d = _padded(head_dim)
     row = 2 * d
-    forward_keys = 32 if d == 256 else 64
+    forward_keys = 64 if d in (96, 128) else 32
     streamed = {32: 64, 64: 64, 96: 32, 128: 32, 256: 16}[d]
     dkdv = (2 * 64 + 4 * streamed) * row + 4 * streamed * 4 + (streamed * 64 * 2 if one_pass else 0)
-    return {FORWARD: (64 + 4 * forward_keys) * row, PREPROCESS: 0, DKDV: dkdv,
+    return {FORWARD: (_forward_rows(head_dim) + 4 * forward_keys) * row, PREPROCESS: 0, DKDV: dkdv,
             DQ: (2 * 64 + 4 * streamed) * row}[kernel]
 
 
@@ -89,7 +94,7 @@ def test_launch_plan(shape, bf16, deterministic):
     # 1-D grids: sequence blocks x heads x batch (no axis limit on heads or batch); at head dim
     # 256 two dK/dV blocks (a column half each) a key block.
     column_halves = 2 if _padded(head_dim) == 256 else 1
-    grids = {FORWARD: (math.ceil(seqlen_q / 64) * heads * batch, 1, 1),
+    grids = {FORWARD: (math.ceil(seqlen_q / _forward_rows(head_dim)) * heads * batch, 1, 1),
              PREPROCESS: (math.ceil(seqlen_q / 16) * heads * batch, 1, 1),
              DKDV: (math.ceil(seqlen_k / 64) * column_halves * kv_heads * batch, 1, 1),
              DQ: (math.ceil(seqlen_q / 64) * heads * batch, 1, 1)}
