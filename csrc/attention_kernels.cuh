@@ -217,13 +217,19 @@ __device__ __forceinline__ void load_kv_block(T* s_k, T* s_v, int stage, const T
   load_tile<T, D, N>(s_v + stage * N * D, v, p.v_stride[2], n0, p.seqlen_k, p.head_dim);
 }
 
-// The A fragments (16 x D, k = the tile's columns) of rows row0..row0+15 of a shared tile.
+// The A fragment of 16-deep step KK (k = the tile's columns 16 kk..) of rows row0..row0+15 of a
+// shared tile of width D.
+template <typename T, int D>
+__device__ __forceinline__ void load_a_step(uint32_t (&a)[4], const T* tile, int row0, int kk) {
+  const int lane = threadIdx.x % 32, m = lane / 8;
+  tc::ldmatrix_x4(a, tile + swizzled<D>(row0 + lane % 8 + 8 * (m & 1), 2 * kk + (m >> 1)));
+}
+
+// All D / 16 of them.
 template <typename T, int D>
 __device__ __forceinline__ void load_a_fragments(uint32_t (&a)[D / 16][4], const T* tile, int row0) {
-  const int lane = threadIdx.x % 32, m = lane / 8;
-  const int row = row0 + lane % 8 + 8 * (m & 1);
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) tc::ldmatrix_x4(a[kk], tile + swizzled<D>(row, 2 * kk + (m >> 1)));
+  for (int kk = 0; kk < D / 16; ++kk) load_a_step<T, D>(a[kk], tile, row0, kk);
 }
 
 // X, a 16-row tile's accumulator or fragments, as the one tile of the R-tile products' arrays.
@@ -273,11 +279,10 @@ template <typename T, int D, int N>
 __device__ __forceinline__ void multiply_abt_streamed(float (&acc)[N / 8][4], const T* a_tile, int a_row0,
                                                       const T* tile) {
   const int lane = threadIdx.x % 32, m = lane / 8;
-  const int a_row = a_row0 + lane % 8 + 8 * (m & 1);
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     uint32_t a[4];
-    tc::ldmatrix_x4(a, a_tile + swizzled<D>(a_row, 2 * kk + (m >> 1)));
+    load_a_step<T, D>(a, a_tile, a_row0, kk);
 #pragma unroll
     for (int np = 0; np < N / 16; ++np) {
       uint32_t b[4];
@@ -375,12 +380,10 @@ __device__ __forceinline__ void multiply_tiles_pb(float (&acc)[R][D / 8][4], con
 template <typename T, int D, int K, int C>
 __device__ __forceinline__ void multiply_tile_b(float (&acc)[C / 8][4], const T* a_tile, int a_row0, const T* tile,
                                                 int chunk0) {
-  const int lane = threadIdx.x % 32, m = lane / 8;
-  const int a_row = a_row0 + lane % 8 + 8 * (m & 1);
 #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk) {
     uint32_t a[4];
-    tc::ldmatrix_x4(a, a_tile + swizzled<K>(a_row, 2 * kk + (m >> 1)));
+    load_a_step<T, K>(a, a_tile, a_row0, kk);
     multiply_step_b<T, D, C>(acc, a, tile, kk, chunk0);
   }
 }
