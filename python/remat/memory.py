@@ -224,7 +224,7 @@ def _hf_setup(name, batch, seq, device, dtype):
 
     def checkpointed(m):
         m = copy.deepcopy(m)
-        m.gradient_checkpointing_enable()
+        m.activation_checkpointing_enable()  # transformers 5: gradient_checkpointing_enable is deprecated
         return m
 
     table = [
