@@ -824,6 +824,17 @@ __device__ __forceinline__ void store_ds(T* s_ds, const uint32_t (&ds_a)[Tiles<D
   }
 }
 
+// DST[0] += X and DST[1] += Y by fp32 atomics: one vector atomic on sm_90 (DST 8-byte aligned:
+// dQ's rows start at multiples of the head dim, the columns are even), two before it.
+__device__ __forceinline__ void atomic_add2(float* dst, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x, y));
+#else
+  atomicAdd(dst, x);
+  atomicAdd(dst + 1, y);
+#endif
+}
+
 // The product and the atomic adds, kChunk columns at a time in a loop left rolled: the kernel's
 // dK and dV accumulators leave no registers for a wider one.
 template <typename T, int D>
@@ -851,8 +862,7 @@ __device__ __forceinline__ void add_dq(const AttentionParams& p, const T* s_ds, 
       for (int dt = 0; dt < kChunk / 8; ++dt) {
         const int col = first_col + acc_col(dt, 2 * r);
         if (col >= p.head_dim) continue;  // head_dim is a multiple of 8: a tile is in or out
-        atomicAdd(dq_row + col, dq[dt][2 * r] * p.softmax_scale);
-        atomicAdd(dq_row + col + 1, dq[dt][2 * r + 1] * p.softmax_scale);
+        atomic_add2(dq_row + col, dq[dt][2 * r] * p.softmax_scale, dq[dt][2 * r + 1] * p.softmax_scale);
       }
     }
   }
