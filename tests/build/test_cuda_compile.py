@@ -262,6 +262,20 @@ def test_attention_kernels_multiply_on_tensor_cores(arch):
         assert re.search(r"\bLDGSTS\.E\.BYPASS\.128\b", body), f"{name}: no 16-byte cp.async"
 
 
+@requires_nvcc
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_one_pass_backward_adds_dq_by_reductions(arch):
+    """The dK/dV kernels add dQ by fp32 reductions to global memory (RED: no value comes back to
+    wait for), two columns in one on sm_90 (F32x2); no other attention kernel has an atomic."""
+    obj = binary_of(os.path.join(CSRC, "attention.cu"))
+    kernels = {name: body for name, body in sass_functions(obj, arch).items() if ATTENTION_KERNEL.search(name)}
+    width = "F32x2" if int(arch) >= 90 else "F32"
+    for name, body in kernels.items():
+        reductions = set(re.findall(r"\bREDG?\.E\.ADD\.(F32\w*)", body))
+        assert not re.search(r"\bATOMG?\.", body), f"{name}: an atomic that returns its value"
+        assert reductions == ({width} if "dkdv" in name else set()), f"{name}: {sorted(reductions)}"
+
+
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no host C++ compiler")
 @pytest.mark.parametrize("source", HOST_SOURCES, ids=os.path.basename)
 def test_host_sources_compile(source):
