@@ -10,7 +10,8 @@
 //   - logit softcapping: the scaled score x becomes c tanh(x / c); dS gets the factor 1 - tanh^2.
 //   - ALiBi: -slope |i + Sk - Sq - j| added to the (capped) scaled score, a slope per (batch, head).
 //   - dropout on the probabilities, kept ones scaled by 1 / (1 - p), with the Triton kernels'
-//     mask: a function of (seed, batch * H + head, query, key) by Philox-4x32-10 (DropoutMask),
+//     mask: a function of (seed, batch * H + head, query, key) by Philox-4x32-10, one call per
+//     group of four positions (DropoutMask),
 //     drawn again in the backward for dV and dP, never stored. The seed is read on the device.
 // Key (or query) blocks no row of a block sees are skipped; blocks every row sees entirely skip
 // the mask in the forward. Packed sequences (varlen, as flash_attn_varlen_func): q (total_q, H, D),
@@ -568,10 +569,13 @@ __device__ __forceinline__ float score_log2(const AttentionParams& p, float x, f
   return x;
 }
 
-// The first output word of Philox-4x32-10 (Salmon et al. 2011; Triton's tl.philox) with key
+// The four output words of Philox-4x32-10 (Salmon et al. 2011; Triton's tl.philox) with key
 // (KEY0, KEY1) and counter (C0, C1, C2, 0).
-__host__ __device__ __forceinline__ uint32_t philox_first_word(uint32_t key0, uint32_t key1, uint32_t c0, uint32_t c1,
-                                                               uint32_t c2) {
+struct PhiloxWords {
+  uint32_t w[4];
+};
+__host__ __device__ __forceinline__ PhiloxWords philox(uint32_t key0, uint32_t key1, uint32_t c0, uint32_t c1,
+                                                       uint32_t c2) {
   uint32_t c3 = 0;
 #pragma unroll
   for (int round = 0; round < 10; ++round) {
@@ -583,19 +587,23 @@ __host__ __device__ __forceinline__ uint32_t philox_first_word(uint32_t key0, ui
     key0 += 0x9E3779B9u;
     key1 += 0xBB67AE85u;
   }
-  return c0;
+  return {{c0, c1, c2, c3}};
 }
 
-// Dropout's mask for one (batch, head) slice: whether the probability of query ROW and key COL
-// is kept. The Triton kernels' _dropout_kept (remat.ops.attention.dropout_keep_mask): the top 31
-// bits of Philox's first word for key the seed and counter (key, query, batch * H + head, 0),
-// at least the threshold. A function of the positions alone, so every kernel and tile shape
-// draws the same mask.
+// Dropout's mask for one (batch, head) slice, as the Triton kernels' _dropout_kept
+// (remat.ops.attention.dropout_keep_mask): one Philox call, key the seed and counter (k, q,
+// batch * H + head, 0), for the group of positions {q, q + 8} x {k, k + 8} (bit 3 of q and k
+// clear); (query i, key j) takes word 2 (i / 8 % 2) + j / 8 % 2, kept when its top 31 bits reach
+// the threshold. A function of the positions alone, so every kernel and tile shape draws the same mask.
 struct DropoutMask {
   uint32_t key0, key1, slice, threshold;
-  __device__ __forceinline__ bool kept(int row, int col) const {
-    return (philox_first_word(key0, key1, static_cast<uint32_t>(col), static_cast<uint32_t>(row), slice) >> 1) >=
-           threshold;
+  // Bit 2 dq + dk of the result: whether (QUERY + 8 dq, KEY + 8 dk) is kept (QUERY, KEY: bit 3 clear).
+  __device__ __forceinline__ uint32_t kept_group(int query, int key) const {
+    const PhiloxWords r = philox(key0, key1, static_cast<uint32_t>(key), static_cast<uint32_t>(query), slice);
+    uint32_t bits = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) bits |= static_cast<uint32_t>((r.w[i] >> 1) >= threshold) << i;
+    return bits;
   }
 };
 
@@ -609,19 +617,32 @@ __device__ __forceinline__ DropoutMask dropout_mask(const AttentionParams& p, in
 // Which of this thread's accumulator values of a 16 x 8 TILES block dropout keeps: bit 4 nt + e
 // for value e of tile nt, at row ROW0 + acc_row(e) and column COL0 + acc_col(nt, e) (queries
 // along the rows, or, with kKeyRows, keys: the dK/dV kernel's transposed blocks). All ones
-// without dropout. Computed before a block's products, one value at a time in a loop left
-// rolled: the 10 Philox rounds of every value unrolled and interleaved took the registers the
-// products need (ptxas spilled), where 32 bits are all that live on.
+// without dropout. ROW0 and COL0 are multiples of 16, so a thread's values of tiles 2j and 2j + 1
+// with column parity c (values c and c + 2: 8 rows apart; the tiles 8 columns apart) are one
+// mask group, one Philox call. Computed before a block's products, in a loop left rolled: the
+// 10 Philox rounds unrolled and interleaved took the registers the products need (ptxas
+// spilled), where 32 bits are all that live on.
 template <int TILES, bool kKeyRows = false>
 __device__ __forceinline__ uint32_t kept_bits(const AttentionParams& p, int b, int h, int row0, int col0) {
-  static_assert(TILES * 4 <= 32, "one bit per accumulator value");
+  static_assert(TILES * 4 <= 32 && TILES % 2 == 0, "one bit per accumulator value, tiles in pairs");
   if (p.dropout_seed == nullptr) return ~0u;
   const DropoutMask mask = dropout_mask(p, b, h);
   uint32_t bits = 0;
 #pragma unroll 1
-  for (int i = 0; i < TILES * 4; ++i) {
-    const int row = row0 + acc_row(i % 4), col = col0 + acc_col(i / 4, i % 4);
-    bits |= static_cast<uint32_t>(kKeyRows ? mask.kept(col, row) : mask.kept(row, col)) << i;
+  for (int i = 0; i < TILES; ++i) {  // i = 2 j + c: the pair of tiles j, the column parity c
+    const int nt = 2 * (i / 2), c = i % 2;
+    const int row = row0 + acc_row(c), col = col0 + acc_col(nt, c);  // the group's first (bit 3 clear)
+    const uint32_t group = kKeyRows ? mask.kept_group(col, row) : mask.kept_group(row, col);
+    // Group bit 2 dq + dk is the value 8 dq queries and 8 dk keys on: 8 rows on is value c + 2,
+    // 8 columns on is tile nt + 1.
+#pragma unroll
+    for (int dq = 0; dq < 2; ++dq) {
+#pragma unroll
+      for (int dk = 0; dk < 2; ++dk) {
+        const int rows_on = kKeyRows ? dk : dq, columns_on = kKeyRows ? dq : dk;
+        bits |= ((group >> (2 * dq + dk)) & 1u) << (4 * (nt + columns_on) + c + 2 * rows_on);
+      }
+    }
   }
   return bits;
 }

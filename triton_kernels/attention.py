@@ -386,15 +386,19 @@ def _load_alibi_slope(Alibi, batch, head, stride_ab, ALIBI: tl.constexpr):
 @triton.jit
 def _dropout_kept(seed, slice_index, q_pos, k_pos, dropout_threshold):
     # Whether dropout keeps the probability of (query q_pos, key k_pos) in (batch, head) slice
-    # slice_index (= batch * H + head): the top 31 bits of the first word of Philox-4x32-10 with key
-    # `seed` and counter (key position, query position, slice, 0), at least dropout_threshold
-    # (p * 2^31). A function of the positions alone, so the backward regenerates the forward's
-    # mask in any tile shape (remat.ops.attention.dropout_keep_mask computes the same in PyTorch).
+    # slice_index (= batch * H + head): Philox-4x32-10 with key `seed` and counter (key position,
+    # query position, slice, 0), the positions' bit 3 cleared, gives the group {q, q + 8} x
+    # {k, k + 8} four words; (q, k) takes word 2 (q / 8 % 2) + k / 8 % 2, kept when its top 31 bits
+    # are at least dropout_threshold (p * 2^31). A function of the positions alone, so the
+    # backward regenerates the forward's mask in any tile shape (remat.ops.attention.dropout_keep_mask
+    # computes the same in PyTorch; the CUDA kernels one call per group).
     zero = (q_pos + k_pos) * 0
-    bits, _, _, _ = tl.philox(seed, (k_pos + zero).to(tl.uint32, bitcast=True),
-                              (q_pos + zero).to(tl.uint32, bitcast=True),
-                              (zero + slice_index.to(tl.int32)).to(tl.uint32, bitcast=True),
-                              zero.to(tl.uint32, bitcast=True))
+    c0, c1, c2, c3 = tl.philox(seed, (k_pos - (k_pos & 8) + zero).to(tl.uint32, bitcast=True),
+                               (q_pos - (q_pos & 8) + zero).to(tl.uint32, bitcast=True),
+                               (zero + slice_index.to(tl.int32)).to(tl.uint32, bitcast=True),
+                               zero.to(tl.uint32, bitcast=True))
+    k_high = ((k_pos + zero) & 8) != 0
+    bits = tl.where(((q_pos + zero) & 8) != 0, tl.where(k_high, c3, c2), tl.where(k_high, c1, c0))
     return (bits >> 1).to(tl.int32, bitcast=True) >= dropout_threshold
 
 

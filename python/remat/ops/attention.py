@@ -102,8 +102,8 @@ def _mul_hi_lo(constant, x):
     return high, low
 
 
-def _philox_first_word(seed, c0, c1, c2, c3, rounds=10):
-    """The first output word of Philox-4x32 (Triton's tl.philox) with key `seed` (a Python int) and
+def _philox(seed, c0, c1, c2, c3, rounds=10):
+    """The four output words of Philox-4x32 (Triton's tl.philox) with key `seed` (a Python int) and
     counters c0..c3 (int64 tensors of uint32 values)."""
     seed &= 2**64 - 1
     k0, k1 = seed & _UINT32, seed >> 32
@@ -112,20 +112,26 @@ def _philox_first_word(seed, c0, c1, c2, c3, rounds=10):
         hi_a, lo_a = _mul_hi_lo(_PHILOX_ROUNDS[0], c0)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0, k1 = (k0 + _PHILOX_KEYS[0]) & _UINT32, (k1 + _PHILOX_KEYS[1]) & _UINT32
-    return c0
+    return c0, c1, c2, c3
 
 
 def dropout_keep_mask(seed, batch, heads, seqlen_q, seqlen_k, dropout_p, device=None, first_batch=0):
     """(batch, heads, seqlen_q, seqlen_k) bool: where the kernels' dropout keeps a probability for
-    seed (the (1,) int64 tensor the ops take, or an int). The kernels' _dropout_kept in PyTorch: the
-    top 31 bits of Philox's first word for counter (key, query, batch * heads + head, 0), at least
-    dropout_p * 2^31. first_batch: the batch index of the first one (the sequence index of packed
-    sequences, whose positions restart at 0 in each)."""
+    seed (the (1,) int64 tensor the ops take, or an int). The kernels' _dropout_kept in PyTorch: one
+    Philox-4x32-10 call per group of positions {q, q + 8} x {k, k + 8} (q and k with bit 3 clear),
+    for counter (k, q, batch * heads + head, 0); (query i, key j) takes word 2 (i / 8 % 2) + j / 8 % 2,
+    kept when its top 31 bits are at least dropout_p * 2^31. The groups are those a thread's
+    tensor-core accumulators hold in the CUDA kernels, queries along the rows or the columns: one
+    call serves four scores. first_batch: the batch index of the first one (the sequence index of
+    packed sequences, whose positions restart at 0 in each)."""
     seed = int(seed.item()) if isinstance(seed, torch.Tensor) else int(seed)
     keys = torch.arange(seqlen_k, device=device)[None, None, :]
     queries = torch.arange(seqlen_q, device=device)[None, :, None]
     slices = (torch.arange(first_batch * heads, (first_batch + batch) * heads, device=device) & _UINT32)[:, None, None]
-    bits = _philox_first_word(seed, keys, queries, slices, torch.zeros_like(keys))
+    words = _philox(seed, keys - (keys & 8), queries - (queries & 8), slices, torch.zeros_like(keys))
+    word = 2 * ((queries >> 3) & 1) + ((keys >> 3) & 1)
+    bits = torch.where(word < 2, torch.where(word == 0, words[0], words[1]),
+                       torch.where(word == 2, words[2], words[3]))
     threshold = min(int(dropout_p * 2**31), 2**31 - 1)  # as the kernels' dropout_threshold
     return ((bits >> 1) >= threshold).view(batch, heads, seqlen_q, seqlen_k)
 
