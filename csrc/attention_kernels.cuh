@@ -267,12 +267,6 @@ __device__ __forceinline__ void multiply_tiles_abt(float (&acc)[R][N / 8][4], co
   }
 }
 
-// The same for one row tile.
-template <typename T, int D, int N>
-__device__ __forceinline__ void multiply_abt(float (&acc)[N / 8][4], const uint32_t (&a)[D / 16][4], const T* tile) {
-  multiply_tiles_abt<T, D, N, 1>(one_tile(acc), one_tile(a), tile);
-}
-
 // The same with A read from rows a_row0..a_row0+15 of a shared tile one 16-deep step at a time
 // (the k loop outermost): 4 registers of A live instead of D / 4, for the dK/dV kernel, whose
 // two accumulators leave no room for A's whole fragments.
@@ -351,29 +345,26 @@ __device__ __forceinline__ void multiply_packed_b(float (&acc)[C / 8][4], const 
   for (int kk = 0; kk < K / 16; ++kk) multiply_step_b<T, D, C>(acc, a[kk], tile, kk, chunk0);
 }
 
-// ACC (16 x C) += P (16 x K, fp32 accumulators rounded to T) B, B the K rows 0.. of a shared
-// tile of width D (k its rows), columns 8 CHUNK0.. (C of them, all D by default): o += P V,
-// dV += P^T dO, dK += dS^T Q, dQ += dS K.
-template <typename T, int D, int K, int C = D>
-__device__ __forceinline__ void multiply_pb(float (&acc)[C / 8][4], const float (&p)[K / 8][4], const T* tile,
-                                            int chunk0 = 0) {
-  uint32_t a[K / 16][4];
-  pack_a<T, K>(a, p);
-  multiply_packed_b<T, D, K, C>(acc, a, tile, chunk0);
-}
-
-// ACC[r] (16 x D) += P[r] (16 x K, fp32 accumulators rounded to T) B for R row tiles, B the K
-// rows 0.. of a shared tile of width D (k its rows): the forward's o += P V.
-template <typename T, int D, int K, int R>
-__device__ __forceinline__ void multiply_tiles_pb(float (&acc)[R][D / 8][4], const float (&p)[R][K / 8][4],
-                                                  const T* tile) {
+// ACC[r] (16 x C) += P[r] (16 x K, fp32 accumulators rounded to T) B for R row tiles, B the K
+// rows 0.. of a shared tile of width D (k its rows), columns 8 CHUNK0.. (C of them, all D by
+// default): o += P V, dV += P^T dO, dK += dS^T Q, dQ += dS K.
+template <typename T, int D, int K, int R, int C = D>
+__device__ __forceinline__ void multiply_tiles_pb(float (&acc)[R][C / 8][4], const float (&p)[R][K / 8][4],
+                                                  const T* tile, int chunk0 = 0) {
 #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk) {
     uint32_t a[R][4];
 #pragma unroll
     for (int r = 0; r < R; ++r) pack_step<T, K>(a[r], p[r], kk);
-    multiply_tiles_step_b<T, D, D, R>(acc, a, tile, kk, 0);
+    multiply_tiles_step_b<T, D, C, R>(acc, a, tile, kk, chunk0);
   }
+}
+
+// The same for one row tile.
+template <typename T, int D, int K, int C = D>
+__device__ __forceinline__ void multiply_pb(float (&acc)[C / 8][4], const float (&p)[K / 8][4], const T* tile,
+                                            int chunk0 = 0) {
+  multiply_tiles_pb<T, D, K, 1, C>(one_tile(acc), one_tile(p), tile, chunk0);
 }
 
 // The same with A the 16 rows A_ROW0.. of a shared tile of width K (k its columns): the one-pass
@@ -389,19 +380,28 @@ __device__ __forceinline__ void multiply_tile_b(float (&acc)[C / 8][4], const T*
   }
 }
 
-// ACC (16 x N) += A B^T, A the warp's 16 rows A_ROW0.. of the shared tile A_TILE, from their
-// fragments FRAG where they stay in registers (Tiles<D>::kRowsInRegisters), else read from the tile.
+// ACC[r] (16 x N) += A[r] B^T for R row tiles, A[r] the 16 rows A_ROW0 + 16 r.. of the shared tile
+// A_TILE, from their fragments FRAG where they stay in registers (Tiles<D>::kRowsInRegisters),
+// else read from the tile (one tile a warp then).
+template <typename T, int D, int N, int R>
+__device__ __forceinline__ void multiply_tiles_rows_abt(float (&acc)[R][N / 8][4],
+                                                        const uint32_t (&frag)[R][Tiles<D>::kFragments][4],
+                                                        const T* a_tile, int a_row0, const T* tile) {
+  if constexpr (Tiles<D>::kRowsInRegisters) {
+    multiply_tiles_abt<T, D, N, R>(acc, frag, tile);
+  } else {
+    static_assert(R == 1, "rows streamed from shared memory: one tile a warp");
+    multiply_abt_streamed<T, D, N>(acc[0], a_tile, a_row0, tile);
+  }
+}
+
+// The same for one row tile.
 template <typename T, int D, int N>
 __device__ __forceinline__ void multiply_rows_abt(float (&acc)[N / 8][4],
                                                   const uint32_t (&frag)[Tiles<D>::kFragments][4], const T* a_tile,
                                                   int a_row0, const T* tile) {
-  if constexpr (Tiles<D>::kRowsInRegisters) {
-    multiply_abt<T, D, N>(acc, frag, tile);
-  } else {
-    multiply_abt_streamed<T, D, N>(acc, a_tile, a_row0, tile);
-  }
+  multiply_tiles_rows_abt<T, D, N, 1>(one_tile(acc), one_tile(frag), a_tile, a_row0, tile);
 }
-
 // Loads FRAG from the warp's rows ROW0.. of TILE where they stay in registers; else nothing.
 template <typename T, int D>
 __device__ __forceinline__ void load_row_fragments(uint32_t (&frag)[Tiles<D>::kFragments][4], const T* tile, int row0) {
@@ -714,12 +714,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd_kernel(const Attent
     float s[R][N / 8][4];
 #pragma unroll
     for (int r = 0; r < R; ++r) zero(s[r]);
-    if constexpr (Tiles<D>::kRowsInRegisters) {
-      multiply_tiles_abt<T, D, N, R>(s, q_frag, k_tile);
-    } else {
-      static_assert(R == 1, "q's rows stream from shared memory one tile a warp");
-      multiply_abt_streamed<T, D, N>(s[0], s_q, tile_row(0), k_tile);
-    }
+    multiply_tiles_rows_abt<T, D, N, R>(s, q_frag, s_q, tile_row(0), k_tile);
 
     const bool masked = !sees_all(p, m0, M, n0, N);
 #pragma unroll

@@ -138,7 +138,7 @@ class _GuardedOutput:
         self.buffer = torch.empty(numel + 2 * self.guard, dtype=dtype)
         bits = self.buffer.view(_INT_OF_SIZE[self.buffer.element_size()])
         bits.fill_(_GUARD_BITS[self.buffer.element_size()])
-        # All ones: NaN, so that an element no kernel stores shows.
+        # All ones, NaN, so that an element no kernel stores shows; or zeros, for an accumulator.
         bits[self.guard:self.guard + numel] = 0 if zeroed else -1
         in_memory = self.buffer[self.guard:self.guard + numel].view(layout)
         self.tensor = in_memory.permute([order.index(d) for d in range(len(shape))])
@@ -280,12 +280,11 @@ def _backward_outputs(q, k, v, delta_shape, seq_dims, deterministic):
     dq_accum the one-pass backward adds to, dk, dv and the delta workspace. SEQ_DIMS: the
     sequence dims of the gradients and of delta."""
     seq_dim, delta_seq_dim = seq_dims
-    dq = ("dq", q.dtype, False) if deterministic else ("dq_accum", torch.float32, True)
-    outputs = {name: _GuardedOutput(name, like.shape, dtype, seq_dim=seq_dim, zeroed=zeroed)
-               for name, like, dtype, zeroed in ((dq[0], q, dq[1], dq[2]), ("dk", k, k.dtype, False),
-                                                 ("dv", v, v.dtype, False))}
-    outputs["delta"] = _GuardedOutput("delta", delta_shape, torch.float32, seq_dim=delta_seq_dim)
-    return outputs
+    dq_name, dq_dtype = ("dq", q.dtype) if deterministic else ("dq_accum", torch.float32)
+    return {dq_name: _GuardedOutput(dq_name, q.shape, dq_dtype, seq_dim=seq_dim, zeroed=not deterministic),
+            "dk": _GuardedOutput("dk", k.shape, k.dtype, seq_dim=seq_dim),
+            "dv": _GuardedOutput("dv", v.shape, v.dtype, seq_dim=seq_dim),
+            "delta": _GuardedOutput("delta", delta_shape, torch.float32, seq_dim=delta_seq_dim)}
 
 
 def _backward_results(outputs, dtype):

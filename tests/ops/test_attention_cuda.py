@@ -59,9 +59,9 @@ def _forward_rows(head_dim):
 def _expected_shared(kernel, head_dim, one_pass=False):
     """Bytes of the tiles each kernel keeps (16-bit rows of the padded head dim), written out
     from the kernels' layout: forward Q (_forward_rows) + two stages of K and V (64 rows each, 32
-    at 32, 64 and 256); dK/dV: K and V (64 rows) + two stages of Q and dO (64 rows, 32 at 96 and 128, 16 at 256)
-    + two of lse and delta (fp32), and in the one-pass backward a 16-bit dS block (the streamed
-    queries x 64 keys); dQ: Q and dO (64 rows) + two stages of K and V (as dK/dV's Q)."""
+    at 32, 64 and 256); dK/dV: K and V (64 rows) + two stages of Q and dO (64 rows, 32 at 96 and
+    128, 16 at 256) + two of lse and delta (fp32), and in the one-pass backward a 16-bit dS block
+    (the streamed queries x 64 keys); dQ: Q and dO (64 rows) + two stages of K and V (as dK/dV's Q)."""
     d = _padded(head_dim)
     row = 2 * d
     forward_keys = 64 if d in (96, 128) else 32
@@ -112,7 +112,9 @@ def test_the_backward_is_deterministic_as_torch_says():
     """Without an explicit choice the backward follows torch.use_deterministic_algorithms, as
     PyTorch's flash attention backward does: on, a dQ kernel (bitwise reproducible); off (torch's
     default), one pass adding dQ by atomics."""
-    kernels = lambda: [launch["kernel"] for launch in _plan(1, 2, 2, 70, 70, 64, True, True, True, None)]  # noqa: E731
+    def kernels():
+        return [launch["kernel"] for launch in _plan(1, 2, 2, 70, 70, 64, True, True, True, None)]
+
     with deterministic_algorithms():
         assert kernels() == [PREPROCESS, DKDV, DQ]
     assert not torch.are_deterministic_algorithms_enabled()
