@@ -89,7 +89,7 @@ def cuda_extension():
         extra_compile_args={
             "cxx": ["-O3"],
             # --threads 0: nvcc compiles each TORCH_CUDA_ARCH_LIST target of a source file in parallel (one
-            # thread per core) instead of one after the other; layer_norm.cu, the longest, sets the build time.
+            # thread per core) instead of one after the other; rms_norm.cu, the longest, sets the build time.
             "nvcc": ["-O3", "-lineinfo", "--threads", "0"],
         },
     )

@@ -207,8 +207,9 @@ def test_layer_norm_backward_loads_the_next_row_before_its_reductions(arch):
     issues cp.async copies (LDGSTS) of the next row before this row's first warp shuffle, and the
     wait before that shuffle leaves one copy group in flight (DEPBAR.LE SB0, 0x1): the next row's
     loads overlap this row's reductions."""
-    obj = binary_of(os.path.join(CSRC, "layer_norm.cu"))
-    kernels = {name: body for name, body in sass_functions(obj, arch).items() if prefetches_rows(name)}
+    # The kernels are norm_kernels.cuh's, instantiated by both ops' sources (one binary when built).
+    objs = {binary_of(os.path.join(CSRC, source)) for source in ("layer_norm.cu", "rms_norm.cu")}
+    kernels = {name: body for obj in objs for name, body in sass_functions(obj, arch).items() if prefetches_rows(name)}
     # (5 LayerNorm (x, parameter) dtype pairs + 7 RMSNorm modes with y in x's dtype: 1 for fp32 x,
     # 3 for each 16-bit x) x 4 (elements a thread, warp or block per row) x recompute or not
     assert len(kernels) == (5 + 7) * 4 * 2, sorted(kernels)
