@@ -1,9 +1,10 @@
 """The attention tests' comparison of a run with its float64 reference, their inputs that reveal
 dropout's mask, and the switch to deterministic algorithms."""
 
-import contextlib
 
 import torch
+
+from remat.bench.cases import deterministic_algorithms  # noqa: F401  (the tests' import of it)
 
 from numerics import REL_TOL, rel_error
 
@@ -59,17 +60,3 @@ def masks_read_from(o, dv, dq, seqlen_k):
     dq = dq[..., :seqlen_k].float()
     return (o[..., :seqlen_k] != 0, dv[..., seqlen_k:seqlen_k + seqlen_q].transpose(-1, -2) != 0,
             dq > (dq.amax(-1, keepdim=True) + dq.amin(-1, keepdim=True)) / 2)
-
-
-@contextlib.contextmanager
-def deterministic_algorithms():
-    """torch.use_deterministic_algorithms(True) inside (warn_only: the references' cuBLAS products
-    only warn), the setting before restored. Under it the CUDA attention kernels' backward runs its
-    dQ kernel, bitwise reproducible, instead of adding dQ by atomics in one pass."""
-    enabled = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)

@@ -43,6 +43,23 @@ def test_backend_is_in_force_for_the_backward_too(monkeypatch):
     assert _backend.get_backend() == "auto"
 
 
+def test_deterministic_algorithms_are_in_force_for_a_deterministic_implementation_only():
+    """An implementation with deterministic=True runs every timed call (the backward inside it
+    included) under torch.use_deterministic_algorithms(True); the others, and the caller after
+    the case, keep the setting they had."""
+    seen = {}
+
+    def record(name):
+        return lambda: seen.setdefault(name, set()).add(torch.are_deterministic_algorithms_enabled())
+
+    impls = [Implementation("deterministic", True, _timed(record("deterministic")), deterministic=True),
+             Implementation("default", False, _timed(record("default")))]
+    results = measure_case(_case(impls), Timer("cpu", warmup=1, reps=2), rounds=1)
+    assert not any(result.error for result in results)
+    assert seen == {"deterministic": {True}, "default": {False}}
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
 def test_a_failing_implementation_or_input_is_reported_not_fatal():
     def broken():
         raise RuntimeError("out of memory, say")

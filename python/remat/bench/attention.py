@@ -1,5 +1,9 @@
 """Attention cases: remat's Triton and CUDA kernels against SDPA's flash, cuDNN and efficient backends, FlexAttention.
 
+The CUDA kernels have two rows: remat-cuda, whose backward adds dQ by atomics in one pass (torch's
+default setting), and remat-cuda-deterministic, under torch.use_deterministic_algorithms(True),
+whose backward runs the dQ kernel (bitwise reproducible; S and dP computed twice).
+
 FLOP model: forward 4·b·h·s²·d, halved when causal; backward 2.5 times the forward; forward +
 backward 3.5 times. Inputs are (b, h, s, d), bf16 by default. Checked against SDPA with its
 default backend: output and the gradients of q, k and v; the three modes of a shape share their
@@ -178,6 +182,10 @@ def implementations(device):
     """A Variant (a function of q, k, v, causal) for every implementation."""
     if device.type == "cuda":  # the Triton kernels and the CUDA extension's, each in its own rows
         impls = [Variant(name, True, _remat, backend) for name, backend in ours_by_backend(device)]
+        if any(backend == "cuda" for _, backend in ours_by_backend(device)):
+            # The CUDA backward as torch.use_deterministic_algorithms(True) runs it (its dQ kernel,
+            # bitwise reproducible) beside the default one pass with dQ added by atomics.
+            impls.append(Variant("remat-cuda-deterministic", True, _remat, "cuda", deterministic=True))
     else:
         impls = [Variant(f"remat-{remat._backend.choose('attention', device, kernels=('triton',))}", True, _remat)]
     if device.type == "cuda":

@@ -1,5 +1,6 @@
 """What a benchmark case is, and the runner that measures every implementation of it."""
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -22,7 +23,8 @@ class Implementation:
     `build(inputs)` returns a Built. `backend`: remat's backend, in force for everything the
     Built runs, backward included (remat's ops choose their backend when they run). `compiles`:
     built with torch.compile, so compiled on its first call (bench/warm_compile_cache.py
-    compiles these ahead of a GPU run).
+    compiles these ahead of a GPU run). `deterministic`: torch.use_deterministic_algorithms(True)
+    in force likewise (the CUDA attention backward then runs its dQ kernel instead of atomics).
     """
 
     name: str
@@ -30,6 +32,7 @@ class Implementation:
     build: Callable
     backend: str | None = None
     compiles: bool = False
+    deterministic: bool = False
 
 
 @dataclasses.dataclass
@@ -58,10 +61,11 @@ class Variant:
     fn: Callable
     backend: str | None = None
     compiles: bool = False
+    deterministic: bool = False
 
     def implementation(self, wrap):
         """The Implementation whose build is wrap(fn)."""
-        return Implementation(self.name, self.ours, wrap(self.fn), self.backend, self.compiles)
+        return Implementation(self.name, self.ours, wrap(self.fn), self.backend, self.compiles, self.deterministic)
 
 
 def ours_by_backend(device):
@@ -249,28 +253,49 @@ def _built(case):
     runnable = {}
     for impl in case.implementations:
         try:
-            runnable[impl.name] = _Runnable(impl.backend, impl.build(inputs))
+            runnable[impl.name] = _Runnable(impl.backend, impl.deterministic, impl.build(inputs))
         except Exception as error:  # a peer that cannot run this case is reported, not fatal
             results[impl.name].error = short_error(error)
     return results, inputs, runnable
 
 
 class _Runnable:
-    """A Built whose every call runs in remat's backend `backend` (None: leave it as it is)."""
+    """A Built whose every call runs in remat's backend `backend` (None: leave it as it is) and,
+    when `deterministic`, under torch.use_deterministic_algorithms(True)."""
 
-    def __init__(self, backend, built):
-        self.backend, self.built, self.reset, self.forward = backend, built, built.reset, built.forward
+    def __init__(self, backend, deterministic, built):
+        self.backend, self.deterministic = backend, deterministic
+        self.built, self.reset, self.forward = built, built.reset, built.forward
         self.step = self.in_backend(built.step)
 
     def in_backend(self, fn):
-        if self.backend is None:
+        if self.backend is None and not self.deterministic:
             return fn
 
         def run():
-            with remat_backend(self.backend):
+            with contextlib.ExitStack() as settings:
+                if self.backend is not None:
+                    settings.enter_context(remat_backend(self.backend))
+                if self.deterministic:
+                    settings.enter_context(deterministic_algorithms())
                 return fn()
 
         return run
+
+
+@contextlib.contextmanager
+def deterministic_algorithms():
+    """torch.use_deterministic_algorithms(True) inside (warn_only: an op without a deterministic
+    kernel, such as a reference's cuBLAS product, warns instead of failing), the setting before
+    restored. Under it the CUDA attention kernels' backward runs its dQ kernel, bitwise
+    reproducible, instead of adding dQ by atomics in one pass."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
 def _check(check, inputs, runnable, results):
