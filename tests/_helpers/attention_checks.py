@@ -1,6 +1,5 @@
 """The attention tests' comparison of a run with its float64 reference, their inputs that reveal
-dropout's mask, and the switch to deterministic algorithms."""
-
+dropout's mask, and the switch to deterministic algorithms (the benchmark's)."""
 
 import torch
 
