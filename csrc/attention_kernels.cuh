@@ -402,6 +402,7 @@ __device__ __forceinline__ void multiply_rows_abt(float (&acc)[N / 8][4],
                                                   int a_row0, const T* tile) {
   multiply_tiles_rows_abt<T, D, N, 1>(one_tile(acc), one_tile(frag), a_tile, a_row0, tile);
 }
+
 // Loads FRAG from the warp's rows ROW0.. of TILE where they stay in registers; else nothing.
 template <typename T, int D>
 __device__ __forceinline__ void load_row_fragments(uint32_t (&frag)[Tiles<D>::kFragments][4], const T* tile, int row0) {

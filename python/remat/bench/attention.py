@@ -181,8 +181,9 @@ def _sdpa_default(q, k, v, causal):
 def implementations(device):
     """A Variant (a function of q, k, v, causal) for every implementation."""
     if device.type == "cuda":  # the Triton kernels and the CUDA extension's, each in its own rows
-        impls = [Variant(name, True, _remat, backend) for name, backend in ours_by_backend(device)]
-        if any(backend == "cuda" for _, backend in ours_by_backend(device)):
+        ours = ours_by_backend(device)
+        impls = [Variant(name, True, _remat, backend) for name, backend in ours]
+        if any(backend == "cuda" for _, backend in ours):
             # The CUDA backward as torch.use_deterministic_algorithms(True) runs it (its dQ kernel,
             # bitwise reproducible) beside the default one pass with dQ added by atomics.
             impls.append(Variant("remat-cuda-deterministic", True, _remat, "cuda", deterministic=True))
