@@ -71,7 +71,9 @@ def _add_adapters(out, inp, adapters):
         t = F.linear(inp, lora.a)
         out = out + F.linear(t, lora.b, lora.b_bias) * lora.scale
         intermediates.append(t)
-    return out.to(dtype), intermediates
+    # No cast when none is needed: torch 2.11's torch.compile gives an autograd.Function whose output
+    # is a no-op .to() of one of its intermediates no gradient (zeros reach the backward).
+    return (out if out.dtype == dtype else out.to(dtype)), intermediates
 
 
 def _adapter_grads(d_out, adapters, intermediates, needs, need_input_grad):
