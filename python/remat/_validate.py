@@ -89,8 +89,9 @@ def rows_with_unit_stride(x, width):
 def autocast_dtype(device_type):
     """The autocast dtype when autocast is on for `device_type`, else None."""
     # Devices without autocast (meta, for shape-only runs) have none to apply; asking torch
-    # whether it is enabled there raises instead.
-    if not torch.amp.is_autocast_available(device_type):
+    # whether it is enabled there raises instead. Skipped while torch.compile traces, which it does
+    # on devices with autocast (and torch 2.11's dynamo cannot trace that question).
+    if not torch.compiler.is_compiling() and not torch.amp.is_autocast_available(device_type):
         return None
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)

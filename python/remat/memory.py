@@ -224,7 +224,10 @@ def _hf_setup(name, batch, seq, device, dtype):
 
     def checkpointed(m):
         m = copy.deepcopy(m)
-        m.activation_checkpointing_enable()  # transformers 5: gradient_checkpointing_enable is deprecated
+        # activation_checkpointing_enable in recent transformers, which deprecates the older name;
+        # 5.17 (on the GPU machines) has only gradient_checkpointing_enable
+        enable = getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable
+        enable()
         return m
 
     table = [

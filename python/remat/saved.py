@@ -4,6 +4,7 @@ Used by remat memory, the benchmarks' memory column and the tests' exact memory 
 """
 
 import contextlib
+import inspect
 import warnings
 
 import torch
@@ -13,6 +14,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from .policies import Checkpointed
+
+# Recent torch hands a selective-checkpoint policy the op's output too (SelectiveCheckpointContext's
+# op_output); torch 2.11 and earlier take is_recompute alone.
+_CONTEXT_TAKES_OUTPUT = "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
+
+
+def policy_saves(policy, func, args, kwargs, out):
+    """Whether a selective-checkpoint `policy` keeps the output `out` of `func(*args, **kwargs)`,
+    asked as torch's checkpoint asks it in a forward."""
+    output = {"op_output": out} if _CONTEXT_TAKES_OUTPUT else {}
+    decision = policy(SelectiveCheckpointContext(is_recompute=False, **output), func, *args, **kwargs)
+    return decision is True or decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 
 
 class SavedStorages:
@@ -62,13 +75,10 @@ class _SelectiveSaves(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.policies:
-            context = SelectiveCheckpointContext(is_recompute=False, op_output=out)
-            policy = self.policies[-1](context, func, *args, **kwargs)
-            if policy is True or policy in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
-                for tensor in pytree.tree_leaves(out):  # all its outputs: SDPA's logsumexp too
-                    if isinstance(tensor, torch.Tensor):
-                        self.saved.add(tensor)
+        if self.policies and policy_saves(self.policies[-1], func, args, kwargs, out):
+            for tensor in pytree.tree_leaves(out):  # all its outputs: SDPA's logsumexp too
+                if isinstance(tensor, torch.Tensor):
+                    self.saved.add(tensor)
         return out
 
 

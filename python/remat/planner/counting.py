@@ -20,10 +20,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
+from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
 from ..policies import save_matmuls_and_attention
+from ..saved import policy_saves
 from .units import checkpoint_policy
 
 OUTSIDE = -1  # the scope of what runs outside every unit
@@ -98,12 +99,9 @@ class _Recorder(TorchDispatchMode):
                 work.other_flops += flops
                 work.other_bytes += new_bytes
         policy = counter.selective.get(scope)
-        if policy is not None:
-            context = SelectiveCheckpointContext(is_recompute=False, op_output=out)
-            decision = policy(context, func, *args, **kwargs)
-            if decision is True or decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
-                for tensor in _tensors(out):  # all its outputs: SDPA's logsumexp too
-                    counter.keep(tensor)
+        if policy is not None and policy_saves(policy, func, args, kwargs, out):
+            for tensor in _tensors(out):  # all its outputs: SDPA's logsumexp too
+                counter.keep(tensor)
         return out
 
 
