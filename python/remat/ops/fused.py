@@ -71,8 +71,8 @@ def _add_adapters(out, inp, adapters):
         t = F.linear(inp, lora.a)
         out = out + F.linear(t, lora.b, lora.b_bias) * lora.scale
         intermediates.append(t)
-    # No cast when none is needed: torch 2.11's torch.compile gives an autograd.Function whose output
-    # is a no-op .to() of one of its intermediates no gradient (zeros reach the backward).
+    # No cast when none is needed: under torch 2.11's torch.compile, an autograd.Function whose output
+    # is a no-op .to() of one of its own intermediates is handed zeros as that output's gradient.
     return (out if out.dtype == dtype else out.to(dtype)), intermediates
 
 
