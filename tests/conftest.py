@@ -30,17 +30,24 @@ import pytest  # noqa: E402
 import remat  # noqa: E402
 from remat import _backend  # noqa: E402
 
-from numerics import round_interpreter_bf16_casts_to_nearest  # noqa: E402
+from numerics import make_interpreter_bf16_dots_exact, round_interpreter_bf16_casts_to_nearest  # noqa: E402
 
-# Under the interpreter, fp32 -> bf16 casts round to nearest even, as on the GPU (see numerics.py).
-BF16_CASTS_PATCHED = _backend.interpreter_enabled() and _backend.backends()["triton"][0] and (
-    round_interpreter_bf16_casts_to_nearest())
+# Under the interpreter, fp32 -> bf16 casts round to nearest even and bf16 tl.dot multiplies exactly
+# with fp32 sums, as on the GPU (see numerics.py). Before any test runs an op: remat asks once
+# whether the interpreter's bf16 dot is exact.
+INTERPRETER = _backend.interpreter_enabled() and _backend.backends()["triton"][0]
+BF16_CASTS_PATCHED = INTERPRETER and round_interpreter_bf16_casts_to_nearest()
+BF16_DOTS_PATCHED = INTERPRETER and make_interpreter_bf16_dots_exact()
 
 
 def pytest_report_header(config):
+    lines = []
     if BF16_CASTS_PATCHED:
-        return "Triton interpreter: fp32 -> bf16 casts truncate; patched to round to nearest even, as on a GPU"
-    return None
+        lines.append("Triton interpreter: fp32 -> bf16 casts truncate; patched to round to nearest even, as on a GPU")
+    if BF16_DOTS_PATCHED:
+        lines.append("Triton interpreter: bf16 tl.dot multiplies raw bits (triton#11584); patched to multiply "
+                     "exactly with fp32 sums, as on a GPU")
+    return lines or None
 
 # Devices and backends every kernel test runs on: the interpreter on CPU everywhere, and on a
 # GPU each compiled backend that this install has.

@@ -9,10 +9,13 @@ Rule (revised as benchmarks show which backend is faster):
   else the PyTorch reference. A forced "cuda" backend does not apply to CPU tensors.
 - "reference" runs the pure-PyTorch reference everywhere (for debugging and tests).
 
-The backend is chosen with remat.set_backend(name) or the REMAT_BACKEND environment variable.
+The backend is chosen for the process with remat.set_backend(name) or the REMAT_BACKEND environment
+variable, and for a block of code with `with remat.use_backend(name):`, which holds in the thread
+(or asyncio task) that enters it only. An op's backward runs on the backend its forward ran on.
 """
 
 import contextlib
+import contextvars
 import functools
 import importlib
 import os
@@ -22,7 +25,9 @@ import torch
 
 BACKEND_NAMES = ("auto", "triton", "cuda", "reference")
 
-_chosen = None  # None: read REMAT_BACKEND on first use
+_chosen = None  # the process default; None: read REMAT_BACKEND on first use
+# The backend of the innermost `use_backend` block of this thread or task; None outside any.
+_local = contextvars.ContextVar("remat_backend", default=None)
 
 
 def _check_name(name, source):
@@ -31,13 +36,18 @@ def _check_name(name, source):
 
 
 def set_backend(name):
-    """Choose the implementation for every op: "auto", "triton", "cuda" or "reference".
+    """Choose the process's default implementation for every op: "auto", "triton", "cuda" or "reference".
 
     "triton" and "cuda" choose what CUDA tensors run; CPU tensors run the Triton kernels through
     the interpreter (TRITON_INTERPRET=1) or the reference whatever the backend. Without a CUDA
-    device, choosing either says so once (a warning).
+    device, choosing either says so once (a warning). A `use_backend` block overrides it in its thread.
     """
     global _chosen
+    _check_usable(name)
+    _chosen = name
+
+
+def _check_usable(name):
     _check_name(name, "backend")
     if name in ("triton", "cuda"):
         # Only the named backend's (cached) status: set_backend runs around every benchmarked call.
@@ -47,12 +57,15 @@ def set_backend(name):
                                f"CPU tensors run {cpu_implementation()} whatever the backend")
         if not _cuda_device_visible():
             _warn_no_cuda_device_once(name)
-    _chosen = name
 
 
 def get_backend():
-    """The backend set by set_backend, else REMAT_BACKEND, else "auto"."""
+    """The backend of the innermost `use_backend` block of this thread, else the one set by
+    set_backend, else REMAT_BACKEND, else "auto"."""
     global _chosen
+    local = None if torch.compiler.is_compiling() else _local.get()
+    if local is not None:
+        return local
     if _chosen is None:
         name = os.environ.get("REMAT_BACKEND", "auto")
         _check_name(name, "REMAT_BACKEND")
@@ -62,13 +75,40 @@ def get_backend():
 
 @contextlib.contextmanager
 def use_backend(name):
-    """Run the enclosed calls on backend `name`, then restore the previous choice."""
-    previous = get_backend()
-    set_backend(name)
+    """Run the enclosed calls on backend `name`, in this thread (or asyncio task) only: other threads
+    keep theirs, and the process default (set_backend) is untouched. Checked as set_backend checks."""
+    _check_usable(name)
+    with _local_backend(name):
+        yield
+
+
+@contextlib.contextmanager
+def _local_backend(name):
+    token = _local.set(name)
     try:
         yield
     finally:
-        set_backend(previous)
+        _local.reset(token)
+
+
+def remember_backend(ctx):
+    """Record on an autograd ctx the `use_backend` block its forward runs in (see on_forward_backend)."""
+    ctx.remat_backend = None if torch.compiler.is_compiling() else _local.get()
+
+
+def on_forward_backend(backward):
+    """An autograd backward run on the backend its forward ran on (recorded by remember_backend): the
+    autograd engine runs a CUDA backward in a thread of its own, which does not see the forward's
+    `use_backend` block."""
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        name = getattr(ctx, "remat_backend", None)
+        if name is None:
+            return backward(ctx, *grads)
+        with _local_backend(name):
+            return backward(ctx, *grads)
+
+    return run
 
 
 def interpreter_enabled():

@@ -4,7 +4,9 @@ import math
 
 import torch
 
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# float64 as the stock ops take it (gradcheck, numerics studies): it runs the references, which compute
+# in it (the kernels compute in fp32).
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _dtype_names(dtypes):
@@ -98,6 +100,15 @@ def autocast_dtype(device_type):
     return None
 
 
+def autocast_dtype_for(x):
+    """The dtype autocast casts the op's inputs to when `x` is a tensor of a device where autocast is
+    on, else None. Asked before the argument checks: under autocast, an op accepts what the stock op
+    accepts (rotary leaves q and k in fp32 beside a bf16 v; stock attention casts all three)."""
+    return autocast_dtype(x.device.type) if isinstance(x, torch.Tensor) else None
+
+
 def cast_for_autocast(dtype, *tensors):
-    """The floating tensors cast to dtype (None stays None); autograd flows back through the casts."""
-    return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
+    """The tensors cast to dtype as autocast casts them: floating ones but float64 (anything else,
+    None included, stays as it is); autograd flows back through the casts."""
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+                 else t for t in tensors)

@@ -1,5 +1,5 @@
 """Measures shared by the tests: numerical error against a reference, bytes saved by autograd, and
-the bf16 rounding of the Triton interpreter."""
+the bf16 rounding and bf16 matrix products of the Triton interpreter."""
 
 import copy
 import functools
@@ -124,6 +124,51 @@ def round_interpreter_bf16_casts_to_nearest():
         interpreter._convert_float = truncating
         raise RuntimeError("patching triton.runtime.interpreter._convert_float did not make the interpreter's "
                            "fp32 -> bf16 casts round to nearest")
+    return True
+
+
+# --- bf16 matrix products under the Triton interpreter --------------------------------------------
+# The interpreter keeps bf16 values as their raw bits (numpy uint16) and its tl.dot hands those to
+# numpy's matmul as integers (triton issue 11584): every bf16 product is garbage, and remat refuses
+# bf16 attention under it (remat.triton_kernels._interpreter). A GPU's tensor cores multiply the bf16
+# inputs exactly and add in fp32. The test process makes the interpreter do the same (widening bf16
+# operands to fp32 before numpy's matmul, with the interpreter's own bf16 -> fp32 conversion), so
+# that every bf16 attention test runs on CPU, and asserts with remat's own check that it took.
+
+
+def make_interpreter_bf16_dots_exact():
+    """Makes the Triton interpreter's tl.dot on bf16 operands exact (fp32 accumulation), as a GPU's.
+
+    Returns True when it had to patch, False when the interpreter's bf16 dot is exact already.
+    Raises if the patch does not take (a newer Triton changed the interpreter): then the patch needs
+    updating, rather than bf16 attention tests refused or silently measured on garbage.
+    """
+    from remat.triton_kernels._interpreter import bf16_dot_is_exact
+
+    if bf16_dot_is_exact():
+        return False
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+
+    def widened(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        data = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None).view(np.float32)
+        return interpreter.TensorHandle(data, tl.float32)
+
+    def create_dot(self, a, b, *rest, **kwargs):
+        return original(self, widened(a), widened(b), *rest, **kwargs)
+
+    create_dot.__wrapped__ = original
+    builder.create_dot = create_dot
+    if not bf16_dot_is_exact():
+        builder.create_dot = original
+        raise RuntimeError("patching triton.runtime.interpreter.InterpreterBuilder.create_dot did not make the "
+                           "interpreter's bf16 tl.dot exact")
     return True
 
 

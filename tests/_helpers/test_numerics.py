@@ -1,7 +1,9 @@
-"""The test helpers themselves: the interpreter's bf16 rounding is the GPU's."""
+"""The test helpers themselves: the interpreter's bf16 rounding and bf16 products are the GPU's."""
 
 import pytest
 import torch
+
+import remat
 
 import numerics
 
@@ -51,3 +53,28 @@ def test_truncation_is_detected(target, monkeypatch):
     monkeypatch.setattr(interpreter, "_convert_float", truncating)
     assert not numerics.triton_rounds_bf16_to_nearest()
     assert numerics.triton_bf16_store(torch.tensor([1 + 3 * 2**-9])).item() == 1.0
+
+
+def test_the_interpreters_bf16_dot_is_exact_and_the_check_is_no_constant(target, monkeypatch):
+    """bf16 tl.dot multiplies exactly with fp32 sums (patched under the interpreter); with the
+    interpreter's own dot put back, remat's check sees the defect and remat.attention refuses bf16
+    rather than return garbage, while fp16 still runs."""
+    device, _ = target
+    from remat.triton_kernels import _interpreter
+
+    assert _interpreter.bf16_dot_is_exact()
+    q = torch.randn(1, 2, 5, 32, dtype=torch.bfloat16, device=device)
+    expected = torch.nn.functional.scaled_dot_product_attention(q.double(), q.double(), q.double())
+    assert numerics.rel_error(remat.attention(q, q, q), expected) < numerics.REL_TOL[torch.bfloat16]
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter.InterpreterBuilder.create_dot, "__wrapped__", None)
+    if device != "cpu" or original is None:
+        pytest.skip("only an interpreter whose bf16 dot was wrong was patched")
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", original)
+    assert not _interpreter.bf16_dot_is_exact()
+    monkeypatch.setattr(_interpreter, "bf16_dot_checked", _interpreter.bf16_dot_is_exact)
+    with pytest.raises(RuntimeError, match=r"remat\.attention: the Triton interpreter \(TRITON_INTERPRET=1\) "
+                                           r"multiplies bfloat16 matrices wrong \(triton issue 11584\)"):
+        remat.attention(q, q, q)
+    remat.attention(q.half(), q.half(), q.half())

@@ -15,9 +15,8 @@ from kernel_modules import kernel_module
 from numerics import REL_TOL, rel_error, saved_bytes
 
 HAS_GPU = torch.cuda.is_available()
-# bf16 tl.dot is wrong under the Triton interpreter (triton issue 11584): bf16 on GPU only.
-DTYPES = [torch.float16, torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    not HAS_GPU, reason="bf16 tl.dot is broken under the Triton interpreter (triton#11584)"))]
+# bf16 on CPU too: the tests make the interpreter's bf16 tl.dot exact (conftest.py, numerics.py).
+DTYPES = [torch.float16, torch.float32, torch.bfloat16]
 INTERPRETER_BLOCKS = (16, 16, 4, 1)  # the kernels' blocks under the interpreter, forced on a GPU where it matters
 
 

@@ -73,3 +73,54 @@ def test_a_backend_means_the_same_for_every_op(monkeypatch, backend_restored):
         warnings.simplefilter("error")  # once
         assert _backend.choose("attention_varlen", gpu, kernels=("triton",)) == "triton"
     _backend._warn_missing_kernel_once.cache_clear()
+
+
+def test_use_backend_is_local_to_its_thread(backend_restored):
+    """Two threads each in a `use_backend` block: each sees its own backend while inside, the other
+    thread and the process default are untouched, and the default is the same afterwards."""
+    import threading
+
+    remat.set_backend("auto")
+    inside, release = threading.Barrier(3), threading.Barrier(3)
+    seen = {}
+
+    def run(name):
+        with remat.use_backend(name):
+            inside.wait()  # both threads are inside their blocks at once
+            seen[name] = remat.get_backend()
+            release.wait()
+        seen[name + " after"] = remat.get_backend()
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in ("reference", "auto")]
+    for thread in threads:
+        thread.start()
+    inside.wait()
+    seen["main"] = remat.get_backend()
+    release.wait()
+    for thread in threads:
+        thread.join()
+    assert seen == {"reference": "reference", "auto": "auto", "main": "auto",
+                    "reference after": "auto", "auto after": "auto"}
+    assert remat.get_backend() == "auto"
+
+
+def test_a_backward_runs_on_its_forwards_backend(monkeypatch, backend_restored):
+    """The autograd engine runs a CUDA backward in a thread of its own, outside the forward's
+    `use_backend` block: the backward ops run on the forward's backend all the same (here the
+    backward runs in another thread, as it would on a GPU)."""
+    import threading
+
+    remat.set_backend("auto")
+    chosen = []
+    choose = _backend.choose
+    monkeypatch.setattr(_backend, "choose", lambda op, device, **kw: chosen.append(_backend.get_backend())
+                        or choose(op, device, **kw))
+    x = torch.randn(3, 8, requires_grad=True)
+    fc = torch.nn.Linear(8, 4)
+    with remat.use_backend("reference"):
+        y = remat.gelu(x).sum() + remat.layer_norm_linear(x, None, None, fc.weight, fc.bias).sum()
+    thread = threading.Thread(target=y.backward)
+    thread.start()
+    thread.join()
+    assert x.grad is not None
+    assert chosen and set(chosen) == {"reference"}, chosen

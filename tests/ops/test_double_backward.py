@@ -90,9 +90,7 @@ def _sdpa_bottom_right(q, k, v, causal):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-# bf16 tl.dot is wrong under the Triton interpreter (triton issue 11584): bf16 on GPU only.
-ATTENTION_DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="bf16 tl.dot is broken under the Triton interpreter (triton#11584)"))]
+ATTENTION_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=str)

@@ -72,7 +72,8 @@ class OpFamily:
         take run the Triton launchers (else the reference) under backend "cuda", and say so once.
     cuda_tools: the family's other remat_C ops, which launch nothing (attention_launch_plan).
     uses_tl_dot: the Triton kernels multiply with tl.dot, whose bfloat16 results the Triton
-        interpreter gets wrong (triton issue 11584): CPU tests check dtypes only there.
+        interpreter gets wrong (triton issue 11584): bf16 calls on CPU tensors are refused unless the
+        interpreter's bf16 dot is exact (the tests patch it).
     """
 
     name: str
@@ -100,10 +101,15 @@ class OpFamily:
             raise ValueError(f"op family {self.name!r} is declared twice")
         self.forward_op = self._custom_op(0, self.forward_ref, self.forward_fake)
         self.backward_op = self._custom_op(1, self.backward_ref, self.backward_fake)
-        self.forward_op.register_autograd(self.autograd_backward, setup_context=self.setup_context)
+        self.forward_op.register_autograd(_backend.on_forward_backend(self.autograd_backward),
+                                          setup_context=self._setup_context)
         _backend.refuse_double_backward(self.backward_op, self.qualified_op_names[1])
         self._register_cuda_extension_fakes()
         FAMILIES[self.name] = self
+
+    def _setup_context(self, ctx, inputs, output):
+        _backend.remember_backend(ctx)
+        self.setup_context(ctx, inputs, output)
 
     @property
     def op_names(self):
@@ -137,16 +143,34 @@ class OpFamily:
     def _implementation(self, index, args):
         """What runs op `index` (0 forward, 1 backward) on `args`: a Triton launcher, a remat_C op or the reference."""
         device = next(a for a in args if isinstance(a, torch.Tensor)).device
+        if any(isinstance(a, torch.Tensor) and a.dtype == torch.float64 for a in args):
+            return (self.forward_ref, self.backward_ref)[index]  # the kernels compute in fp32 at most
         backend = _backend.choose(self.name, device, kernels=self.kernels)
         if backend == "cuda" and self.cuda_takes is not None and not self.cuda_takes(*args):
             backend = "triton" if self.triton and _backend.triton_available() else "reference"
             _backend.warn_cuda_kernel_declines_once(self.name, backend)
         if backend == "triton" and (self.triton_takes is None or self.triton_takes(*args)):
+            if device.type == "cpu" and self.uses_tl_dot:
+                self._check_interpreter_dot(args)
             module = importlib.import_module(f"remat.triton_kernels.{self.triton}")
             return getattr(module, (self.triton_launchers or self.op_names)[index])
         if backend == "cuda":
             return getattr(torch.ops.remat_C, self.op_names[index])
         return (self.forward_ref, self.backward_ref)[index]
+
+    def _check_interpreter_dot(self, args):
+        """Refuses bf16 kernels the Triton interpreter would compute wrong (its bf16 tl.dot: triton
+        issue 11584) rather than return garbage."""
+        if not any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in args):
+            return
+        from remat.triton_kernels._interpreter import bf16_dot_checked
+
+        if not bf16_dot_checked():
+            raise RuntimeError(
+                f"remat.{self.name}: the Triton interpreter (TRITON_INTERPRET=1) multiplies bfloat16 matrices "
+                "wrong (triton issue 11584), so its bfloat16 kernels cannot run on CPU tensors here. Use "
+                "float32 or float16, or run the PyTorch reference: unset TRITON_INTERPRET, or "
+                "remat.set_backend('reference')")
 
     def _register_cuda_extension_fakes(self):
         """The remat_C ops get the same fakes, so that they trace and pass opcheck like the remat ones."""

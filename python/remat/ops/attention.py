@@ -47,7 +47,7 @@ from torch import Tensor
 from .. import _backend
 from .._numerics import math_dtype
 from .._validate import (
-    autocast_dtype,
+    autocast_dtype_for,
     cast_for_autocast,
     check_float_tensor,
     check_same_device,
@@ -507,16 +507,16 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, attn_
         raise ValueError("attn_mask must be None: remat.attention masks causally (causal=True) or by a sliding "
                          "window (window_size) only; for other masks call "
                          "torch.nn.functional.scaled_dot_product_attention")
+    dtype = autocast_dtype_for(q)
+    if dtype is not None:  # as scaled_dot_product_attention: computed in the autocast dtype (the slopes stay fp32)
+        with torch.autocast(q.device.type, enabled=False):
+            return attention(*cast_for_autocast(dtype, q, k, v), causal, softmax_scale, return_lse,
+                             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
     _check_qkv(q, k, v)
     window_left, window_right = _check_window_size(window_size)
     softcap = _check_softcap(softcap)
     _check_alibi_slopes(alibi_slopes, q, *q.shape[:2])
     dropout_p = _check_dropout_p(dropout_p)
-    dtype = autocast_dtype(q.device.type)
-    if dtype is not None:  # as scaled_dot_product_attention: computed in the autocast dtype (the slopes stay fp32)
-        with torch.autocast(q.device.type, enabled=False):
-            return attention(*cast_for_autocast(dtype, q, k, v), causal, softmax_scale, return_lse,
-                             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
     softmax_scale, features = checked_call(q, causal, return_lse, softmax_scale, window_left, window_right, softcap,
                                            alibi_slopes, dropout_p)
     reason = _fallback_reason(q, k, v, (q, k, v, causal, softmax_scale, *features))

@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import _backend
 from .._numerics import math_dtype
-from .._validate import autocast_dtype, cast_for_autocast, check_float_tensor, check_same_device
+from .._validate import autocast_dtype_for, cast_for_autocast, check_float_tensor, check_same_device
 from ._family import OpFamily, OpSamples, PublicCall, grad_leaves
 from .attention import (
     HEAD_DIMS,
@@ -234,6 +234,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     The cu_seqlens are checked against the totals and max_seqlen once per call, outside
     torch.compile (reading them synchronises with the GPU; FlashAttention does not check).
     """
+    dtype = autocast_dtype_for(q)
+    if dtype is not None:  # as remat.attention: computed in the autocast dtype
+        with torch.autocast(q.device.type, enabled=False):
+            return attention_varlen(*cast_for_autocast(dtype, q, k, v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, causal, softmax_scale, return_lse, window_size, softcap,
+                                    alibi_slopes, dropout_p)
     _check_packed_qkv(q, k, v)
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q)
@@ -249,12 +255,6 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     softcap = _check_softcap(softcap)
     _check_alibi_slopes(alibi_slopes, q, cu_seqlens_q.shape[0] - 1, q.shape[1], batch_is="sequences")
     dropout_p = _check_dropout_p(dropout_p)
-    dtype = autocast_dtype(q.device.type)
-    if dtype is not None:  # as remat.attention: computed in the autocast dtype
-        with torch.autocast(q.device.type, enabled=False):
-            return attention_varlen(*cast_for_autocast(dtype, q, k, v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    max_seqlen_k, causal, softmax_scale, return_lse, window_size, softcap,
-                                    alibi_slopes, dropout_p)
     softmax_scale, features = checked_call(q, causal, return_lse, softmax_scale, window_left, window_right, softcap,
                                            alibi_slopes, dropout_p)
     op_args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, *features)

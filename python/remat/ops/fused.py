@@ -25,6 +25,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from .. import _backend
 from .._validate import (
     autocast_dtype,
     cast_for_autocast,
@@ -204,6 +205,7 @@ class _LayerNormLinears(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, norm_weight, norm_bias, norm_layout, recompute, layout, slot, *tensors):
+        _backend.remember_backend(ctx)
         linears = _unpack_linears(tensors, layout)
         needs = _unpack_needs(ctx.needs_input_grad[7:], layout)
         need_norm_grad = any(ctx.needs_input_grad[:3])  # the LayerNorm's backward runs
@@ -226,6 +228,7 @@ class _LayerNormLinears(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
+    @_backend.on_forward_backend
     def backward(ctx, *d_outs):
         x, *rest = ctx.saved_tensors
         stats, (normed, norm_weight, norm_bias, *rest) = rest[:ctx.statistics], rest[ctx.statistics:]
@@ -331,6 +334,7 @@ class _MLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, layout, x, norm_weight, norm_bias, slot, *tensors):
+        _backend.remember_backend(ctx)
         linears = _unpack_linears(tensors, layout.linears)
         needs = _unpack_needs(ctx.needs_input_grad[5:], layout.linears)
         ups, down, up_needs, down_needs = linears[:-1], linears[-1], needs[:-1], needs[-1]
@@ -374,6 +378,7 @@ class _MLP(torch.autograd.Function):
         return out
 
     @staticmethod
+    @_backend.on_forward_backend
     def backward(ctx, d_out):
         layout, needs = ctx.layout, ctx.needs
         saved = iter(ctx.saved_tensors)

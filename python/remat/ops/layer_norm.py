@@ -105,9 +105,7 @@ def _absent(x):
 
 def _layer_norm_fwd_fake(x, weight, bias, eps):
     rows = x.shape[0]
-    return x.new_empty(x.shape), x.new_empty((rows,), dtype=torch.float32), x.new_empty(
-        (rows,), dtype=torch.float32
-    )
+    return x.new_empty(x.shape), x.new_empty((rows,), dtype=math_dtype(x)), x.new_empty((rows,), dtype=math_dtype(x))
 
 
 def _layer_norm_bwd_fake(dy, x, weight, bias, mean, rstd, recompute_output):

@@ -111,7 +111,7 @@ def rms_norm_bwd_ref(
 
 def _rms_norm_fwd_fake(x, weight, eps, style):
     return (x.new_empty(x.shape, dtype=output_dtype(style, x.dtype, weight)),
-            x.new_empty((x.shape[0],), dtype=torch.float32))
+            x.new_empty((x.shape[0],), dtype=math_dtype(x)))
 
 
 def _rms_norm_bwd_fake(dy, x, weight, rstd, style, recompute_output):
