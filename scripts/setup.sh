@@ -14,7 +14,7 @@ fi
 PYTHON="$VENV/bin/python"
 "$PYTHON" -m pip install --quiet --upgrade pip
 "$PYTHON" -m pip install --quiet "${REMAT_TORCH:-torch==2.14.1}" "triton>=3.6" ninja \
-    "pytest>=7" "pytest-xdist>=3" "hypothesis>=6" numpy matplotlib setuptools wheel "transformers>=5.24,<6" \
+    "pytest>=7" "pytest-xdist>=3" "hypothesis>=6" numpy matplotlib setuptools wheel "transformers>=5.25,<6" \
     "peft>=0.21" "accelerate>=1.15" ruff==0.17.6
 # Rebuild only when the sources of the extension or the build changed.
 stamp="$VENV/.remat-build-stamp"

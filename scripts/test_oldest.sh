@@ -2,7 +2,7 @@
 # Runs the test suite against the oldest torch and triton remat supports (torch 2.11, triton 3.6,
 # with transformers 5.17: what GPU machine images built on PyTorch 2.11 hold), in a venv of its
 # own, on a copy of the working tree (the extension is built in the tree, so each torch needs its
-# own). The Hugging Face family tests skip there: the hf extra needs transformers 5.24 (older
+# own). The Hugging Face family tests skip there: the hf extra needs transformers 5.25 (older
 # attention forwards differ, and remat leaves them stock). CI runs it after scripts/test.sh.
 # Extra arguments go to pytest.
 #   REMAT_OLDEST_VENV  the venv (default .venv-oldest in the repository)

@@ -13,7 +13,7 @@ from numerics import rel_error, saved_bytes
 # The hf extra's floor (pyproject.toml). Older releases have other attention forward signatures:
 # remat.hf then leaves those classes stock and says why (test_probe_refuses_an_attention_forward_
 # that_differs), so the counts and swaps asserted here do not apply to them.
-transformers = pytest.importorskip("transformers", minversion="5.24")
+transformers = pytest.importorskip("transformers", minversion="5.25")
 
 GRAD_TOL = 1e-4
 BATCH, SEQ, VOCAB, LAYERS = 2, 8, 100, 2
@@ -143,6 +143,27 @@ def assert_same_step(stock, converted, batch, seed=None):
         assert error < GRAD_TOL, f"{key}: {error:.3g}"
         compared += 1
     assert compared > 10
+
+
+def assert_autocast_step_as_accurate_as_stock(stock, converted, batch, dtype=torch.bfloat16):
+    """fp32 weights, forward under torch.autocast(dtype) and backward (what the HF Trainer's bf16=True
+    runs): the converted model's loss and whole gradient are within twice the stock model's error
+    under the same autocast, both measured against the stock model in float64 without autocast."""
+    import copy
+
+    exact_loss, exact_grads = loss_and_grads(copy.deepcopy(stock).double(), batch)
+
+    def error(model):
+        with torch.autocast(next(model.parameters()).device.type, dtype=dtype):
+            loss, grads = loss_and_grads(model, batch)
+        flat = torch.cat([g.double().flatten() for k, g in sorted(grads.items()) if g is not None])
+        exact = torch.cat([g.flatten() for k, g in sorted(exact_grads.items()) if g is not None])
+        return rel_error(loss, exact_loss), rel_error(flat, exact)
+
+    stock_loss_error, stock_grad_error = error(stock)
+    loss_error, grad_error_ = error(converted)
+    assert loss_error <= 2 * stock_loss_error + 1e-3, (loss_error, stock_loss_error)
+    assert grad_error_ <= 2 * stock_grad_error + 1e-3, (grad_error_, stock_grad_error)
 
 
 def assert_save_pretrained_round_trip(stock, batch, path):

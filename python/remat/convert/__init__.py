@@ -128,12 +128,24 @@ def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False):
         _convert_children(inner, layers, recompute, inner_path, rows, hf_rules, set())
     rows.sort(key=lambda row: order.get(row.path, len(order)))  # rows in the model's module order
     rows.model = weakref.ref(model)
+    _warn_broken_rules(rows)
     if rows.saved_bytes_per_token() == 0:
         fused = "no fusion applies" if not rows.swapped else \
             f"{len(rows.swapped)} modules swapped, none of them keeping less than stock"
         warnings.warn(f"remat.convert saves no activation memory on this {type(inner).__name__}: {fused} "
                       "(convert(model, report=True) says why for each module)", RematWarning, stacklevel=2)
     return (model, rows) if report else model
+
+
+def _warn_broken_rules(rows):
+    """A family rule whose probe failed stays stock: say so, as that is a transformers release
+    changing a forward the rule was written for, not a module remat never meant to convert."""
+    broken = [row for row in rows.skipped if row.reason.startswith(hf.PROBE_BROKEN)]
+    if broken:
+        listed = "; ".join(f"{row.path}: {row.reason}" for row in broken[:3])
+        more = f" (and {len(broken) - 3} more)" if len(broken) > 3 else ""
+        warnings.warn(f"remat.convert: {len(broken)} modules that a rule of remat's is written for failed its "
+                      f"probe and stay stock: {listed}{more}", RematWarning, stacklevel=3)
 
 
 

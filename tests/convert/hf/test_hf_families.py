@@ -45,7 +45,6 @@ from numerics import rel_error, saved_bytes
 
 conv = importlib.import_module("remat.convert")
 
-STOCK_INDEX_BYTES = 16  # Falcon's new architecture indexes k and v with [-2] and [-1]: two 1-element int64 indices
 
 # case -> (family, config overrides, {swapped class: count}, remat attention kernels per step,
 #          {reason substring: count} of the rows left stock)
@@ -185,11 +184,10 @@ def expected_saving(name, ffn, device):
         new = config.get("new_decoder_architecture", False)
         one_norm = config.get("num_ln_in_parallel_attn") == 1 or not config  # Falcon-7B's default: one
         per_layer = gelu + (norm if one_norm else 2 * norm)
-        gqa = 2 * (HEADS - 1) * HEAD_DIM * F32 if new else 0
+        # The stock forward hands each group's keys and values once to its attention function (GQA), as
+        # remat.attention takes them: the attention saves the mask and the output's copy only.
         mask = sdpa_mask_bytes(device, 1 if new or config.get("multi_query", True) else HEADS)
-        index = LAYERS * STOCK_INDEX_BYTES if new else 0
-        return Saving(LAYERS * tokens * per_layer, LAYERS * tokens * (gqa + mask + copy) + index,
-                      LAYERS * per_layer, LAYERS * gqa)
+        return Saving(LAYERS * tokens * per_layer, LAYERS * tokens * (mask + copy), LAYERS * per_layer, 0)
     if name == "distilbert":
         return Saving(LAYERS * tokens * gelu, 0, LAYERS * gelu, 0)
     if name == "bart":  # post-LN: the MLPs only, in the encoder's and the decoder's layers

@@ -28,6 +28,7 @@ from hf_models import (
     KV_HEADS,
     LAYERS,
     SEQ,
+    assert_autocast_step_as_accurate_as_stock,
     assert_nothing_seq_by_seq_saved,
     assert_same_step,
     assert_save_pretrained_round_trip,
@@ -67,8 +68,6 @@ FINAL_NORM = "RMSNorm"  # the generic rule's row for model.norm
 
 
 def build_case(name, **overrides):
-    # Gemma3's cache for its sliding layers is not a plain DynamicCache: a call with a cache runs the
-    # stock attention (test_gemma3_sliding_cache_runs_stock); training needs none.
     return build(name, use_cache=False, **overrides)
 
 
@@ -222,6 +221,73 @@ def test_a_sliding_window_shorter_than_the_sequence_runs_on_remat_attention(name
     assert before - step_saved_bytes(converted, batch) == saving
 
 
+@pytest.mark.parametrize("name, config", [
+    ("mistral", {"sliding_window": 4096}),  # Mistral-7B's own
+    ("mistral", {"sliding_window": 4}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
+    ("phi3", {"sliding_window": 4}),
+    ("gemma2", {"sliding_window": 4}),
+], ids=["mistral-4096", "mistral-4", "qwen2-sliding-layers", "phi3", "gemma2"])
+def test_training_with_a_sliding_window_cache_stays_on_remat(name, config):
+    """Training with the config's default use_cache=True gives sliding-window models an empty cache with
+    sliding layers (DynamicSlidingWindowLayer) at every step: each call fills it as stock does and runs
+    remat.attention, with no fallback, and the step is stock's."""
+    stock, _ = build(name, use_cache=True, **config)
+    batch = family_inputs(name, "cpu")
+    converted = conv.convert(stock)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, batch))
+    assert calls == LAYERS
+    assert not [w for w in caught if "remat" in str(w.message)], [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_compile_fullgraph_with_the_default_cache(name):
+    """torch.compile(fullgraph=True) of a converted model's training forward with the config's default
+    use_cache=True (Mistral's with its sliding-window cache): one graph, remat.attention in it for
+    every layer, and loss and gradients as stock's."""
+    stock, _ = build(name, use_cache=True, **({"sliding_window": 4096} if name == "mistral" else {}))
+    batch = family_inputs(name, "cpu")
+    converted = conv.convert(stock)
+    graphs = []
+
+    def record(graph_module, example_inputs):  # dynamo's graph, run as traced (no Inductor: fast)
+        graphs.append(str(graph_module.graph))
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    converted.forward = torch.compile(converted.forward, backend=record, fullgraph=True)
+    assert_same_step(stock, converted, batch)
+    assert len(graphs) == 1 and graphs[0].count("remat.attention_fwd") == LAYERS
+
+
+ROTARY = ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt_neox"]
+
+
+@pytest.mark.parametrize("name", ROTARY)
+def test_rotary_models_train_under_autocast(name):
+    """fp32 weights under bf16 autocast (the Trainer's bf16=True): the rotary embedding leaves q and k
+    in fp32 beside a bf16 v, which stock attention casts; so does remat.attention, which runs."""
+    stock, _ = build(name)
+    batch = family_inputs(name, "cpu")
+    converted = conv.convert(stock)
+    _, calls = remat_attention_calls(lambda: assert_autocast_step_as_accurate_as_stock(stock, converted, batch))
+    assert calls == LAYERS  # the converted model's step
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt_neox"])
+def test_a_converted_model_in_float64_computes_as_stock(name):
+    """convert(model).double(): every fused op and remat.attention in float64, as stock computes it."""
+    stock, _ = build(name)
+    converted = conv.convert(stock).double()
+    stock.double()
+    batch = family_inputs(name, "cpu")
+    _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, batch))
+    assert calls == LAYERS
+    assert all(p.grad.dtype == torch.float64 for p in converted.parameters() if p.grad is not None)
+
+
 def test_softcap_with_sdpa_raises_as_stock():
     """Stock sdpa attention refuses a softcap (Gemma2 is built eager; a config switched to sdpa after):
     the converted model hands the same call to it, and raises as stock does."""
@@ -276,34 +342,35 @@ def test_gemma2_without_softcapping_runs_remat_attention_without_it():
     assert calls == LAYERS
 
 
-def test_gemma3_sliding_cache_runs_the_stock_attention_function():
-    """With the config's use_cache=True (also in training), Gemma3's sliding layers hold a
-    DynamicSlidingWindowLayer cache: those calls hand the fused projections' q, k, v to the stock cache
-    update and attention function; the global layers' calls fill their empty DynamicLayer through
-    remat.attention. The same step, and every norm's bytes saved."""
+def test_gemma3_sliding_cache_stays_on_remat():
+    """With the config's use_cache=True (also in training), Gemma3's sliding layers hold an empty
+    DynamicSlidingWindowLayer cache and its global layers an empty DynamicLayer: every call fills its
+    cache as stock does and runs remat.attention on its own keys. The same step, no fallback, and the
+    whole saving, attention included."""
     stock, ffn = build("gemma3", layer_types=["sliding_attention"] * (LAYERS - 1) + ["full_attention"])
-    sliding = LAYERS - 1
     batch = family_inputs("gemma3", "cpu")
     converted = conv.convert(stock)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, batch))
-    assert calls == LAYERS - sliding
-    assert any(STOCK_CORE in str(w.message) and "not a plain DynamicCache" in str(w.message) for w in caught)
-    saving, _ = expected_saving("gemma3", ffn, "cpu", remat_attention=False)
-    copies = (LAYERS - sliding) * TOKENS * attention_output_copy("gemma3", "cpu")
-    assert step_saved_bytes(stock, batch) - step_saved_bytes(converted, batch) == saving + copies
+    assert calls == LAYERS
+    assert not [w for w in caught if "remat" in str(w.message)], [str(w.message) for w in caught]
+    saving, _ = expected_saving("gemma3", ffn, "cpu", remat_attention=True)
+    assert step_saved_bytes(stock, batch) - step_saved_bytes(converted, batch) == saving
 
 
-def test_generation_steps_run_the_stock_attention_function_on_the_cache():
-    """The prefill fills the empty cache through remat.attention; each step after it, with past keys,
-    hands the fused projections' q, k, v to the stock cache update and attention function: the same
-    greedy tokens as stock."""
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generation_steps_run_the_stock_attention_function_on_the_cache(cache):
+    """The prefill fills the empty cache (a DynamicCache, or a StaticCache whose update hands back its
+    whole zero-padded buffer) through remat.attention; each step after it, with past keys, hands the
+    fused projections' q, k, v to the stock cache update and attention function: the same greedy
+    tokens as stock."""
     stock, _ = build_case("llama")
     stock.eval()
     converted = conv.convert(stock)
     ids = family_inputs("llama", "cpu")["input_ids"]
-    settings = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0, "use_cache": True}
+    settings = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0, "use_cache": True,
+                "cache_implementation": cache}
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got, calls = remat_attention_calls(lambda: converted.generate(ids, **settings))

@@ -35,10 +35,10 @@ from . import (  # noqa: F401,E501  (each registers its family)
 )
 from .modules import Handoff, RematFusedLayerNorm
 from .registry import FAMILIES, memory_input, memory_models
-from .rules import convert_children
+from .rules import PROBE_BROKEN, convert_children
 
-__all__ = ["FAMILIES", "Handoff", "RematFusedLayerNorm", "convert_children", "is_hf_model", "memory_input",
-           "memory_models"]
+__all__ = ["FAMILIES", "PROBE_BROKEN", "Handoff", "RematFusedLayerNorm", "convert_children", "is_hf_model",
+           "memory_input", "memory_models"]
 
 
 def is_hf_model(model):

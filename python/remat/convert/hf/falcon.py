@@ -28,17 +28,26 @@ class _RematFalconAttention(_RematAttention):
         return None
 
     def remat_dropout(self):
-        return 0.0  # the stock forward's rotary (non-ALiBi) path applies no attention dropout
+        return self.attention_dropout  # a probability, which the stock forward hands its attention function
 
     def remat_qkv(self, outputs, call):
         (qkv,) = outputs
         if self.new_decoder_architecture:
             q, k, v = self._remat_grouped_qkv(qkv)
-        else:  # the stock split: views of qkv, or copies of multi-query's single key and value head
-            q, k, v = (t.transpose(1, 2) for t in self._split_heads(qkv))
+        else:  # v alone copied out: a view would keep all of qkv (q and k are rotated copies)
+            q, k, v = (t.transpose(1, 2) for t in self._remat_split_qkv(qkv))
+            v = v.contiguous()
         cos, sin = call["position_embeddings"]
         q, k = stock_function(self, "apply_rotary_pos_emb")(q, k, cos, sin)
         return q, k, v
+
+    def _remat_split_qkv(self, qkv):
+        """q, k, v (B, S, heads, D) as views of qkv, in the stock layout: multi-query's queries, then its
+        one key head and one value head; else query, key and value interleaved per head."""
+        heads = qkv.unflatten(-1, (-1, self.head_dim))
+        if self.multi_query:
+            return heads.split([self.num_heads, 1, 1], dim=-2)
+        return heads.unflatten(-2, (self.num_heads, 3)).unbind(-2)
 
     def _remat_grouped_qkv(self, qkv):
         """q (B, H, S, D) and each group's k and v once, (B, G, S, D), as GQA reads them; the stock
@@ -51,14 +60,6 @@ class _RematFalconAttention(_RematAttention):
 
     def remat_output(self, o):
         return self.dense(o)
-
-    def remat_saved_bytes(self):
-        """The new decoder architecture's stock forward copies each group's k and v out to all its
-        heads, and its attention keeps the copies; remat.attention keeps each group's once (GQA):
-        2 (heads - groups) head_dim per token less, whether or not the fused ops recompute."""
-        if not self.new_decoder_architecture:
-            return 0
-        return 2 * (self.num_heads - self.num_kv_heads) * self.head_dim * self.query_key_value.weight.element_size()
 
 
 def _probe_kwargs(module, param):

@@ -19,7 +19,7 @@ class _RematRotaryAttention(_RematSplitAttention):
     A sliding window (its mask: the future and the keys a window back hidden), Gemma2's logit
     softcapping and dropout run on remat.attention's window_size, softcap and dropout_p; padding and
     packed sequences on remat.attention_varlen (masks.py). A call remat does not compute (another mask,
-    attention weights requested, a KV cache with past keys or of another kind) keeps the fused norm and
+    attention weights requested, a KV cache with past keys) keeps the fused norm and
     projections and runs the stock forward's cache update and attention function on their q, k, v."""
 
     remat_cache_arg = CACHE_ARGS

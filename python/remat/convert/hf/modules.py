@@ -519,33 +519,30 @@ def split_heads(t, heads, head_dim):
     return t.unflatten(-1, (heads, head_dim)).transpose(1, 2)
 
 
-def _own_storage(q, k):
-    """q, copied when it is a view into a larger storage that k no longer shares (a fused q/k/v
-    projection's output whose k and v a cache copied): autograd, saving q, would keep all of it."""
-    larger = q.untyped_storage().nbytes() > q.numel() * q.element_size()
-    shared = q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
-    return q.contiguous() if larger and not shared else q
-
-
 def _merge_heads(o):
     """(B, H, S, D) laid out (B, S, H, D), as remat.attention returns it -> (B, S, H * D), a view:
     the output projection keeps the very storage attention keeps."""
     return o.transpose(1, 2).flatten(2)
 
 
-def _empty_dynamic_cache(cache, layer_idx):
-    """True when `cache` is a plain DynamicCache holding nothing yet for this layer (a prefill,
-    or training with use_cache=True): its update() then returns the new keys and values as given."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-
-    if type(cache) is not DynamicCache or getattr(cache, "offloading", False) or not isinstance(layer_idx, int):
+def _empty_cache(cache, layer_idx):
+    """True when `cache` (any kind: dynamic, sliding-window, static, offloaded, quantised) holds
+    nothing yet for this layer: a prefill, or training with use_cache=True. The keys this call
+    attends to are then exactly its own, whatever the cache's update() returns (a copy, a padded
+    static buffer); False when that cannot be told without reading the device (a static layer's
+    length is a tensor) while torch.compile traces."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or not isinstance(layer_idx, int):
         return False
-    layers = cache.layers
-    if layer_idx < len(layers):
-        layer_type = type(layers[layer_idx])
-    else:
-        layer_type = getattr(cache, "layer_class_to_replicate", None)
-    return layer_type is DynamicLayer and cache.get_seq_length(layer_idx) == 0
+    if layer_idx >= len(layers):  # created by its first update
+        return getattr(cache, "layer_class_to_replicate", None) is not None
+    layer = layers[layer_idx]
+    if not getattr(layer, "is_initialized", True):
+        return True
+    length = layer.get_seq_length()
+    if isinstance(length, torch.Tensor):
+        return not torch.compiler.is_compiling() and int(length) == 0
+    return length == 0
 
 
 def _attention_weights_requested(module, kwargs, implementation):
@@ -666,8 +663,8 @@ class _RematAttention(_RematModule):
         if _attention_weights_requested(self, call, self.remat_implementation()):
             return "attention weights requested (output_attentions)"
         cache = self._remat_cache(call)
-        if cache is not None and not _empty_dynamic_cache(cache, getattr(self, "layer_idx", None)):
-            return "a KV cache with past keys, or not a plain DynamicCache"
+        if cache is not None and not _empty_cache(cache, getattr(self, "layer_idx", None)):
+            return "a KV cache with past keys (decoding)"
         mask = call.get("attention_mask")
         if mask is not None and torch.compiler.is_compiling():
             return "a materialised mask under torch.compile (reading it would break the graph)"
@@ -709,9 +706,8 @@ class _RematAttention(_RematModule):
         """(output, None) by remat.attention; the caller has checked remat_fallback_reason."""
         q, k, v = self.remat_qkv(outputs, call)
         cache = self._remat_cache(call)
-        if cache is not None:  # empty: update() returns these keys and values (copied, in transformers 5.24)
-            k, v = cache.update(k, v, self.layer_idx)
-            q = _own_storage(q, k)
+        if cache is not None:  # empty (remat_core_reason): filled as the stock forward fills it; the
+            cache.update(k, v, self.layer_idx)  # keys attended to are this call's own
         pattern = call.get("remat_mask_pattern")
         if isinstance(pattern, Packing):  # padding or packed sequences: remat.attention_varlen on their tokens
             return packed_attention(q, k, v, pattern, self.remat_scale(), self.remat_output,

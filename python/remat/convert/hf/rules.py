@@ -65,6 +65,11 @@ def _eval_mode(*modules):
             m.training = training
 
 
+# The probe's reasons that mean a rule no longer matches the stock forward it was written for (a
+# transformers release changed it): convert warns about these, not only the report.
+PROBE_BROKEN = ("probe failed", "probe mismatch")
+
+
 def _probe(before, after, width, param, modules):
     """None when before(x) == after(x) on a small random x (or when it cannot run), else why not."""
     if param.is_meta:
