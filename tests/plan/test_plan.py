@@ -228,3 +228,31 @@ def test_a_compiled_hugging_face_model_with_fused_and_checkpointed_layers_trains
     total = sum(g.double().norm().item() ** 2 for g in stock_grads.values() if g is not None) ** 0.5
     for key, grad in stock_grads.items():
         assert grad_error(grads[key], grad, total) < GRAD_TOL, key
+
+
+@pytest.mark.parametrize("kv_heads", [2, 8], ids=["gqa", "mha"])
+@pytest.mark.parametrize("seq", [64, 128])
+def test_a_stock_llama_layer_on_meta_keeps_what_a_gpu_keeps(seq, kv_heads):
+    """A stock Llama layer in bf16 counted on meta (as `remat plan` counts) keeps, per token, what it
+    keeps on a GPU, by hand: its two RMSNorms each x in fp32, rstd, x̂ in bf16 and the output (8h + 4);
+    SDPA's flash kernel (transformers passes grouped keys and values with enable_gqa and no mask: a
+    padding mask cannot be built on meta) q
+    after the rotary embedding (h wide), k and v once per group (the cache's copies, use_cache being
+    the config's default), its output and an fp32 log-sum-exp per head (the rotary embedding keeps
+    only its cos and sin, shared by the layers); the MLP gate, silu(gate), up and their product (4f).
+    Nothing grows faster than the sequence: no seq x seq matrix is counted."""
+    transformers = pytest.importorskip("transformers", minversion="5.25")
+    hidden, heads, ffn = 256, 8, 512
+    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=2,
+                                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=128)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    batch = {"input_ids": torch.zeros(2, seq, dtype=torch.long, device="meta")}
+    saves, _, _ = measure(model, batch)
+    kv = kv_heads * hidden // heads
+    norms = 2 * (4 * hidden + 4 + 2 * hidden + 2 * hidden)
+    attention = 2 * (hidden + kv + kv + hidden) + 4 * heads
+    mlp = 4 * 2 * ffn
+    rng_state = 16 + 8  # the flash kernel's dropout seed and offset, once a call
+    assert [unit.internal_bytes for unit in saves["stock"].units] == [2 * seq * (norms + attention + mlp)
+                                                                      + rng_state] * 2

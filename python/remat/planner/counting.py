@@ -169,8 +169,10 @@ class _Counter:
 class _GpuAttentionOnMeta(TorchFunctionMode):
     """On meta tensors, runs SDPA through the kernels a GPU picks, so that autograd keeps what it
     keeps there: flash attention (q, k, v, the output laid out (b, s, h, d), the fp32 log-sum-exp)
-    without a mask, memory-efficient attention (the same, and the mask as a bias) with one. Left
-    alone, SDPA takes its math path on meta, which keeps the s x s probabilities."""
+    without a mask, also with grouped keys and values (enable_gqa: k and v kept once per group);
+    memory-efficient attention (the same, and the mask as a bias) with a mask. Left alone, SDPA takes
+    its math path on meta, which keeps the s x s probabilities: on a GPU only grouped keys and values
+    with a mask take it (transformers repeats k and v to every head instead)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -180,7 +182,8 @@ class _GpuAttentionOnMeta(TorchFunctionMode):
 
 
 def _gpu_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    if not query.is_meta or query.dim() != 4 or (enable_gqa and key.shape[1] != query.shape[1]):
+    grouped = key.dim() == 4 and key.shape[1] != query.shape[1]
+    if not query.is_meta or query.dim() != 4 or (grouped and (not enable_gqa or attn_mask is not None)):
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa)
