@@ -1,6 +1,7 @@
 """Argument checks shared by every public op: each error names the argument and what was expected."""
 
 import math
+import operator
 
 import torch
 
@@ -19,6 +20,17 @@ def check_float_tensor(name, value, dtypes=FLOAT_DTYPES):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if value.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype {_dtype_names(dtypes)}, got {value.dtype}")
+
+
+def integer(value):
+    """`value` as an int when it is one or integer-like as torch takes it (numpy's and torch's integer
+    scalars: operator.index), else None; bools are not integers here."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def check_choice(name, value, choices):

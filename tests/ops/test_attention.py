@@ -373,6 +373,8 @@ def _qkv():
         (lambda q, k, v: remat.ops.attention.attention(q, k[..., :16], v), ValueError, "k must have shape"),
         (lambda q, k, v: remat.ops.attention.attention(q, k, v[:, :, :5]), ValueError, "v must have k's shape"),
         (lambda q, k, v: remat.ops.attention.attention(q[:, :3], k, v), ValueError, "number of heads dividing"),
+        (lambda q, k, v: remat.ops.attention.attention(q[:, :0], k, v), ValueError, "q has no heads"),
+        (lambda q, k, v: remat.ops.attention.attention(q[:, :0], k[:, :0], v[:, :0]), ValueError, "q has no heads"),
         (lambda q, k, v: remat.ops.attention.attention(q, k, v, causal=1), TypeError, "causal must be"),
         (lambda q, k, v: remat.ops.attention.attention(q, k, v, softmax_scale="x"), ValueError, "softmax_scale"),
         (lambda q, k, v: remat.ops.attention.attention(q, k, v, softmax_scale=math.inf), ValueError, "softmax_scale"),
@@ -510,3 +512,33 @@ def test_the_fallback_warning_names_what_runs_instead(monkeypatch, features, fal
     with pytest.warns(UserWarning, match=r"^remat\.attention: a reason the kernels decline; falling back to "
                                          + fallback):
         remat.attention(q, k, v, causal=True, **features)
+
+
+def test_integer_like_window_sizes_are_ints(target):
+    """numpy's and torch's integer scalars are ints, as torch takes them (a window from a config read
+    with numpy); a bool or a float is not."""
+    import numpy as np
+
+    device, _ = target
+    q, k, v = (t.to(device) for t in _qkv())
+    expected = remat.attention(q, k, v, window_size=(2, 2))
+    for window in [(np.int64(2), 2), (torch.tensor(2), np.int32(2))]:
+        assert torch.equal(remat.attention(q, k, v, window_size=window), expected)
+    for window in [(True, 2), (2.0, 2)]:
+        with pytest.raises(TypeError, match="window_size must be a pair of ints"):
+            remat.attention(q, k, v, window_size=window)
+
+
+def test_a_row_with_an_infinite_score_is_nan_as_in_float64(target):
+    """A +inf key element makes +inf scores: the rows that see that key are NaN in float64 SDPA, and
+    in the kernels and the reference alike (not +inf); the rows before it, causally, are untouched."""
+    device, _ = target
+    q, k, v = (torch.randn(1, 1, 4, 32, device=device) for _ in range(3))
+    q[..., 0], k[0, 0, 1, 0] = 1.0, float("inf")
+    expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    assert torch.isnan(expected[0, 0, 1:]).all() and torch.isfinite(expected[0, 0, 0]).all()
+    with remat.use_backend("reference"):
+        reference = remat.attention(q, k, v, causal=True)
+    for out in (remat.attention(q, k, v, causal=True), reference):
+        assert torch.equal(torch.isnan(out), torch.isnan(expected))
+        assert rel_error(out[0, 0, 0], expected[0, 0, 0]) <= REL_TOL[torch.float32]

@@ -145,3 +145,21 @@ def test_bad_input_is_named(call, error, words):
     with pytest.raises(error) as caught:
         call(torch.randn(3, 8), torch.randn(8))
     assert words in str(caught.value)
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "transposed"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_keeps_the_memory_format(target, layout, with_bias):
+    """As torch's elementwise ops: a channels_last or transposed input gives an output in its layout
+    (without a copy of the input when there is no bias), and its gradient too."""
+    device, _ = target
+    x = torch.randn(2, 3, 4, 5, device=device)
+    x = x.to(memory_format=torch.channels_last) if layout == "channels_last" else x.transpose(1, 3)
+    x.requires_grad_()
+    bias = torch.randn(x.shape[-1], device=device) if with_bias else None
+    out = remat.gelu(x, bias=bias)
+    expected = F.gelu(x.double() + (bias.double() if with_bias else 0))
+    assert out.stride() == F.gelu(x + (bias if with_bias else 0)).stride()
+    assert_close_to_ref("gelu", out, expected, torch.float32)
+    out.backward(torch.ones_like(out))
+    assert x.grad.stride() == x.stride()

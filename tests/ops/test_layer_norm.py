@@ -280,7 +280,7 @@ def test_reference_path_matches_float64(reference_backend):
     "call, error, words",
     [
         (lambda x, w: remat.layer_norm(x.long(), (8,), w), TypeError, "x must have dtype"),
-        (lambda x, w: remat.layer_norm(x.double(), (8,), w), TypeError, "x must have dtype"),
+        (lambda x, w: remat.layer_norm(x.to(torch.complex64), (8,), w), TypeError, "x must have dtype"),
         (lambda x, w: remat.layer_norm(x.tolist(), (8,), w), TypeError, "x must be a torch.Tensor"),
         (lambda x, w: remat.layer_norm(x, (8,), w[:5]), ValueError, "weight must have shape (8,)"),
         (lambda x, w: remat.layer_norm(x, (8,), None, w.int()), TypeError, "bias must have dtype"),
@@ -291,7 +291,7 @@ def test_reference_path_matches_float64(reference_backend):
         (lambda x, w: remat.layer_norm(x, (8,), w, eps=-1.0), ValueError, "eps must be"),
         (lambda x, w: remat.set_backend("tpu"), ValueError, "backend must be one of"),
     ],
-    ids=["int-x", "float64-x", "list-x", "weight-shape", "bias-dtype", "weight-device",
+    ids=["int-x", "complex-x", "list-x", "weight-shape", "bias-dtype", "weight-device",
          "normalized-shape", "normalized-shape-too-long", "normalized-shape-zero", "eps", "backend"],
 )
 def test_bad_input_is_named(call, error, words):
@@ -318,3 +318,17 @@ def test_parameter_gradients_do_not_depend_on_recompute_at_scale(target):
     with_y = ln_ops.layer_norm_bwd(dy, x, w, b, mean, rstd, True)
     without_y = ln_ops.layer_norm_bwd(dy, x, w, b, mean, rstd, False)
     assert torch.equal(with_y[1], without_y[1]) and torch.equal(with_y[2], without_y[2])
+
+
+def test_integer_like_normalized_shapes_are_ints(target):
+    """numpy's and torch's integer scalars in normalized_shape are ints, as torch.nn.functional.layer_norm
+    takes them; a float is refused by name."""
+    import numpy as np
+
+    device, _ = target
+    x = torch.randn(3, 16, device=device)
+    expected = remat.layer_norm(x, (16,))
+    for shape in [(np.int64(16),), np.int64(16), [torch.tensor(16)]]:
+        assert torch.equal(remat.layer_norm(x, shape), expected)
+    with pytest.raises(ValueError, match="normalized_shape must be a non-empty tuple of positive ints"):
+        remat.layer_norm(x, (16.0,))

@@ -52,6 +52,7 @@ from .._validate import (
     check_float_tensor,
     check_same_device,
     check_self_attention_input,
+    integer,
 )
 from ._family import OpFamily, OpSamples, PublicCall, grad_leaves
 
@@ -164,8 +165,9 @@ def _probabilities(q, k, causal, softmax_scale, *features):
     features: window_left, window_right, softcap, alibi_slopes (see attention)."""
     s = _scores(q, k, causal, softmax_scale, *features)
     lse = torch.logsumexp(s, dim=-1)
-    # A fully masked row has lse = -inf; subtracting 0 there keeps exp(-inf) = 0 instead of NaN.
-    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+    # A fully masked row has lse = -inf; subtracting 0 there keeps exp(-inf) = 0 instead of NaN. A row
+    # with a +inf score keeps lse = +inf, and NaN (inf - inf), as float64 SDPA and the kernels give.
+    p = torch.exp(s - torch.where(lse == float("-inf"), 0.0, lse).unsqueeze(-1))
     return p, lse
 
 
@@ -387,6 +389,8 @@ def _check_qkv(q, k, v):
     batch, heads, _, head_dim = q.shape
     if head_dim < 1:
         raise ValueError(f"q must have head_dim >= 1, got shape {tuple(q.shape)}")
+    if heads < 1:
+        raise ValueError(f"q has no heads: it must be (batch, heads >= 1, seq, head_dim), got shape {tuple(q.shape)}")
     if k.shape[0] != batch or k.shape[3] != head_dim:
         raise ValueError(
             f"k must have shape ({batch}, kv_heads, seqlen_k, {head_dim}) to match q {tuple(q.shape)}, "
@@ -407,13 +411,13 @@ _NO_FEATURES = (-1, -1, 0.0, None)  # (window_left, window_right, softcap, alibi
 
 
 def _check_window_size(window_size):
-    """(left, right) from window_size: a pair of ints >= -1."""
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or any(isinstance(w, bool) or not isinstance(w, int) for w in window_size)):
+    """(left, right) from window_size: a pair of ints (or integer-like scalars) >= -1."""
+    pair = tuple(map(integer, window_size)) if isinstance(window_size, (tuple, list)) else ()
+    if len(pair) != 2 or None in pair:
         raise TypeError(f"window_size must be a pair of ints (left, right), -1 for unbounded, got {window_size!r}")
-    if any(w < -1 for w in window_size):
-        raise ValueError(f"window_size must have values >= -1 (-1: unbounded), got {tuple(window_size)}")
-    return int(window_size[0]), int(window_size[1])
+    if any(w < -1 for w in pair):
+        raise ValueError(f"window_size must have values >= -1 (-1: unbounded), got {pair}")
+    return pair
 
 
 def _check_softcap(softcap):

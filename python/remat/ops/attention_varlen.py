@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import _backend
 from .._numerics import math_dtype
-from .._validate import autocast_dtype_for, cast_for_autocast, check_float_tensor, check_same_device
+from .._validate import autocast_dtype_for, cast_for_autocast, check_float_tensor, check_same_device, integer
 from ._family import OpFamily, OpSamples, PublicCall, grad_leaves
 from .attention import (
     HEAD_DIMS,
@@ -173,6 +173,9 @@ def _check_packed_qkv(q, k, v):
     heads, head_dim = q.shape[1:]
     if head_dim < 1:
         raise ValueError(f"q must have head_dim >= 1, got shape {tuple(q.shape)}")
+    if heads < 1:
+        raise ValueError(f"q has no heads: it must be (total_tokens, heads >= 1, head_dim), got shape "
+                         f"{tuple(q.shape)}")
     if k.shape[2] != head_dim:
         raise ValueError(f"k must have shape (total_k, kv_heads, {head_dim}) to match q {tuple(q.shape)}, "
                          f"got {tuple(k.shape)}")
@@ -193,9 +196,10 @@ def _check_cu_seqlens(name, cu_seqlens, q):
 
 
 def _check_max_seqlen(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    length = integer(value)
+    if length is None or length < 0:
         raise ValueError(f"{name} must be an int >= 0 (the longest sequence), got {value!r}")
-    return value
+    return length
 
 
 def _readable(t):

@@ -130,9 +130,23 @@ def gelu(x, approximate="none", bias=None):
         return gelu(x.reshape(1), approximate, bias).reshape(())
     width = x.shape[-1]
     check_optional_param("bias", bias, (width,), "x", x)
+    order = _memory_order(x)
+    if order is not None and bias is None:  # elementwise: computed in x's memory order, returned in it
+        return gelu(x.permute(order), approximate).permute(sorted(range(x.dim()), key=order.__getitem__))
     rows = rows_with_unit_stride(x, width)
-    y = gelu_fwd(rows, bias.contiguous() if bias is not None else None, approximate)
-    return y.view(x.shape)
+    y = gelu_fwd(rows, bias.contiguous() if bias is not None else None, approximate).view(x.shape)
+    if order is not None:  # as torch's x + bias: the output in x's memory format
+        return torch.empty_like(x).copy_(y)
+    return y
+
+
+def _memory_order(x):
+    """The dims of x from the largest stride to the smallest when x is dense and non-overlapping but
+    not contiguous (channels_last, a transpose): x.permute(order) is contiguous. Else None."""
+    if x.is_contiguous():
+        return None
+    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), -x.shape[d]))
+    return order if x.permute(order).is_contiguous() else None
 
 
 # ---------------------------------------------------------------------------------------------

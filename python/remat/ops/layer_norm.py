@@ -20,6 +20,7 @@ from .._validate import (
     check_eps,
     check_float_tensor,
     check_optional_param,
+    integer,
     rows_with_unit_stride,
 )
 from ._family import OpFamily, OpSamples, PublicCall, grad_leaves
@@ -148,13 +149,12 @@ def _backward(ctx, dy, _dmean, _drstd):
 
 
 def normalized_width(x, normalized_shape):
-    if isinstance(normalized_shape, int):
+    if integer(normalized_shape) is not None:
         normalized_shape = (normalized_shape,)
-    normalized_shape = tuple(normalized_shape)
-    if not normalized_shape or any(not isinstance(d, int) or d < 1 for d in normalized_shape):
-        raise ValueError(
-            f"normalized_shape must be a non-empty tuple of positive ints, got {normalized_shape}"
-        )
+    dims = tuple(map(integer, normalized_shape)) if isinstance(normalized_shape, (tuple, list, torch.Size)) else ()
+    if not dims or any(d is None or d < 1 for d in dims):
+        raise ValueError(f"normalized_shape must be a non-empty tuple of positive ints, got {normalized_shape!r}")
+    normalized_shape = dims
     if tuple(x.shape[x.dim() - len(normalized_shape):]) != normalized_shape or x.dim() < len(
         normalized_shape
     ):

@@ -40,7 +40,7 @@ class _RematGPTNeoXAttention(_RematAttention):
         q, k, v = qkv.chunk(3, dim=-1)
         cos, sin = call["position_embeddings"]
         q, k = _rotary(q, k, cos, sin)
-        return q, k, v
+        return q, k, v.contiguous()  # as a view, v would keep all of qkv for the backward (q, k are copies)
 
     def remat_output(self, o):
         return self.dense(o)

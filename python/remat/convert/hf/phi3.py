@@ -14,7 +14,8 @@ class _RematPhi3Attention(_RematRotaryAttention):
         (qkv,) = outputs
         heads, kv_heads = self.config.num_attention_heads, self.num_key_value_heads
         q, k, v = qkv.split([heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim], dim=-1)
-        return super().remat_qkv([q, k, v], call)
+        q, k, v = super().remat_qkv([q, k, v], call)
+        return q, k, v.contiguous()  # as a view, v would keep all of qkv for the backward (q, k are copies)
 
 
 register(llama_like("phi3", "Phi3", _RematPhi3Attention,
