@@ -120,6 +120,8 @@ def stock_attention_extra(name, device):
     (Gemma2's default): keys and values repeated to every head (GQA), the softcap's tanh and the
     probabilities (seq wide per head), and o_proj's input, a copy of the output; remat's k and v
     (kv heads) and lse are not."""
+    if name == "phi3":  # stock's v is a view of qkv_proj's output, keeping its q and k parts too; remat's a copy
+        return attention_output_copy(name, device) + F32 * (HEADS + KV_HEADS) * HEAD_DIM
     if name != "gemma2":
         return attention_output_copy(name, device)
     stock = 2 * HEADS * HEAD_DIM * F32 + 2 * HEADS * SEQ * F32
