@@ -105,7 +105,7 @@ def test_training_tracks_stock(target):
     for model in (stock, ours):
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         curve = []
-        for step in range(200):
+        for step in range(60):  # enough to learn (the first assertion); each step runs the interpreter
             loss = F.mse_loss(model(data[step % 64]), target_out[step % 64])
             optimizer.zero_grad()
             loss.backward()
@@ -113,7 +113,7 @@ def test_training_tracks_stock(target):
             curve.append(loss.item())
         losses.append(torch.tensor(curve))
     stock_curve, remat_curve = losses
-    assert stock_curve[-20:].mean() < 0.8 * stock_curve[:20].mean(), "the stock model did not learn"
+    assert stock_curve[-15:].mean() < 0.8 * stock_curve[:15].mean(), "the stock model did not learn"
     assert (stock_curve - remat_curve).abs().max() < 1e-3 * stock_curve.max()
 
 

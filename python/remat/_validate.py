@@ -25,11 +25,11 @@ def check_float_tensor(name, value, dtypes=FLOAT_DTYPES):
 def integer(value):
     """`value` as an int when it is one or integer-like as torch takes it (numpy's and torch's integer
     scalars: operator.index), else None; bools are not integers here."""
-    if isinstance(value, bool):
-        return None
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):  # no operator.index of a tuple: torch
+        return None  # 2.11's dynamo fails on it instead of raising TypeError
     try:
         return operator.index(value)
-    except TypeError:
+    except TypeError:  # a tensor of several elements, or of floats
         return None
 
 
