@@ -3,12 +3,14 @@
     python bench/smoke_check.py [--out DIR] [--dtypes bf16 fp16] [--suites layernorm ...] [--jobs N]
 
 Each forward + backward case of the benchmark suites at their `remat bench --quick` shapes
-(LayerNorm, GELU in its three forms, MLP and LayerNormMLP, attention causal or not, the GPT block
-with its LayerNormLinear) runs every remat implementation (each backend; not those under
-torch.compile, which the benchmarks check) once, nothing timed, and compares its output and
-every gradient with float64: at most twice PyTorch's own error (remat.bench.check). A (suite,
-dtype) group is one process, several at once; attention runs its fixed block table
-(REMAT_AUTOTUNE=0: tuning is the benchmarks' job, and they check what it picks).
+(LayerNorm, RMSNorm, GELU in its three forms, the gated activations, MLP and LayerNormMLP,
+attention causal or not and with its features, the GPT block with its LayerNormLinear) runs
+every remat implementation (each backend; not those under torch.compile, which the benchmarks
+check) once, nothing timed, and compares its output and every gradient with float64: at most
+twice PyTorch's own error (remat.bench.check). A (suite, dtype) group is one process, several at
+once; attention runs its fixed block table (REMAT_AUTOTUNE=0: tuning is the benchmarks' job, and
+they check what it picks). Every suite the benchmarks run is here: its kernels compile in this
+step, in parallel, not one after the other inside a benchmark's limit.
 
 smoke.csv and smoke.md in --out are rewritten as each group ends, so a run cut short keeps what it
 checked (Ctrl-C or SIGINT: the unfinished groups are written as such). Exit status 1 if any check
@@ -22,7 +24,7 @@ import os
 import sys
 import time
 
-SUITES = ("layernorm", "gelu", "mlp", "attention", "block")
+SUITES = ("layernorm", "rms_norm", "gelu", "gated", "mlp", "attention", "block")
 COLUMNS = ["suite", "op", "dtype", "shape", "implementation", "check", "error", "seconds"]
 
 

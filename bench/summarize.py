@@ -1,9 +1,9 @@
-"""The summary gpu_check.sh prints last: every step, the smoke check, the tests, the sanitizer and
-each benchmark suite (a row for each, also when it failed or ran out of time), with where each
-file is. Reads only what the steps left in the output folder (no torch import: quick, and it
-still works when the GPU environment is broken).
+"""The summary gpu_check.sh writes after every step and prints last: every step, the smoke check,
+the tests, the sanitizer and each benchmark suite (a row for each, also when it failed or ran out
+of time), with where each file is. Reads only what the steps left in the work folder (no torch
+import: quick, and it still works when the GPU environment is broken).
 
-    python bench/summarize.py OUT_DIR [--budget 560] [--elapsed SECONDS]
+    python bench/summarize.py WORK_DIR [--budget 380] [--elapsed SECONDS] [--running STEP] [--modelled]
 """
 
 import argparse
@@ -33,9 +33,12 @@ def read_steps(out_dir):
 
 
 def _step_line(name, step):
-    if step["limit"] == "-":  # background work: no limit of its own in the budget
-        return f"  {name:<30} {step['status']}"
-    return f"  {name:<30} {step['status']:<24} {step['seconds']:>4} s (limit {step['limit']} s)"
+    if step.get("part") == "background":  # beside the steps: no limit of its own in the budget
+        return f"  {name:<38} {step['seconds']:>4} s  {step['status']}"
+    if step["limit"] == "-":  # left out
+        return f"  {name:<38} {step['status']}"
+    extra = "   (with the time left)" if step.get("part") == "extra" else ""
+    return f"  {name:<38} {step['status']:<24} {step['seconds']:>4} s (limit {step['limit']} s){extra}"
 
 
 def tags(out_dir, suites):
@@ -86,9 +89,9 @@ def _pytest_last_line(path):
 
 def test_lines(out_dir, steps, groups):
     lines = ["tests on the GPU:"]
-    for group in groups:
-        step = steps.get(f"tests: {group}")
-        status = step["status"] if step else "not run"
+    for group in groups:  # a group that ran in the background has its row as background work
+        step = steps.get(f"tests: {group}") or steps.get(f"background: tests: {group}")
+        status = step["status"].split(";")[0] if step else "not run"  # a background row adds its log's last line
         counts = _junit_counts(os.path.join(out_dir, f"pytest_{group}.xml"))
         if counts is not None:
             tests, failed, skipped, seconds = counts
@@ -190,13 +193,17 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
     parser.add_argument("--suites", nargs="+", default=list(SUITES))
-    parser.add_argument("--test-groups", nargs="+", default=["kernels", "rest", "exhaustive"])
-    parser.add_argument("--budget", type=int, default=560)
+    parser.add_argument("--test-groups", nargs="+", default=["triton", "cuda", "rest", "exhaustive"])
+    parser.add_argument("--budget", type=int, default=380)
     parser.add_argument("--elapsed", type=int, help="seconds the run took so far")
+    parser.add_argument("--running", metavar="STEP", help="the run goes on: STEP is the last one that ended")
+    parser.add_argument("--modelled", action="store_true", help="the seconds are modelled ones (the dry run)")
     args = parser.parse_args(argv)
     steps = read_steps(args.out_dir)
     spent = f"{args.elapsed} s" if args.elapsed is not None else "?"
-    out = [f"== summary: {spent} of the {args.budget} s budget",
+    state = f"; still running, last step ended: {args.running}" if args.running else ""
+    modelled = " (modelled seconds: a dry run)" if args.modelled else ""
+    out = [f"== summary: {spent} of the {args.budget} s budget{modelled}{state}",
            f"tags: {tags(args.out_dir, args.suites)}", "steps:"]
     out += [_step_line(name, step) for name, step in steps.items()]
     out += smoke_lines(args.out_dir)
@@ -206,10 +213,10 @@ def main(argv=None):
     out += [suite_row(args.out_dir, suite, steps) for suite in args.suites]
     out += headline_lines(args.out_dir, args.suites)
     out += memory_lines(args.out_dir, steps.get("memory"))
-    out.append(f"files, in {os.path.abspath(args.out_dir)}: steps.tsv, console.log, environment.txt, backends.txt, "
-               "build.log, smoke/smoke.{csv,md}, pytest_<group>.{log,xml}, sanitizer_memcheck.log, "
-               "bench/<suite>/bench.{csv,md} and PNGs, bench_<suite>.log, autotune/ (tuned attention blocks), "
-               "memory/, <background work>.log")
+    out.append(f"files, in {os.path.basename(os.path.abspath(args.out_dir))}/ (gpu_check.tar.gz holds it): steps.tsv, "
+               "run.txt, console.log, environment.txt, backends.txt, build.log, smoke/smoke.{csv,md}, "
+               "pytest_<group>.{log,xml}, sanitizer_memcheck.log, bench/<suite>/bench.{csv,md} and PNGs, "
+               "bench_<suite>.log, autotune/ (tuned attention blocks, failed candidates), memory/, warm_*.log")
     print("\n".join(out))
 
 

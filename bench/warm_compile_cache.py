@@ -7,14 +7,16 @@ input shapes and dtypes, and the versions, so a later process compiling the same
 instead (on CPU: a LayerNorm's 5.5 s compile became 0.2 s, a GPT block's 46 s about 3 s). This
 script builds the benchmarks' own cases (`remat bench --quick`) and runs each compiled
 implementation once, forward and backward, as the benchmark's check does: the same graphs. One
-process per (suite, implementation), so they compile side by side.
+work item per (suite, implementation, case), in several processes, so that they compile side by
+side: the eight FlexAttention graphs (a shape and causality, a window, softcapping) each in its
+own item, the longest ones (FlexAttention, the GPT block's policies) first.
 
 Nothing here is timed, and Inductor's choice among kernel configurations, which it times on the
 first launch, is not kept (its autotune cache is off here): the benchmark times those itself, on
 a quiet GPU, while these processes run beside other work.
 
     python bench/warm_compile_cache.py [--suites layernorm rms_norm gelu gated mlp attention block]
-        [--dtype bf16] [--jobs N]
+        [--dtype bf16] [--jobs 8]
 """
 
 import argparse
@@ -22,60 +24,74 @@ import concurrent.futures
 import multiprocessing
 import time
 
-SUITES = ("layernorm", "rms_norm", "gelu", "gated", "mlp", "attention", "block")
+SUITES = ("layernorm", "rms_norm", "gelu", "gated", "mlp", "attention", "block")  # the default: gpu_check.sh's
+HEAVY_FIRST = ("attention", "attention_varlen", "block")  # the longest compiles: started first
 
 
-def compiled_implementations(suite, dtype_name, device):
-    """Names of the suite's implementations built with torch.compile (no tensor is made)."""
+def _cases(suite, dtype_name, device):
     import torch
 
     from remat import bench
 
-    names = []
-    for case in bench.SUITES[suite].cases(torch.device(device), [bench.DTYPES[dtype_name]], quick=True):
-        names += [impl.name for impl in case.implementations if impl.compiles and impl.name not in names]
-    return names
+    return list(bench.SUITES[suite].cases(torch.device(device), [bench.DTYPES[dtype_name]], quick=True))
 
 
-def compile_one(suite, name, dtype_name, device):
-    """Run implementation `name` of every forward + backward case of `suite` once: (seconds, errors)."""
-    import torch
+def work_items(suites, dtype_name, device):
+    """(suite, implementation name, case index) of every compiled implementation of each forward +
+    backward case (its fwd and bwd cases call the same compiled function), the longest first."""
+    items = [(suite, impl.name, index)
+             for suite in suites for index, case in enumerate(_cases(suite, dtype_name, device))
+             if case.mode == "fwd+bwd" for impl in case.implementations if impl.compiles]
+    return sorted(items, key=lambda item: item[0] not in HEAVY_FIRST)
+
+
+def compile_one(suite, name, index, dtype_name, device):
+    """Run implementation `name` of case `index` of `suite` once, forward and backward: (seconds, errors)."""
     import torch._inductor.config
 
-    from remat import bench
     from remat.bench.cases import short_error
 
     torch._inductor.config.autotune_local_cache = False  # the benchmark times its configurations itself
     start, errors = time.perf_counter(), []
-    for case in bench.SUITES[suite].cases(torch.device(device), [bench.DTYPES[dtype_name]], quick=True):
-        if case.mode != "fwd+bwd":  # its fwd and bwd cases call the same compiled function
-            continue
-        for impl in case.implementations:
-            if impl.name == name:
-                try:
-                    impl.build(case.make_inputs()).outputs()
-                except Exception as error:  # the benchmark will report it too
-                    errors.append(f"{case.op} {case.shape}: {short_error(error)}")
+    case = _cases(suite, dtype_name, device)[index]
+    impl = next(impl for impl in case.implementations if impl.name == name)
+    try:
+        impl.build(case.make_inputs()).outputs()
+    except Exception as error:  # the benchmark will report it too
+        errors.append(f"{case.op} {case.shape}: {short_error(error)}")
     return time.perf_counter() - start, errors
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--suites", nargs="+", default=list(SUITES), choices=SUITES)
+    parser.add_argument("--suites", nargs="+", default=list(SUITES), help="any of remat.bench.SUITES")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    parser.add_argument("--jobs", type=int, default=0, help="processes (default: one per implementation)")
+    parser.add_argument("--jobs", type=int, default=8)
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
-    work = [(suite, name) for suite in args.suites for name in compiled_implementations(suite, args.dtype, args.device)]
+    from remat import bench
+
+    unknown = sorted(set(args.suites) - set(bench.SUITES))
+    if unknown:
+        parser.error(f"no suite {', '.join(unknown)} (remat.bench has {', '.join(bench.SUITES)})")
+    work = work_items(args.suites, args.dtype, args.device)
+    if not work:
+        print("nothing to compile: no compiled implementation in these suites")
+        return
+    start = time.perf_counter()
     context = multiprocessing.get_context("spawn")  # CUDA cannot be used in forked children
-    with concurrent.futures.ProcessPoolExecutor(args.jobs or len(work), mp_context=context) as pool:
-        futures = {pool.submit(compile_one, suite, name, args.dtype, args.device): (suite, name)
-                   for suite, name in work}
+    with concurrent.futures.ProcessPoolExecutor(min(args.jobs, len(work)), mp_context=context) as pool:
+        futures = {pool.submit(compile_one, *item, args.dtype, args.device): item for item in work}
         for future in concurrent.futures.as_completed(futures):
-            suite, name = futures[future]
-            seconds, errors = future.result()
-            print(f"{suite} {name}: compiled in {seconds:.0f} s"
+            suite, name, index = futures[future]
+            try:
+                seconds, errors = future.result()
+            except Exception as error:  # the worker died: the others go on
+                seconds, errors = 0, [f"{type(error).__name__}: {error}"]
+            print(f"{suite} {name} case {index}: compiled in {seconds:.0f} s"
                   + (f"; {len(errors)} failed: " + "; ".join(errors) if errors else ""), flush=True)
+    print(f"compiled {len(work)} cases in {time.perf_counter() - start:.0f} s with {min(args.jobs, len(work))} "
+          "processes", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,11 @@ Robustness:
   the last writer wins for a key they both tuned (either answer is a timed best).
 - A remembered configuration that is no longer among the candidates (the kernel's table changed)
   is ignored and tuned again.
+- A candidate that raises one of the tuner's skip_errors (it fails to compile or to run here) is
+  skipped and recorded: a warning, Tuner.failures, and the file's "failed" section. When the
+  failure leaves the CUDA context unusable (an illegal memory access), the error is raised at
+  once: every later launch in this process would fail too (a benchmark runs each suite in a
+  process of its own, so the next suite starts clean).
 """
 
 import functools
@@ -64,6 +69,20 @@ def cuda_time_ms(fn, min_reps=3, max_reps=20, budget_ms=40.0):
     return statistics.median(times)
 
 
+def cuda_context_usable() -> bool:
+    """False when the CUDA context is broken (a sticky error such as an illegal memory access):
+    synchronizing raises then. True when CUDA has not been used in this process."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return True
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # torch.AcceleratorError, a RuntimeError in older torch
+        return False
+    return True
+
+
 def _parse(text):
     """{key: config} from the file's text; ValueError when it is not a cache file of this format."""
     data = json.loads(text)
@@ -81,14 +100,17 @@ class Tuner:
 
     filename: the JSON file's name inside cache_dir() (read at each load, so REMAT_CACHE_DIR may
     change between calls). timer(fn) -> milliseconds measures one candidate; tests inject a fake.
-    skip_errors: exceptions that rule a candidate out (e.g. too much shared memory on this GPU)
-    instead of propagating.
+    skip_errors: exceptions that rule a candidate out (e.g. too much shared memory on this GPU, a
+    compiler error) instead of propagating; each is recorded in failures ({key: {config: error}}).
+    usable() -> bool says whether the process can still launch after a failure (tests inject a fake).
     """
 
-    def __init__(self, filename, timer=cuda_time_ms, skip_errors=()):
+    def __init__(self, filename, timer=cuda_time_ms, skip_errors=(), usable=cuda_context_usable):
         self.filename = filename
         self.timer = timer
         self.skip_errors = tuple(skip_errors)
+        self.usable = usable
+        self.failures = {}
         self._memory = {}  # path -> {key: config}
         self._warned = set()
 
@@ -111,22 +133,30 @@ class Tuner:
             return known
         if not may_time:
             return candidates[0]
-        chosen = self._fastest(candidates, run)
+        chosen = self._fastest(key, candidates, run)
         entries[key] = chosen
         self._persist(key, chosen)
         return chosen
 
-    def _fastest(self, candidates, run):
+    def _fastest(self, key, candidates, run):
         timings, first_error = [], None
         for config in candidates:
             try:
                 timings.append((self.timer(functools.partial(run, config)), config))
-            except self.skip_errors as error:  # this candidate cannot run here; the others may
+            except self.skip_errors as error:  # this candidate cannot compile or run here; the others may
                 first_error = first_error or error
+                self._record_failure(key, config, error)
+                if not self.usable():
+                    raise
         if not timings:
             raise first_error
         # Ties go to the earlier candidate (the default first): min keeps the first of equals.
         return min(timings, key=lambda pair: pair[0])[1]
+
+    def _record_failure(self, key, config, error):
+        message = f"{type(error).__name__}: {' '.join(str(error).split())}"[:300]
+        self.failures.setdefault(key, {})[config] = message
+        self._warn_once(f"candidate {config} of {key} skipped: {message}")
 
     def _entries(self):
         path = self.path()
@@ -150,6 +180,7 @@ class Tuner:
         entries = self._read(path, quiet=True)  # what other processes added since we loaded
         entries.update(self._memory[path])
         entries[key] = config
+        failed = self._failed_to_write(path)
         folder = os.path.dirname(path) or "."
         try:
             os.makedirs(folder, exist_ok=True)
@@ -157,13 +188,31 @@ class Tuner:
             try:
                 with os.fdopen(fd, "w", encoding="utf-8") as f:
                     json.dump({"format": _FORMAT, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                               "entries": {k: list(v) for k, v in sorted(entries.items())}}, f, indent=1)
+                               "entries": {k: list(v) for k, v in sorted(entries.items())},
+                               **({"failed": dict(sorted(failed.items()))} if failed else {})}, f, indent=1)
                 os.replace(temp, path)
             except BaseException:
                 os.unlink(temp)
                 raise
         except OSError as error:  # a read-only home, a full disk: tuning still works, in memory
             self._warn_once(f"could not write the tuning cache {path} ({error}); keeping the results in memory")
+
+    def _failed_to_write(self, path):
+        """The failed candidates the file will hold: those it holds (other processes'), and this tuner's."""
+        failed = self._read_failed(path)
+        for key, configs in self.failures.items():
+            failed[key] = {",".join(map(str, config)): message for config, message in configs.items()}
+        return failed
+
+    @staticmethod
+    def _read_failed(path):
+        """The file's record of failed candidates ({key: {"128,64,8,3": error}}), {} if none or unreadable."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                failed = json.load(f).get("failed", {})
+        except (OSError, ValueError, UnicodeDecodeError, AttributeError):
+            return {}
+        return failed if isinstance(failed, dict) else {}
 
     def _warn_once(self, message):
         if message not in self._warned:

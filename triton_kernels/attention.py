@@ -205,8 +205,9 @@ def candidates(kind, head_dim, dtype, hopper=False, causal=None, features=False,
 # length (short ones leave SMs idle with large blocks): one key per power-of-two length class,
 # clamped so that short sequences share one class and long ones another.
 _SEQLEN_CLASSES = (256, 16384)
-# Candidates that do not fit this GPU (shared memory above its limit) are skipped when tuning.
-_TUNER = _autotune.Tuner("attention-autotune.json", skip_errors=(triton.runtime.errors.OutOfResources,))
+# A candidate that fails to compile or to run on this GPU (shared memory above its limit, a compiler
+# error, a failed launch) is skipped and recorded when tuning: the others are timed.
+_TUNER = _autotune.Tuner("attention-autotune.json", skip_errors=(Exception,))
 
 
 def seqlen_class(seqlen_q, seqlen_k):

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+import triton
 
 import remat
 from remat.ops.attention import attention_ref
@@ -18,6 +19,7 @@ from remat.triton_kernels import attention as kernels
 from numerics import REL_TOL, rel_error
 
 HAS_GPU = torch.cuda.is_available()
+ATTENTION_SKIP_ERRORS = kernels._TUNER.skip_errors  # attention's own tuner's, before a test replaces it
 
 
 class FakeTimer:
@@ -73,11 +75,51 @@ def test_candidates_that_cannot_run_are_skipped(cache_dir):
             raise TooBig(config)
 
     tuner = _autotune.Tuner("t.json", timer=lambda fn: fn() or 1.0, skip_errors=(TooBig,))
-    assert tuner.best("k", CANDIDATES, run) == (128, 128, 8, 2)
-    with pytest.raises(TooBig):  # none runs: the error surfaces
+    with pytest.warns(UserWarning, match="skipped: TooBig"):
+        assert tuner.best("k", CANDIDATES, run) == (128, 128, 8, 2)
+    with pytest.raises(TooBig), pytest.warns(UserWarning):  # none runs: the error surfaces
         tuner.best("other", CANDIDATES[:2], run)
     with pytest.raises(ValueError):  # not a skip error: propagates at once
         _autotune.Tuner("u.json", timer=lambda fn: fn()).best("k", CANDIDATES, lambda c: int("x"))
+
+
+def _failing_first(timer, error):
+    """A run(config) that raises `error` for the first candidate and records the others in timer."""
+    def run(config):
+        if config == CANDIDATES[0]:
+            raise error
+        timer.run(config)
+
+    return run
+
+
+def test_a_candidate_that_fails_to_compile_or_run_is_skipped_and_recorded(cache_dir):
+    timer = FakeTimer({(64, 64, 4, 3): 2.0, (128, 128, 8, 2): 1.0})
+    tuner = _autotune.Tuner("t.json", timer=timer, skip_errors=(Exception,), usable=lambda: True)
+    with pytest.warns(UserWarning, match=r"candidate \(128, 64, 8, 3\) of k skipped: RuntimeError: ptxas failed"):
+        assert tuner.best("k", CANDIDATES, _failing_first(timer, RuntimeError("ptxas failed\n  at line 3"))) == (
+            128, 128, 8, 2)
+    assert timer.timed == CANDIDATES[1:]
+    assert tuner.failures == {"k": {CANDIDATES[0]: "RuntimeError: ptxas failed at line 3"}}
+    data = json.loads((cache_dir / "t.json").read_text())
+    assert data["entries"] == {"k": [128, 128, 8, 2]}
+    assert data["failed"] == {"k": {"128,64,8,3": "RuntimeError: ptxas failed at line 3"}}
+    # another process's tuner keeps that record when it writes its own key
+    other = FakeTimer({})
+    another = _autotune.Tuner("t.json", timer=other, skip_errors=(Exception,), usable=lambda: True)
+    another.best("j", CANDIDATES, other.run)
+    data = json.loads((cache_dir / "t.json").read_text())
+    assert sorted(data["entries"]) == ["j", "k"] and list(data["failed"]) == ["k"]
+
+
+def test_a_failure_that_breaks_the_cuda_context_is_raised_at_once(cache_dir):
+    """After an illegal memory access every launch in the process fails: the later candidates are not
+    tried (they would all be recorded as failing), and nothing is remembered."""
+    timer = FakeTimer({})
+    tuner = _autotune.Tuner("t.json", timer=timer, skip_errors=(Exception,), usable=lambda: False)
+    with pytest.warns(UserWarning, match="skipped"), pytest.raises(RuntimeError, match="illegal memory access"):
+        tuner.best("k", CANDIDATES, _failing_first(timer, RuntimeError("CUDA error: an illegal memory access")))
+    assert timer.timed == [] and not (cache_dir / "t.json").exists()
 
 
 def test_cache_round_trip_through_json(cache_dir):
@@ -183,6 +225,33 @@ def _cache_file():
     from pathlib import Path
 
     return Path(os.environ["REMAT_CACHE_DIR"]) / "attention-autotune.json"
+
+
+def test_attention_skips_any_candidate_that_fails(fake_gpu, monkeypatch):
+    """Attention's own tuner: a candidate whose compile or launch fails (any error, not only too much
+    shared memory) is skipped; Ctrl-C is not swallowed."""
+    timer = fake_gpu
+    tuner = _autotune.Tuner("attention-autotune.json", timer=timer, skip_errors=ATTENTION_SKIP_ERRORS,
+                            usable=lambda: True)
+    monkeypatch.setattr(kernels, "_TUNER", tuner)
+    options = kernels.candidates("fwd", 64, torch.float16, hopper=True, causal=True)
+
+    def run(config):
+        if config == options[0]:
+            raise triton.compiler.errors.CompilationError("src", None, "unsupported layout")
+        timer.run(config)
+
+    with pytest.warns(UserWarning, match="CompilationError"):
+        assert kernels._config_for("fwd", 64, torch.float16, True, 1000, 1000, torch.device("cuda"), True, run) \
+            in options[1:]
+    (failed,) = tuner.failures.values()
+    assert list(failed) == [options[0]] and failed[options[0]].startswith("CompilationError")
+
+    def interrupted(config):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        kernels._config_for("dq", 64, torch.float16, True, 1000, 1000, torch.device("cuda"), True, interrupted)
 
 
 def test_attention_key_separates_gpus_and_problem_classes(fake_gpu, monkeypatch):

@@ -113,24 +113,6 @@ def test_run_writes_partial_results_when_interrupted(tmp_path, monkeypatch, caps
     assert rows["cut"]["p50_ms"] == "-" and "never" not in rows
 
 
-def test_triton_cache_warmer_launches_every_kernel_kind(monkeypatch):
-    """bench/warm_triton_cache.py calls the attention launchers directly: each kind runs (here
-    in the interpreter, small) without an error, so a GPU run does not lose its warm-up."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).parents[2] / "bench" / "warm_triton_cache.py"
-    spec = importlib.util.spec_from_file_location("warm_triton_cache", path)
-    warmer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(warmer)
-    monkeypatch.setattr(warmer, "HEADS", 2)
-    monkeypatch.setattr(warmer, "SEQLEN", 32)
-    kinds = {kind for kind, *_ in warmer._work("float16", [64])}
-    assert kinds == {"fwd", "dkdv", "dq"}
-    items = [(kind, 32, causal, (16, 16, 4, 1)) for kind in sorted(kinds) for causal in (False, True)]
-    assert warmer._compile("float32", items, device="cpu") == (len(items), [])
-
-
 def test_memory_is_measured_after_the_first_timing_and_a_failure_there_keeps_the_times():
     class FailingMemoryTimer(Timer):
         def peak_memory_bytes(self, fn, reset=None):
