@@ -18,6 +18,7 @@ from .ops.fused import check_input_width, fused_mlp, norm_linears
 from .ops.gated import ACTIVATIONS as GATED_ACTIVATIONS
 from .ops.gelu import gelu
 from .ops.layer_norm import layer_norm
+from .ops.linear_cross_entropy import linear_cross_entropy, loss_options
 from .ops.rms_norm import rms_norm
 from .specs import GELU_APPROXIMATE, Activation, norm_of
 
@@ -512,3 +513,57 @@ class MultiheadSelfAttention(torch.nn.Module):
                 new.out_proj.bias.copy_(mha.out_proj.bias)
         new.mha_call_convention = True
         return new
+
+
+class LinearCrossEntropy(torch.nn.Module):
+    """An LM head followed by its loss, F.cross_entropy(linear(x), target), on remat.linear_cross_entropy:
+    the (tokens x vocabulary) logits are never formed, neither in the forward nor kept for the backward.
+
+    Holds weight (num_classes, in_features) and an optional bias (num_classes,), initialised and named
+    as torch.nn.Linear's (a Linear's state_dict loads into it); `from_linear(linear, **loss_options)`
+    shares a Linear's very Parameters instead (a head tied to the embedding stays tied). The loss
+    options (ignore_index, reduction, label_smoothing, z_loss, softcap) are fixed at construction;
+    forward(x, target, num_items_in_batch=None) returns the loss (see remat.linear_cross_entropy).
+    """
+
+    def __init__(self, in_features, num_classes, bias=False, *, ignore_index=-100, reduction="mean",
+                 label_smoothing=0.0, z_loss=0.0, softcap=None, device=None, dtype=None):
+        super().__init__()
+        linear = torch.nn.Linear(in_features, num_classes, bias=bias, device=device, dtype=dtype)
+        self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.num_classes = in_features, num_classes
+        self._set_loss_options(ignore_index, reduction, label_smoothing, z_loss, softcap)
+
+    def _set_loss_options(self, ignore_index, reduction, label_smoothing, z_loss, softcap):
+        # Checked now, not at the first forward: a wrong option fails where it was given.
+        (self.ignore_index, self.reduction, self.label_smoothing, self.z_loss,
+         self.softcap) = loss_options(ignore_index, reduction, label_smoothing, z_loss, softcap)
+
+    def forward(self, x, target, num_items_in_batch=None):
+        return linear_cross_entropy(x, self.weight, target, self.bias, ignore_index=self.ignore_index,
+                                    reduction=self.reduction, label_smoothing=self.label_smoothing, z_loss=self.z_loss,
+                                    softcap=self.softcap, num_items_in_batch=num_items_in_batch)
+
+    @classmethod
+    def from_linear(cls, linear, **loss_options):
+        """The head `linear` (a torch.nn.Linear) with a loss, sharing its weight and bias Parameters."""
+        if not isinstance(linear, torch.nn.Linear):
+            raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
+        new = cls.__new__(cls)
+        torch.nn.Module.__init__(new)
+        new.weight, new.bias = linear.weight, linear.bias
+        new.in_features, new.num_classes = linear.in_features, linear.out_features
+        options = dict(ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None)
+        unknown = set(loss_options) - set(options)
+        if unknown:
+            raise TypeError(f"from_linear got unknown loss options {sorted(unknown)}; it takes {sorted(options)}")
+        new._set_loss_options(**{**options, **loss_options})
+        return new
+
+    def extra_repr(self):
+        text = f"in_features={self.in_features}, num_classes={self.num_classes}, bias={self.bias is not None}"
+        text += f", ignore_index={self.ignore_index}, reduction={self.reduction!r}"
+        for name, default in (("label_smoothing", 0.0), ("z_loss", 0.0), ("softcap", None)):
+            if getattr(self, name) != default:
+                text += f", {name}={getattr(self, name)!r}"
+        return text

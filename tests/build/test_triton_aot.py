@@ -78,9 +78,24 @@ def _attention_ci_cases(kernels):
     return list(cases.values())
 
 
+# Linear + cross-entropy's full list (bf16 and fp32, four vocabularies, plain and with every option:
+# ~65 s on two cores for both archs from a cold cache) is more than CI needs; this subset takes ~20 s.
+# CI compiles bf16 (training's dtype; fp16 is the same code): plain at Llama 3's vocabulary
+# (16-divisible), with every option (bias, softcap, label smoothing: the most live values) at GPT-2's
+# ragged one, and the small-batch forward (the widest combine). fp32 (rare for LM heads) compiles with
+# REMAT_AOT_FULL=1.
+_LINEAR_CROSS_ENTROPY_SUBSET = {(torch.bfloat16, 128256, "plain"), (torch.bfloat16, 50257, "all")}
+
+
+def _linear_cross_entropy_ci_cases(kernels):
+    return [case for case in kernels.aot_cases()
+            if (case["dtype"], case["vocab"], case["options"]) in _LINEAR_CROSS_ENTROPY_SUBSET]
+
+
 # The kernel modules whose CI run compiles a subset; the others (GELU's small kernels) compile
 # every case. REMAT_AOT_FULL=1 compiles every case of every module.
-CI_SUBSETS = {"layer_norm": _layer_norm_ci_cases, "attention": _attention_ci_cases}
+CI_SUBSETS = {"layer_norm": _layer_norm_ci_cases, "attention": _attention_ci_cases,
+              "linear_cross_entropy": _linear_cross_entropy_ci_cases}
 
 
 def selected_cases(name):
