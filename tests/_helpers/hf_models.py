@@ -407,3 +407,42 @@ def attention_output_copy_bytes(q):
     transpose(1, 2).reshape copies it (fp32, hidden wide); remat.attention lays it out (B, S, H, D)."""
     out = F.scaled_dot_product_attention(q, q, q)
     return 0 if out.transpose(1, 2).is_contiguous() else F32 * HIDDEN
+
+
+# --- Families remat has no rule for, from tiny configs (tests/convert/hf/test_attention_interface.py) ---
+# The sizes above under their usual config names; the fields a family lacks are left out, and the ones
+# of mixture-of-experts and other families set small where the config has them.
+_TINY_FIELDS = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                    num_attention_heads=HEADS, num_key_value_heads=1, head_dim=HEAD_DIM, max_position_embeddings=64,
+                    **_SPECIAL)
+_TINY_EXTRA = dict(moe_intermediate_size=32, num_experts=4, num_local_experts=4, num_experts_per_tok=2,
+                   shared_expert_intermediate_size=64, embedding_size=HIDDEN, attention_dropout=0.0,
+                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, hidden_dropout=0.0, attn_pdrop=0.0,
+                   resid_pdrop=0.0, embd_pdrop=0.0)
+
+
+def tiny_model(config_name):
+    """(a tiny random model of the transformers config class `config_name` with a language-model head
+    where it has one (causal, else masked), its kind: "causal", "masked" or "base")."""
+    config = getattr(transformers, config_name)(**_TINY_FIELDS)
+    for name, value in _TINY_EXTRA.items():
+        if hasattr(config, name):
+            setattr(config, name, value)
+    for kind, auto in (("causal", transformers.AutoModelForCausalLM), ("masked", transformers.AutoModelForMaskedLM),
+                       ("base", transformers.AutoModel)):
+        try:
+            model = auto.from_config(config)
+        except ValueError:  # no such head for this config
+            continue
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
+        return model.train(), kind
+    raise ValueError(f"no model class for {config_name}")
+
+
+def tiny_loss(model, kind, ids):
+    """A training loss of the tiny model on token ids: its LM loss, or the mean square of the hidden states."""
+    if kind == "base":
+        return model(input_ids=ids).last_hidden_state.pow(2).mean()
+    return model(input_ids=ids, labels=ids).loss

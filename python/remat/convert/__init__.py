@@ -126,6 +126,8 @@ def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False):
         model = root
     else:
         _convert_children(inner, layers, recompute, inner_path, rows, hf_rules, set())
+    if hf_rules is not None and "attention" in layers:
+        hf.convert_attention(inner, inner_path, rows)
     rows.sort(key=lambda row: order.get(row.path, len(order)))  # rows in the model's module order
     rows.model = weakref.ref(model)
     _warn_broken_rules(rows)
@@ -175,5 +177,8 @@ def _revert_module(module):
 
 
 def revert(model):
-    """Undo remat.convert in place: stock modules again, holding the same parameters. Returns the model."""
+    """Undo remat.convert in place: stock modules again, holding the same parameters, and the attention
+    implementation the model had. Returns the model."""
+    for module in model.modules():
+        hf.revert_attention(module)
     return _revert_module(model)

@@ -33,12 +33,13 @@ from . import (  # noqa: F401,E501  (each registers its family)
     vit,
     whisper,
 )
+from .interface import convert_attention, revert_attention
 from .modules import Handoff, RematFusedLayerNorm
 from .registry import FAMILIES, memory_input, memory_models
 from .rules import PROBE_BROKEN, convert_children
 
-__all__ = ["FAMILIES", "PROBE_BROKEN", "Handoff", "RematFusedLayerNorm", "convert_children", "is_hf_model",
-           "memory_input", "memory_models"]
+__all__ = ["FAMILIES", "PROBE_BROKEN", "Handoff", "RematFusedLayerNorm", "convert_attention", "convert_children",
+           "is_hf_model", "memory_input", "memory_models", "revert_attention"]
 
 
 def is_hf_model(model):

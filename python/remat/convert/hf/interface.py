@@ -1,0 +1,260 @@
+"""remat's attention as a transformers attention implementation, named "remat".
+
+transformers hands every attention that calls its attention interface (AttentionInterface, which
+most model files use) q, k and v after the rotary embedding and the cache update, with the call's
+scaling, dropout, sliding window, softcap, causality and attention sinks. `register()` adds "remat"
+there and in AttentionMaskInterface, so that `from_pretrained(..., attn_implementation="remat")`,
+`model.set_attn_implementation("remat")` and remat.convert run those calls on remat.attention and
+remat.attention_varlen.
+
+The mask. "remat"'s mask function is the flash-attention one wherever remat's kernels compute the
+call: None when nothing is padded, else the 2-D (batch, keys) padding mask, never a (B, S, S) one.
+Where they cannot (a query length other than the key length: decoding with past keys, a static
+cache's padded buffer, cross-attention; a model's own overlay on the causal mask, such as image
+tokens attending both ways), it is the sdpa mask, and the attention function hands such a call to
+stock attention with that mask.
+
+The attention function, per call:
+- packed sequences (the cu_seq_lens_q/k and max_length_q/k a DataCollatorWithFlattening passes, or
+  position_ids that restart in a batch of one) and padding (unpad, remat.attention_varlen on the
+  tokens, pad, with O(batch x seq) indices) run on attention_varlen, every other call on
+  remat.attention; padding rows get zeros, as transformers' flash-attention path gives them;
+- causal or not (the call's is_causal, else the module's), GQA/MQA, scaling, training dropout
+  (remat's own Philox mask: the distribution of stock dropout, not its draws), a sliding window of
+  W keys as FlashAttention takes it (W - 1 before, and after when not causal), softcap;
+- stock attention (sdpa; the model's own eager function where sdpa cannot: softcap, attention
+  sinks, attention weights), for a call with a 4-D mask, attention sinks (s_aux) or attention
+  weights requested, with the reason recorded (remat.convert's report, fallback_counts()).
+"""
+
+import sys
+
+import torch
+
+from ..._guards import fallback
+from ...ops.attention import attention
+from ...ops.attention_varlen import attention_varlen
+
+NAME = "remat"
+
+
+def register():
+    """Make "remat" an attention implementation of transformers (once; later calls do nothing)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, attention_mask)
+
+
+def convert_attention(model, path, report):
+    """Make "remat" the attention implementation of the Hugging Face `model` (remat.convert), unless it is
+    of a family remat has rules for (they decide its attention: their attention classes compute on
+    sdpa's or eager's calls, and some rework the mask, as Falcon's ALiBi), the config names another
+    implementation than sdpa and eager, or the model does not take flash-attention-style masks (a
+    forward that reworks the (B, 1, S, S) mask itself, as Doge's); the report says which."""
+    from .modules import _RematModule
+    from .registry import family_of
+
+    previous = model.config._attn_implementation
+    if any(isinstance(m, _RematModule) or family_of(m) is not None for m in model.modules()):
+        return  # a family with rules (some of its modules swapped, or kept stock by a rule) decides its attention
+    if previous not in ("sdpa", "eager"):
+        report.add(path, model, "skipped", f"attention implementation {previous!r} kept (remat replaces sdpa "
+                                           "and eager)")
+        return
+    if not getattr(model, "_supports_flash_attn", False):  # its forward may read the mask as sdpa's (B, 1, S, S)
+        report.add(path, model, "skipped", f"attention implementation {previous!r} kept: the model does not take "
+                                           "flash-attention-style masks (_supports_flash_attn), which remat's are")
+        return
+    register()
+    try:
+        model.set_attn_implementation(NAME)
+    except (ValueError, ImportError, AttributeError) as error:  # the model does not call the interface
+        report.add(path, model, "skipped", f"attention implementation {previous!r} kept: {error}")
+        return
+    model.__dict__["remat_attention_implementation"] = previous
+    report.add(path, model, f"attention implementation {previous!r} -> {NAME!r}", "every attention calling "
+               "transformers' attention interface runs remat.attention")
+
+
+def revert_attention(model):
+    """Give `model` back the attention implementation it had before convert_attention."""
+    previous = model.__dict__.pop("remat_attention_implementation", None)
+    if previous is not None:
+        model.set_attn_implementation(previous)
+
+
+# ---------------------------------------------------------------------------------------------
+# The mask
+# ---------------------------------------------------------------------------------------------
+
+
+def attention_mask(**kwargs):
+    """The mask transformers builds once per forward for "remat" (see the module's docstring)."""
+    from transformers.masking_utils import flash_attention_mask, sdpa_mask
+
+    if kwargs.get("use_vmap") or kwargs["q_length"] != kwargs["kv_length"]:
+        return sdpa_mask(**kwargs)
+    return flash_attention_mask(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention function
+# ---------------------------------------------------------------------------------------------
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                      softcap=None, is_causal=None, s_aux=None, **kwargs):
+    """(output (batch, seq, heads, head_dim), None) of one attention call, as transformers' attention
+    functions return it; query (batch, heads, seq, head_dim), key and value (batch, kv_heads, ...)."""
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    window = _window(sliding_window, key.shape[2], causal)
+    packed = _packed_lengths(query, kwargs)
+    reason = _stock_reason(query, key, value, attention_mask, s_aux, kwargs)
+    if reason is not None:
+        fallback(module, reason, runs="stock attention")
+        return _stock_attention(module, query, key, value, attention_mask, (packed, causal, window), dropout=dropout,
+                                scaling=scaling, sliding_window=sliding_window, softcap=softcap, is_causal=is_causal,
+                                s_aux=s_aux, **kwargs)
+    features = {"softmax_scale": scaling, "softcap": float(softcap or 0.0), "dropout_p": float(dropout),
+                "window_size": window}
+    if packed is not None:
+        return _packed_attention(query, key, value, packed, causal, features), None
+    if attention_mask is not None:
+        return _padded_attention(query, key, value, attention_mask, causal, features), None
+    return attention(query, key, value, causal=causal, **features).transpose(1, 2), None
+
+
+def _stock_reason(query, key, value, mask, s_aux, kwargs):
+    """Why stock attention computes this call, or None."""
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
+        return "a mask remat's kernels do not take (past keys, a static cache, or the model's own pattern)"
+    if value.shape[-1] != query.shape[-1]:
+        return "v's head dim differs from q's (multi-head latent attention)"
+    if mask is None and 1 < query.shape[2] != key.shape[2]:
+        # sdpa aligns its causal mask top-left there (a static cache's prefill: the buffer's first
+        # keys are the call's own); remat's kernels align it bottom-right, as FlashAttention
+        return "more queries than one but fewer than the keys, without a mask (a static cache's prefill)"
+    if s_aux is not None:
+        return "attention sinks (s_aux)"
+    if kwargs.get("output_attentions"):
+        return "attention weights requested (output_attentions)"
+    return None
+
+
+def _stock_attention(module, query, key, value, mask, pattern, softcap=None, s_aux=None, **kwargs):
+    """The call on transformers' sdpa attention, or on the model file's own eager attention function
+    where sdpa cannot (softcap, sinks, weights requested). A flash-style mask (None or 2-D) and packed
+    sequences are turned into the 4-D mask those take, where they need one: sdpa reads no mask as
+    causal or not by itself, eager as all keys visible."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    use_eager = eager is not None and (softcap is not None or s_aux is not None or kwargs.get("output_attentions"))
+    packed, causal, window = pattern
+    if (mask is None and (use_eager or packed is not None)) or (mask is not None and mask.dim() == 2):
+        mask = _dense_mask(query, key, mask, packed, causal, window)
+    if not use_eager:
+        return sdpa_attention_forward(module, query, key, value, mask, softcap=softcap, **kwargs)
+    if mask.dtype == torch.bool:  # eager attention adds its mask to the scores
+        mask = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(~mask, torch.finfo(query.dtype).min)
+    extra = {name: value for name, value in (("softcap", softcap), ("s_aux", s_aux)) if value is not None}
+    return eager(module, query, key, value, mask, **extra, **kwargs)
+
+
+def _dense_mask(query, key, padding, packed, causal, window):
+    """(batch, 1, seq_q, seq_k) bool, True where a query sees a key, as stock attention reads a call
+    without a 4-D mask: one query sees every key; more are causal aligned top-left, as sdpa's is_causal
+    (a static cache's buffer holds the call's keys first; with as many keys as queries both alignments
+    agree), within the sliding window; within the query's packed sequence; on kept keys. Built for the
+    stock fallbacks only (they materialise the scores anyway)."""
+    if padding is not None and key.shape[2] > padding.shape[1]:  # a static cache's buffer: its tokens first
+        padding = torch.nn.functional.pad(padding, (0, key.shape[2] - padding.shape[1]))
+    seq_q, seq_k = query.shape[2], key.shape[2]
+    distance = torch.arange(seq_k, device=query.device)[None, :] - torch.arange(seq_q, device=query.device)[:, None]
+    visible = torch.ones(seq_q, seq_k, dtype=torch.bool, device=query.device)
+    if causal and seq_q > 1:
+        visible &= distance <= 0
+    if window[0] >= 0:
+        visible &= distance >= -window[0]
+    if window[1] >= 0 and not causal:
+        visible &= distance <= window[1]
+    visible = visible.expand(query.shape[0], 1, seq_q, seq_k)
+    if packed is not None:  # a batch of one: the same sequence only
+        bounds = packed[0][1:].long()
+        sequence = torch.bucketize(torch.arange(seq_q, device=query.device), bounds, right=True)
+        visible = visible & (sequence[:, None] == sequence[None, :])
+    if padding is not None:
+        visible = visible & padding[:, -seq_k:].bool()[:, None, None, :]
+    return visible
+
+
+def _window(sliding_window, key_length, causal):
+    """remat's window_size for transformers' sliding_window of W keys (a query sees itself and W - 1
+    before; W - 1 after too when not causal), as FlashAttention takes it; none when every key fits."""
+    if sliding_window is None or key_length <= sliding_window:
+        return (-1, -1)
+    return (sliding_window - 1, 0 if causal else sliding_window - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed sequences and padding: remat.attention_varlen on the tokens
+# ---------------------------------------------------------------------------------------------
+
+
+def _packed_lengths(query, kwargs):
+    """(cu_seqlens_q, cu_seqlens_k, max_q, max_k) of packed sequences in a batch of one, or None:
+    from the collator's cu_seq_lens_q/k and max_length_q/k, else from position_ids that restart
+    (read on the device: not while torch.compile traces, as transformers' flash path)."""
+    names = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    if all(kwargs.get(name) is not None for name in names):
+        cu_q, cu_k, max_q, max_k = (kwargs[name] for name in names)
+        return cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k)
+    positions = kwargs.get("position_ids")
+    if positions is None or query.shape[0] != 1 or query.shape[2] == 1 or torch.compiler.is_compiling():
+        return None
+    positions = positions.reshape(-1)
+    if positions.numel() != query.shape[2]:
+        return None
+    starts = (positions == positions.min()).nonzero().flatten()
+    if starts.numel() <= 1:
+        return None
+    cu = torch.cat([starts, starts.new_tensor([positions.numel()])]).to(torch.int32)
+    longest = int(cu.diff().max())
+    return cu, cu, longest, longest
+
+
+def _packed_attention(query, key, value, packed, causal, features):
+    """remat.attention_varlen on a batch of one holding packed sequences: (1, seq, heads, head_dim)."""
+    cu_q, cu_k, max_q, max_k = packed
+    o = attention_varlen(*(t[0].transpose(0, 1) for t in (query, key, value)), cu_q, cu_k, max_q, max_k,
+                         causal=causal, **features)
+    return o.unsqueeze(0)
+
+
+def _padded_attention(query, key, value, mask, causal, features):
+    """remat.attention_varlen on the tokens the 2-D mask (batch, keys) keeps; padding rows zero."""
+    if key.shape[2] > mask.shape[1]:  # a static cache's buffer, longer than the tokens it holds
+        key, value = key[:, :, :mask.shape[1]], value[:, :, :mask.shape[1]]
+    batch, _, seq_q, _ = query.shape
+    seq_k = key.shape[2]
+    mask = mask[:, -seq_k:].bool()
+    keys, cu_k, max_k = _kept_tokens(mask)
+    queries, cu_q, max_q = (keys, cu_k, max_k) if seq_q == seq_k else _kept_tokens(mask[:, -seq_q:])
+    o = attention_varlen(_gather(query, queries), _gather(key, keys), _gather(value, keys), cu_q, cu_k, max_q, max_k,
+                         causal=causal, **features)
+    out = o.new_zeros(batch * seq_q, *o.shape[1:]).index_copy(0, queries, o)
+    return out.view(batch, seq_q, *o.shape[1:])
+
+
+def _kept_tokens(mask):
+    """(flat indices of the kept tokens, int32 cu_seqlens, the longest sequence) of a (batch, seq) mask."""
+    lengths = mask.sum(dim=1, dtype=torch.int32)
+    cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    return mask.flatten().nonzero().flatten(), cu, int(lengths.max()) if lengths.numel() else 0
+
+
+def _gather(t, indices):
+    """(batch, heads, seq, head_dim) -> the rows `indices` of its (batch * seq, heads, head_dim) tokens."""
+    return t.transpose(1, 2).flatten(0, 1).index_select(0, indices)

@@ -1,0 +1,238 @@
+"""remat's attention as transformers' attention implementation "remat" (remat.convert.hf.interface):
+the same loss and gradients as stock on plain, padded and packed batches, the kernels running, the
+calls it cannot compute on stock attention with the reason, and no (seq x seq) tensor built."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import remat
+from remat._guards import fallback_counts
+from remat.convert.hf import interface
+
+from hf_models import (
+    SEQ,
+    VOCAB,
+    OpCounter,
+    assert_same_step,
+    build,
+    family_inputs,
+    grad_error,
+    packed_batch,
+    padded_batch,
+    remat_attention_calls,
+    tiny_loss,
+    tiny_model,
+    transformers,
+    varlen_attention_calls,
+)
+from numerics import rel_error
+
+interface.register()
+
+# Decoders (causal, GQA, sliding window, softcap, fused qkv), an encoder and an encoder-decoder.
+FAMILIES = {"llama": True, "qwen3": True, "mistral": True, "gemma2": True, "gpt_neox": True, "gpt2": True,
+            "bert": False, "bart": True}
+
+
+def with_remat(stock):
+    converted = copy.deepcopy(stock)
+    converted.set_attn_implementation("remat")
+    return converted
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_same_step_as_stock(name):
+    """Every attention of the model runs remat.attention; loss and gradients are stock's (Mistral with
+    a sliding window shorter than the sequence, Gemma2 with its softcap)."""
+    overrides = {"sliding_window": 4} if name == "mistral" else {}
+    stock, _ = build(name, **overrides)
+    converted = with_remat(stock)
+    batch = family_inputs(name, "cpu")
+    _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, batch))
+    layers = stock.config.num_hidden_layers
+    assert calls == (3 * layers if name == "bart" else layers)  # BART: encoder, decoder and cross attention
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("name", ["llama", "bert", "gpt_neox"])
+def test_padding_runs_on_the_tokens(name, side):
+    """A padded batch: transformers hands "remat" a 2-D padding mask, and the attention runs
+    remat.attention_varlen on the kept tokens; loss and gradients over the real tokens are stock's."""
+    stock, _ = build(name)
+    converted = with_remat(stock)
+    batch = padded_batch(family_inputs(name, "cpu"), side, causal=FAMILIES[name])
+    _, varlen, dense = varlen_attention_calls(lambda: assert_same_step(stock, converted, batch))
+    assert (varlen, dense) == (stock.config.num_hidden_layers, 0)
+
+
+@pytest.mark.parametrize("how", ["position_ids", "flash_kwargs"])
+def test_packed_sequences_run_on_the_tokens(how):
+    """Sequences packed in a batch of one, as DataCollatorWithFlattening gives them: restarting
+    position_ids, or with its cu_seq_lens_q/k and max_length_q/k too: each sequence attends to
+    itself only (stock builds the block-diagonal mask from the position ids)."""
+    stock, _ = build("llama")
+    converted = with_remat(stock)
+    batch = packed_batch(family_inputs("llama", "cpu"))
+    extra = {}
+    if how == "flash_kwargs":
+        cu = torch.tensor([0, 3, SEQ], dtype=torch.int32)
+        extra = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": SEQ - 3, "max_length_k": SEQ - 3}
+    want = stock(**batch).logits
+    got, varlen, dense = varlen_attention_calls(lambda: converted(**batch, **extra).logits)
+    assert (varlen, dense) == (stock.config.num_hidden_layers, 0)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_dropout_in_training_is_remat_s_and_reproducible():
+    """Training with attention dropout: remat's own mask, drawn from torch's generator (the same seed,
+    the same step), and a different step from no dropout; none in eval."""
+    stock, _ = build("llama", attention_dropout=0.3)
+    converted = with_remat(stock)
+    batch = family_inputs("llama", "cpu")
+    torch.manual_seed(0)
+    first = converted(**batch).loss
+    torch.manual_seed(0)
+    assert torch.equal(converted(**batch).loss, first)
+    converted.eval()
+    stock.eval()
+    assert not torch.equal(converted(**batch).loss, first)
+    torch.testing.assert_close(converted(**batch).loss, stock(**batch).loss, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_weights_requested_run_the_model_s_eager_attention():
+    """output_attentions=True runs the model's own eager attention on the call's pattern (the flash-style
+    mask rebuilt as stock takes it), weights as stock eager's, and says why."""
+    stock, _ = build("llama")
+    stock.eval()
+    converted = with_remat(stock)
+    batch = padded_batch(family_inputs("llama", "cpu"), "left", causal=True)
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    eager = copy.deepcopy(stock)
+    eager.set_attn_implementation("eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = converted(**inputs, output_attentions=True).attentions
+        want = eager(**inputs, output_attentions=True).attentions
+    assert len(got) == len(want) == stock.config.num_hidden_layers
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g[0], w[0])  # the unpadded row; stock's padded rows see whatever
+        torch.testing.assert_close(g[1, :, 3:], w[1, :, 3:])  # the real tokens of the left-padded one
+    reasons = {reason for counts in fallback_counts(converted).values() for reason in counts}
+    assert any("attention weights requested" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generation(cache):
+    """Greedy generation gives stock's tokens. With a dynamic cache every call runs remat.attention (a
+    decoding step's one query sees every key: remat's bottom-right causal alignment); a static cache's
+    padded buffer comes with the 4-D mask transformers builds for it, and its calls run stock sdpa."""
+    stock, _ = build("llama")
+    stock.eval()
+    converted = with_remat(stock)
+    ids = family_inputs("llama", "cpu")["input_ids"]
+    settings = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0, "cache_implementation": cache}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tokens, calls = remat_attention_calls(lambda: converted.generate(ids, **settings))
+        torch.testing.assert_close(tokens, stock.generate(ids, **settings))
+    layers = stock.config.num_hidden_layers
+    assert calls == (3 * layers if cache == "dynamic" else 0)
+    reasons = {reason for counts in fallback_counts(converted).values() for reason in counts}
+    assert any("a static cache" in r for r in reasons) == (cache == "static"), reasons
+
+
+def test_from_pretrained_takes_remat(tmp_path):
+    stock, _ = build("llama")
+    stock.save_pretrained(tmp_path)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="remat")
+    assert loaded.config._attn_implementation == "remat"
+    batch = family_inputs("llama", "cpu")
+    _, calls = remat_attention_calls(lambda: assert_same_step(stock, loaded, batch))
+    assert calls == stock.config.num_hidden_layers
+
+
+class _Shapes(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes += [tuple(t.shape) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+
+@pytest.mark.parametrize("batch_kind", ["padded", "packed"])
+def test_no_seq_by_seq_tensor_is_built(batch_kind):
+    """A training step on a padded or packed batch builds no (seq x seq) tensor, transformers' own mask
+    building included: every op's output is recorded (the sequence, 37, is no other size of the model)."""
+    seq = 37
+    stock, _ = build("llama")
+    converted = with_remat(stock)
+    ids = torch.randint(3, 100, (2, seq))
+    batch = {"input_ids": ids, "labels": ids}
+    if batch_kind == "padded":
+        batch = padded_batch(batch, "right", causal=True)
+    else:
+        batch = {"input_ids": ids[:1], "labels": ids[:1], "use_cache": False,
+                 "position_ids": torch.cat([torch.arange(10), torch.arange(seq - 10)]).unsqueeze(0)}
+    recorder = _Shapes()
+    with recorder:
+        converted(**batch).loss.backward()
+    assert recorder.shapes, "nothing recorded"
+    assert not [s for s in recorder.shapes if list(s).count(seq) >= 2], "a seq x seq tensor was built"
+    stock_recorder = _Shapes()
+    with stock_recorder:  # the check can fail: stock sdpa builds its (batch, 1, seq, seq) mask
+        stock(**batch).loss.backward()
+    assert [s for s in stock_recorder.shapes if list(s).count(seq) >= 2]
+
+
+# Families remat has no rule for: remat.convert runs their attention on remat's kernels through the
+# interface alone, or its report says why not (None: every layer's attention on remat).
+FURTHER_FAMILIES = {
+    "Olmo2Config": None, "OlmoConfig": None, "OlmoeConfig": None, "GraniteConfig": None, "GraniteMoeConfig": None,
+    "SmolLM3Config": None, "Glm4Config": None, "GlmConfig": None, "Qwen3MoeConfig": None, "Qwen2MoeConfig": None,
+    "MinistralConfig": None, "CohereConfig": None, "Cohere2Config": None, "StableLmConfig": None,
+    "Starcoder2Config": None, "Exaone4Config": None, "HeliumConfig": None, "ArceeConfig": None,
+    "Ernie4_5Config": None, "PersimmonConfig": None, "NemotronConfig": None, "GPTBigCodeConfig": None,
+    "ModernBertConfig": None, "XLMRobertaConfig": None, "ElectraConfig": None, "CamembertConfig": None,
+    "Data2VecTextConfig": None, "ErnieConfig": None, "AlbertConfig": None,
+    "GptOssConfig": "attention sinks (s_aux)",
+    "DogeConfig": "does not take flash-attention-style masks",
+    "DebertaV2Config": "does not take flash-attention-style masks",
+}
+
+
+@pytest.mark.parametrize("config_name", FURTHER_FAMILIES)
+def test_a_family_without_rules_runs_remat_attention_or_says_why(config_name):
+    """remat.convert of a tiny model of the family: the same loss and gradients as stock, and each layer's
+    attention on remat.attention, or the report (a skipped row) or the fallbacks say exactly why not."""
+    if not hasattr(transformers, config_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {config_name}")
+    torch.manual_seed(0)
+    stock, kind = tiny_model(config_name)
+    ids = torch.randint(3, VOCAB, (2, SEQ))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        converted, report = remat.convert(stock, report=True)
+    loss = tiny_loss(stock, kind, ids)
+    loss.backward()
+    with OpCounter() as counter:
+        loss_converted = tiny_loss(converted, kind, ids)
+    loss_converted.backward()
+    assert rel_error(loss_converted, loss) < 1e-5
+    grads = {n: p.grad for n, p in stock.named_parameters() if p.grad is not None}
+    converted_grads = dict(converted.named_parameters())
+    total = sum(g.double().norm() ** 2 for g in grads.values()) ** 0.5
+    assert max(grad_error(converted_grads[n].grad, g, total) for n, g in grads.items()) < 1e-4
+    calls = counter.counts["remat::attention_fwd"]
+    expected = FURTHER_FAMILIES[config_name]
+    if expected is None:
+        assert calls == stock.config.num_hidden_layers, str(report)
+        return
+    assert calls == 0
+    said = [row.reason for row in report.skipped] + [r for counts in report.fallbacks().values() for r in counts]
+    assert any(expected in reason for reason in said), said
