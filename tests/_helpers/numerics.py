@@ -3,6 +3,7 @@ the bf16 rounding and bf16 matrix products of the Triton interpreter."""
 
 import copy
 import functools
+import re
 
 import torch
 
@@ -180,3 +181,14 @@ def float64_step(module, x, dy):
     y = module64(x64)
     y.backward(dy.double())
     return y, x64.grad, {name: p.grad for name, p in module64.named_parameters()}
+
+
+def assert_raises_naming(call, error, argument, pattern):
+    """call() raises `error` whose message names `argument` (as a word of its own) and matches `pattern`."""
+    import pytest
+
+    with pytest.raises(error) as caught:
+        call()
+    message = str(caught.value)
+    assert re.search(rf"(?<![\w.]){re.escape(argument)}(?!\w)", message), f"{argument!r} is not named in: {message}"
+    assert re.search(pattern, message), f"{message!r} does not match {pattern!r}"

@@ -223,6 +223,16 @@ def test_a_sliding_window_shorter_than_the_sequence_runs_on_remat_attention(name
     assert before - step_saved_bytes(converted, batch) == saving
 
 
+def assert_every_attention_on_remat(stock, converted, batch):
+    """The step of `converted` on `batch` is stock's, every layer's attention runs remat.attention, and
+    remat warns of no fallback."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, batch))
+    assert calls == LAYERS
+    assert not [w for w in caught if "remat" in str(w.message)], [str(w.message) for w in caught]
+
+
 @pytest.mark.parametrize("name, config", [
     ("mistral", {"sliding_window": 4096}),  # Mistral-7B's own
     ("mistral", {"sliding_window": 4}),
@@ -237,11 +247,7 @@ def test_training_with_a_sliding_window_cache_stays_on_remat(name, config):
     stock, _ = build(name, use_cache=True, **config)
     batch = family_inputs(name, "cpu")
     converted = conv.convert(stock)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, batch))
-    assert calls == LAYERS
-    assert not [w for w in caught if "remat" in str(w.message)], [str(w.message) for w in caught]
+    assert_every_attention_on_remat(stock, converted, batch)
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral"])
@@ -352,11 +358,7 @@ def test_gemma3_sliding_cache_stays_on_remat():
     stock, ffn = build("gemma3", layer_types=["sliding_attention"] * (LAYERS - 1) + ["full_attention"])
     batch = family_inputs("gemma3", "cpu")
     converted = conv.convert(stock)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, batch))
-    assert calls == LAYERS
-    assert not [w for w in caught if "remat" in str(w.message)], [str(w.message) for w in caught]
+    assert_every_attention_on_remat(stock, converted, batch)
     saving, _ = expected_saving("gemma3", ffn, "cpu", remat_attention=True)
     assert step_saved_bytes(stock, batch) - step_saved_bytes(converted, batch) == saving
 
