@@ -16,6 +16,9 @@ from numerics import rel_error, saved_bytes
 transformers = pytest.importorskip("transformers", minversion="5.25")
 
 GRAD_TOL = 1e-4
+# The rules whose savings the family tests assert layer by layer: all but the fused LM head and loss,
+# whose own saving tests/convert/hf/test_lm_loss.py asserts.
+LAYER_RULES = frozenset({"layernorm", "gelu", "attention", "mlp"})
 BATCH, SEQ, VOCAB, LAYERS = 2, 8, 100, 2
 HIDDEN, HEADS, FFN = 64, 2, 128  # head dim 32: one of remat's attention kernel head dims
 HEAD_DIM = HIDDEN // HEADS
@@ -446,3 +449,11 @@ def tiny_loss(model, kind, ids):
     if kind == "base":
         return model(input_ids=ids).last_hidden_state.pow(2).mean()
     return model(input_ids=ids, labels=ids).loss
+
+
+def convert_layers(model, **kwargs):
+    """remat.convert with the layer rules only (LAYER_RULES), unless `layers` is given."""
+    import remat
+
+    kwargs.setdefault("layers", LAYER_RULES)
+    return remat.convert(model, **kwargs)

@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from hf_models import LAYERS, OpCounter, build, cache_view_bytes, inputs, tokens, transformers
+from hf_models import LAYERS, OpCounter, build, cache_view_bytes, convert_layers, inputs, tokens, transformers
 from numerics import rel_error, saved_bytes
 
 peft = pytest.importorskip("peft")
@@ -50,9 +50,9 @@ def peft_pair(family, order, **config):
     stock, _ = build(family)
     reference = randomize_lora(peft.get_peft_model(copy.deepcopy(stock), lora_config(family, **config)))
     if order == "after":
-        ours = peft.get_peft_model(conv.convert(copy.deepcopy(stock)), lora_config(family, **config))
+        ours = peft.get_peft_model(convert_layers(copy.deepcopy(stock)), lora_config(family, **config))
     else:
-        ours = conv.convert(peft.get_peft_model(copy.deepcopy(stock), lora_config(family, **config)))
+        ours = convert_layers(peft.get_peft_model(copy.deepcopy(stock), lora_config(family, **config)))
     ours.load_state_dict(reference.state_dict())
     return reference, ours
 
@@ -107,7 +107,7 @@ def test_lora_saved_bytes_match_the_report(family):
     computed in one op: its default gelu_new, written in Python, keeps more in stock than the
     report counts."""
     stock, _ = build(family, **({"activation_function": "gelu_pytorch_tanh"} if family == "gpt2" else {}))
-    converted, report = conv.convert(copy.deepcopy(stock), report=True)
+    converted, report = convert_layers(copy.deepcopy(stock), report=True)
     full_fine_tuning = report.saved_bytes_per_token()
     reference = peft.get_peft_model(stock, lora_config(family))
     ours = peft.get_peft_model(converted, lora_config(family))
@@ -125,7 +125,7 @@ def test_lora_training_steps_follow_stock():
     the same adapter weights as stock + LoRA, and lora_B moves away from zero."""
     stock, _ = build("vit")
     reference = peft.get_peft_model(copy.deepcopy(stock), lora_config("vit"))
-    ours = peft.get_peft_model(conv.convert(copy.deepcopy(stock)), lora_config("vit"))
+    ours = peft.get_peft_model(convert_layers(copy.deepcopy(stock)), lora_config("vit"))
     ours.load_state_dict(reference.state_dict())
     optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
                   for m in (reference, ours)]
@@ -183,7 +183,7 @@ def test_lora_peft_computes_itself_runs_its_own_forward(variant):
     module and reason, counted by the report."""
     stock, _ = build("gpt2")
     reference = randomize_lora(peft.get_peft_model(copy.deepcopy(stock), lora_config("gpt2", **variant)))
-    converted, report = conv.convert(copy.deepcopy(stock), report=True)
+    converted, report = convert_layers(copy.deepcopy(stock), report=True)
     ours = peft.get_peft_model(converted, lora_config("gpt2", **variant))
     ours.load_state_dict(reference.state_dict())
     batch = inputs("gpt2", "cpu")
@@ -205,7 +205,7 @@ def test_lora_peft_computes_itself_runs_its_own_forward(variant):
 def test_trainer_keeps_remat_attention(tmp_path):
     """The Trainer passes num_items_in_batch (and more) down to every attention: remat's path still
     runs, every step."""
-    model = conv.convert(build("gpt_neox")[0])
+    model = convert_layers(build("gpt_neox")[0])
     data = [inputs("gpt_neox", "cpu") for _ in range(2)]
     data = [{k: v[0] for k, v in example.items()} for example in data]
     args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=1,

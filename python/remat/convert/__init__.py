@@ -27,7 +27,7 @@ from .sequential import RematSequential, revert_sequential, sequential_runs
 from .swap import is_converted, join
 from .torch_modules import RematMultiheadAttention, leaf_swap
 
-LAYERS = frozenset({"layernorm", "gelu", "attention", "mlp"})
+LAYERS = frozenset({"layernorm", "gelu", "attention", "mlp", "loss"})
 
 __all__ = ["ConversionReport", "RematMultiheadAttention", "RematSequential", "RematWarning", "ReportRow", "convert",
            "fused_module", "revert"]
@@ -128,6 +128,8 @@ def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False):
         _convert_children(inner, layers, recompute, inner_path, rows, hf_rules, set())
     if hf_rules is not None and "attention" in layers:
         hf.convert_attention(inner, inner_path, rows)
+    if hf_rules is not None and "loss" in layers:
+        hf.convert_loss(inner, inner_path, rows)
     rows.sort(key=lambda row: order.get(row.path, len(order)))  # rows in the model's module order
     rows.model = weakref.ref(model)
     _warn_broken_rules(rows)
@@ -181,4 +183,5 @@ def revert(model):
     implementation the model had. Returns the model."""
     for module in model.modules():
         hf.revert_attention(module)
+        hf.revert_loss(module)
     return _revert_module(model)

@@ -29,6 +29,7 @@ from hf_models import (
     assert_same_step,
     build,
     cache_view_bytes,
+    convert_layers,
     inputs,
     loss_and_grads,
     packed_batch,
@@ -50,7 +51,7 @@ def test_same_loss_gradients_and_state_dict(target, family):
     device, _ = target
     stock, _ = build(family)
     stock.to(device)
-    converted, report = conv.convert(stock, report=True)
+    converted, report = convert_layers(stock, report=True)
     actions = collections.Counter(row.action for row in report)
     assert actions[f"swapped to {FUSED[family]}"] == LAYERS, str(report)
     assert actions[f"swapped to {ATTENTION[family]}"] == LAYERS, str(report)
@@ -103,13 +104,13 @@ def test_saved_bytes_per_layer(target, family):
     attention_copy = attention_output_copy(family, device) * HIDDEN + cache_view_bytes(family)
     fused_per_token = 4 * ffn + layer_norms * 4 * HIDDEN
     before = measure(stock)
-    converted, report = conv.convert(stock, report=True)
+    converted, report = convert_layers(stock, report=True)
     after = measure(converted)
     assert before - after == LAYERS * tokens(family) * (fused_per_token + attention_copy)
     assert report.saved_bytes_per_token() == LAYERS * fused_per_token
     # recompute=False keeps the LayerNorm and GELU outputs again: only the attention term remains.
     with pytest.warns(conv.RematWarning, match="saves no activation memory"):
-        kept_model, kept_report = conv.convert(stock, recompute=False, report=True)
+        kept_model, kept_report = convert_layers(stock, recompute=False, report=True)
     assert before - measure(kept_model) == LAYERS * tokens(family) * attention_copy
     assert kept_report.saved_bytes_per_token() == 0
 
@@ -119,7 +120,7 @@ def test_gradient_checkpointing(target, family):
     device, _ = target
     stock, _ = build(family)
     stock.to(device)
-    converted = conv.convert(stock)
+    converted = convert_layers(stock)
     with warnings.catch_warnings():  # 5.x deprecates the name for activation_checkpointing_enable
         warnings.simplefilter("ignore", FutureWarning)
         converted.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -132,7 +133,7 @@ def test_gradient_checkpointing(target, family):
 def test_revert(family):
     stock, _ = build(family)
     reference = copy.deepcopy(stock)
-    converted = conv.convert(stock)
+    converted = convert_layers(stock)
     reverted = conv.revert(converted)
     stock_types = [type(m) for m in reference.modules()]
     assert [type(m) for m in reverted.modules()] == stock_types
@@ -149,7 +150,7 @@ def test_padded_batches_run_remat_attention_varlen(family, implementation, side)
     """A padding mask (bool for sdpa, float for eager) runs remat.attention_varlen on the real tokens:
     the same step as stock (the loss over real tokens), nothing of size seq x seq saved."""
     stock, _ = build(family, attn_implementation=implementation)
-    converted = conv.convert(stock)
+    converted = convert_layers(stock)
     batch = padded_batch(inputs(family, "cpu"), side, causal=family in DECODERS)
     _, varlen, dense = varlen_attention_calls(lambda: assert_same_step(stock, converted, batch))
     assert (varlen, dense) == (LAYERS, 0)
@@ -165,7 +166,7 @@ def test_a_causal_padded_batch_gives_the_real_tokens_stock_logits(family):
     tests/convert/hf/test_masks.py, as in Hugging Face's FlashAttention path)."""
     stock, _ = build(family)
     stock.eval()
-    converted = conv.convert(stock)
+    converted = convert_layers(stock)
     for side in ("right", "left"):
         batch = {k: v for k, v in padded_batch(inputs(family, "cpu"), side, causal=True).items() if k != "labels"}
         (got, want), varlen, _ = varlen_attention_calls(
@@ -181,7 +182,7 @@ def test_packed_sequences_run_remat_attention_varlen_as_stock_honours_them(famil
     runs attention_varlen on the sequences; with a cache (use_cache=True) stock ignores the packing,
     attends across the sequences, and so does remat (remat.attention, causal)."""
     stock, _ = build(family)
-    converted = conv.convert(stock)
+    converted = convert_layers(stock)
     packed = packed_batch(inputs(family, "cpu"))
     _, varlen, dense = varlen_attention_calls(lambda: assert_same_step(stock, converted, packed))
     assert (varlen, dense) == (LAYERS, 0)
@@ -194,7 +195,7 @@ def test_packed_sequences_run_remat_attention_varlen_as_stock_honours_them(famil
 def test_output_attentions_gives_the_stock_weights(family):
     stock, _ = build(family, attn_implementation="eager")
     stock.eval()
-    converted = conv.convert(stock)
+    converted = convert_layers(stock)
     batch = {k: v for k, v in inputs(family, "cpu").items() if k != "labels"}
     want = stock(**batch, output_attentions=True)
     got, calls = remat_attention_calls(lambda: converted(**batch, output_attentions=True))
@@ -213,7 +214,7 @@ def test_generation_uses_the_cache_like_stock(family):
     keys in the cache) run the stock attention. Greedy generation gives the same tokens."""
     stock, _ = build(family)
     stock.eval()
-    converted = conv.convert(stock)
+    converted = convert_layers(stock)
     ids = inputs(family, "cpu")["input_ids"]
     with torch.no_grad():
         prefill_stock = stock(ids, use_cache=True)
@@ -233,7 +234,7 @@ def test_dropout_stays_equivalent_in_training():
     """GPT-2 with resid_pdrop > 0 in training: the dropouts after c_proj are torch's nn.Dropout,
     drawn in the same order, so the same seed gives the same loss and gradients."""
     stock, _ = build("gpt2", n_layer=1, resid_pdrop=0.3, attn_pdrop=0.0)
-    converted = conv.convert(stock)
+    converted = convert_layers(stock)
     batch = inputs("gpt2", "cpu")
     torch.manual_seed(5)
     loss, grads = loss_and_grads(stock, batch)
@@ -255,7 +256,7 @@ def test_default_attention_dropout_runs_remat_attention_reproducibly(family, dro
     draws its own mask (Philox, regenerated in the backward), so the same seed gives bitwise the same
     loss and gradients, another seed another loss."""
     stock, _ = build(family, **dropout)
-    converted = conv.convert(stock)
+    converted = convert_layers(stock)
     batch = inputs(family, "cpu")
     if padded:
         batch = padded_batch(batch, "right", causal=family != "bert")
@@ -274,7 +275,7 @@ def test_default_attention_dropout_runs_remat_attention_reproducibly(family, dro
 
 def test_unsupported_head_dim_is_left_alone():
     model, _ = build("bert", hidden_size=48, num_attention_heads=3)  # head dim 16
-    _, report = conv.convert(model, report=True)
+    _, report = convert_layers(model, report=True)
     rows = [row for row in report if row.type == "BertSelfAttention"]
     assert len(rows) == LAYERS and all(row.action == "skipped" and "head dim 16" in row.reason for row in rows)
 
@@ -284,7 +285,7 @@ def test_probe_refuses_a_forward_that_differs():
     model, _ = build("gpt_neox")
     mlp = model.gpt_neox.layers[0].mlp
     mlp.forward = lambda x: mlp.dense_4h_to_h(mlp.act(mlp.dense_h_to_4h(x)) * 2)  # what a new version might do
-    _, report = conv.convert(model, report=True)
+    _, report = convert_layers(model, report=True)
     row = next(row for row in report if row.path == "gpt_neox.layers.0.mlp")
     assert row.action == "skipped" and "its forward is replaced on the instance" in row.reason
     assert hf.is_hf_model(model) and not hf.is_hf_model(torch.nn.Linear(2, 2))
@@ -307,7 +308,7 @@ def test_probe_refuses_an_attention_forward_that_differs(monkeypatch):
     with pytest.warns(conv.RematWarning, match=r"remat.convert: 2 modules that a rule of remat's is written for "
                                                r"failed its probe and stay stock: gpt_neox.layers.0.attention: "
                                                r"probe mismatch"):
-        converted, report = conv.convert(model, report=True)
+        converted, report = convert_layers(model, report=True)
     rows = collections.defaultdict(list)
     for row in report:
         rows[row.path].append(row)

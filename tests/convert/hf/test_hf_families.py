@@ -33,6 +33,7 @@ from hf_models import (
     assert_save_pretrained_round_trip,
     attention_output_copy_bytes,
     build,
+    convert_layers,
     family_inputs,
     loss_and_grads,
     padded_batch,
@@ -106,7 +107,7 @@ def test_same_loss_gradients_and_checkpoint(target, name):
     case = CASES[name]
     stock, _ = build_case(name)
     stock.to(device)
-    converted, report = conv.convert(stock, report=True)
+    converted, report = convert_layers(stock, report=True)
     counts = swapped_counts(report)
     for cls, count in case.swaps.items():
         assert counts[cls] == count, f"{cls}: {counts[cls]} != {count}\n{report}"
@@ -221,14 +222,14 @@ def test_saved_bytes_per_layer(target, name):
     batch = family_inputs(CASES[name].family, device)
     expected = expected_saving(name, ffn, device)
     before = step_saved_bytes(stock, batch)
-    converted, report = conv.convert(stock, report=True)
+    converted, report = convert_layers(stock, report=True)
     assert before - step_saved_bytes(converted, batch) == expected.fused + expected.attention
     assert report.saved_bytes_per_token() == expected.report_fused + expected.report_attention
     # recompute=False keeps the LayerNorm and GELU outputs again (a LayerNorm feeding two modules
     # stays stock: each would keep its own output); what remat.attention keeps less remains.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", conv.RematWarning)
-        kept_model, kept_report = conv.convert(stock, recompute=False, report=True)
+        kept_model, kept_report = convert_layers(stock, recompute=False, report=True)
     assert before - step_saved_bytes(kept_model, batch) == expected.attention
     assert kept_report.saved_bytes_per_token() == expected.report_attention
 
@@ -241,7 +242,7 @@ def test_gelu_new_keeps_three_more_intermediates():
     stock, ffn = build_case("phi")
     batch = family_inputs("phi", "cpu")
     expected = expected_saving("phi", ffn, "cpu")
-    converted, report = conv.convert(stock, report=True)
+    converted, report = convert_layers(stock, report=True)
     extra = LAYERS * BATCH * SEQ * 3 * F32 * ffn
     saving = step_saved_bytes(stock, batch) - step_saved_bytes(converted, batch)
     assert saving == expected.fused + expected.attention + extra
@@ -255,7 +256,7 @@ def test_quick_gelu_keeps_its_sigmoid_more():
     stock, ffn = build_case("clip")
     batch = family_inputs("clip", "cpu")
     expected = expected_saving("clip", ffn, "cpu")
-    converted, report = conv.convert(stock, report=True)
+    converted, report = convert_layers(stock, report=True)
     extra = LAYERS * (BATCH * SEQ + BATCH * 5) * F32 * ffn
     saving = step_saved_bytes(stock, batch) - step_saved_bytes(converted, batch)
     assert saving == expected.fused + expected.attention + extra
@@ -332,7 +333,7 @@ def test_a_hook_on_one_consumer_of_a_shared_layer_norm():
     breaks their handoff: the LayerNorm computes itself, and both modules take its output (the
     attention still on remat.attention), with the stock result."""
     stock, _ = build_case("phi")
-    converted = conv.convert(stock)
+    converted = convert_layers(stock)
     converted.model.layers[0].mlp.register_forward_pre_hook(lambda module, args: None)
     with pytest.warns(RematFallbackWarning, match="input_layernorm is not fused any more"):
         _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, family_inputs("phi", "cpu")))
@@ -345,7 +346,7 @@ def test_activation_dropout_in_training_runs_the_layer_mlp_stock(name):
     training with p > 0 their fc1, activation and fc2 compute themselves, drawing the same random
     numbers as stock; in eval the fused MLP runs again."""
     stock, _ = build_case(name, activation_dropout=0.3)
-    converted, report = conv.convert(stock, report=True)
+    converted, report = convert_layers(stock, report=True)
     batch = family_inputs(CASES[name].family, "cpu")
     torch.manual_seed(5)
     loss, grads = loss_and_grads(stock, batch)
@@ -367,7 +368,7 @@ def test_activation_dropout_in_training_runs_the_layer_mlp_stock(name):
 
 def test_falcon_alibi_keeps_the_stock_attention():
     stock, _ = build_case("falcon", alibi=True)
-    converted, report = conv.convert(stock, report=True)
+    converted, report = convert_layers(stock, report=True)
     rows = [row for row in report if row.type == "FalconAttention"]
     assert len(rows) == LAYERS and all(row.action == "skipped" and "ALiBi" in row.reason for row in rows)
     # its LayerNorm feeds the attention too: it stays stock, while the MLP fuses on its own
@@ -389,7 +390,7 @@ def test_padded_batches_run_remat_attention_varlen(name):
     batch = {**batch, "attention_mask": mask}
     if name in ("opt", "gptj"):  # causal LMs: the padding's labels out of the loss
         batch["labels"] = batch["labels"].masked_fill(mask == 0, -100)
-    converted = conv.convert(stock)
+    converted = convert_layers(stock)
     _, varlen, _ = varlen_attention_calls(lambda: assert_same_step(stock, converted, batch))
     assert varlen == LAYERS
 
@@ -399,7 +400,7 @@ def test_bloom_padded_batch_runs_remat_attention_varlen_with_its_alibi(side):
     """Padding restarts BLOOM's ALiBi positions at each sequence's first real token: the bias remat
     checks, and remat.attention_varlen's ALiBi per sequence; the same step as stock."""
     stock, _ = build_case("bloom")
-    converted = conv.convert(stock)
+    converted = convert_layers(stock)
     batch = padded_batch(family_inputs("bloom", "cpu"), side, causal=True)
     _, varlen, dense = varlen_attention_calls(lambda: assert_same_step(stock, converted, batch))
     assert (varlen, dense) == (LAYERS, 0)
@@ -407,7 +408,7 @@ def test_bloom_padded_batch_runs_remat_attention_varlen_with_its_alibi(side):
 
 def test_bloom_with_a_bias_that_is_not_its_alibi_runs_the_stock_attention():
     stock, _ = build_case("bloom")
-    converted = conv.convert(stock)
+    converted = convert_layers(stock)
     attention = converted.transformer.h[0].self_attention
     hidden = torch.randn(BATCH, SEQ, stock.config.hidden_size)
     alibi = sys.modules[type(stock).__module__].build_alibi_tensor(torch.ones(BATCH, SEQ), stock.config.n_head,
@@ -430,7 +431,7 @@ def test_configs_whose_layer_norms_feed_more_stay_stock(name, overrides, norm, r
     """BLOOM with apply_residual_connection_post_layernorm (the LayerNorm's output is the residual
     too) and OPT-350m's post-LN layers: the LayerNorms stay stock, with the reason; the rest converts."""
     stock, _ = build_case(name, **overrides)
-    converted, report = conv.convert(stock, report=True)
+    converted, report = convert_layers(stock, report=True)
     rows = [row for row in report.skipped if row.path.endswith(norm)]
     assert len(rows) == LAYERS and all(reason in row.reason for row in rows), str(report)
     assert "RematFusedLayerNorm" not in swapped_counts(report)
@@ -443,7 +444,7 @@ def test_generation_uses_the_cache_like_stock(name):
     attention; greedy generation gives the same tokens."""
     stock, _ = build_case(name)
     stock.eval()
-    converted = conv.convert(stock)
+    converted = convert_layers(stock)
     ids = family_inputs(name, "cpu")["input_ids"]
     with torch.no_grad():
         want = stock(ids, use_cache=True).logits
@@ -460,7 +461,7 @@ def test_an_encoder_decoder_prefill_fills_its_self_attention_cache_through_remat
     one is filled through remat.attention, as stock fills it."""
     stock, _ = build_case(name)
     stock.eval()
-    converted = conv.convert(stock)
+    converted = convert_layers(stock)
     batch = {k: v for k, v in family_inputs(name, "cpu").items() if k != "labels"}
     batch["decoder_input_ids"] = batch.get("input_ids", torch.full((BATCH, 1), 1))[:, :SEQ]
     with torch.no_grad():
@@ -477,7 +478,7 @@ def test_pickle_and_deepcopy_keep_the_handoffs(tmp_path):
     import copy
     for name in ("phi", "bart"):
         stock, _ = build_case(name)
-        converted = conv.convert(stock)
+        converted = convert_layers(stock)
         batch = family_inputs(name, "cpu")
         torch.save(converted, tmp_path / f"{name}.pt")
         for again in (torch.load(tmp_path / f"{name}.pt", weights_only=False), copy.deepcopy(converted)):
@@ -514,7 +515,7 @@ def test_revert(name):
     activation and fc2, and the Linears fused inside stock modules included."""
     stock, _ = build_case(name)
     stock_types = [type(m) for m in stock.modules()]
-    converted = conv.convert(stock)
+    converted = convert_layers(stock)
     reverted = conv.revert(converted)
     assert [type(m) for m in reverted.modules()] == stock_types
     assert not any(n.startswith("remat_") for m in reverted.modules() for n in vars(m))
@@ -528,7 +529,7 @@ def test_a_model_in_training_with_attention_dropout_still_converts():
     attention dropout (DistilBERT's 0.1) in a model in training mode, the attention is swapped, and
     its calls run remat.attention, in training with its dropout_p."""
     stock, _ = build_case("distilbert", attention_dropout=0.1)
-    converted, report = conv.convert(stock.train(), report=True)
+    converted, report = convert_layers(stock.train(), report=True)
     assert swapped_counts(report)["RematDistilBertSelfAttention"] == LAYERS, str(report)
     batch = family_inputs("distilbert", "cpu")
     _, calls = remat_attention_calls(lambda: converted(**batch))

@@ -34,6 +34,7 @@ from hf_models import (
     assert_save_pretrained_round_trip,
     attention_output_copy_bytes,
     build,
+    convert_layers,
     family_inputs,
     loss_and_grads,
     packed_batch,
@@ -85,7 +86,7 @@ def test_same_loss_gradients_and_checkpoint(target, name):
     device, _ = target
     stock, _ = build_case(name)
     stock.to(device)
-    converted, report = conv.convert(stock, report=True)
+    converted, report = convert_layers(stock, report=True)
     counts = swapped_counts(report)
     for cls, count in expected_swaps(name).items():
         assert counts[cls] == count, f"{cls}: {counts[cls]} != {count}\n{report}"
@@ -154,7 +155,7 @@ def test_saved_bytes_per_layer(target, name):
     batch = family_inputs(name, device)
     saving, report_saving = expected_saving(name, ffn, device)
     before = step_saved_bytes(stock, batch)
-    converted, report = conv.convert(stock, report=True)
+    converted, report = convert_layers(stock, report=True)
     assert before - step_saved_bytes(converted, batch) == saving
     assert report.saved_bytes_per_token() == report_saving
 
@@ -173,7 +174,7 @@ def test_a_norm_whose_forward_rounds_otherwise_stays_stock(monkeypatch):
     if LlamaRMSNorm rounded as torch.nn.RMSNorm does, no norm fuses, and the report says why."""
     monkeypatch.setitem(registry.FAMILIES["llama"].norms, "LlamaRMSNorm", "torch")
     stock, _ = build_case("llama")
-    converted, report = conv.convert(stock, report=True)
+    converted, report = convert_layers(stock, report=True)
     reasons = [row.reason for row in report.skipped if "input_layernorm" in row.path]
     assert len(reasons) == LAYERS and all("does not round as remat's 'torch' RMSNorm" in r for r in reasons), \
         str(report)
@@ -183,7 +184,7 @@ def test_a_norm_whose_forward_rounds_otherwise_stays_stock(monkeypatch):
 
 def test_an_activation_the_gated_kernels_lack_stays_stock():
     stock, _ = build_case("llama", hidden_act="relu")
-    _, report = conv.convert(stock, report=True)
+    _, report = convert_layers(stock, report=True)
     reasons = [row.reason for row in report.skipped if row.path.endswith("post_attention_layernorm")]
     assert len(reasons) == LAYERS and all("not an activation remat's gated MLP computes" in r for r in reasons)
 
@@ -191,7 +192,7 @@ def test_an_activation_the_gated_kernels_lack_stays_stock():
 def assert_stock_attention_function_on_fused_projections(name, stock, batch, reason):
     """Each attention call runs the stock attention function (no remat.attention) for `reason`, on the
     fused norm and projections: the same step as stock, and the norms' and MLPs' bytes still saved."""
-    converted, report = conv.convert(stock, report=True)
+    converted, report = convert_layers(stock, report=True)
     assert swapped_counts(report)[f"Remat{CASES[name].prefix}Attention"] == LAYERS
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -217,7 +218,7 @@ def test_a_sliding_window_shorter_than_the_sequence_runs_on_remat_attention(name
         sliding = LAYERS - 1 if layers else LAYERS
         saving += sliding * TOKENS * sdpa_mask_bytes("cpu", KV_HEADS)
     before = step_saved_bytes(stock, batch)
-    converted = conv.convert(stock)
+    converted = convert_layers(stock)
     _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, batch))
     assert calls == LAYERS
     assert before - step_saved_bytes(converted, batch) == saving
@@ -246,7 +247,7 @@ def test_training_with_a_sliding_window_cache_stays_on_remat(name, config):
     remat.attention, with no fallback, and the step is stock's."""
     stock, _ = build(name, use_cache=True, **config)
     batch = family_inputs(name, "cpu")
-    converted = conv.convert(stock)
+    converted = convert_layers(stock)
     assert_every_attention_on_remat(stock, converted, batch)
 
 
@@ -257,7 +258,7 @@ def test_compile_fullgraph_with_the_default_cache(name):
     every layer, and loss and gradients as stock's."""
     stock, _ = build(name, use_cache=True, **({"sliding_window": 4096} if name == "mistral" else {}))
     batch = family_inputs(name, "cpu")
-    converted = conv.convert(stock)
+    converted = convert_layers(stock)
     graphs = []
 
     def record(graph_module, example_inputs):  # dynamo's graph, run as traced (no Inductor: fast)
@@ -279,7 +280,7 @@ def test_rotary_models_train_under_autocast(name):
     in fp32 beside a bf16 v, which stock attention casts; so does remat.attention, which runs."""
     stock, _ = build(name)
     batch = family_inputs(name, "cpu")
-    converted = conv.convert(stock)
+    converted = convert_layers(stock)
     _, calls = remat_attention_calls(lambda: assert_autocast_step_as_accurate_as_stock(stock, converted, batch))
     assert calls == LAYERS  # the converted model's step
 
@@ -288,7 +289,7 @@ def test_rotary_models_train_under_autocast(name):
 def test_a_converted_model_in_float64_computes_as_stock(name):
     """convert(model).double(): every fused op and remat.attention in float64, as stock computes it."""
     stock, _ = build(name)
-    converted = conv.convert(stock).double()
+    converted = convert_layers(stock).double()
     stock.double()
     batch = family_inputs(name, "cpu")
     _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, batch))
@@ -300,7 +301,7 @@ def test_softcap_with_sdpa_raises_as_stock():
     """Stock sdpa attention refuses a softcap (Gemma2 is built eager; a config switched to sdpa after):
     the converted model hands the same call to it, and raises as stock does."""
     stock, _ = build_case("gemma2")
-    converted = conv.convert(stock)
+    converted = convert_layers(stock)
     stock.config._attn_implementation = converted.config._attn_implementation = "sdpa"
     batch = family_inputs("gemma2", "cpu")
     for model in (stock, converted):
@@ -328,7 +329,7 @@ def test_a_padded_batch_runs_remat_attention_varlen(name, config, side):
     its softcap): remat.attention_varlen on the real tokens, the same step, nothing seq x seq saved."""
     stock, _ = build_case(name, **config)
     batch = padded_batch(family_inputs(name, "cpu"), side, causal=True)
-    converted = conv.convert(stock)
+    converted = convert_layers(stock)
     _, varlen, dense = varlen_attention_calls(lambda: assert_same_step(stock, converted, batch))
     assert (varlen, dense) == (LAYERS, 0)
     assert_nothing_seq_by_seq_saved(converted, batch)
@@ -336,7 +337,7 @@ def test_a_padded_batch_runs_remat_attention_varlen(name, config, side):
 
 def test_packed_sequences_run_remat_attention_varlen():
     stock, _ = build_case("qwen2")
-    converted = conv.convert(stock)
+    converted = convert_layers(stock)
     _, varlen, dense = varlen_attention_calls(
         lambda: assert_same_step(stock, converted, packed_batch(family_inputs("qwen2", "cpu"))))
     assert (varlen, dense) == (LAYERS, 0)
@@ -344,7 +345,7 @@ def test_packed_sequences_run_remat_attention_varlen():
 
 def test_gemma2_without_softcapping_runs_remat_attention_without_it():
     stock, _ = build_case("gemma2", attn_logit_softcapping=None)
-    converted, report = conv.convert(stock, report=True)
+    converted, report = convert_layers(stock, report=True)
     assert swapped_counts(report)["RematGemma2Attention"] == LAYERS
     _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, family_inputs("gemma2", "cpu")))
     assert calls == LAYERS
@@ -357,7 +358,7 @@ def test_gemma3_sliding_cache_stays_on_remat():
     whole saving, attention included."""
     stock, ffn = build("gemma3", layer_types=["sliding_attention"] * (LAYERS - 1) + ["full_attention"])
     batch = family_inputs("gemma3", "cpu")
-    converted = conv.convert(stock)
+    converted = convert_layers(stock)
     assert_every_attention_on_remat(stock, converted, batch)
     saving, _ = expected_saving("gemma3", ffn, "cpu", remat_attention=True)
     assert step_saved_bytes(stock, batch) - step_saved_bytes(converted, batch) == saving
@@ -371,7 +372,7 @@ def test_generation_steps_run_the_stock_attention_function_on_the_cache(cache):
     tokens as stock."""
     stock, _ = build_case("llama")
     stock.eval()
-    converted = conv.convert(stock)
+    converted = convert_layers(stock)
     ids = family_inputs("llama", "cpu")["input_ids"]
     settings = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0, "use_cache": True,
                 "cache_implementation": cache}
@@ -392,7 +393,7 @@ def test_lora_on_every_projection_of_llama():
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)
     stock_peft = peft.get_peft_model(stock, config)
-    converted_peft = conv.convert(__import__("copy").deepcopy(stock_peft))
+    converted_peft = convert_layers(__import__("copy").deepcopy(stock_peft))
     batch = family_inputs("llama", "cpu")
     _, calls = remat_attention_calls(lambda: assert_same_step(stock_peft, converted_peft, batch))
     assert calls == LAYERS

@@ -27,6 +27,7 @@ from hf_models import (
     assert_same_step,
     assert_save_pretrained_round_trip,
     build,
+    convert_layers,
     family_inputs,
     remat_attention_calls,
     step_saved_bytes,
@@ -129,7 +130,7 @@ def converted_case(device, name, **overrides):
     stock.to(device)
     batch = family_inputs(name, device)
     before = step_saved_bytes(stock, batch)
-    converted, report = conv.convert(stock, report=True)
+    converted, report = convert_layers(stock, report=True)
     return stock, converted, report, batch, before
 
 
@@ -154,7 +155,7 @@ def test_t5_same_loss_gradients_checkpoint_and_saved_bytes(target, ffn, layers):
 
 def test_t5_encoder_model():
     stock, _ = build("t5_encoder")
-    converted, report = conv.convert(stock, report=True)
+    converted, report = convert_layers(stock, report=True)
     assert_t5_report(report, "gated-gelu", decoder=False)
     batch = {"input_ids": family_inputs("t5", "cpu")["input_ids"]}
     stock_loss, converted_loss = _EncoderLoss(stock), _EncoderLoss(converted)
@@ -169,7 +170,7 @@ def test_t5_dropout_before_wo_runs_the_gated_ffn_stock_in_training():
     the FFN runs stock (the norm before it applied first), the same step with the same dropout masks;
     in eval the fused FFN runs. (One block a stack: the rules are those of the tests above.)"""
     stock, _ = build("t5", dropout_rate=0.1, num_layers=1)
-    converted = conv.convert(stock)
+    converted = convert_layers(stock)
     batch = family_inputs("t5", "cpu")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -190,7 +191,7 @@ def test_t5_wo_kept_in_fp32_leaves_the_ffn_stock():
     stock.to(torch.bfloat16)
     for block in (*stock.encoder.block, *stock.decoder.block):
         block.layer[-1].DenseReluDense.wo.float()
-    converted, report = conv.convert(stock, report=True)
+    converted, report = convert_layers(stock, report=True)
     kept = "wo is kept in torch.float32, wi_0 and wi_1 are torch.bfloat16"
     rows = collections.Counter(row.path.rsplit(".", 1)[-1] for row in report.skipped if kept in row.reason)
     assert rows == {"layer_norm": 2 * LAYERS, "DenseReluDense": 2 * LAYERS}, str(report)  # each FFN and its norm
@@ -208,7 +209,7 @@ def test_t5_self_attention_norm_stays_stock_without_recompute():
     stock keeps once; the FFN and cross-attention norms (one consumer each) still fuse."""
     stock, _ = build("t5")
     with pytest.warns(conv.RematWarning, match="saves no activation memory"):  # recompute=False keeps as stock
-        _, report = conv.convert(stock, recompute=False, report=True)
+        _, report = convert_layers(stock, recompute=False, report=True)
     reasons = [row.reason for row in report.skipped if row.path.endswith("layer.0.layer_norm")]
     assert len(reasons) == 2 * LAYERS and all("recompute=False: layer_norm feeds 3 modules" in r for r in reasons)
     assert swapped_counts(report)["RematFusedT5LayerNorm"] == 3 * LAYERS
@@ -222,7 +223,7 @@ def test_t5_copies_share_the_rules(prefix):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         stock = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).train()
-    converted, report = conv.convert(stock, report=True)
+    converted, report = convert_layers(stock, report=True)
     counts = swapped_counts(report)
     expected = {k.replace("T5", prefix, 1) if k != "RematNormedLinear" else k: v
                 for k, v in t5_swaps("gated-gelu", layers=1).items()}

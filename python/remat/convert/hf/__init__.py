@@ -34,12 +34,13 @@ from . import (  # noqa: F401,E501  (each registers its family)
     whisper,
 )
 from .interface import convert_attention, revert_attention
+from .loss import convert_loss, revert_loss
 from .modules import Handoff, RematFusedLayerNorm
 from .registry import FAMILIES, memory_input, memory_models
 from .rules import PROBE_BROKEN, convert_children
 
 __all__ = ["FAMILIES", "PROBE_BROKEN", "Handoff", "RematFusedLayerNorm", "convert_attention", "convert_children",
-           "is_hf_model", "memory_input", "memory_models", "revert_attention"]
+           "convert_loss", "is_hf_model", "memory_input", "memory_models", "revert_attention", "revert_loss"]
 
 
 def is_hf_model(model):

@@ -1,0 +1,218 @@
+"""A causal LM's head and loss on remat.linear_cross_entropy: in training, with labels, the model
+computes its loss without the (tokens x vocabulary) logits.
+
+A `*ForCausalLM` forward runs its base model, projects the last hidden states with `lm_head` into
+logits and hands them to transformers' ForCausalLMLoss, which shifts the labels, upcasts the logits
+to fp32 and keeps their log-softmax for the backward: 4 bytes per logit, beside the logits the output
+holds. remat.convert gives such a model a class (named as its stock class, so that save_pretrained
+writes the same architecture) whose forward, for a training call with labels, runs the base model
+and `remat.linear_cross_entropy(hidden, lm_head.weight, shifted labels)` (with the config's
+final_logit_softcapping, the Trainer's num_items_in_batch, a caller's shift_labels) and returns the
+stock output with `logits=None`. Every other call (evaluation, generation, no labels, logits_to_keep,
+positional arguments beyond the first) runs the stock forward, logits and all.
+
+Whether the model computes that loss is proved once, at conversion, by a probe: a small batch through
+the stock forward and through the fused path must give the same loss. A model whose head or loss does
+more (a logit scale, a mixture-of-experts auxiliary loss, another loss_type) fails it and stays stock,
+with the reason in the report.
+"""
+
+import inspect
+import sys
+
+import torch
+from torch import nn
+
+from ..._guards import hook_reason, tensor_reason
+from ..._numerics import rel_error
+from ...ops.linear_cross_entropy import linear_cross_entropy
+from ..swap import strip
+
+_CLASSES = {}
+
+
+def convert_loss(model, path, report):
+    """Give the Hugging Face causal LM `model` the fused head and loss where its probe proves them the
+    stock ones (in place: the model's class changes, nothing else); report what was done or why not."""
+    if not _is_causal_lm(model):
+        return
+    reason = _head_reason(model)
+    if reason is None:
+        stock_class = type(model)
+        model.__class__ = _fused_class(stock_class)
+        model.__dict__["remat_head"] = model.get_output_embeddings()
+        reason = _probe(model, stock_class)
+        if reason is not None:
+            _unfuse(model)
+    if reason is not None:
+        report.add(path, model, "skipped", f"LM head and loss kept stock: {reason}")
+        return
+    vocab = model.get_output_embeddings().out_features
+    report.add(path, model, "LM head + loss fused (remat.linear_cross_entropy)",
+               "in training with labels: no logits, their fp32 log-softmax not kept (4 B a logit), the fp32 "
+               "log-sum-exp kept (4 B a token); evaluation and generation compute logits as stock",
+               lambda: 4 * vocab - 4)
+
+
+def revert_loss(model):
+    """The stock class back, in place."""
+    if "remat_head" in model.__dict__:
+        _unfuse(model)
+
+
+def _is_causal_lm(model):
+    parameters = inspect.signature(type(model).forward).parameters
+    return ("labels" in parameters and "logits_to_keep" in parameters and model.base_model is not model
+            and isinstance(model.get_output_embeddings(), nn.Linear))
+
+
+def _head_reason(model):
+    head = model.get_output_embeddings()
+    if type(head) is not nn.Linear:
+        return f"the head is a {type(head).__name__}, not an nn.Linear"
+    reason = hook_reason(head) or tensor_reason("lm_head.weight", head.weight) or tensor_reason("lm_head.bias", head.bias)
+    if reason:
+        return reason
+    if type(model).forward is not inspect.getattr_static(type(model), "forward", None):
+        return "its forward is not its class's"
+    if "forward" in vars(model):
+        return "its forward is replaced on the instance"
+    return None
+
+
+def _fused_class(stock_class):
+    """The class of a converted causal LM of `stock_class`: its name (save_pretrained writes the class
+    name as the architecture, which loads back as the stock class), this module's (it pickles)."""
+    cls = _CLASSES.get(stock_class)
+    if cls is None:
+        name = stock_class.__name__
+        cls = type(name, (_FusedLossLM, stock_class), {"__module__": __name__, "__qualname__": f"fused.{name}",
+                                                        "remat_stock": stock_class,
+                                                        "remat_input": _first_input(stock_class),
+                                                        "forward": _with_stock_signature(stock_class)})
+        _CLASSES[stock_class] = cls
+        fused.__dict__[name] = cls
+    return cls
+
+
+class _Namespace:
+    """The converted classes, by their stock names, for pickle (module attribute `fused`)."""
+
+
+fused = _Namespace()
+
+
+def _with_stock_signature(stock_class):
+    """_FusedLossLM.forward under the stock forward's signature and documentation: the Trainer keeps the
+    dataset's columns that the forward's signature names, and users read its help."""
+    def forward(self, *args, **kwargs):
+        return _FusedLossLM.forward(self, *args, **kwargs)
+
+    forward.__signature__ = inspect.signature(stock_class.forward)
+    forward.__doc__ = stock_class.forward.__doc__
+    return forward
+
+
+def _first_input(stock_class):
+    """The name of the forward's first argument after self (input_ids): the one positional argument
+    the fused path takes."""
+    return list(inspect.signature(stock_class.forward).parameters)[1]
+
+
+def _unfuse(model):
+    stock = model.remat_stock
+    for name in [n for n in vars(model) if n.startswith("remat_")]:
+        del model.__dict__[name]
+    model.__class__ = stock
+
+
+class _FusedLossLM:
+    """The forward of a converted causal LM (see the module's docstring)."""
+
+    remat_fused = True
+
+    def forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
+        if not self._remat_takes(args, labels, logits_to_keep, kwargs):
+            return self.remat_stock.forward(self, *args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+        if args:
+            kwargs[self.remat_input] = args[0]
+        return self._remat_fused_forward(labels, kwargs)
+
+    def _remat_takes(self, args, labels, logits_to_keep, kwargs):
+        """Whether this call runs the fused head and loss: training, labels, every position's logits (the
+        default logits_to_keep), at most input_ids positional, the head the converted one, without hooks,
+        no router logits asked for (their auxiliary loss)."""
+        head = self.get_output_embeddings()
+        return (self.training and labels is not None and isinstance(logits_to_keep, int) and logits_to_keep == 0
+                and len(args) <= 1 and head is self.__dict__["remat_head"] and hook_reason(head) is None
+                and not _asks_router_logits(self.config, kwargs))
+
+    def _remat_fused_forward(self, labels, kwargs):
+        loss, outputs = self._remat_fused_loss(labels, kwargs)
+        return _output_class(self)(loss=loss, logits=None, **_passed_on(outputs))
+
+    def _remat_fused_loss(self, labels, kwargs):
+        """(the loss, the base model's outputs) of a call's keyword arguments."""
+        shift_labels = kwargs.pop("shift_labels", None)
+        outputs = self.base_model(**kwargs)
+        hidden = outputs[0]
+        if shift_labels is None:  # tokens < n predict n, as transformers' ForCausalLMLoss shifts them
+            shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        head = self.get_output_embeddings()
+        softcap = getattr(self.config, "final_logit_softcapping", None)
+        loss = linear_cross_entropy(hidden.flatten(0, -2), head.weight, shift_labels.flatten().to(hidden.device),
+                                    head.bias, softcap=softcap, num_items_in_batch=kwargs.get("num_items_in_batch"))
+        return loss, outputs
+
+    def remat_revert(self):
+        return strip(self, self.remat_stock)
+
+
+def _asks_router_logits(config, kwargs):
+    """A mixture-of-experts model asked for its router's logits adds their auxiliary loss to the loss."""
+    return bool(kwargs.get("output_router_logits", getattr(config, "output_router_logits", False)))
+
+
+def _passed_on(outputs):
+    """The base model's outputs a causal LM's output carries on (all but its last hidden state)."""
+    return {k: v for k, v in outputs.items() if k != "last_hidden_state"}
+
+
+def _output_class(model):
+    """The stock forward's output class: CausalLMOutputWithPast, from the model file or transformers."""
+    module = sys.modules[model.remat_stock.__module__]
+    found = getattr(module, "CausalLMOutputWithPast", None)
+    if found is None:
+        from transformers.modeling_outputs import CausalLMOutputWithPast as found
+    return found
+
+
+def _probe(model, stock_class):
+    """None when the fused path gives the stock loss on a small batch, else why not."""
+    head = model.get_output_embeddings()
+    if head.weight.is_meta:
+        return None  # nothing to run on (remat memory's meta models): not probed, as the other rules
+    generator = torch.Generator().manual_seed(0)
+    vocab = head.out_features
+    ids = torch.randint(0, vocab, (2, 5), generator=generator).to(head.weight.device)
+    training = [(m, m.training) for m in model.modules()]
+    try:
+        with torch.no_grad():
+            for m, _ in training:
+                m.train(False)  # no dropout in either
+            want = stock_class.forward(model, input_ids=ids, labels=ids)
+            loss, outputs = model._remat_fused_loss(ids, {"input_ids": ids})
+    except Exception as error:  # noqa: BLE001 - a forward the fused path does not know how to call
+        return f"probe failed ({type(error).__name__}: {error})"
+    finally:
+        for m, flag in training:
+            m.training = flag
+    extra = sorted(set(want) - {"loss", "logits"} - set(_passed_on(outputs)))
+    if extra or _asks_router_logits(model.config, {}):
+        return f"its output holds {', '.join(extra or ['router_logits'])} besides the loss and the base model's outputs"
+    error = rel_error(loss, want.loss)
+    tolerance = 1e-4 if head.weight.dtype in (torch.float32, torch.float64) else 3e-2
+    if not error <= tolerance:
+        return (f"probe mismatch (relative error {error:.2g}): its head or loss computes more than "
+                "cross-entropy of lm_head's logits (a logit scale, an auxiliary loss, another loss_type)")
+    return None

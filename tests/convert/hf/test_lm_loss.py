@@ -1,0 +1,177 @@
+"""remat.convert on causal LMs: in training with labels the head and loss run on remat.linear_cross_entropy
+(remat.convert.hf.loss): the stock loss and gradients without the logits, their fp32 log-softmax not
+kept; every other call computes logits as stock; heads and losses that do more stay stock with the reason."""
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+
+import remat
+
+from hf_models import (
+    LAYERS,
+    SEQ,
+    VOCAB,
+    OpCounter,
+    assert_same_step,
+    build,
+    family_inputs,
+    loss_and_grads,
+    step_saved_bytes,
+    tiny_model,
+    transformers,
+)
+
+FUSED = "LM head + loss fused (remat.linear_cross_entropy)"
+
+
+def head_row(report):
+    (row,) = [row for row in report if "LM head" in row.action or "LM head" in row.reason]
+    return row
+
+
+def convert(stock, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return remat.convert(stock, report=True, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt2", "qwen3"])
+def test_the_stock_step_without_logits(name):
+    """Llama; Gemma2 with its final_logit_softcapping; GPT-2 and Qwen3 with the head tied to the
+    embedding (its gradient is the sum of both uses): the stock loss and every gradient, one
+    linear_cross_entropy call, and no logits in the output."""
+    stock, _ = build(name)
+    converted, report = convert(stock)
+    assert head_row(report).action == FUSED
+    batch = family_inputs(name, "cpu")
+    with OpCounter() as counter:
+        assert_same_step(stock, converted, batch)
+    assert counter.counts["remat::linear_cross_entropy_fwd"] == 1
+    assert converted(**batch).logits is None
+
+
+def test_saved_bytes_are_the_log_softmax_less_the_lse():
+    """Exactly: stock's loss keeps the fp32 log-softmax of the logits (4 bytes a logit), the fused one an
+    fp32 log-sum-exp a token; both keep the hidden states (the head's input) and the labels."""
+    stock, _ = build("llama")
+    converted, report = convert(stock, layers={"loss"})
+    batch = family_inputs("llama", "cpu")
+    tokens = batch["input_ids"].numel()
+    saved = step_saved_bytes(stock, batch) - step_saved_bytes(converted, batch)
+    assert saved == tokens * (4 * VOCAB - 4) == tokens * report.saved_bytes_per_token()
+
+
+def test_evaluation_generation_and_calls_without_labels_compute_logits_as_stock():
+    stock, _ = build("llama")
+    converted, _ = convert(stock)
+    batch = family_inputs("llama", "cpu")
+    ids = batch["input_ids"]
+    torch.testing.assert_close(converted(ids).logits, stock(ids).logits)  # training, no labels
+    converted.eval()
+    stock.eval()
+    got, want = converted(**batch), stock(**batch)  # evaluation with labels: metrics read the logits
+    torch.testing.assert_close(got.logits, want.logits)
+    torch.testing.assert_close(got.loss, want.loss)
+    settings = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(converted.generate(ids, **settings), stock.generate(ids, **settings))
+
+
+def test_num_items_in_batch_and_shift_labels_as_the_trainer_passes_them():
+    """The Trainer's num_items_in_batch (the loss summed, then divided by it) and a caller's own
+    shift_labels (context parallelism), with ignored labels: the stock loss."""
+    stock, _ = build("llama")
+    converted, _ = convert(stock)
+    batch = family_inputs("llama", "cpu")
+    labels = batch["labels"].clone()
+    labels[0, :3] = -100
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+    for extra in ({"num_items_in_batch": torch.tensor(11)}, {"shift_labels": shifted}):
+        want = stock(input_ids=batch["input_ids"], labels=labels, **extra).loss
+        got = converted(input_ids=batch["input_ids"], labels=labels, **extra).loss
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("config_name, overrides, reason", [
+    ("CohereConfig", {}, "probe mismatch"),  # its logits are scaled by logit_scale
+    ("Qwen3MoeConfig", {"output_router_logits": True}, "aux_loss"),  # the router's auxiliary loss is added
+])
+def test_a_head_or_loss_that_does_more_stays_stock_with_the_reason(config_name, overrides, reason):
+    stock, kind = tiny_model(config_name)
+    for field, value in overrides.items():
+        setattr(stock.config, field, value)
+    converted, report = convert(stock)
+    row = head_row(report)
+    assert row.action == "skipped" and reason in row.reason, row.reason
+    assert type(converted) is type(stock)
+    ids = torch.randint(3, VOCAB, (2, SEQ))
+    torch.testing.assert_close(converted(input_ids=ids, labels=ids).loss, stock(input_ids=ids, labels=ids).loss)
+
+
+def test_save_pretrained_pickle_and_revert(tmp_path):
+    """The converted model is still a LlamaForCausalLM by name and class: save_pretrained writes the
+    stock architecture, which loads as the stock class with the same loss; it pickles; revert gives
+    the stock class back in place."""
+    stock, _ = build("llama")
+    converted, _ = convert(stock)
+    assert isinstance(converted, transformers.LlamaForCausalLM) and type(converted).__name__ == "LlamaForCausalLM"
+    converted.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(loaded) is transformers.LlamaForCausalLM
+    batch = family_inputs("llama", "cpu")
+    torch.testing.assert_close(loaded(**batch).loss, converted(**batch).loss)
+    again = pickle.loads(pickle.dumps(converted))
+    torch.testing.assert_close(again(**batch).loss, converted(**batch).loss)
+    remat.revert(converted)
+    assert type(converted) is transformers.LlamaForCausalLM and converted(**batch).logits is not None
+
+
+def test_lora_on_the_base_model_both_orders():
+    """peft LoRA on the attention projections, added before or after conversion: the stock loss and
+    LoRA gradients, the head fused."""
+    peft = pytest.importorskip("peft")
+    stock, _ = build("llama")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
+    reference = peft.get_peft_model(copy.deepcopy(stock), config)
+    before = peft.get_peft_model(convert(copy.deepcopy(stock))[0], config)
+    after, report = convert(peft.get_peft_model(copy.deepcopy(stock), config))
+    assert head_row(report).action == FUSED
+    batch = family_inputs("llama", "cpu")
+    loss, grads = loss_and_grads(reference, batch)
+    grads = {key: grad for key, grad in grads.items() if grad is not None}
+    assert len(grads) == 4 * LAYERS  # lora_A and lora_B of q_proj and v_proj: the rest is frozen
+    for model in (before, after):
+        model.load_state_dict(reference.state_dict())
+        with OpCounter() as counter:
+            got_loss, got_grads = loss_and_grads(model, batch)
+        got_grads = {key: grad for key, grad in got_grads.items() if grad is not None}
+        assert counter.counts["remat::linear_cross_entropy_fwd"] == 1
+        torch.testing.assert_close(got_loss, loss, rtol=1e-5, atol=1e-6)
+        assert got_grads.keys() == grads.keys()
+        for key, grad in grads.items():
+            torch.testing.assert_close(got_grads[key], grad, rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_the_trainer_trains_on_the_fused_loss(tmp_path):
+    """Two HF Trainer steps (it passes num_items_in_batch): the fused head and loss run at every step, and
+    the trained weights are the stock model's (plain SGD: Adam's normalised steps would turn rounding
+    noise in a near-zero gradient into a full step)."""
+    stock, _ = build("llama")
+    converted, _ = convert(copy.deepcopy(stock))
+    data = [{k: v[0] for k, v in family_inputs("llama", "cpu").items()} for _ in range(2)]
+    trained = []
+    for model in (stock, converted):
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=1,
+                                              report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
+                                              disable_tqdm=True, optim="sgd", learning_rate=0.1)
+        with OpCounter() as counter:
+            transformers.Trainer(model=model, args=args, train_dataset=data).train()
+        trained.append((counter.counts["remat::linear_cross_entropy_fwd"], model.state_dict()))
+    assert trained[0][0] == 0 and trained[1][0] == 2
+    for key, value in trained[0][1].items():
+        torch.testing.assert_close(trained[1][1][key], value, rtol=1e-4, atol=1e-5, msg=key)
