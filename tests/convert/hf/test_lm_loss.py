@@ -175,3 +175,20 @@ def test_the_trainer_trains_on_the_fused_loss(tmp_path):
     assert trained[0][0] == 0 and trained[1][0] == 2
     for key, value in trained[0][1].items():
         torch.testing.assert_close(trained[1][1][key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_compile_fullgraph():
+    """torch.compile(fullgraph=True) of a converted model's training forward with labels: one graph, the
+    fused loss in it, the stock step."""
+    stock, _ = build("llama")
+    converted, _ = convert(stock)
+    graphs = []
+
+    def record(graph_module, example_inputs):  # dynamo's graph, run as traced (no Inductor: fast)
+        graphs.append(str(graph_module.graph))
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    converted.forward = torch.compile(converted.forward, backend=record, fullgraph=True)
+    assert_same_step(stock, converted, family_inputs("llama", "cpu"))
+    assert len(graphs) == 1 and "remat.linear_cross_entropy_fwd" in graphs[0]
