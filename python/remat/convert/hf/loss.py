@@ -70,11 +70,9 @@ def _head_reason(model):
     head = model.get_output_embeddings()
     if type(head) is not nn.Linear:
         return f"the head is a {type(head).__name__}, not an nn.Linear"
-    reason = hook_reason(head) or tensor_reason("lm_head.weight", head.weight) or tensor_reason("lm_head.bias", head.bias)
-    if reason:
+    reason = hook_reason(head) or tensor_reason("lm_head.weight", head.weight)
+    if reason or head.bias is not None and (reason := tensor_reason("lm_head.bias", head.bias)):
         return reason
-    if type(model).forward is not inspect.getattr_static(type(model), "forward", None):
-        return "its forward is not its class's"
     if "forward" in vars(model):
         return "its forward is replaced on the instance"
     return None
