@@ -163,26 +163,34 @@ def _cuda_extension_status():
     try:
         importlib.import_module("remat._C")
     except ImportError as error:
-        return False, (f"remat._C is not built ({error}); reinstall with nvcc present and "
-                       "`pip install --no-build-isolation .`")
+        return False, (f"remat._C is not built ({error}); `pip install --no-build-isolation .` builds it where nvcc "
+                       "and a CUDA build of torch are present (scripts/setup.sh: where a GPU is, or with "
+                       "REMAT_BUILD_CUDA=1)")
     return True, "remat._C loaded"
 
 
 def backends():
-    """What is available, as {name: (available, why)}."""
+    """What is available, as {name: (available, why)}: each "why" says what the backend does on this
+    machine (a kernel backend built or importable runs no CUDA tensor where no GPU is visible)."""
+    gpu = torch.cuda.is_available()
+    on_cpu = _interpreter_runs_cpu_tensors()
+    triton, triton_why = _triton_status()
+    cuda, cuda_why = _cuda_extension_status()
+    if gpu:
+        triton_here = cuda_here = f"runs CUDA tensors on {torch.cuda.get_device_name()}"
+    else:
+        triton_here = "no GPU here: runs only CPU tensors, through the interpreter (TRITON_INTERPRET=1)"
+        cuda_here = "no GPU here, so it runs nothing"
     return {
-        "triton": _triton_status(),
-        "cuda": _cuda_extension_status(),
+        "triton": (triton, f"{triton_why}; {triton_here}" if triton else triton_why),
+        "cuda": (cuda, f"built ({cuda_why}); {cuda_here}" if cuda else cuda_why),
         "interpreter": (
-            _interpreter_runs_cpu_tensors(),
-            "TRITON_INTERPRET=1: Triton kernels run on CPU tensors"
+            on_cpu,
+            "TRITON_INTERPRET=1: Triton kernels run on CPU tensors (slowly: for checking them)"
             if interpreter_enabled() else "TRITON_INTERPRET is not set: CPU tensors use the PyTorch reference",
         ),
-        "gpu": (
-            torch.cuda.is_available(),
-            torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device visible",
-        ),
-        "reference": (True, "pure PyTorch, always available"),
+        "gpu": (gpu, torch.cuda.get_device_name() if gpu else "no CUDA device visible"),
+        "reference": (True, "pure PyTorch, always available" + ("" if on_cpu else "; what CPU tensors run")),
     }
 
 

@@ -1,33 +1,108 @@
-"""The `remat` command: `remat bench` (kernel microbenchmarks), `remat memory` (a model's memory/time
-trade-off under each policy), `remat plan` (the fastest per-layer mix of policies for a budget),
-`remat calibrate` (the planner's constants measured on this GPU) and `remat info` (the available
-backends)."""
+"""The `remat` command: `remat bench` (kernel microbenchmarks; without a GPU, what remat saves on
+real models and the float64 check of every kernel), `remat memory` (a model's memory/time trade-off
+under each policy), `remat plan` (the fastest per-layer mix of policies for a budget), `remat
+calibrate` (the planner's constants measured on this GPU) and `remat info` (the available backends)."""
 
 import argparse
+import json
+import os
+import re
 import sys
 
+# What the parser needs to know, written here so that it parses (and `--help` and a mistyped
+# argument answer) before torch is imported; tests/tools/test_cli_startup.py holds them to the
+# lists they repeat (remat.bench.SUITES, remat.memory.model_names()).
+SUITES = {  # `remat bench` suite -> what its --shapes sizes are
+    "layernorm": "widths N", "rms_norm": "widths N", "gelu": "row counts M", "gated": "row counts M",
+    "attention": "sequence lengths s",
+    "attention_varlen": "longest sequence lengths s (16 sequences, 16 heads of 128)",
+    "linear_cross_entropy": "token counts T", "mlp": "hidden sizes h", "block": "sequence length s (the first size)",
+}
+DTYPES = ("bf16", "fp16", "fp32")
+MODEL_NAMES = ("gpt2-small", "gpt2-medium", "gpt2-large", "tiny", "bert-base", "vit-base", "hf-gpt2-small",
+               "hf-gpt2-medium", "llama-3-8b", "qwen3-8b")
+GPUS = ("A100", "H100", "H200")  # remat.planner.DEVICES less "cpu"
 
-def _bench(args):
-    from . import bench
 
-    ops = list(bench.SUITES) if not args.ops or "all" in args.ops else args.ops
-    dtypes = [bench.DTYPES[d] for d in args.dtype]
-    sizes = [int(s) for s in args.shapes.split(",")] if args.shapes else None
-    bench.run(ops, dtypes, quick=args.quick, out_dir=args.out, device=args.device,
-              progress=not args.no_progress, sizes=sizes)
+def config_fields(path):
+    """The fields of a user's config.json; a ValueError naming the model if it is none."""
+    try:
+        with open(path) as handle:
+            fields = json.load(handle)
+    except (OSError, ValueError) as error:  # unreadable, or not JSON (json's error is a ValueError)
+        raise ValueError(f"model {path!r} is not a readable config.json: {error}") from None
+    if not isinstance(fields, dict) or "model_type" not in fields:
+        raise ValueError(f"model {path!r} has no \"model_type\": it must be a Hugging Face config.json")
+    return fields
 
 
-def _memory(args):
-    from . import memory
-
-    memory.run(args.model, batch=args.batch, seq=args.seq, budget_gb=args.budget, out_dir=args.out,
-               device=args.device, dtype=_dtype(args.dtype))
+def _model(name):
+    """--model: a known name or a config.json path; argparse turns a wrong one into a one-line error."""
+    if name in MODEL_NAMES:
+        return name
+    if not os.path.isfile(name):
+        raise argparse.ArgumentTypeError(f"model must be one of {', '.join(MODEL_NAMES)}, or the path of a "
+                                         f"config.json; got {name!r}, which is neither a name nor a file")
+    try:
+        config_fields(name)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return name
 
 
 def _dtype(name):
     import torch
 
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def _gpu_in_use(device):
+    """Whether `remat bench` runs on a GPU: --device cuda, or none given and torch sees one."""
+    if device is not None:
+        return device.startswith("cuda")
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _bench(args):
+    if not args.ops and not _gpu_in_use(args.device):
+        _main_job_without_gpu(args)
+        return
+    from . import bench
+
+    ops = list(bench.SUITES) if not args.ops or "all" in args.ops else args.ops
+    dtypes = [bench.DTYPES[d] for d in args.dtype or ["bf16"]]
+    sizes = [int(s) for s in args.shapes.split(",")] if args.shapes else None
+    bench.run(ops, dtypes, quick=args.quick, out_dir=args.out, device=args.device,
+              progress=not args.no_progress, sizes=sizes)
+
+
+def _main_job_without_gpu(args):
+    """`remat bench` without ops and without a GPU: what a CPU can tell for certain."""
+    from .bench import without_gpu
+
+    if args.shapes:
+        sys.exit("remat bench: --shapes sets the microbenchmarks' sizes: name the ops to time (or all), "
+                 "e.g. remat bench layernorm --shapes 256,1000 --device cpu")
+    if "bf16" in (args.dtype or ()):
+        sys.exit("remat bench: --dtype bf16: without a GPU the kernels are checked through the Triton interpreter, "
+                 "whose tl.dot is wrong on bf16 operands (triton issue 11584); bf16 is checked on a GPU. "
+                 "Choose fp32 and/or fp16")
+    _, rows = without_gpu.run(out_dir=args.out, dtypes=args.dtype or without_gpu.CHECK_DTYPES,
+                              progress=not args.no_progress)
+    if not all(without_gpu.passed(row) for row in rows):
+        sys.exit(f"remat bench: {sum(not without_gpu.passed(row) for row in rows)} kernel checks failed "
+                 f"(see {args.out}/check.md)")
+
+
+def _memory(args):
+    from . import memory
+
+    if args.device == "cuda" and not _gpu_in_use(None):
+        sys.exit("remat memory: --device cuda: torch sees no GPU here (without --device, the counts run on meta)")
+    memory.run(args.model or None, batch=args.batch, seq=args.seq, budget_gb=args.budget, out_dir=args.out,
+               device=args.device, dtype=_dtype(args.dtype), gpu=args.gpu)
 
 
 def _plan(args):
@@ -45,13 +120,16 @@ def _optimizer(text):
     return int(text) if text is not None and text.isdigit() else text
 
 
-def _budget(text):
-    from .planner.command import parse_bytes
+# The syntax remat.planner.command.parse_bytes reads (the budget's value is read there): checked here
+# without importing the planner, which imports torch.
+_BYTES = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*((?:[kKmMgGtT][iI]?)?[bB]|)\s*")
 
-    try:
-        return parse_bytes(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+
+def _budget(text):
+    """--budget: "12GiB", "500MB", "1.5GiB" or a plain number of bytes, as text for remat plan to read."""
+    if not _BYTES.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"budget must be bytes, as 12GiB, 500MB or 1000000, got {text!r}")
+    return text
 
 
 def _calibrate(args):
@@ -75,60 +153,57 @@ def _calibrate(args):
 
 
 def _info(_args):
-    import remat
+    from . import _backend  # the backends alone: not the kernels, layers and conversion
 
-    for name, (available, why) in remat.backends().items():
+    for name, (available, why) in _backend.backends().items():
         print(f"{name:12s} {'yes' if available else 'no ':3s}  {why}")
-    print(f"{'selected':12s} {remat.get_backend()}")
+    print(f"{'selected':12s} {_backend.get_backend()}")
 
 
 def _suite_name(name):
-    from .bench import SUITES
-
     if name not in (*SUITES, "all"):
         raise argparse.ArgumentTypeError(f"invalid choice: {name!r} (choose from {', '.join(SUITES)}, all)")
     return name
 
 
-def _model(name):
-    """--model: a known name or a config.json path; argparse turns a wrong one into a one-line error."""
-    from . import memory
-
-    try:
-        return memory.check_model(name)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
 def parser():
-    from .bench import DTYPES, SUITES
-
     top = argparse.ArgumentParser(prog="remat", description=__doc__)
     commands = top.add_subparsers(dest="command", required=True)
-    bench = commands.add_parser("bench", help="kernel microbenchmarks against the peers")
+    bench = commands.add_parser("bench", help="kernel microbenchmarks against the peers; without a GPU and without "
+                                "OP, what remat saves on real models and the float64 check of every kernel")
     # No `choices` here: argparse (3.11.7, 3.12.1) checks a list default of a nargs="*"
     # positional against them as a whole and rejects a bare `remat bench --quick`.
     bench.add_argument("ops", nargs="*", type=_suite_name, metavar="OP",
-                       help=f"one or more of {', '.join(SUITES)}, or all (default)")
-    bench.add_argument("--dtype", nargs="+", default=["bf16"], choices=list(DTYPES))
+                       help=f"one or more of {', '.join(SUITES)}, or all (default on a GPU). Without OP and "
+                            "without a GPU: remat memory's report of the default models and every kernel checked "
+                            "against float64 at small shapes (name OPs, or all, to time them on the CPU anyway)")
+    bench.add_argument("--dtype", nargs="+", choices=DTYPES,
+                       help="default bf16; without a GPU and without OP, the dtypes checked: fp32 fp16")
     bench.add_argument("--shapes", help="comma-separated sizes instead of the standard ones: "
-                       + ", ".join(f"{name} {suite.SIZES_MEAN}" for name, suite in SUITES.items()))
+                       + ", ".join(f"{name} {sizes}" for name, sizes in SUITES.items()))
     bench.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     bench.add_argument("--out", default="bench/out", help="folder for CSV, markdown and PNG plots")
     bench.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
-    bench.set_defaults(run=_bench)
-    memory = commands.add_parser("memory", help="activation memory and step time of a model under each policy")
-    memory.add_argument("--model", default="gpt2-small", type=_model,
-                        help="gpt2-small, gpt2-medium, gpt2-large (remat.gpt stacks), bert-base, vit-base, "
-                             "hf-gpt2-small, hf-gpt2-medium (Hugging Face, needs transformers), or a config.json path")
-    memory.add_argument("--batch", type=int, default=8)
-    memory.add_argument("--seq", type=int, default=1024)
-    memory.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    memory.add_argument("--budget", type=float, help="device memory budget in GB: name the cheapest policy that fits")
-    memory.add_argument("--out", default="bench/out/memory", help="folder for the CSV and the PNG frontier")
-    memory.add_argument("--device", help="cuda or cpu (default: cuda when available)")
-    memory.set_defaults(run=_memory)
+    bench.set_defaults(run=_bench, package=True)
+    memory = commands.add_parser("memory", help="what a model keeps for the backward under each policy, counted "
+                                 "exactly on meta tensors, its step time predicted for a GPU (and on a GPU measured)")
+    memory.add_argument("--model", nargs="+", type=_model, metavar="MODEL",
+                        help="one or more of llama-3-8b, qwen3-8b, hf-gpt2-small, hf-gpt2-medium, bert-base, "
+                             "vit-base (Hugging Face configurations, needs transformers), gpt2-small, gpt2-medium, "
+                             "gpt2-large, tiny (remat.gpt stacks of blocks), or config.json paths "
+                             "(default: llama-3-8b qwen3-8b hf-gpt2-small)")
+    memory.add_argument("--batch", type=int, help="default 1 for llama-3-8b and qwen3-8b, else 8")
+    memory.add_argument("--seq", type=int, help="default 8192 for llama-3-8b and qwen3-8b, else 1024")
+    memory.add_argument("--dtype", default="bf16", choices=DTYPES)
+    memory.add_argument("--budget", type=float, help="device memory budget in GB: name the fastest policy that fits")
+    memory.add_argument("--gpu", choices=GPUS, help="whose data-sheet constants predict the step times "
+                        "(default: the GPU here when it is one of these, else H200)")
+    memory.add_argument("--out", default="bench/out/memory", help="folder for the CSV and the PNG of each model")
+    memory.add_argument("--device", choices=["meta", "cpu", "cuda"],
+                        help="meta: count at any size without memory; cpu: count on real CPU tensors; cuda: count "
+                             "on meta and time each policy on this GPU (default: cuda when available, else meta)")
+    memory.set_defaults(run=_memory, package=True)
     plan = commands.add_parser("plan", help="the fastest per-layer mix of remat, checkpointing and offloading "
                                "that keeps at most --budget bytes for the backward")
     plan.add_argument("--model", default="gpt2-small", type=_model, help="as for remat memory")
@@ -141,26 +216,30 @@ def parser():
                            "(parameters, gradients, --optimizer state, activations, the backward's largest transient)")
     plan.add_argument("--optimizer", help="with --budget-kind peak: sgd, momentum, adam, adamw (states per parameter "
                       "element in its dtype) or bytes per parameter element (12: fp32 master weights and Adam)")
-    plan.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    plan.add_argument("--device", default="H200", choices=["A100", "H100", "H200", "cpu"],
+    plan.add_argument("--dtype", default="bf16", choices=DTYPES)
+    plan.add_argument("--device", default="H200", choices=[*GPUS, "cpu"],
                       help="whose constants predict the time of each choice; for a GPU, offloading a layer's "
                            "saved tensors to host memory is a choice too")
     plan.add_argument("--json", help="also write the plan here (remat.Plan.from_json reads it)")
-    plan.set_defaults(run=_plan)
+    plan.set_defaults(run=_plan, package=True)
     calibrate = commands.add_parser("calibrate", help="measure this GPU's constants for remat plan and cache them; "
                                                       "with --model, time each plan choice of that model too")
     calibrate.add_argument("--model", type=_model, help="as for remat plan (random weights on this GPU)")
     calibrate.add_argument("--batch", type=int, default=8)
     calibrate.add_argument("--seq", type=int, default=1024)
-    calibrate.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    calibrate.set_defaults(run=_calibrate)
+    calibrate.add_argument("--dtype", default="bf16", choices=DTYPES)
+    calibrate.set_defaults(run=_calibrate, package=True)
     info = commands.add_parser("info", help="which backends are available and why")
-    info.set_defaults(run=_info)
+    info.set_defaults(run=_info, package=False)
     return top
 
 
 def main(argv=None):
     args = parser().parse_args(argv)
+    if args.package:  # the kernels, layers and conversion, as `import remat` has them (see remat/__init__.py)
+        import remat
+
+        remat._load()
     args.run(args)
     return 0
 

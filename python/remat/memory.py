@@ -1,46 +1,50 @@
-"""`remat memory`: the activation-memory / step-time trade-off of a model under each policy.
+"""`remat memory`: what a model keeps for the backward under each memory policy, and what that costs.
 
-For each policy it reports the bytes the forward keeps for the backward per layer: on a GPU read
-from the allocator; without one counted exactly, each storage once, with saved-tensor hooks plus
-what torch's checkpoints hold (block inputs, the op outputs selective checkpointing keeps), but
-not for Hugging Face's own checkpointing (nan). On a GPU it also reports the step time and the
-peak memory of one training step: absolute, so weights, input, gradients and activations, but
-not optimizer state.
-It draws the memory/time frontier, and with a budget names the cheapest policy whose peak fits,
-and the per-layer mix `remat plan` chooses for that many bytes kept for the backward.
+Counted on meta tensors by default: the model is built on the meta device at its real size (from a
+name or a config.json) and remat.planner counts, for each policy applied to every layer, the bytes
+one training forward keeps for the backward, each storage once, SDPA counted as a GPU runs it.
+Exact, on any machine, and without memory. `device="cpu"` counts on real CPU tensors instead (what
+CPU kernels keep; memory and time at the model's size).
 
-Each policy's row is printed, and the CSV rewritten, as soon as it is measured: a policy that
-fails (out of memory, no pinned host memory for offloading) becomes a row with an error, and an
-interrupt (Ctrl-C, `timeout -s INT`) stops the run but still reports what was measured.
+Policies (rows): eager (stock PyTorch); remat (remat.convert's fused layers); for a causal LM,
+remat + the fused loss (its LM head and loss as remat.linear_cross_entropy too: what remat.convert
+does to a ...ForCausalLM); selective checkpointing (matmul and attention outputs kept, the rest
+recomputed); full checkpointing of every layer; offloading every layer's saved tensors to host
+memory (meta only: a GPU's choice); and remat.plan's per-layer mix for 75 %, 50 % and 25 % of what
+eager keeps (meta only). With `budget_gb`, the fastest that fits and remat plan's mix for it.
 
-Models: stacks of remat.gpt blocks sized like GPT-2 (gpt2-small, -medium, -large), with every
-policy: eager; remat (fused recompute); torch selective checkpointing (keep matmul and attention
-outputs); full checkpointing per block; offloading saved activations to host memory; remat with
-full checkpointing of k of the L blocks. And Hugging Face models built from a config
-(bert-base, vit-base, hf-gpt2-small, hf-gpt2-medium, or the path of a config.json), with eager,
-remat.convert, Hugging Face's gradient checkpointing with and without remat, and offloading.
+Each row's step time is predicted for a GPU (`gpu`, default H200) by the planner's cost model
+(remat.planner.cost): the layers' forward at the GPU's data-sheet FLOP rate and bandwidth, the
+backward taken as twice the forward (the cost model's own assumption), plus what the policy
+recomputes or copies. A prediction, not a measurement. On a GPU (`device="cuda"`) each row is also
+run: one training step timed, and its peak memory measured (weights, inputs, gradients,
+activations; no optimizer state). A row that fails there keeps its counts and says why; an
+interrupt (Ctrl-C, `timeout -s INT`) stops the timing but still reports everything counted.
+
+The models are counted without their LM head (transformers' AutoModel, or a remat.gpt stack of
+blocks). For a causal LM the head and transformers' loss are counted on their own, on meta (x, the
+final hidden states, kept by the head; the fp32 log-softmax of the logits), and added to every row;
+"remat + fused loss" adds remat.linear_cross_entropy's instead (x and an fp32 log-sum-exp a token).
 """
 
 import collections
-import contextlib
 import copy
 import csv
 import dataclasses
 import gc
-import json
 import math
 import os
 import re
+import textwrap
 
 import torch
 
 from .bench.cases import short_error
 from .bench.timing import Timer, quantiles
+from .cli import config_fields as _config_fields
 from .convert.hf import memory_input as hf_memory_input
 from .convert.hf import memory_models as hf_memory_models
 from .gpt import GPTConfig, torch_stack
-from .policies import policies as policy_table
-from .saved import SavedStorages, count_saved_bytes
 
 MODELS = {
     "gpt2-small": GPTConfig(hidden=768, heads=12, layers=12),
@@ -48,130 +52,64 @@ MODELS = {
     "gpt2-large": GPTConfig(hidden=1280, heads=20, layers=36),
     "tiny": GPTConfig(hidden=64, heads=2, layers=4),
 }
+# Real configurations at their real sizes, beside those of the remat.convert.hf families:
+# {name: (model_type, the config fields that differ from transformers' defaults)}.
+REAL_MODELS = {
+    "llama-3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                 max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5)),
+    "qwen3-8b": ("qwen3", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                               num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                               rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+}
+# Hugging Face models, built from a config with random weights (no download).
+HF_MODELS = {**hf_memory_models(), **REAL_MODELS}
+DEFAULT_MODELS = ("llama-3-8b", "qwen3-8b", "hf-gpt2-small")  # `remat memory` without --model, and the main job
+SHAPES = {"llama-3-8b": (1, 8192), "qwen3-8b": (1, 8192)}  # (batch, seq) by default; (8, 1024) for the others
+DEFAULT_SHAPE = (8, 1024)
+PLAN_FRACTIONS = (0.75, 0.5, 0.25)  # of what eager keeps: the budgets of the "plan" rows
+DEFAULT_GPU = "H200"
 
 
 @dataclasses.dataclass
 class PolicyResult:
     policy: str
-    saved_bytes: float  # kept on the device for the backward, all layers (nan: not measurable here)
+    saved_bytes: float  # kept on the device for the backward: the layers, the rest, the loss head (nan: failed)
     host_bytes: float  # kept in host memory (offloading)
-    per_layer_sbh: float
-    step_ms: float = math.nan
+    per_layer_bytes: float  # the layers' bytes on the device, over the number of layers
+    predicted_ms: float = math.nan  # the step's time on the GPU named, by the cost model
+    step_ms: float = math.nan  # measured on a GPU
     peak_gb: float = math.nan  # absolute peak of one training step (weights, input, gradients, activations)
-    error: str = ""  # why the policy could not be measured; its numbers are then nan
+    error: str = ""  # why the policy could not be counted or run
+    choices: list = None  # one planner choice per layer (None: not a plan of the layers, the fused loss row)
+    sbh: int = 1  # tokens x hidden, for per_layer_sbh
+
+    @property
+    def per_layer_sbh(self):
+        """The layers' bytes per layer, in bytes per s·b·h."""
+        return self.per_layer_bytes / self.sbh
 
 
-def policies(layers):
-    """(name, make(stock stack) -> (module, offload)) for every policy remat memory measures: the
-    eager-mode ones of remat.policies, with remat + full checkpointing of a quarter, half and three
-    quarters of the blocks. Offloading is counted by the measurement itself (offload=True)."""
-    return [(p.name, lambda s, p=p: (s, True) if p.offloads else (p.make(s), False))
-            for p in policy_table(layers, checkpointed_fractions=(0.25, 0.5, 0.75), compiled=False)]
+@dataclasses.dataclass
+class Counted:
+    """A model's description and what it was counted on."""
 
-
-def _allocated_by_forward(module, x, offload, device):
-    """(device bytes, host bytes) one forward keeps for the backward on a GPU.
-
-    Device bytes: what the forward leaves allocated besides its output, from the allocator.
-    Host bytes (offloading): the saved storages copied to the host, counted as count_saved_bytes does.
-    """
-    torch.cuda.synchronize(device)
-    before = torch.cuda.memory_allocated(device)
-    offloaded = SavedStorages(module.parameters())
-
-    def to_host(tensor):
-        offloaded.add(tensor)
-        return tensor.to("cpu")
-
-    hooks = (torch.autograd.graph.saved_tensors_hooks(to_host, lambda t: t.to(device)) if offload
-             else contextlib.nullcontext())
-    with hooks:
-        out = module(x)
-    torch.cuda.synchronize(device)
-    kept = torch.cuda.memory_allocated(device) - before - out.untyped_storage().nbytes()
-    host = offloaded.total_bytes(out, x) if offload else 0
-    del out
-    return kept, host
-
-
-def _storage_bytes(tensors):
-    """Bytes of the tensors' storages, each counted once (tied weights share one)."""
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
-
-
-def _step_peak_bytes(step, reset, module, x, dy):
-    """Absolute peak device memory of one training step: the weights, input and output gradient
-    it starts with, plus what it allocates (activations, gradients); not optimizer state.
-
-    max_memory_allocated counts all that is allocated, so what is no part of this step is taken
-    out: the timer's cache-flush buffer, the weights of builds kept for the other policies.
-    """
-    reset()
-    torch.cuda.synchronize(x.device)
-    unrelated = torch.cuda.memory_allocated(x.device) - _storage_bytes([*module.parameters(), x, dy])
-    torch.cuda.reset_peak_memory_stats(x.device)
-    step()
-    torch.cuda.synchronize(x.device)
-    return torch.cuda.max_memory_allocated(x.device) - unrelated
-
-
-def _timed_step(module, x, dy, offload, timer):
-    """(median ms, peak GB) of a training step, forward and backward."""
-    def step():
-        if offload:
-            with torch.autograd.graph.save_on_cpu(pin_memory=True):
-                out = module(x)
-        else:
-            out = module(x)
-        out.backward(dy)
-
-    def reset():
-        x.grad = None
-        for p in module.parameters():
-            p.grad = None
-
-    try:
-        times = timer.times_ms(step, reset)
-        peak = _step_peak_bytes(step, reset, module, x, dy)
-    finally:
-        reset()  # no gradients left behind to crowd the next policy, even if this one failed
-    return quantiles(times)[1], peak / 2**30
-
-
-# Hugging Face models, built from a config with random weights (no download): {name: (model_type,
-# the config fields that differ from transformers' defaults)}, as each family file of
-# remat.convert.hf gives them.
-HF_MODELS = hf_memory_models()
-
-
-class _LastHidden(torch.nn.Module):
-    """A Hugging Face model as a tensor-to-tensor module: input ids (or pixels) to the last hidden state.
-    input_name: the model's input, or a tuple of inputs each given x (T5's encoder and decoder ids)."""
-
-    def __init__(self, model, input_name):
-        super().__init__()
-        self.model = model
-        self.input_names = (input_name,) if isinstance(input_name, str) else tuple(input_name)
-
-    def forward(self, x):
-        return self.model(**dict.fromkeys(self.input_names, x)).last_hidden_state
+    name: str
+    model_class: str
+    layers: int
+    hidden: int
+    batch: int
+    seq: int
+    dtype: torch.dtype
+    device: str  # what the bytes were counted on: "meta" or "cpu"
+    gpu: str  # whose constants predict the times
+    head: tuple = None  # (stock bytes, fused bytes) of a causal LM's head and loss, or None
+    vocab: int = 0  # its vocabulary
 
 
 def model_names():
     """The models run() knows by name; any other model is the path of a config.json."""
     return (*MODELS, *HF_MODELS)
-
-
-def _config_fields(path):
-    """The fields of a user's config.json; a ValueError naming the model if it is none."""
-    try:
-        with open(path) as handle:
-            fields = json.load(handle)
-    except (OSError, ValueError) as error:  # unreadable, or not JSON (json's error is a ValueError)
-        raise ValueError(f"model {path!r} is not a readable config.json: {error}") from None
-    if not isinstance(fields, dict) or "model_type" not in fields:
-        raise ValueError(f"model {path!r} has no \"model_type\": it must be a Hugging Face config.json")
-    return fields
 
 
 def check_model(model):
@@ -186,7 +124,12 @@ def check_model(model):
     return model
 
 
-def _file_label(model):
+def default_shape(model):
+    """(batch, seq) a model is counted at unless told: a long context for the 8B models, else 8 x 1024."""
+    return SHAPES.get(model, DEFAULT_SHAPE)
+
+
+def file_label(model):
     """The model's name in the output file names: a name as it is; for a config path, the folder
     that holds it ("models/opt-125m/config.json" -> "opt-125m"), or its own name without ".json"."""
     if model in model_names():
@@ -207,170 +150,389 @@ def _hf_config(name):
     return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
-def _hf_setup(name, batch, seq, device, dtype):
-    """(policies, input, layers, width) for a Hugging Face model built from its config."""
+def _hf_input(config, batch, seq, device, dtype):
+    """The model's keyword inputs: token ids, or its family's (the image models' pixels, T5's ids
+    into its encoder and decoder)."""
+    make_input = hf_memory_input(config.model_type)
+    if make_input is None:
+        return {"input_ids": torch.zeros(batch, seq, dtype=torch.long, device=device)}
+    names, x, _ = make_input(config, batch, seq, device, dtype)
+    return dict.fromkeys((names,) if isinstance(names, str) else names, x)
+
+
+def model_on(name, batch, seq, dtype, device):
+    """(model, its example inputs) for a name or config.json: on meta (no memory) or with random
+    weights and inputs on a real device."""
+    check_model(name)
+    if name in MODELS:
+        config = MODELS[name]
+        stack = torch_stack(config, device=device, dtype=dtype)
+        x = torch.randn(batch, seq, config.hidden, device=device, dtype=dtype, requires_grad=True)
+        return stack, (x,)
     import transformers
 
-    from .convert import convert
-
     config = _hf_config(name)
-    model = transformers.AutoModel.from_config(config).to(device, dtype).train()
-    make_input = hf_memory_input(config.model_type)  # the image models' pixels, from their family
-    if make_input is not None:
-        input_name, x, seq = make_input(config, batch, seq, device, dtype)
-    else:
-        x = torch.randint(0, config.vocab_size, (batch, seq), device=device)
-        input_name = "input_ids"
-
-    def checkpointed(m):
-        m = copy.deepcopy(m)
-        # activation_checkpointing_enable in recent transformers, which deprecates the older name;
-        # 5.17 (on the GPU machines) has only gradient_checkpointing_enable
-        enable = getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable
-        enable()
-        return m
-
-    table = [
-        ("eager", lambda: (_LastHidden(model, input_name), False)),
-        ("remat", lambda: (_LastHidden(convert(model), input_name), False)),
-        ("full checkpoint (HF)", lambda: (_LastHidden(checkpointed(model), input_name), False)),
-        ("remat + checkpoint (HF)", lambda: (_LastHidden(checkpointed(convert(model)), input_name), False)),
-        ("offload to host", lambda: (_LastHidden(model, input_name), True)),
-    ]
-    layers = config.num_hidden_layers
-    return table, x, layers, config.hidden_size, seq
-
-
-def _gpt_setup(name, batch, seq, device, dtype):
-    config = MODELS[name]
-    stack = torch_stack(config, device=device, dtype=dtype)
-    x = torch.randn(batch, seq, config.hidden, device=device, dtype=dtype, requires_grad=True)
-    table = [(policy, lambda make=make: make(stack)) for policy, make in policies(config.layers)]
-    return table, x, config.layers, config.hidden, seq
-
-
-def run(model="gpt2-small", batch=8, seq=1024, budget_gb=None, out_dir="bench/out/memory", device=None,
-        dtype=torch.bfloat16):
-    check_model(model)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    on_gpu = device.type == "cuda"
-    setup = _gpt_setup if model in MODELS else _hf_setup
-    table, x, layers, hidden, seq = setup(model, batch, seq, device, dtype)
-    sbh = seq * batch * hidden
-    timer = Timer(device, warmup=2, reps=5) if on_gpu else None
-    os.makedirs(out_dir, exist_ok=True)
-    csv_path = os.path.join(out_dir, f"memory_{_file_label(model)}.csv")
-    _print_header(model, layers, hidden, batch, seq, dtype, device)
-    results = []
-    interrupted = False
-    try:
-        for name, make in table:
-            results.append(_measure_or_error(name, make, x, layers, sbh, device, timer))
-            _print_row(results[-1])
-            _write_csv(results, csv_path)  # after each policy: a kill loses only the one underway
-            _release_memory(device)
-    except KeyboardInterrupt:  # Ctrl-C, `timeout -s INT`: stop measuring, report what was measured
-        interrupted = True
-    _print_budget(results, budget_gb)
-    if budget_gb is not None:
-        _print_plan(model, batch, seq, budget_gb, dtype, device)
-    _write_csv(results, csv_path)
-    _plot(results, os.path.join(out_dir, f"memory_{_file_label(model)}.png"), model, on_gpu)
-    if interrupted:
-        print("(interrupted: partial results)", flush=True)
-    return results
-
-
-def _measure(name, make, x, layers, sbh, device, timer):
-    """One policy's row: the bytes it keeps for the backward, and on a GPU its step time and peak."""
-    module, offload = make()
-    on_gpu = device.type == "cuda"
-    if on_gpu:
-        device_bytes, host_bytes = _allocated_by_forward(module, x, offload, device)
-    elif "(HF)" in name:
-        # Hugging Face's gradient checkpointing keeps what it keeps out of reach of saved-tensor
-        # hooks, and is not a Checkpointed block that count_saved_bytes knows how to count:
-        # without a GPU's allocator to read, not counted.
-        device_bytes = host_bytes = math.nan
-    else:
-        device_bytes, host_bytes = count_saved_bytes(module, x, offload)
-    result = PolicyResult(name, device_bytes, host_bytes, (host_bytes if offload else device_bytes) / layers / sbh)
-    if on_gpu:
-        with torch.no_grad():  # only the output's shape is wanted: no graph kept alive while timing
-            dy = torch.randn_like(module(x))
-        result.step_ms, result.peak_gb = _timed_step(module, x, dy, offload, timer)
-    return result
-
-
-def _measure_or_error(name, make, *args):
-    """The policy's row; if it fails (out of memory, no pinned host memory), a row that says why,
-    so that one policy's failure costs only its own row."""
-    try:
-        return _measure(name, make, *args)
-    except Exception as error:  # noqa: BLE001 - any failure of one policy is reported in its row
-        return PolicyResult(name, math.nan, math.nan, math.nan, error=short_error(error))
-
-
-def _release_memory(device):
-    """Frees what the last policy left (its build, its graph, a failed step's tensors), so that
-    none of it counts in the next policy's peak or pushes it out of memory."""
-    if device.type == "cuda":
-        gc.collect()  # reference cycles (an exception's traceback and its frames) hold tensors too
-        torch.cuda.empty_cache()
-
-
-def cheapest_fitting(results, budget_gb):
-    """The fastest policy whose device memory fits the budget (peak on a GPU, else saved bytes)."""
-    def need(r):
-        return r.peak_gb if not math.isnan(r.peak_gb) else r.saved_bytes / 2**30
-
-    fitting = [r for r in results if not r.error and need(r) <= budget_gb]
-    if not fitting:
-        return None
-    # Without timings, prefer the policy that recomputes least: eager < remat < checkpointing.
-    order = {r.policy: i for i, r in enumerate(results)}
-    return min(fitting, key=lambda r: (r.step_ms if not math.isnan(r.step_ms) else order[r.policy]))
-
-
-# Printed with flush=True: under `timeout` stdout is often a pipe, and a killed process loses its buffer.
-def _print_header(model, layers, hidden, batch, seq, dtype, device):
-    print(f"{model}: {layers} layers, hidden {hidden}, batch {batch}, seq {seq}, "
-          f"{str(dtype).replace('torch.', '')} on {device}")
-    if device.type != "cuda":
-        print("saved bytes are exact; step time and peak memory need a GPU")
-    print("saved: what the forward keeps for the backward; sbh/layer: per layer, in bytes per s·b·h")
-    print("peak: absolute peak of one training step: weights, input, gradients, activations; not optimizer state")
-    print(f"{'policy':28s} {'saved GB':>9s} {'host GB':>8s} {'sbh/layer':>9s} {'step ms':>8s} {'peak GB':>8s}",
-          flush=True)
-
-
-def _print_row(r):
-    print(f"{r.policy:28s} {r.saved_bytes / 2**30:9.3f} {r.host_bytes / 2**30:8.3f} {r.per_layer_sbh:9.2f} "
-          f"{r.step_ms:8.1f} {r.peak_gb:8.2f}" + (f"  error: {r.error}" if r.error else ""), flush=True)
+    with torch.device(device):
+        model = transformers.AutoModel.from_config(config).to(dtype).train()
+    return model, _hf_input(config, batch, seq, device, dtype)
 
 
 def meta_model(name, batch, seq, dtype):
     """(model on the meta device, its example inputs) for a `remat memory` model name or config.json."""
-    check_model(name)
+    return model_on(name, batch, seq, dtype, "meta")
+
+
+# --- The LM head and its loss -------------------------------------------------------------------
+
+
+def _causal_lm_head(name):
+    """(hidden, vocab) of a decoder-only causal LM's head, else None (the remat.gpt stacks, encoders,
+    encoder-decoders and image models have no causal loss to count)."""
     if name in MODELS:
-        config = MODELS[name]
-        stack = torch_stack(config, device="meta", dtype=dtype)
-        return stack, (torch.empty(batch, seq, config.hidden, device="meta", dtype=dtype, requires_grad=True),)
-    import transformers
+        return None
+    from transformers.models.auto import modeling_auto
 
     config = _hf_config(name)
-    with torch.device("meta"):
-        model = transformers.AutoModel.from_config(config).to(dtype).train()
-    make_input = hf_memory_input(config.model_type)
-    if make_input is not None:
-        input_name, x, _ = make_input(config, batch, seq, "meta", dtype)
-    else:
-        input_name, x = "input_ids", torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    return model, {input_name: x}
+    causal = (config.model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+              and config.model_type not in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES  # BERT-like encoders
+              and not getattr(config, "is_encoder_decoder", False))
+    hidden, vocab = getattr(config, "hidden_size", None), getattr(config, "vocab_size", None)
+    return (hidden, vocab) if causal and hidden and vocab else None
+
+
+class _LossHead(torch.nn.Module):
+    """A causal LM's head and loss over final hidden states x, which it makes itself (the body's
+    output, not counted in the body: the head's matmul keeps it, so it counts here)."""
+
+    def __init__(self, hidden, vocab, fused):
+        super().__init__()
+        self.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
+        self.fused = fused
+
+    def forward(self, labels):
+        weight = self.lm_head.weight
+        x = torch.empty(*labels.shape, weight.shape[1], dtype=weight.dtype, device=weight.device, requires_grad=True)
+        if not self.fused:  # as a transformers causal LM computes its loss
+            from transformers.loss.loss_utils import ForCausalLMLoss
+
+            return ForCausalLMLoss(self.lm_head(x), labels, weight.shape[0])
+        shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]  # ForCausalLMLoss's shift
+        from .ops.linear_cross_entropy import linear_cross_entropy
+
+        return linear_cross_entropy(x, weight, shifted)
+
+
+def loss_head_bytes(hidden, vocab, batch, seq, dtype):
+    """(stock, fused) bytes a causal LM's head and loss keep for the backward, counted on meta:
+    stock, transformers' loss (x, the fp32 log-softmax of the logits, the shifted labels);
+    fused, remat.linear_cross_entropy (x, an fp32 log-sum-exp and the label a token)."""
+    from .planner.counting import count_forward
+
+    labels = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    counts = []
+    for fused in (False, True):
+        with torch.device("meta"):
+            head = _LossHead(hidden, vocab, fused).to(dtype)
+        counts.append(count_forward(head, (labels,), {}).total_bytes())
+    return tuple(counts)
+
+
+# --- Counting -----------------------------------------------------------------------------------
+
+
+def _forward_seconds(saves, constants):
+    """The layers' stock forward on the device, by the cost model (what full checkpointing reruns)."""
+    from .planner.cost import extra_seconds
+
+    return sum(extra_seconds("full", unit, unit, constants) for unit in saves.units)
+
+
+def _uniform_row(name, choice, saves, stock, constants, base_seconds, head, sbh):
+    """The row of one choice applied to every layer."""
+    from .planner.cost import extra_seconds
+
+    outside = saves.outside.internal_bytes + sum(saves.key_bytes[k] for k in saves.outside.shared_keys)
+    total = saves.total_bytes()
+    extra = sum(extra_seconds(choice, s, c, constants) for s, c in zip(stock.units, saves.units))
+    return PolicyResult(name, total + head, sum(u.offloaded_bytes for u in saves.units),
+                        (total - outside) / len(saves.units), (base_seconds + extra) * 1e3,
+                        choices=[choice] * len(saves.units), sbh=sbh)
+
+
+def _plan_row(label, model, example, budget, counted, base_seconds, head, sbh):
+    """remat.plan's mix for `budget` bytes kept (the layers and the rest; the loss head stays stock)."""
+    from .planner import CHOICES, plan
+
+    try:
+        chosen = plan(model, example, int(budget), device=counted.gpu)
+    except ValueError as error:  # below the least the model can keep: the row says so
+        return PolicyResult(label, math.nan, math.nan, math.nan, error=short_error(error), sbh=sbh)
+    tally = collections.Counter(chosen.choices)
+    mix = ", ".join(f"{tally[c]} {c}" for c in CHOICES if tally[c])
+    return PolicyResult(f"{label}: {mix}", chosen.saved_bytes + head, chosen.host_bytes,
+                        sum(chosen.unit_bytes) / counted.layers, (base_seconds + chosen.extra_seconds) * 1e3,
+                        choices=list(chosen.choices), sbh=sbh)
+
+
+UNIFORM = {"stock": "eager", "remat": "remat", "selective": "selective checkpoint", "full": "full checkpoint",
+           "offload": "offload to host"}
+
+
+def count(name, batch, seq, dtype=torch.bfloat16, device="meta", gpu=DEFAULT_GPU):
+    """(Counted, [PolicyResult]) for model `name` at batch x seq: every policy's bytes, counted on
+    `device` ("meta", or "cpu" for real CPU tensors), and its step time predicted for `gpu`. The plan
+    rows (meta only) are planned for fractions of what eager keeps besides the loss head."""
+    from .planner import CHOICES, ON_ANY_DEVICE, measure
+    from .planner.cost import device_constants
+
+    model, example = model_on(name, batch, seq, dtype, device)
+    constants = device_constants(gpu)
+    on_meta = device == "meta"
+    saves, paths, _ = measure(model, example, CHOICES if on_meta else ON_ANY_DEVICE)
+    hidden = MODELS[name].hidden if name in MODELS else _hf_config(name).hidden_size
+    head_shape = _causal_lm_head(name)
+    counted = Counted(name, type(model).__name__, len(paths), hidden, batch, seq, dtype, device, constants.name,
+                      loss_head_bytes(*head_shape, batch, seq, dtype) if head_shape else None,
+                      head_shape[1] if head_shape else 0)
+    head = counted.head[0] if counted.head else 0
+    sbh = batch * seq * hidden
+    base = 3 * _forward_seconds(saves["stock"], constants)  # forward + backward, the backward twice the forward
+    rows = [_uniform_row(UNIFORM[c], c, saves[c], saves["stock"], constants, base, head, sbh) for c in saves]
+    if counted.head:
+        rows.insert(2, _fused_loss_row(rows[1], counted, constants))
+    if on_meta:
+        eager = saves["stock"].total_bytes()
+        rows += [_plan_row(f"plan {fraction:.0%}", model, example, fraction * eager, counted, base, head, sbh)
+                 for fraction in PLAN_FRACTIONS]
+    return counted, rows
+
+
+def _fused_loss_row(remat_row, counted, constants):
+    """remat's row with the fused loss's bytes in place of the stock head's; its time adds the
+    logits the fused backward recomputes (2·T·h·V FLOPs; the stock loss's own traffic it saves is
+    not counted)."""
+    stock, fused = counted.head
+    recompute = 2 * counted.batch * counted.seq * counted.hidden * counted.vocab / constants.flops_per_s
+    return dataclasses.replace(remat_row, policy="remat + fused loss", choices=None,
+                               saved_bytes=remat_row.saved_bytes - stock + fused,
+                               predicted_ms=remat_row.predicted_ms + recompute * 1e3)
+
+
+# --- Timing on a GPU ----------------------------------------------------------------------------
+
+
+def _sharing_copy(model):
+    """A copy of the model's modules that shares its parameters and buffers (as remat.plan measures
+    on), for one policy's changes: the model itself is left stock."""
+    memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+def _output_tensor(out):
+    """The tensor a training step backpropagates from: the output, or a model output's first
+    (last_hidden_state)."""
+    return out if isinstance(out, torch.Tensor) else out[0]
+
+
+def _storage_bytes(tensors):
+    """Bytes of the tensors' storages, each counted once (tied weights share one)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _timed_step(module, example, timer):
+    """(median ms, peak GB) of a training step, forward and backward of the output, on a GPU. The
+    peak is absolute: the weights, inputs and output gradient it starts with, plus what it allocates;
+    what is no part of this step (the timer's cache-flush buffer) is taken out."""
+    args, kwargs = (example, {}) if isinstance(example, tuple) else ((), example)
+    inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    with torch.no_grad():  # only the output's shape is wanted: no graph kept alive while timing
+        dy = torch.randn_like(_output_tensor(module(*args, **kwargs)))
+
+    def step():
+        _output_tensor(module(*args, **kwargs)).backward(dy)
+
+    def reset():
+        for t in (*inputs, *module.parameters()):
+            t.grad = None
+
+    try:
+        times = timer.times_ms(step, reset)
+        reset()
+        device = dy.device
+        torch.cuda.synchronize(device)
+        unrelated = torch.cuda.memory_allocated(device) - _storage_bytes([*module.parameters(), *inputs, dy])
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - unrelated
+    finally:
+        reset()  # no gradients left behind to crowd the next policy, even if this one failed
+    return quantiles(times)[1], peak / 2**30
+
+
+def time_row(row, model, paths, example, timer):
+    """Run one row's policy on the real model on the GPU: its step time and peak, in the row."""
+    from .planner.units import apply_choices
+
+    shell = _sharing_copy(model).train()
+    apply_choices(shell, paths, row.choices)
+    row.step_ms, row.peak_gb = _timed_step(shell, example, timer)
+
+
+def _time_rows(counted, rows, device="cuda"):
+    """Time every row that is a plan of the layers, on a model with random weights on `device` (a
+    GPU); a row that fails says why, Ctrl-C stops the timing. Returns True when interrupted."""
+    from .planner.units import find_units
+
+    model, example = model_on(counted.name, counted.batch, counted.seq, counted.dtype, device)
+    paths, timer = find_units(model), Timer(device, warmup=2, reps=5)
+    try:
+        for row in rows:
+            if row.choices is None or row.error:
+                continue
+            try:
+                time_row(row, model, paths, example, timer)
+            except Exception as error:  # noqa: BLE001 - out of memory, no pinned memory: this row only
+                row.error = short_error(error)
+            finally:
+                gc.collect()  # reference cycles (an exception's traceback and its frames) hold tensors too
+                torch.cuda.empty_cache()
+            print(f"  timed {row.policy}: " + (f"error: {row.error}" if row.error else
+                                               f"{row.step_ms:.1f} ms, peak {row.peak_gb:.2f} GB"), flush=True)
+    except KeyboardInterrupt:  # Ctrl-C, `timeout -s INT`: stop timing, report what there is
+        return True
+    return False
+
+
+# --- The run ------------------------------------------------------------------------------------
+
+
+def run(model=None, batch=None, seq=None, budget_gb=None, out_dir="bench/out/memory", device=None,
+        dtype=torch.bfloat16, gpu=None):
+    """Count (and on a GPU, time) every policy of `model` (a name or config.json; None: the
+    DEFAULT_MODELS); print the table, write memory_<model>.csv and .png to out_dir. Returns the
+    model's [PolicyResult], or {name: [PolicyResult]} for several models.
+
+    device: what the bytes are counted on and whether steps are timed: None, meta on any machine
+    and timing when a GPU is visible; "meta"; "cpu" (real CPU tensors, nothing timed); "cuda" (meta
+    counts, steps timed on the GPU). gpu: whose constants predict the step times (default the GPU
+    here when the table knows it, else H200)."""
+    models = DEFAULT_MODELS if model is None else (model,) if isinstance(model, str) else tuple(model)
+    for name in models:
+        check_model(name)
+    on_gpu = device == "cuda" or (device is None and torch.cuda.is_available())
+    counting = "cpu" if device == "cpu" else "meta"
+    gpu = gpu or _gpu_here()
+    os.makedirs(out_dir, exist_ok=True)
+    found = {}
+    for name in models:
+        shape = default_shape(name)
+        found[name], interrupted = _run_one(name, batch or shape[0], seq or shape[1], budget_gb, out_dir, counting,
+                                            on_gpu, dtype, gpu)
+        if interrupted:  # Ctrl-C: the models after this one are not run
+            break
+    return found[models[0]] if len(models) == 1 else found
+
+
+def _gpu_here():
+    """The table's name of the GPU here (its constants predict the times), else DEFAULT_GPU."""
+    from .planner.devices import DEVICES
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    return next((d for d in DEVICES if d != "cpu" and d in name), DEFAULT_GPU)
+
+
+def _run_one(name, batch, seq, budget_gb, out_dir, counting, on_gpu, dtype, gpu):
+    """(the model's rows, whether its timing was interrupted): counted, timed on a GPU, printed, written."""
+    counted, rows = count(name, batch, seq, dtype, counting, gpu)
+    path = os.path.join(out_dir, f"memory_{file_label(name)}")
+    _write_csv(rows, path + ".csv")  # the counts, before any timing: a run killed while timing keeps them
+    interrupted = False
+    if on_gpu:
+        print(f"{name}: counted; timing each policy on this GPU", flush=True)
+        interrupted = _time_rows(counted, rows)
+        _write_csv(rows, path + ".csv")
+    _print_table(counted, rows, on_gpu)
+    if budget_gb is not None:
+        _print_budget(rows, budget_gb)
+        _print_plan(name, batch, seq, budget_gb, dtype, gpu)
+    _plot(rows, path + ".png", counted, on_gpu)
+    print(f"wrote {path}.csv and .png" + (" (interrupted: partial results)" if interrupted else ""), flush=True)
+    return rows, interrupted
+
+
+def cheapest_fitting(results, budget_gb):
+    """The fastest policy whose device memory fits the budget. Where steps were measured (a GPU), among
+    those: by measured peak and step time; else by the bytes kept and the predicted time."""
+    usable = [r for r in results if not r.error and not math.isnan(r.saved_bytes)]
+    measured = [r for r in usable if not math.isnan(r.step_ms)]
+    if measured:
+        fitting = [r for r in measured if r.peak_gb <= budget_gb]
+        return min(fitting, key=lambda r: r.step_ms) if fitting else None
+    fitting = [r for r in usable if r.saved_bytes / 2**30 <= budget_gb]
+    return min(fitting, key=lambda r: r.predicted_ms) if fitting else None
+
+
+# --- Output -------------------------------------------------------------------------------------
+# Printed with flush=True: under `timeout` stdout is often a pipe, and a killed process loses its buffer.
+
+
+def _print_table(counted, rows, on_gpu):
+    tokens = counted.batch * counted.seq
+    print(f"\n{counted.name}: {counted.model_class}, {counted.layers} layers, hidden {counted.hidden}, "
+          f"batch {counted.batch} x seq {counted.seq} ({tokens} tokens), {str(counted.dtype).replace('torch.', '')}")
+    how = ("counted on meta tensors: exact, at full size, no memory used (attention as a GPU runs SDPA)"
+           if counted.device == "meta" else "counted on CPU tensors: exact for what CPU kernels keep")
+    _print_note(f"{how}; step times predicted for {counted.gpu} by remat.planner's cost model"
+                + (", and measured on this GPU" if on_gpu else ", not measured"))
+    print(f"{'policy':44s} {'per layer':>10s} {'total':>10s} {'host':>10s} {'pred. ms':>9s} {'vs eager':>8s}"
+          + (f" {'step ms':>8s} {'peak GB':>8s}" if on_gpu else ""))
+    eager_ms = rows[0].predicted_ms
+    for r in rows:
+        print(_row_text(r, eager_ms, on_gpu))
+    _print_notes(counted)
+
+
+def _print_note(text):
+    print(textwrap.fill(text, width=100, initial_indent="  ", subsequent_indent="  "), flush=True)
+
+
+def _row_text(r, eager_ms, on_gpu):
+    if math.isnan(r.saved_bytes):
+        return f"{r.policy:44s} {r.error}"
+    host = _size(r.host_bytes) if r.host_bytes else f"{'-':>10s}"
+    line = (f"{r.policy:44s} {_size(r.per_layer_bytes)} {_size(r.saved_bytes)} {host} "
+            f"{r.predicted_ms:9.4g} {r.predicted_ms / eager_ms - 1:+8.0%}")
+    if on_gpu:
+        line += f" {r.step_ms:8.1f} {r.peak_gb:8.2f}"
+    return line + (f"  error: {r.error}" if r.error else "")
+
+
+def _size(count):
+    """Bytes in binary units, 10 characters wide: "  1.43 GiB"."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= scale:
+            return f"{count / scale:6.2f} {unit}"
+    return f"{count:6.0f} B  "
+
+
+def _print_notes(counted):
+    head = ""
+    if counted.head:
+        stock, fused = counted.head
+        head = (f", and the LM head with transformers' loss ({_size(stock).strip()}: its input and the fp32 "
+                f"log-softmax of the logits); \"remat + fused loss\" has remat.linear_cross_entropy's instead "
+                f"({_size(fused).strip()}), as remat.convert does to a causal LM")
+    _print_note(f"per layer: the layers' bytes over the {counted.layers} layers; total: the layers, what the model "
+                f"keeps outside them{head}; host: offloaded to host memory")
+    _print_note("pred. ms: the layers' forward and backward (twice the forward) at the GPU's data-sheet FLOP/s and "
+                "bandwidth, plus what the policy recomputes or copies; plan N%: remat.plan's fastest per-layer mix "
+                "keeping N% of eager's bytes (the loss head aside)")
 
 
 def _print_plan(model, batch, seq, budget_gb, dtype, device):
-    """remat plan's per-layer mix for the budget, taken as bytes kept for the backward (counted on meta)."""
+    """remat plan's per-layer mix for the budget, taken as bytes the model (without an LM head)
+    keeps for the backward, counted on meta; device: whose constants time it (a name or a device)."""
     from .planner import plan
     from .planner.cost import device_constants
 
@@ -387,9 +549,8 @@ def _print_plan(model, batch, seq, budget_gb, dtype, device):
 
 
 def _print_budget(results, budget_gb):
-    if budget_gb is not None:
-        best = cheapest_fitting(results, budget_gb)
-        print(f"budget {budget_gb} GB: " + (f"use '{best.policy}'" if best else "no policy fits"), flush=True)
+    best = cheapest_fitting(results, budget_gb)
+    print(f"budget {budget_gb} GB: " + (f"use '{best.policy}'" if best else "no policy fits"), flush=True)
 
 
 def _write_csv(results, path):
@@ -397,14 +558,17 @@ def _write_csv(results, path):
     partial = path + ".partial"
     with open(partial, "w", newline="") as handle:
         writer = csv.writer(handle, lineterminator="\n")  # quotes an error message's commas
-        writer.writerow(["policy", "saved_bytes", "host_bytes", "sbh_per_layer", "step_ms", "peak_gb", "error"])
+        writer.writerow(["policy", "choices", "saved_bytes", "host_bytes", "per_layer_bytes", "sbh_per_layer",
+                         "predicted_ms", "step_ms", "peak_gb", "error"])
         for r in results:
-            writer.writerow([r.policy, r.saved_bytes, r.host_bytes, f"{r.per_layer_sbh:.3f}", f"{r.step_ms:.3f}",
-                             f"{r.peak_gb:.3f}", r.error])
+            writer.writerow([r.policy, " ".join(r.choices or ()), r.saved_bytes, r.host_bytes, r.per_layer_bytes,
+                             f"{r.per_layer_sbh:.4f}", f"{r.predicted_ms:.6g}", f"{r.step_ms:.6g}",
+                             f"{r.peak_gb:.4f}", r.error])
     os.replace(partial, path)
 
 
-def _plot(results, path, model, on_gpu):
+def _plot(results, path, counted, on_gpu):
+    """Memory kept against predicted step time (and measured, on a GPU), one point per policy."""
     try:
         import matplotlib
 
@@ -412,16 +576,19 @@ def _plot(results, path, model, on_gpu):
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    figure, axes = plt.subplots(figsize=(6, 4))
-    for i, r in enumerate(results):
-        if r.error:  # nothing measured to draw
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for r in results:
+        if math.isnan(r.saved_bytes):  # nothing counted to draw
             continue
-        x = r.step_ms if on_gpu else i
-        axes.scatter(x, r.saved_bytes / 2**30, label=r.policy)
-    axes.set_xlabel("step time, ms" if on_gpu else "policy (no GPU: no step time)")
-    axes.set_ylabel("activation memory kept on the device, GB")
-    axes.set_title(f"{model}: memory against step time", fontsize=9)
-    axes.legend(fontsize=7)
+        points = axes.scatter(r.predicted_ms, r.saved_bytes / 2**30, label=r.policy)
+        if on_gpu and not math.isnan(r.step_ms):
+            axes.scatter(r.step_ms, r.saved_bytes / 2**30, marker="x", color=points.get_facecolor()[0])
+    axes.set_xlabel(f"step time predicted for {counted.gpu}, ms (cost model)"
+                    + ("; x: measured here" if on_gpu else ""))
+    axes.set_ylabel("activation memory kept for the backward, GiB")
+    axes.set_title(f"{counted.name}: batch {counted.batch} x seq {counted.seq}, counted on {counted.device}",
+                   fontsize=9)
+    axes.legend(fontsize=6)
     axes.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=110)

@@ -1,5 +1,6 @@
-"""`remat memory` survives what a one-shot GPU run meets: a policy that fails, an interrupt, and
-host bytes that are counted as the device bytes are (each storage once, no parameters)."""
+"""`remat memory` counts each policy exactly (on meta tensors and on CPU ones, each storage once, what
+checkpoints hold included), predicts its time with the planner's cost model, and survives what a
+one-shot GPU run meets: a policy that fails, an interrupt."""
 
 import csv
 import gc
@@ -10,76 +11,74 @@ import torch
 
 from remat import memory
 from remat.policies import Checkpointed
+from remat.policies import policies as policy_table
+from remat.saved import SavedStorages, count_saved_bytes
 
-POLICIES = memory.policies  # the real table, before a test swaps it
-
-
-class _RaisesInForward(torch.nn.Module):
-    def forward(self, x):
-        raise RuntimeError("pretend out of memory\nsecond line of the message")
+TINY = memory.MODELS["tiny"]
 
 
-def _fails_to_build(stack):
-    raise ValueError("no pinned memory, pretend")
+def _rows(tmp_path, device="meta", dtype=torch.bfloat16, batch=2, seq=16):
+    return {r.policy.split(":")[0]: r for r in memory.run("tiny", batch=batch, seq=seq, out_dir=str(tmp_path),
+                                                         device=device, dtype=dtype)}
 
 
-def _interrupts(stack):
-    raise KeyboardInterrupt  # as `timeout -s INT` would, while this policy is measured
+def test_a_failing_policy_costs_only_its_own_timing_and_an_interrupt_keeps_the_rest(tmp_path, monkeypatch, capsys):
+    """What a GPU run meets while timing the policies (out of memory, no pinned memory, Ctrl-C): run
+    here through the same loop, on CPU tensors, with the timing of some rows made to fail."""
+    counted, rows = memory.count("tiny", 2, 16)
+    timed = []
+
+    def time_row(row, model, paths, example, timer):
+        if row.policy == "remat":
+            raise RuntimeError("pretend out of memory\nsecond line of the message")
+        if row.policy == "full checkpoint":
+            raise KeyboardInterrupt  # as `timeout -s INT` would, while this policy is timed
+        timed.append(row.policy)
+        row.step_ms, row.peak_gb = 1.0, 0.5
+
+    monkeypatch.setattr(memory, "time_row", time_row)
+    assert memory._time_rows(counted, rows, device="cpu") is True  # interrupted
+    by_name = {r.policy: r for r in rows}
+    assert timed == ["eager", "selective checkpoint"]  # timing stopped at the interrupt
+    assert by_name["remat"].error == "RuntimeError: pretend out of memory"  # first line only
+    assert by_name["remat"].saved_bytes > 0 and math.isnan(by_name["remat"].step_ms)  # its count stands
+    assert by_name["eager"].step_ms == 1.0 and math.isnan(by_name["offload to host"].step_ms)
+    assert "timed remat: error: RuntimeError: pretend out of memory" in capsys.readouterr().out
+    memory._write_csv(rows, str(tmp_path / "memory.csv"))
+    with open(tmp_path / "memory.csv") as handle:
+        written = {row["policy"]: row for row in csv.DictReader(handle)}
+    assert written["remat"]["error"] == "RuntimeError: pretend out of memory" and written["eager"]["error"] == ""
+    assert float(written["remat"]["saved_bytes"]) == by_name["remat"].saved_bytes
+    assert memory.cheapest_fitting(rows, 1.0).policy == "eager"  # measured, fitting, and the fastest
 
 
-def _with_policies(monkeypatch, *extra):
-    """The tiny model's policies: eager, then `extra` (name, make), then full checkpoint."""
-    def table(layers):
-        stock = dict(POLICIES(layers))
-        return [("eager", stock["eager"]), *extra, ("full checkpoint", stock["full checkpoint"])]
-
-    monkeypatch.setattr(memory, "policies", table)
-
-
-def _csv_rows(tmp_path):
-    with open(tmp_path / "memory_tiny.csv") as handle:
-        return list(csv.DictReader(handle))
-
-
-def _run(tmp_path):
-    return memory.run("tiny", batch=2, seq=16, budget_gb=1.0, out_dir=str(tmp_path), device="cpu")
+def test_the_predicted_times_are_the_cost_models(tmp_path):
+    """eager: the layers' forward and backward, three forwards; full checkpointing reruns the forward;
+    each plan is eager plus what its choices add, and keeps at most its share of eager's bytes."""
+    rows = _rows(tmp_path)
+    eager = rows["eager"]
+    assert rows["full checkpoint"].predicted_ms == pytest.approx(eager.predicted_ms * 4 / 3)
+    assert eager.predicted_ms < rows["remat"].predicted_ms < rows["full checkpoint"].predicted_ms
+    for fraction in memory.PLAN_FRACTIONS:
+        plan = rows[f"plan {fraction:.0%}"]
+        assert plan.saved_bytes <= fraction * eager.saved_bytes and plan.predicted_ms >= eager.predicted_ms
+        assert len(plan.choices) == TINY.layers
+    offload = rows["offload to host"]
+    assert offload.saved_bytes == 0 and offload.host_bytes > 0 and offload.per_layer_bytes == 0
 
 
-def test_a_failing_policy_costs_only_its_own_row(tmp_path, monkeypatch, capsys):
-    _with_policies(monkeypatch, ("broken build", _fails_to_build),
-                   ("broken forward", lambda s: (_RaisesInForward(), False)))
-    results = {r.policy: r for r in _run(tmp_path)}
-    assert list(results) == ["eager", "broken build", "broken forward", "full checkpoint"]
-    assert results["broken build"].error == "ValueError: no pinned memory, pretend"
-    assert results["broken forward"].error == "RuntimeError: pretend out of memory"  # first line only
-    for name in ("broken build", "broken forward"):
-        r = results[name]
-        assert all(math.isnan(v) for v in (r.saved_bytes, r.host_bytes, r.per_layer_sbh, r.step_ms, r.peak_gb))
-    for name in ("eager", "full checkpoint"):
-        assert not results[name].error and results[name].saved_bytes > 0
-    printed = capsys.readouterr().out
-    assert "error: RuntimeError: pretend out of memory" in printed
-    assert "budget 1.0 GB: use 'eager'" in printed  # a failed policy is never the one that fits
-    rows = {row["policy"]: row for row in _csv_rows(tmp_path)}
-    assert list(rows) == list(results)
-    assert rows["broken forward"]["error"] == "RuntimeError: pretend out of memory"
-    assert rows["eager"]["error"] == "" and float(rows["eager"]["saved_bytes"]) > 0
-
-
-def test_an_interrupt_keeps_what_was_measured(tmp_path, monkeypatch, capsys):
-    _with_policies(monkeypatch, ("interrupted", _interrupts))
-    try:
-        results = _run(tmp_path)
-    except KeyboardInterrupt:  # escaping, it would stop pytest itself rather than fail this test
-        pytest.fail("run() let the interrupt escape")
-    assert [r.policy for r in results] == ["eager"]  # measuring stops: full checkpoint is not run
-    assert results[0].saved_bytes > 0
-    printed = capsys.readouterr().out
-    assert "(interrupted: partial results)" in printed
-    assert "budget 1.0 GB: use 'eager'" in printed
-    rows = _csv_rows(tmp_path)
-    assert [row["policy"] for row in rows] == ["eager"]
-    assert float(rows[0]["saved_bytes"]) == results[0].saved_bytes
+def test_a_causal_lms_loss_head_is_counted_and_fused(tmp_path):
+    """A causal LM's rows hold its LM head and transformers' loss, counted on meta: x (bf16) and the
+    fp32 log-softmax of the logits, and the shifted labels; remat.linear_cross_entropy keeps x, an fp32
+    log-sum-exp and the label a token. Each keeps a 4-byte scalar besides (the loss's token count)."""
+    pytest.importorskip("transformers", minversion="5.25")
+    batch, seq, hidden, vocab = 2, 16, 64, 101
+    tokens = batch * seq
+    stock, fused = memory.loss_head_bytes(hidden, vocab, batch, seq, torch.bfloat16)
+    assert stock == tokens * (2 * hidden + 4 * vocab + 8) + 4
+    assert fused == tokens * (2 * hidden + 4 + 8) + 4
+    assert memory._causal_lm_head("hf-gpt2-small") == (768, 50257)
+    assert memory._causal_lm_head("bert-base") is None and memory._causal_lm_head("tiny") is None
 
 
 class _SavesAWeightAndATensorTwice(torch.nn.Module):
@@ -97,15 +96,15 @@ H_BYTES = 4 * 16 * 4  # h: (4, 16) float32. Counting every save would give 128 +
 
 def test_saved_bytes_count_each_storage_once_and_no_parameters():
     module, x = _SavesAWeightAndATensorTwice(), torch.randn(4, 8, requires_grad=True)
-    assert memory.count_saved_bytes(module, x, offload=False) == (H_BYTES, 0)
-    assert memory.count_saved_bytes(module, x, offload=True) == (0, H_BYTES)
+    assert count_saved_bytes(module, x, offload=False) == (H_BYTES, 0)
+    assert count_saved_bytes(module, x, offload=True) == (0, H_BYTES)
 
 
 def test_offloaded_bytes_are_counted_as_saved_bytes_are():
-    # What _allocated_by_forward does on a GPU: each saved tensor copied off the device (a clone
-    # here), so the device tensor is freed after the forward; the host count must not change.
+    # What offloading does on a GPU: each saved tensor copied off the device (a clone here), so the
+    # device tensor is freed after the forward; the host count must not change.
     module, x = _SavesAWeightAndATensorTwice(), torch.randn(4, 8, requires_grad=True)
-    offloaded = memory.SavedStorages(module.parameters())
+    offloaded = SavedStorages(module.parameters())
 
     def to_host(tensor):
         offloaded.add(tensor)
@@ -113,7 +112,7 @@ def test_offloaded_bytes_are_counted_as_saved_bytes_are():
 
     with torch.autograd.graph.saved_tensors_hooks(to_host, lambda t: t):
         out = module(x)
-    assert offloaded.total_bytes(out, x) == H_BYTES == memory.count_saved_bytes(module, x, offload=True)[1]
+    assert offloaded.total_bytes(out, x) == H_BYTES == count_saved_bytes(module, x, offload=True)[1]
 
 
 def test_a_freed_storage_is_counted_though_another_reuses_its_address():
@@ -121,7 +120,7 @@ def test_a_freed_storage_is_counted_though_another_reuses_its_address():
     # two storages at one address, both copied to the host. Built here on one buffer, so the
     # address is the same for certain.
     buffer = bytearray(64)
-    saved = memory.SavedStorages(torch.nn.Linear(1, 1).parameters())
+    saved = SavedStorages(torch.nn.Linear(1, 1).parameters())
     first = torch.frombuffer(buffer, dtype=torch.float32)
     saved.add(first)
     address = first.untyped_storage().data_ptr()
@@ -170,11 +169,11 @@ def _forward_allocations(module, x):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_selective_checkpoint_bytes_match_the_block_structure_and_the_allocations(dtype):
-    config, batch, seq = memory.MODELS["tiny"], 2, 16
+    config, batch, seq = TINY, 2, 16
     stack = memory.torch_stack(config, dtype=dtype)
     x = torch.randn(batch, seq, config.hidden, dtype=dtype, requires_grad=True)
-    built = {name: make(stack)[0] for name, make in POLICIES(config.layers)}
-    counted = {name: memory.count_saved_bytes(built[name], x, offload=False)[0]
+    built = {p.name: p.make(stack) for p in policy_table(config.layers, compiled=False)}
+    counted = {name: count_saved_bytes(built[name], x, offload=False)[0]
                for name in ("eager", "selective checkpoint", "full checkpoint")}
     expected = _selective_bytes_by_hand(config, batch, seq, dtype)
     assert counted["selective checkpoint"] == expected
@@ -183,18 +182,27 @@ def test_selective_checkpoint_bytes_match_the_block_structure_and_the_allocation
         assert _forward_allocations(built[name], x) == saved, name
 
 
-def test_run_reports_selective_checkpoint_on_cpu(tmp_path):
-    config, batch, seq = memory.MODELS["tiny"], 2, 16
-    results = {r.policy: r for r in memory.run("tiny", batch=batch, seq=seq, out_dir=str(tmp_path),
-                                               device="cpu", dtype=torch.float32)}
-    selective = results["selective checkpoint"]
+# A GPU's flash attention (what SDPA is counted as on meta) also keeps its dropout generator's seed
+# and offset, 16 + 8 bytes of uint64, which the CPU kernel does not.
+PHILOX_BYTES = 24
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_run_counts_selective_checkpoint_as_the_block_structure_says(tmp_path, device):
+    """remat memory's count (the planner's, on CPU or meta tensors) equals the hand count above, which
+    the allocations confirm on CPU."""
+    config, batch, seq = TINY, 2, 16
+    rows = _rows(tmp_path, device, torch.float32, batch, seq)
+    selective = rows["selective checkpoint"]
+    philox = PHILOX_BYTES * config.layers if device == "meta" else 0
     assert not selective.error
-    assert selective.saved_bytes == _selective_bytes_by_hand(config, batch, seq, torch.float32)
+    assert selective.saved_bytes == _selective_bytes_by_hand(config, batch, seq, torch.float32) + philox
     # fp32, per layer in bytes per s·b·h: the input, 4, in 3 of the 4 layers (the first is the
     # caller's); qkv 12, attention 4, attn_out 4, fc1 16, fc2 4; the logsumexp, 4 bytes per head
     # per token, 2 heads over a width of 64: 1/8.
-    assert selective.per_layer_sbh == 3 + 40 + 1 / 8
-    assert results["full checkpoint"].per_layer_sbh < selective.per_layer_sbh < results["eager"].per_layer_sbh
+    assert selective.per_layer_sbh == 3 + 40 + 1 / 8 + philox / config.layers / (batch * seq * config.hidden)
+    assert rows["full checkpoint"].per_layer_sbh < selective.per_layer_sbh < rows["eager"].per_layer_sbh
+    assert ("offload to host" in rows) == (device == "meta")  # offloading is a GPU's choice: not for CPU tensors
 
 
 def test_an_unknown_model_is_a_value_error_naming_the_model(tmp_path):

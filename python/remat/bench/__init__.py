@@ -55,6 +55,7 @@ def run(ops, dtypes, quick=False, out_dir="bench/out", device=None, progress=Tru
         report.write_tables(table, env, out_dir)
         print(report.text_table(table, env))
         plots = report.write_plots(table, env, out_dir) if with_ratios else []  # no rate plots of CPU timings
-        print(f"wrote {out_dir}/bench.csv, bench.md and {len(plots)} plots"
+        print(f"wrote {out_dir}/bench.csv, bench.md and "
+              + (f"{len(plots)} plots" if with_ratios else "no plots (CPU timings are not performance)")
               + (" (interrupted: partial results)" if interrupted else ""))
     return table

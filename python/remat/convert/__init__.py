@@ -134,10 +134,17 @@ def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False):
     rows.model = weakref.ref(model)
     _warn_broken_rules(rows)
     if rows.saved_bytes_per_token() == 0:
-        fused = "no fusion applies" if not rows.swapped else \
-            f"{len(rows.swapped)} modules swapped, none of them keeping less than stock"
-        warnings.warn(f"remat.convert saves no activation memory on this {type(inner).__name__}: {fused} "
-                      "(convert(model, report=True) says why for each module)", RematWarning, stacklevel=2)
+        if not rows:  # not one module was a candidate: the report would be an empty table
+            why = ("it found none of the modules remat fuses (an nn.LayerNorm feeding an nn.Linear, an nn.Linear -> "
+                   "GELU -> nn.Linear MLP, in an nn.Sequential or a module's own forward; nn.MultiheadAttention; the "
+                   "norms, MLPs, attention and loss of the Hugging Face families of docs/huggingface.md); "
+                   "convolutions, ReLU MLPs and other layers stay as they are")
+        else:
+            why = ("no fusion applies" if not rows.swapped else
+                   f"{len(rows.swapped)} modules swapped, none of them keeping less than stock") + \
+                " (convert(model, report=True) says why for each module)"
+        warnings.warn(f"remat.convert saves no activation memory on this {type(inner).__name__}: {why}",
+                      RematWarning, stacklevel=2)
     return (model, rows) if report else model
 
 
