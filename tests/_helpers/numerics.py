@@ -35,10 +35,18 @@ def activation_bytes(module, *inputs):
     return saved_bytes(lambda: module(*inputs), exclude=list(module.parameters()))
 
 
-def assert_compiled_matches_eager(model, x, tol=1e-5):
+# The torch.compile backend of the compile tests: Inductor on a GPU; on CPU AOTAutograd's tracing
+# alone ("aot_eager"), which is what checks remat's ops (their fakes, autograd and no graph break:
+# Inductor treats them as opaque calls), while Inductor's C++ code generation for the PyTorch ops
+# around them costs tens of seconds a test. tests/fused/test_gpt.py compiles a stack with Inductor
+# on CPU too.
+COMPILE_BACKEND = "inductor" if torch.cuda.is_available() else "aot_eager"
+
+
+def assert_compiled_matches_eager(model, x, tol=1e-5, backend=COMPILE_BACKEND):
     """torch.compile(fullgraph=True) of model runs without a graph break and gives eager's output and gradients."""
     torch._dynamo.reset()
-    out = torch.compile(model, fullgraph=True)(x)
+    out = torch.compile(model, fullgraph=True, backend=backend)(x)
     out.sum().backward()
     compiled_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()

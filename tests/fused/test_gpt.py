@@ -64,4 +64,4 @@ def test_activation_bytes_per_layer(target, recompute):
 def test_remat_stack_compiles_fullgraph(target):
     device, _ = target
     stack = remat_stack(torch_stack(GPTConfig(hidden=32, heads=2, layers=1), device=device))
-    assert_compiled_matches_eager(stack, torch.randn(2, 9, 32, device=device), tol=1e-4)
+    assert_compiled_matches_eager(stack, torch.randn(2, 9, 32, device=device), tol=1e-4, backend="inductor")

@@ -16,7 +16,7 @@ from remat import bench
 from remat.cli import main
 from remat.ops import FAMILIES, registered_calls
 
-from numerics import rel_error
+from numerics import COMPILE_BACKEND, rel_error
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FAMILY_PARAMS = [pytest.param(family, id=family.name) for family in FAMILIES.values()]
@@ -129,7 +129,7 @@ def test_torch_compile_fullgraph_matches_eager(target, family, call):
     tensors = _padded_leaves(call, device)
     names = list(tensors)
     torch._dynamo.reset()
-    compiled = torch.compile(lambda *ts: call.ours(dict(zip(names, ts))), fullgraph=True)
+    compiled = torch.compile(lambda *ts: call.ours(dict(zip(names, ts))), fullgraph=True, backend=COMPILE_BACKEND)
     out = compiled(*tensors.values())
     dy = torch.randn_like(out)
     compiled_grads = torch.autograd.grad(out, list(tensors.values()), dy)
