@@ -18,6 +18,8 @@ SUITES = {  # `remat bench` suite -> what its --shapes sizes are
     "attention_varlen": "longest sequence lengths s (16 sequences, 16 heads of 128)",
     "linear_cross_entropy": "token counts T", "mlp": "hidden sizes h", "block": "sequence length s (the first size)",
 }
+# Suites run only when named, not by `all`: reports of their own (remat.bench.NAMED_SUITES), not kernel timings.
+NAMED_SUITES = {"overhead": "sequence lengths s (batch 1)"}
 DTYPES = ("bf16", "fp16", "fp32")
 MODEL_NAMES = ("gpt2-small", "gpt2-medium", "gpt2-large", "tiny", "bert-base", "vit-base", "hf-gpt2-small",
                "hf-gpt2-medium", "llama-3-8b", "qwen3-8b")
@@ -69,13 +71,32 @@ def _bench(args):
     if not args.ops and not _gpu_in_use(args.device):
         _main_job_without_gpu(args)
         return
+    if "overhead" in args.ops:
+        _overhead(args)
+        if set(args.ops) == {"overhead"}:
+            return
+    elif args.reps is not None:
+        sys.exit("remat bench: --reps sets the overhead suite's timed calls: name it (remat bench overhead --reps N)")
     from . import bench
 
-    ops = list(bench.SUITES) if not args.ops or "all" in args.ops else args.ops
+    kernel_ops = [op for op in args.ops if op not in NAMED_SUITES]
+    ops = list(bench.SUITES) if not kernel_ops or "all" in kernel_ops else kernel_ops
     dtypes = [bench.DTYPES[d] for d in args.dtype or ["bf16"]]
     sizes = [int(s) for s in args.shapes.split(",")] if args.shapes else None
     bench.run(ops, dtypes, quick=args.quick, out_dir=args.out, device=args.device,
               progress=not args.no_progress, sizes=sizes)
+
+
+def _overhead(args):
+    """`remat bench overhead`: host time of a converted decoder layer against stock's, on CPU."""
+    from .bench import overhead
+
+    if args.device is not None and args.device != "cpu":
+        sys.exit("remat bench overhead: it measures host (CPU, Python) time on CPU tensors, with remat's ops on "
+                 f"their PyTorch reference; --device {args.device} is not supported")
+    seqs = [int(s) for s in args.shapes.split(",")] if args.shapes else None
+    overhead.run(out_dir=args.out, seqs=seqs, dtypes=[_dtype(d) for d in args.dtype or ["fp32"]], reps=args.reps,
+                 quick=args.quick, progress=not args.no_progress)
 
 
 def _main_job_without_gpu(args):
@@ -161,8 +182,9 @@ def _info(_args):
 
 
 def _suite_name(name):
-    if name not in (*SUITES, "all"):
-        raise argparse.ArgumentTypeError(f"invalid choice: {name!r} (choose from {', '.join(SUITES)}, all)")
+    if name not in (*SUITES, *NAMED_SUITES, "all"):
+        raise argparse.ArgumentTypeError(f"invalid choice: {name!r} (choose from "
+                                         f"{', '.join([*SUITES, *NAMED_SUITES])}, all)")
     return name
 
 
@@ -176,12 +198,17 @@ def parser():
     bench.add_argument("ops", nargs="*", type=_suite_name, metavar="OP",
                        help=f"one or more of {', '.join(SUITES)}, or all (default on a GPU). Without OP and "
                             "without a GPU: remat memory's report of the default models and every kernel checked "
-                            "against float64 at small shapes (name OPs, or all, to time them on the CPU anyway)")
+                            "against float64 at small shapes (name OPs, or all, to time them on the CPU anyway). "
+                            "overhead (only when named, not in all): the host time a converted Hugging Face "
+                            "decoder layer adds to stock's forward + backward, on CPU")
     bench.add_argument("--dtype", nargs="+", choices=DTYPES,
-                       help="default bf16; without a GPU and without OP, the dtypes checked: fp32 fp16")
+                       help="default bf16 (overhead: fp32); without a GPU and without OP, the dtypes checked: "
+                            "fp32 fp16")
     bench.add_argument("--shapes", help="comma-separated sizes instead of the standard ones: "
-                       + ", ".join(f"{name} {sizes}" for name, sizes in SUITES.items()))
+                       + ", ".join(f"{name} {sizes}" for name, sizes in {**SUITES, **NAMED_SUITES}.items()))
     bench.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    bench.add_argument("--reps", type=int, metavar="N",
+                       help="overhead: timed calls of each layer (default 2000, --quick 200)")
     bench.add_argument("--out", default="bench/out", help="folder for CSV, markdown and PNG plots")
     bench.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")

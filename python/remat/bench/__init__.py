@@ -5,7 +5,7 @@ import importlib
 import torch
 
 from ..ops import FAMILIES
-from . import block, mlp, report
+from . import block, mlp, overhead, report
 from .cases import CaseInterrupted, Progress, Timer, measure_case
 
 # Suite name -> module with cases(device, dtypes, quick, sizes) and SIZES_MEAN: each op family's
@@ -15,6 +15,9 @@ SUITES = {
     "mlp": mlp,
     "block": block,
 }
+# Suites run only when named (`remat bench overhead`), not by `all`: each writes a report of its own
+# with run(out_dir, seqs, dtypes, reps, quick, progress), not the kernel cases' table.
+NAMED_SUITES = {"overhead": overhead}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 

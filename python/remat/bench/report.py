@@ -163,19 +163,26 @@ def _header_lines(env):
     return lines if is_performance(env) else lines + CPU_BANNER.splitlines()
 
 
+def aligned_lines(header, lines):
+    """The header and rows of cells (strings) as text lines, each column padded to its widest cell."""
+    widths = [max([len(h)] + [len(line[i]) for line in lines]) for i, h in enumerate(header)]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in [header, *lines]]
+
+
 def text_table(table, env):
     columns = _columns(env, table)
     lines = [[cell(r) for _, cell in columns] for r in table]
-    header = [name for name, _ in columns]
-    widths = [max([len(h)] + [len(line[i]) for line in lines]) for i, h in enumerate(header)]
-    out = _header_lines(env)
-    out += ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in [header, *lines]]
-    return "\n".join(out)
+    return "\n".join(_header_lines(env) + aligned_lines([name for name, _ in columns], lines))
 
 
 def write_csv(table, env, path):
+    write_rows_csv(table, COLUMNS, env, path)
+
+
+def write_rows_csv(table, columns, env, path):
+    """The rows' `columns`, then the environment's fields on every row (floats to 6 digits)."""
     with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS + list(env), extrasaction="ignore")
+        writer = csv.DictWriter(handle, fieldnames=columns + list(env), extrasaction="ignore")
         writer.writeheader()
         for row in table:
             writer.writerow({**{k: _fmt(v, 6) if isinstance(v, float) else v for k, v in row.items()}, **env})

@@ -1,0 +1,121 @@
+"""`remat bench overhead` runs end to end (a handful of calls: nothing here is timed or asserted
+about speed), writes the rows and columns it promises, times stock and converted layers that compute
+the same thing, and leaves the process as it found it."""
+
+import csv
+
+import pytest
+import torch
+
+import remat
+from remat import bench, cli
+from remat.bench import overhead
+
+pytest.importorskip("transformers", minversion="5.25")
+
+REPS = 2
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """The command's output folder, after `remat bench overhead` with two calls of each layer."""
+    out = tmp_path_factory.mktemp("overhead")
+    backend, threads = remat.get_backend(), torch.get_num_threads()
+    assert cli.main(["bench", "overhead", "--reps", str(REPS), "--out", str(out), "--no-progress"]) == 0
+    assert (remat.get_backend(), torch.get_num_threads()) == (backend, threads)  # set for the run only
+    return out
+
+
+def test_the_command_writes_a_row_per_layer_and_dispatch_measurement(cli_run):
+    with open(cli_run / "overhead.csv") as handle:
+        reader = csv.DictReader(handle)
+        rows = list(reader)
+    assert reader.fieldnames[:len(overhead.COLUMNS)] == overhead.COLUMNS
+    assert {"torch", "transformers", "remat", "commit", "backend", "timings"} <= set(reader.fieldnames)
+    assert [(row["subject"], row["implementation"]) for row in rows] == [
+        ("llama layer fwd+bwd", "stock"), ("llama layer fwd+bwd", "remat"),
+        ("gpt2 layer fwd+bwd", "stock"), ("gpt2 layer fwd+bwd", "remat"),
+        ("custom-op call, no grad", "python function"), ("custom-op call, no grad", "torch.library custom op"),
+        ("custom-op pair, fwd+bwd", "native autograd"),
+        ("custom-op pair, fwd+bwd", "custom op + autograd + backward op")]
+    assert all(row["backend"].startswith("reference") for row in rows)
+    for row in rows:
+        assert not row["error"], row
+        assert 0 < float(row["p20_us"]) <= float(row["p50_us"]) <= float(row["p80_us"]), row
+    firsts, seconds = rows[0::2], rows[1::2]
+    assert all(row["minus_first_us"] == "-" for row in firsts)
+    assert all(row["minus_first_us"] not in ("", "-") for row in seconds)
+    # each remat layer: its check passed against float64, and it called remat's ops (stock: none)
+    for stock, ours in zip(firsts[:2], seconds[:2]):
+        assert ours["check"].startswith("ok ("), ours
+        assert stock["remat_op_calls"] == "0" and int(stock["aten_op_calls"]) > 0
+        calls = ours["remat_op_calls"]
+        assert int(calls.split()[0]) > 0 and calls.endswith("bwd)") and int(ours["aten_op_calls"]) > 0, calls
+
+
+def test_the_report_has_the_summary_and_a_profile_of_each_converted_layer(cli_run):
+    markdown = (cli_run / "overhead.md").read_text()
+    assert f"the target of +{overhead.TARGET_US:.0f} µs" in markdown and "custom-op machinery" in markdown
+    profile = (cli_run / "overhead_profile.txt").read_text()
+    blocks = profile.strip().split("\n\n")
+    assert [block.split()[0] for block in blocks] == ["llama", "llama", "gpt2", "gpt2"]
+    assert ["by cumulative time" in block for block in blocks] == [True, False, True, False]
+    for block in blocks:
+        title, header, *functions = block.splitlines()
+        assert header.split()[:4] == ["calls", "own", "µs", "cum"] and len(functions) == overhead.PROFILE_TOP
+        assert not any("overhead.py" in line for line in functions)  # the harness is left out
+        assert not any(" /" in line or "site-packages" in line for line in functions)  # from the package on
+
+
+@pytest.mark.parametrize("name", overhead.MODELS)
+def test_stock_and_converted_layers_compute_the_same(name, reference_backend):
+    pair = overhead.LayerPair(name, seq=8)
+    assert type(pair.converted) is type(pair.stock) and pair.converted is not pair.stock
+    assert any(type(m).__module__.startswith("remat.") for m in pair.converted.modules())  # converted
+    assert not any(type(m).__module__.startswith("remat.") for m in pair.stock.modules())  # still stock
+    stock, ours = pair.outputs(pair.stock), pair.outputs(pair.converted)
+    assert stock.keys() == ours.keys() and len(ours) == 2 + len(list(pair.stock.parameters()))
+    for key in stock:
+        torch.testing.assert_close(ours[key], stock[key], rtol=1e-4, atol=1e-5, msg=key)
+    ok, verdict = pair.check()
+    assert ok, verdict
+    counts = overhead.op_counts(pair.step(pair.converted), pair.reset(pair.converted))
+    total, forward, backward, aten = overhead.remat_calls(counts)
+    assert forward > 0 and backward == forward and total == forward + backward
+    stock_counts = overhead.op_counts(pair.step(pair.stock), pair.reset(pair.stock))
+    assert overhead.remat_calls(stock_counts)[0] == 0
+
+
+def test_the_op_count_includes_what_remat_ops_run_on_the_reference(reference_backend):
+    counts = overhead.op_counts(lambda: remat.gelu(torch.randn(4, 8)), lambda: None)
+    assert counts["remat::gelu_fwd"] == 1 and counts["aten::erf"] == 1  # the exact GELU's erf, inside the op
+
+
+def test_the_dispatch_measurement_compares_the_same_arithmetic():
+    double, forward_op, _ = overhead.trivial_ops()
+    leaf = torch.randn(3, 5, requires_grad=True)
+    torch.testing.assert_close(forward_op(leaf), double(leaf))
+    forward_op(leaf).backward(torch.ones(3, 5))
+    torch.testing.assert_close(leaf.grad, torch.full((3, 5), 2.0))
+    counts = overhead.op_counts(lambda: forward_op(leaf).sum().backward(), lambda: None)
+    assert counts["remat_bench::double_fwd"] == 1 and counts["remat_bench::double_bwd"] == 1
+
+
+def test_the_suite_is_run_only_when_named(monkeypatch):
+    assert cli.NAMED_SUITES == {name: suite.SIZES_MEAN for name, suite in bench.NAMED_SUITES.items()}
+    assert "overhead" not in bench.SUITES
+    ran = []
+    monkeypatch.setattr(bench, "run", lambda ops, *args, **kwargs: ran.append(ops))
+    monkeypatch.setattr(overhead, "run", lambda **kwargs: ran.append("overhead"))
+    cli.main(["bench", "all", "--device", "cpu"])
+    cli.main(["bench", "overhead", "gelu", "--device", "cpu"])
+    assert ran == [list(bench.SUITES), "overhead", ["gelu"]]
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["bench", "overhead", "--device", "cuda"], "--device cuda is not supported"),
+    (["bench", "gelu", "--reps", "3"], "--reps sets the overhead suite's timed calls"),
+])
+def test_arguments_it_does_not_take_are_one_line_errors(arguments, message):
+    with pytest.raises(SystemExit, match=message):
+        cli.main(arguments)
