@@ -13,6 +13,7 @@ walks the model.
 """
 
 import copy
+import functools
 import warnings
 import weakref
 
@@ -34,10 +35,11 @@ __all__ = ["ConversionReport", "RematMultiheadAttention", "RematSequential", "Re
 
 
 def _convert_children(parent, layers, recompute, path, report, hf_rules, consumed):
-    """Convert below `parent`. consumed: ids of modules that fx rewrites call no more (left alone)."""
+    """Convert below `parent`. hf_rules: the Hugging Face rules' convert_children (None: not a
+    transformers model); consumed: ids of modules that fx rewrites call no more (left alone)."""
     handled = set()
     if hf_rules is not None:
-        handled |= hf_rules.convert_children(parent, layers, recompute, path, report)
+        handled |= hf_rules(parent, layers, recompute, path, report)
     if fx_candidate(parent) and ("mlp" in layers or "layernorm" in layers):
         consumed |= fx_convert(parent, layers, recompute, path, report)
     consumed |= fx_consumed(parent)
@@ -119,16 +121,20 @@ def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False):
         model = copy.deepcopy(model)
     rows = ConversionReport()
     inner, inner_path = _peft_inner(model)
-    hf_rules = hf if hf.is_hf_model(inner) else None
+    hf_rules = None
+    if hf.is_hf_model(inner) and layers & {"layernorm", "mlp"}:  # one probe call, before any module changes
+        hf_rules = functools.partial(hf.convert_children, structure=hf.probe_structure(inner))
+    elif hf.is_hf_model(inner):
+        hf_rules = hf.convert_children
     order = {path or "(root)": i for i, (path, _) in enumerate(model.named_modules())}
     root = leaf_swap(model, layers, "", rows) if inner is model else None
     if root is not None:
         model = root
     else:
         _convert_children(inner, layers, recompute, inner_path, rows, hf_rules, set())
-    if hf_rules is not None and "attention" in layers:
+    if hf.is_hf_model(inner) and "attention" in layers:
         hf.convert_attention(inner, inner_path, rows)
-    if hf_rules is not None and "loss" in layers:
+    if hf.is_hf_model(inner) and "loss" in layers:
         hf.convert_loss(inner, inner_path, rows)
     rows.sort(key=lambda row: order.get(row.path, len(order)))  # rows in the model's module order
     rows.model = weakref.ref(model)

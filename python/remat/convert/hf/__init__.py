@@ -38,9 +38,11 @@ from .loss import convert_loss, revert_loss
 from .modules import Handoff, RematFusedLayerNorm
 from .registry import FAMILIES, memory_input, memory_models
 from .rules import PROBE_BROKEN, convert_children
+from .structure import probe as probe_structure
 
 __all__ = ["FAMILIES", "PROBE_BROKEN", "Handoff", "RematFusedLayerNorm", "convert_attention", "convert_children",
-           "convert_loss", "is_hf_model", "memory_input", "memory_models", "revert_attention", "revert_loss"]
+           "convert_loss", "is_hf_model", "memory_input", "memory_models", "probe_structure",
+           "revert_attention", "revert_loss"]
 
 
 def is_hf_model(model):

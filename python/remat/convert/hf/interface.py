@@ -53,11 +53,10 @@ def convert_attention(model, path, report):
     sdpa's or eager's calls, and some rework the mask, as Falcon's ALiBi), the config names another
     implementation than sdpa and eager, or the model does not take flash-attention-style masks (a
     forward that reworks the (B, 1, S, S) mask itself, as Doge's); the report says which."""
-    from .modules import _RematModule
     from .registry import family_of
 
     previous = model.config._attn_implementation
-    if any(isinstance(m, _RematModule) or family_of(m) is not None for m in model.modules()):
+    if any(family_of(m) is not None for m in model.modules()):
         return  # a family with rules (some of its modules swapped, or kept stock by a rule) decides its attention
     if previous not in ("sdpa", "eager"):
         report.add(path, model, "skipped", f"attention implementation {previous!r} kept (remat replaces sdpa "

@@ -111,8 +111,8 @@ def cross_attention(name):
 
 
 def family_of(module):
-    """The family one of whose classes `module` is, or None."""
-    name = type(module).__name__
+    """The family one of whose classes `module` is (or was, before its swap), or None."""
+    name = stock_name(module)
     return next((family for family in FAMILIES.values() if name in family.classes()), None)
 
 

@@ -2,6 +2,7 @@
 swapped to the remat classes (modules.py), which LayerNorms are handed over to the projection after
 them, each checked by a probe when it is made."""
 
+import collections
 import contextlib
 import dataclasses
 import inspect
@@ -15,8 +16,10 @@ from ..._linears import base_layer, fused_saved_bytes, is_falcon_linear, project
 from ..._numerics import rel_error
 from ...ops.attention import HEAD_DIMS
 from ...ops.rms_norm import rms_norm_output_ref, rms_norm_rstd_ref
+from ...specs import RMS_NORM_STYLES
 from ..patterns import MLP, fusable, layer_norm_fusable
-from ..swap import join, with_class
+from ..swap import is_converted, join, with_class
+from . import structure as structure_probe
 from .modules import (
     RematFusedLayerNorm,
     _RematFused,
@@ -43,6 +46,7 @@ from .registry import (
     stock_attention_reason,
     stock_mlp_reason,
 )
+from .structure import norm_node
 
 ATTENTION_SUFFIXES = ("Attention",)
 
@@ -141,9 +145,11 @@ def _swapped_attention(module, recompute, path):
     return _swapped(module, mixin, recompute, path, remat_cache_arg=_cache_argument(mixin, type(module)))
 
 
-def _fused_norm(norm, path):
-    """The fused norm for the stock LayerNorm or RMSNorm `norm` (RematFusedLayerNorm, RematFused<RMSNorm class>)."""
-    style = norm_style(type(norm).__name__) if type(norm) is not nn.LayerNorm else None
+def _fused_norm(norm, path, style=None):
+    """The fused norm for the stock LayerNorm or RMSNorm `norm` (RematFusedLayerNorm, RematFused<RMSNorm class>)
+    rounded as `style` (default: its family's)."""
+    if type(norm) is not nn.LayerNorm:
+        style = style or norm_style(type(norm).__name__)
     cls = RematFusedLayerNorm if style is None else remat_class(_RematFusedNorm, type(norm), remat_style=style)
     new = with_class(norm, cls)
     new.__dict__["remat_path"] = path
@@ -272,9 +278,9 @@ def _attention_rule(parent, name, module, recompute, path, report):
 # ---------------------------------------------------------------------------------------------
 
 
-def _mlp_candidate(module, recompute, path):
-    """(the swapped MLP for `module`, None) or (None, why not)."""
-    parts = mlp_parts(type(module).__name__)
+def _mlp_candidate(module, recompute, path, parts=None):
+    """(the swapped MLP for `module` made of `parts` (default: its family's), None) or (None, why not)."""
+    parts = parts or mlp_parts(type(module).__name__)
     names = (*fc1_names(parts), parts.act, parts.fc2)
     if not all(isinstance(getattr(module, n, None), nn.Module) for n in names):
         return None, f"{type(module).__name__} lacks the expected submodules {', '.join(names)}"
@@ -286,7 +292,7 @@ def _mlp_candidate(module, recompute, path):
 
 
 def _mlp_row(path, name, module, new, norm_name=None):
-    parts = mlp_parts(type(module).__name__)
+    parts = new.remat_parts
     chain = f"{' / '.join(fc1_names(parts))} -> {type(getattr(module, parts.act)).__name__} -> {parts.fc2}"
     if parts.dropout:
         chain += f" (+ {parts.dropout})"
@@ -297,11 +303,11 @@ def _mlp_row(path, name, module, new, norm_name=None):
         new.remat_saved_bytes
 
 
-def _mlp_rule(parent, name, module, recompute, path, report):
-    new, reason = _mlp_candidate(module, recompute, join(path, name))
+def _mlp_rule(parent, name, module, recompute, path, report, parts=None):
+    new, reason = _mlp_candidate(module, recompute, join(path, name), parts)
     if reason:
         return reason
-    fc1 = getattr(module, fc1_names(mlp_parts(type(module).__name__))[0])
+    fc1 = getattr(module, fc1_names(new.remat_parts)[0])
     reason = _self_probe(module, new, widths(fc1)[0], fc1.weight)
     if reason:
         return reason
@@ -352,9 +358,9 @@ def _attention_consumer(layer, name, recompute, path):
                      lambda report, norm_name: report.add(*_attention_row(path, name, module, new, norm_name))), None
 
 
-def _mlp_consumer(layer, name, recompute, path):
+def _mlp_consumer(layer, name, recompute, path, parts=None):
     module = layer._modules[name]
-    new, reason = _mlp_candidate(module, recompute, join(path, name))
+    new, reason = _mlp_candidate(module, recompute, join(path, name), parts)
     if reason:
         return None, reason
     readers = tuple(f"{name}.{n}" for n in fc1_names(new.remat_parts))
@@ -418,11 +424,15 @@ def _linear_consumer(layer, linear_path, recompute, path):
                      module.weight, rows), None
 
 
-def _consumer(layer, consumer_path, layers, recompute, path):
+def _consumer(layer, consumer_path, layers, recompute, path, mlps):
     """(_Consumer, None) for the module at `consumer_path` of `layer` taking over a LayerNorm's work,
-    or (None, why not)."""
+    or (None, why not). mlps: {path: MLPParts} of the MLPs the structure probe found."""
     module = submodule(layer, consumer_path)
     kind = type(module).__name__
+    if consumer_path in mlps:
+        if "mlp" not in layers:
+            return None, "layers excludes mlp"
+        return _mlp_consumer(layer, consumer_path, recompute, path, mlps[consumer_path])
     if attention_mixin(kind) and from_transformers(type(module)):
         if "attention" not in layers:
             return None, "layers excludes attention"
@@ -442,21 +452,23 @@ def _consumer(layer, consumer_path, layers, recompute, path):
     return _linear_consumer(layer, consumer_path, recompute, path)
 
 
-def _fusable_norm(layer, norm_name, layers):
-    """(the norm, None) when `norm_name` is a norm the rules fuse (an exact nn.LayerNorm, or an RMSNorm
-    class a family names), else (it or None, why not)."""
+def _fusable_norm(layer, norm_name, layers, style=None):
+    """(the norm, None) when `norm_name` is a norm the rules fuse (an exact nn.LayerNorm, an RMSNorm
+    class a family names, or one the structure probe found rounding as `style`), else (it or None, why not)."""
     norm = layer._modules.get(norm_name)
     if "layernorm" not in layers:
         return None, "layers excludes layernorm"
-    if type(norm) is not nn.LayerNorm and not (norm_style(type(norm).__name__) and from_transformers(type(norm))):
+    style = style or norm_style(type(norm).__name__)
+    if type(norm) is not nn.LayerNorm and not (style and from_transformers(type(norm))):
         return None, f"{norm_name} is {type(norm).__name__}, not exactly nn.LayerNorm nor an RMSNorm remat matches"
     return norm, _instance_reason(norm) or hook_reason(layer)
 
 
-def _rms_norm_reason(norm, width):
-    """None when the stock RMSNorm `norm` is the norm of its family's style over `width` features, rounded
-    as that style rounds (checked on a random input in the weight's dtype and in bf16), else why not."""
-    style = norm_style(type(norm).__name__)
+def _rms_norm_reason(norm, width, style=None):
+    """None when the stock RMSNorm `norm` is the norm of `style` (default: its family's) over `width`
+    features, rounded as that style rounds (checked on a random input in the weight's dtype and in
+    bf16), else why not."""
+    style = style or norm_style(type(norm).__name__)
     weight = getattr(norm, "weight", None)
     eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, float):
@@ -477,12 +489,12 @@ def _rms_norm_reason(norm, width):
     return None
 
 
-def _norm_reason(layer, norm_name, consumers, layers, recompute):
+def _norm_reason(layer, norm_name, consumers, layers, recompute, style=None):
     """(the LayerNorm, None) when it can be handed over to all of `consumers`, else (it or None, why not)."""
-    norm, reason = _fusable_norm(layer, norm_name, layers)
+    norm, reason = _fusable_norm(layer, norm_name, layers, style)
     for consumer in consumers if reason is None else ():
         reason = (layer_norm_fusable(norm, consumer.width, need_bias=consumer.need_bias)
-                  if type(norm) is nn.LayerNorm else _rms_norm_reason(norm, consumer.width)) or \
+                  if type(norm) is nn.LayerNorm else _rms_norm_reason(norm, consumer.width, style)) or \
             next(filter(None, (projection(submodule(layer, r), r)[1] for r in consumer.readers)), None)
         if reason:
             break
@@ -507,17 +519,23 @@ def _norm_row(report, path, layer, norm_name, norm, new_norm, consumers):
                f"applied inside {applied}, fused into {into}; returns its input{note}", saves)
 
 
-def _hand_over(layer, norm_name, consumer_paths, layers, recompute, path, report):
+# What the structure probe found of a layer (structure.py): the RMSNorm style of each norm child,
+# {path: MLPParts} of its MLP children, and call(layer, x), the layer called as the probe called it.
+Found = collections.namedtuple("Found", "styles mlps call")
+
+
+def _hand_over(layer, norm_name, consumer_paths, layers, recompute, path, report, found=None):
     """Hand the LayerNorm `norm_name` over to the modules at `consumer_paths`, all of them or none;
-    returns the paths of the consumers installed."""
-    built = [_consumer(layer, p, layers, recompute, path) for p in consumer_paths]
+    returns the paths of the consumers installed. found: what the structure probe found of an unruled layer."""
+    style, mlps = (found.styles.get(norm_name), found.mlps) if found else (None, {})
+    built = [_consumer(layer, p, layers, recompute, path, mlps) for p in consumer_paths]
     consumers = [c for c, _ in built if c is not None]
     reason = next((r for c, r in built if c is None), None)
-    norm, norm_reason = _fusable_norm(layer, norm_name, layers) if reason else \
-        _norm_reason(layer, norm_name, consumers, layers, recompute)
+    norm, norm_reason = _fusable_norm(layer, norm_name, layers, style) if reason else \
+        _norm_reason(layer, norm_name, consumers, layers, recompute, style)
     reason = reason or norm_reason
     if reason is None:
-        fused_norm = _fused_norm(norm, join(path, norm_name))
+        fused_norm = _fused_norm(norm, join(path, norm_name), style)
         fused_norm.__dict__["remat_recompute"] = recompute
         members = {norm_name: fused_norm}
         producers = {"norm": norm_name}
@@ -527,7 +545,8 @@ def _hand_over(layer, norm_name, consumer_paths, layers, recompute, path, report
         dropout = next((c.dropout for c in consumers if c.dropout), None)
         link(layer, members, producers, [c.path for c in consumers], dropout)
         first = consumers[0]
-        reason = _swap_probe(layer, members, first.width, first.param, [members[c.path] for c in consumers])
+        reason = _swap_probe(layer, members, first.width, first.param, [members[c.path] for c in consumers],
+                             found.call if found else None)
     if reason is None:
         _install(layer, members)
         for consumer in consumers:
@@ -630,8 +649,10 @@ def _rms_norms_reported(layer, wiring, path, report):
     return names
 
 
-def _pair_rule(layer, recompute, path, report):
-    inter_name, inter_class, out_name, out_class = pair_rule(type(layer).__name__)
+def _pair_rule(layer, recompute, path, report, pair=None):
+    """BERT's FFN split over two children (pair: (intermediate name, its class name, output name, its
+    class name); default: the family's) fused into the output module."""
+    inter_name, inter_class, out_name, out_class = pair or pair_rule(type(layer).__name__)
     inter, out = getattr(layer, inter_name, None), getattr(layer, out_name, None)
     if type(inter).__name__ != inter_class or type(out).__name__ != out_class:
         return None  # already converted, or not the expected structure
@@ -671,10 +692,97 @@ def _holds_ruled_attention(module):
     return any(attention_mixin(type(m).__name__) and from_transformers(type(m)) for m in module.modules())
 
 
-def convert_children(parent, layers, recompute, path, report):
-    """Apply the family rules to `parent`'s children; returns the names convert must not touch."""
+# ---------------------------------------------------------------------------------------------
+# Modules no family rule covers: fusions the structure probe found
+# ---------------------------------------------------------------------------------------------
+
+
+def _replay(frame):
+    """call(module, x): `module` called as the probe called it, x in place of its hidden states."""
+    rest = {k: v for k, v in frame.kwargs.items() if k != "hidden_states"}
+    if frame.args:
+        return lambda module, x: _first_output(module(x, *frame.args[1:], **rest))
+    return lambda module, x: _first_output(module(hidden_states=x, **rest))
+
+
+def _norm_consumers(readers, mlps):
+    """The consumer paths of a norm read by the Linear-likes `readers`: an MLP child whose first
+    projections are exactly the readers below it, else each reader."""
+    consumers = list(readers)
+    for name, parts in mlps.items():
+        firsts = [f"{name}.{n}" for n in fc1_names(parts)]
+        below = [r for r in readers if r.startswith(f"{name}.")]
+        if sorted(below) == sorted(firsts):
+            consumers = [c for c in consumers if c not in below] + [name]
+    return consumers
+
+
+def _split_ffn(structure, layer):
+    """The pair-rule tuple of BERT-like children (an intermediate with dense and intermediate_act_fn whose
+    output only the output child reads, that child with dense, dropout and LayerNorm), or None."""
+    frame = structure.frame(layer)
+    for inter_name, inter in layer._modules.items():
+        node = norm_node(frame, inter_name) if frame is not None else None
+        if node is None or not all(isinstance(getattr(inter, n, None), nn.Module) for n in ("dense",
+                                                                                         "intermediate_act_fn")):
+            continue
+        uses, returned = frame.uses(node.outputs[0])
+        out = layer._modules.get(uses[0].name) if len(uses) == 1 and uses[0].kind == "module" else None
+        if not returned and out is not None and all(isinstance(getattr(out, n, None), nn.Module)
+                                                    for n in ("dense", "dropout", "LayerNorm")):
+            return inter_name, type(inter).__name__, uses[0].name, type(out).__name__
+    return None
+
+
+def _structural_rule(layer, structure, layers, recompute, path, report):
+    """Fuse what the structure probe shows safe in a transformers module no family rule covers:
+    its norm children into the projections reading them, its MLP children, a split FFN; the names
+    of the children handled."""
+    frame = structure.frame(layer)
+    x = frame.hidden_states() if frame is not None else None
+    if x is None or tuple(x.shape[:2]) != structure_probe.PROBE_SHAPE:
+        return set()  # not called by the probe as a layer on the hidden states: its children go on their own
+    handled = set()
+    pair = _split_ffn(structure, layer) if "mlp" in layers else None
+    if pair is not None:
+        handled |= _pair_rule(layer, recompute, path, report, pair) or set()
+    mlps = structure_probe.mlp_children(structure, layer) if "mlp" in layers else {}
+    norms = {n: c for n, c in layer._modules.items() if c is not None and structure_probe.is_norm(c)}
+    styles = {n: structure_probe.rms_style(c) for n, c in norms.items() if type(c) is not nn.LayerNorm}
+    found = Found(styles, mlps, _replay(frame))
+    for norm_name, norm in norms.items():
+        node = structure_probe.norm_node(frame, norm_name)
+        readers, reason = structure_probe.linear_readers(structure, frame, node.outputs[0]) if node else \
+            (None, "not called once by the forward")
+        if reason is None and type(norm) is not nn.LayerNorm and styles[norm_name] is None:
+            reason = f"{type(norm).__name__}'s forward is none of remat's RMSNorm styles {RMS_NORM_STYLES} bitwise"
+        if reason is None and "layernorm" in layers:
+            handled |= _hand_over(layer, norm_name, _norm_consumers(readers, mlps), layers, recompute, path, report,
+                                  found)
+        elif reason is not None and type(norm) is not nn.LayerNorm:  # a LayerNorm goes on to remat.nn.LayerNorm
+            report.add(join(path, norm_name), norm, "skipped", f"not fused into a projection: {reason}")
+            handled.add(norm_name)
+    for name, parts in mlps.items():
+        if name not in handled and not is_converted(layer._modules[name]):
+            reason = _mlp_rule(layer, name, layer._modules[name], recompute, path, report, parts)
+            if reason:
+                report.add(join(path, name), layer._modules[name], "skipped", reason)
+            handled.add(name)
+    return {h for h in handled if "." not in h}
+
+
+def _unruled(module):
+    """A transformers module that no family rule names (nor any of its children)."""
+    return from_transformers(type(module)) and family_of(module) is None and not is_converted(module)
+
+
+def convert_children(parent, layers, recompute, path, report, structure=None):
+    """Apply the family rules to `parent`'s children, and to a module no rule covers what the
+    structure probe (structure.probe of the model) found; returns the names convert must not touch."""
     handled = set()
     kind = type(parent).__name__
+    if structure is not None and _unruled(parent):
+        handled |= _structural_rule(parent, structure, layers, recompute, path, report)
     if pair_rule(kind) and from_transformers(type(parent)) and "mlp" in layers:
         handled |= _pair_rule(parent, recompute, path, report) or set()
     if _has_layer_rule(kind) and from_transformers(type(parent)):
@@ -699,10 +807,12 @@ def convert_children(parent, layers, recompute, path, report):
             report.add(join(path, name), child, "skipped", stock_mlp_reason(child))
         elif kind.endswith(ATTENTION_SUFFIXES) and "attention" in layers and not _has_layer_rule(kind) \
                 and not _holds_ruled_attention(child):  # T5LayerSelfAttention has its layer rule
-            report.add(join(path, name), child, "skipped", f"no remat rule for {kind}: it runs as it is")
-        elif _unruled_layer(child):
+            report.add(join(path, name), child, "skipped", f"no remat rule for {kind}: it runs as it is, its attention "
+                       "function the model's attention implementation (remat's where the root row says so)")
+        elif _unruled_layer(child) and (structure is None or structure.reason):
+            why = f" and no probe of its structure: {structure.reason}" if structure is not None else ""
             report.add(join(path, name), child, "skipped",
-                       f"no remat rule for {kind}: its norms are not fused into the projections after "
+                       f"no remat rule for {kind}{why}: its norms are not fused into the projections after "
                        "them, and its MLP is not fused")
     return handled
 

@@ -1,0 +1,321 @@
+"""Fusions found by structure: one probe call of the whole model at convert time records, for every
+module, which tensors its forward hands to which of its children and torch functions; the layers no
+family rule covers are then fused where that dataflow says it is safe:
+
+- a norm (an exact nn.LayerNorm, or an RMSNorm whose forward rounds as one of remat's styles,
+  checked bitwise) whose output is read by Linear-like projections and by nothing else (not the
+  residual, not a view, not a function) is fused into them: into a recognised MLP, or into each
+  projection, x and its statistics kept once;
+- an MLP module whose forward is fc1 -> act -> fc2 (a dropout after fc2 allowed), down(act(gate(x))
+  * up(x)), or down(act(g) * u) with g, u = gate_up(x).chunk(2) becomes the fused MLP;
+- a layer handing its intermediate's output to its output module only (BERT-like FFNs split in two)
+  gets the pair rule.
+
+Nothing here reads a class name or calls a private method: what the probe did not see, or saw
+used otherwise, stays stock with the reason in the report; every fusion is then checked
+numerically against the stock forward, replayed with the arguments the probe recorded.
+"""
+
+import collections
+import contextlib
+import inspect
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ..._guards import from_transformers
+from ..._linears import widths
+from ...ops.rms_norm import rms_norm_output_ref, rms_norm_rstd_ref
+from ...specs import RMS_NORM_STYLES
+from .modules import MLPParts, _RematGatedMLP
+
+# A call recorded in a module's forward: a child module ("module", its name) or a torch function
+# ("function", its name), with the ids of the tensors it read and returned.
+Node = collections.namedtuple("Node", "kind name inputs outputs")
+
+# Functions that read a tensor's metadata only (shape, dtype, device, ...): not a use of its values.
+_METADATA = frozenset({"__get__", "size", "dim", "ndimension", "numel", "nelement", "__len__", "stride",
+                       "is_floating_point", "is_complex", "is_contiguous", "get_device", "element_size"})
+
+# The probe's input: token ids of this shape (batch, sequence); every recorded hidden state is then
+# (batch, sequence, width), the shape the fusions' numerical checks replay.
+PROBE_SHAPE = (2, 3)
+
+
+def _metadata(node):
+    """A function call that read metadata only (no tensor out): not a use of its input's values."""
+    return node.kind == "function" and node.name in _METADATA and not node.outputs
+
+
+def _tensors(value):
+    """The tensors in `value` (nested tuples, lists, dicts, transformers' ModelOutputs)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+class Frame:
+    """The first call of one module: its arguments, the calls its own forward made (not those inside
+    its children), and the ids of the tensors it returned."""
+
+    def __init__(self, module, args, kwargs):
+        self.module, self.args, self.kwargs = module, args, kwargs
+        self.inputs = [id(t) for t in _tensors((args, kwargs))]
+        self.nodes, self.outputs, self.open = [], (), True
+
+    def uses(self, tensor_id):
+        """The nodes reading the tensor (metadata reads aside), and whether the forward returned it."""
+        nodes = [n for n in self.nodes if tensor_id in n.inputs and not _metadata(n)]
+        return nodes, tensor_id in self.outputs
+
+    def producer(self, tensor_id):
+        return next((n for n in self.nodes if tensor_id in n.outputs), None)
+
+    def hidden_states(self):
+        """The first positional tensor argument (the hidden states of a layer or MLP), or None."""
+        first = self.args[0] if self.args else self.kwargs.get("hidden_states")
+        return first if isinstance(first, torch.Tensor) else None
+
+
+class _Recorder(TorchFunctionMode):
+    """Records a Frame per module (its first call) while the model runs once."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.frames, self.stack, self.keep, self.handles = {}, [], [], []
+        for module in model.modules():
+            self.handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
+            self.handles.append(module.register_forward_hook(self._leave, with_kwargs=True, always_call=True))
+
+    def _frame(self):
+        """The frame of the module whose own forward is running now, while it records."""
+        frame = self.frames.get(self.stack[-1]) if self.stack else None
+        return frame if frame is not None and frame.open else None
+
+    def _enter(self, module, args, kwargs):
+        parent = self._frame()
+        if parent is not None:
+            name = next((n for n, c in parent.module._modules.items() if c is module), None)
+            parent.nodes.append(Node("module", name, [id(t) for t in _tensors((args, kwargs))], []))
+        if module not in self.frames:
+            self.keep.append((args, kwargs))
+            self.frames[module] = Frame(module, args, kwargs)
+        self.stack.append(module)
+
+    def _leave(self, module, args, kwargs, output):
+        self.stack.pop()
+        self.keep.append(output)  # ids stay unique while the probe runs
+        outputs = [id(t) for t in _tensors(output)]
+        frame = self.frames[module]
+        if frame.open and module not in self.stack:
+            frame.outputs, frame.open = outputs, False
+        parent = self._frame()
+        if parent is not None and parent.nodes:
+            parent.nodes[-1].outputs.extend(outputs)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        frame = self._frame()
+        if frame is not None:
+            self.keep.append(out)
+            frame.nodes.append(Node("function", getattr(func, "__name__", str(func)),
+                                    [id(t) for t in _tensors((args, kwargs))], [id(t) for t in _tensors(out)]))
+        return out
+
+    def close(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+def _probe_inputs(model, param):
+    """The keyword arguments of the probe call: token ids (and decoder ids), or None with why not."""
+    if model.main_input_name != "input_ids":
+        return None, f"its input is {model.main_input_name}, not token ids"
+    vocab = getattr(model.config, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < 1:
+        return None, "its config has no vocab_size"
+    ids = torch.randint(0, min(vocab, 100), PROBE_SHAPE, generator=torch.Generator().manual_seed(4))
+    inputs = {"input_ids": ids.to(param.device)}
+    if getattr(model.config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = inputs["input_ids"]
+    return inputs, None
+
+
+@contextlib.contextmanager
+def _eval(model):
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in flags:
+            m.training = training
+
+
+class Structure:
+    """What the probe call recorded of a model: Frames, and why there are none (reason)."""
+
+    def __init__(self, frames, reason=None):
+        self.frames, self.reason = frames, reason
+
+    def frame(self, module):
+        return self.frames.get(module)
+
+
+def probe(model):
+    """Run `model` once on a few token ids (eval mode, no grad, on its parameters' device) and record
+    every module's dataflow; Structure(frames) or Structure({}, why not)."""
+    param = next(model.parameters(), None)
+    if param is None or param.is_meta:
+        return Structure({}, "its parameters are on the meta device: nothing to probe")
+    inputs, reason = _probe_inputs(model, param)
+    if reason:
+        return Structure({}, reason)
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        inputs["use_cache"] = False  # the layers' calls recorded without a cache, as in training
+    recorder = _Recorder(model)
+    try:
+        with torch.no_grad(), _eval(model), recorder:
+            model(**inputs)
+    except Exception as error:  # noqa: BLE001 - a model this probe cannot call: no structural fusion
+        return Structure({}, f"its probe call failed ({type(error).__name__}: {error})")
+    finally:
+        recorder.close()
+    return Structure(recorder.frames)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the dataflow
+# ---------------------------------------------------------------------------------------------
+
+
+def linear_readers(structure, frame, tensor_id, prefix=""):
+    """(paths below frame's module of the Linear-like modules reading the tensor, None), following it
+    into child modules that pass it on; or (None, why something else reads it)."""
+    nodes, returned = frame.uses(tensor_id)
+    owner = type(frame.module).__name__
+    if returned:
+        return None, f"{owner}'s forward returns it"
+    readers = []
+    for node in nodes:
+        child = frame.module._modules.get(node.name) if node.kind == "module" else None
+        if node.kind == "function" or child is None:
+            return None, f"{node.name}() in {owner}'s forward reads it"
+        if widths(child) is not None:
+            readers.append(prefix + node.name)
+            continue
+        inner = structure.frame(child)
+        if inner is None or tensor_id not in inner.inputs:
+            return None, f"{prefix}{node.name} reads it without a recorded call"
+        found, reason = linear_readers(structure, inner, tensor_id, f"{prefix}{node.name}.")
+        if reason:
+            return None, reason
+        readers += found
+    if not readers:
+        return None, "no projection reads it"
+    return readers, None
+
+
+def norm_node(frame, name):
+    """The one call of the child `name` in frame, or None (not called, or called more than once)."""
+    calls = [n for n in frame.nodes if n.kind == "module" and n.name == name]
+    return calls[0] if len(calls) == 1 and len(calls[0].outputs) == 1 else None
+
+
+def is_norm(module):
+    """An exact nn.LayerNorm, or a transformers module with a 1-D weight and a float eps (an RMSNorm
+    candidate; rms_style says whether it is one)."""
+    if type(module) is nn.LayerNorm:
+        return True
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
+    return from_transformers(type(module)) and isinstance(weight, nn.Parameter) and weight.dim() == 1 and \
+        isinstance(eps, float) and widths(module) is None and not list(module.children())
+
+
+def rms_style(norm):
+    """The style of remat's RMSNorm that `norm`'s forward computes bitwise (on a random input in its
+    weight's dtype and in bf16), or None."""
+    weight, eps = norm.weight, getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
+    x = torch.randn(6, weight.shape[0], generator=torch.Generator().manual_seed(3))
+    for style in RMS_NORM_STYLES:
+        for dtype in dict.fromkeys((weight.dtype, torch.bfloat16)):
+            xi = x.to(weight.device, dtype)
+            with torch.no_grad():
+                want = norm(xi)
+                got = rms_norm_output_ref(xi, weight, rms_norm_rstd_ref(xi, eps), style)
+            if want.dtype != got.dtype or not torch.equal(want, got):
+                break
+        else:
+            return style
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# MLPs
+# ---------------------------------------------------------------------------------------------
+
+
+def _linear(frame, node):
+    return node.kind == "module" and widths(frame.module._modules[node.name]) is not None
+
+
+def _reads(node, producer, index=0):
+    return producer is not None and len(producer.outputs) > index and producer.outputs[index] in node.inputs
+
+
+def mlp_parts(structure, module):
+    """(MLPParts of `module`'s forward, None) when the probe saw fc1 -> act -> fc2 [-> dropout],
+    down(act(gate(x)) * up(x)) or down(act(g) * u) with (g, u) = gate_up(x).chunk(2); else (None, why)."""
+    frame = structure.frame(module)
+    if frame is None or frame.hidden_states() is None:
+        return None, "the probe did not call it with hidden states"
+    nodes = [n for n in frame.nodes if not _metadata(n)]
+    x = id(frame.hidden_states())
+    calls = [(n.kind, n.name) for n in nodes]
+    firsts = [n for n in nodes if x in n.inputs]
+    if not firsts or not all(_linear(frame, n) for n in firsts):
+        return None, f"its input goes to {', '.join(n.name for n in firsts) or 'nothing'}, not projections only"
+    if len(firsts) == 1 and len(nodes) >= 3 and all(n.kind == "module" for n in nodes[:3]) and \
+            not _linear(frame, nodes[1]) and _linear(frame, nodes[2]) and len(nodes) <= 4:
+        fc1, act, fc2, *rest = nodes  # plain: fc1 -> act -> fc2, a dropout module after
+        dropout = rest[0] if rest else None
+        last = dropout or fc2
+        if _reads(act, fc1) and _reads(fc2, act) and (dropout is None or (dropout.kind == "module" and _reads(
+                dropout, fc2) and isinstance(module._modules[dropout.name], nn.Dropout))) and \
+                frame.outputs == last.outputs[:1]:
+            return MLPParts(fc1.name, act.name, fc2.name, dropout.name if dropout else None), None
+    by_kind = collections.Counter(kind for kind, _ in calls)
+    if by_kind["module"] == 4 and len(firsts) == 2 and by_kind["function"] == 1:
+        act = next((n for n in nodes if n.kind == "module" and not _linear(frame, n)), None)
+        mul, down = next((n for n in nodes if n.kind == "function"), None), nodes[-1]
+        gate = next((n for n in firsts if _reads(act, n)), None) if act is not None else None
+        up = next((n for n in firsts if n is not gate), None)
+        if gate is not None and mul.name in ("mul", "__mul__") and _reads(mul, act) and _reads(mul, up) and \
+                _linear(frame, down) and _reads(down, mul) and frame.outputs == down.outputs[:1]:
+            return MLPParts((gate.name, up.name), act.name, down.name, None, _RematGatedMLP), None
+    if by_kind["module"] == 3 and len(firsts) == 1 and by_kind["function"] == 2:
+        gate_up, chunk, act, mul, down = nodes if len(nodes) == 5 else (None,) * 5
+        if chunk is not None and chunk.name == "chunk" and _reads(chunk, gate_up) and _reads(act, chunk, 0) and \
+                mul.name in ("mul", "__mul__") and _reads(mul, act) and _reads(mul, chunk, 1) and \
+                _linear(frame, down) and _reads(down, mul) and frame.outputs == down.outputs[:1]:
+            return MLPParts(gate_up.name, act.name, down.name, None, _RematGatedMLP), None
+    listed = ", ".join(name for _, name in calls)
+    return None, f"its forward ({listed}) is none of fc1 -> act -> fc2, down(act(gate) * up), down(act(g) * u)"
+
+
+def mlp_children(structure, layer):
+    """{child name: MLPParts} of the children of `layer` the probe saw as MLPs."""
+    found = {}
+    for name, child in layer._modules.items():
+        if child is not None and from_transformers(type(child)) and sum(
+                widths(c) is not None for c in child.children()) >= 2:
+            parts, _ = mlp_parts(structure, child)
+            if parts is not None:
+                found[name] = parts
+    return found

@@ -1,0 +1,217 @@
+"""Fusions found by structure (remat.convert.hf.structure): in the Hugging Face models no family rule
+covers, one probe call of the model records which module outputs feed which modules and functions;
+a norm read only by projections is fused into them, an MLP whose forward is fc1 -> act -> fc2 or a
+gated MLP becomes the fused MLP, a BERT-like FFN split in two the fused pair. The same loss and
+gradients as stock, the exact bytes no longer kept, and the reasons for what the dataflow refuses."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import transformers
+from test_hf_rms_families import build_case, expected_saving
+
+import remat
+from remat.convert import RematWarning
+from remat.convert.hf import registry
+from remat.convert.hf.modules import _RematFusedNorm, _RematGatedMLP, _RematMLP, _RematNormedLinear, _RematOutput
+
+from hf_models import (
+    LAYERS,
+    VOCAB,
+    assert_same_step,
+    assert_save_pretrained_round_trip,
+    convert_layers,
+    family_inputs,
+    grad_error,
+    loss_and_grads,
+    step_saved_bytes,
+    tiny_loss,
+    tiny_model,
+)
+from numerics import rel_error, saved_bytes
+
+LAYER_FUSIONS = {"layernorm", "mlp"}
+
+
+def _without_rules(monkeypatch, family):
+    """The family's rules gone, as for a family remat has never heard of."""
+    monkeypatch.delitem(registry.FAMILIES, family)
+
+
+def _layers(model):
+    """The model's stack of layers (its longest ModuleList): what a family's expectations count."""
+    return max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len)
+
+
+def _kinds(model):
+    """{fusion kind: count} below `model`: fused norms, projections a norm is fused into, MLPs, split FFNs."""
+    kinds = {"norm": _RematFusedNorm, "projection": _RematNormedLinear, "mlp": (_RematMLP, _RematGatedMLP),
+             "ffn": _RematOutput}
+    return {kind: sum(isinstance(m, cls) for m in model.modules()) for kind, cls in kinds.items()}
+
+
+def _skipped(report, path_end):
+    return [row.reason for row in report.skipped if row.path.endswith(path_end)]
+
+
+def test_llama_without_its_rules_keeps_what_its_rules_keep(monkeypatch):
+    """A Llama remat has no rule for: both norms of each layer fused (into q, k and v, into the gated MLP),
+    the MLP fused, exactly the bytes the Llama rules save on these layers (docs/memory.md), same step."""
+    stock, ffn = build_case("llama")
+    batch = family_inputs("llama", "cpu")
+    _without_rules(monkeypatch, "llama")
+    converted, report = convert_layers(stock, report=True, layers=LAYER_FUSIONS)
+    assert _kinds(converted) == {"norm": 2 * LAYERS, "projection": 3 * LAYERS, "mlp": LAYERS, "ffn": 0}, str(report)
+    saving, report_saving = expected_saving("llama", ffn, "cpu", remat_attention=False)
+    assert step_saved_bytes(stock, batch) - step_saved_bytes(converted, batch) == saving
+    assert report.saved_bytes_per_token() == report_saving
+    assert_same_step(stock, converted, batch)
+    remat.revert(converted)
+    assert _kinds(converted) == {"norm": 0, "projection": 0, "mlp": 0, "ffn": 0}
+    assert_same_step(stock, converted, batch)
+
+
+def test_llama_without_its_rules_round_trips_its_checkpoint(monkeypatch, tmp_path):
+    stock, _ = build_case("llama")
+    _without_rules(monkeypatch, "llama")
+    assert_save_pretrained_round_trip(stock, family_inputs("llama", "cpu"), tmp_path)
+
+
+@pytest.mark.parametrize("order", ["lora_then_convert", "convert_then_lora"])
+def test_lora_on_a_model_without_rules(monkeypatch, order):
+    """peft LoRA on every projection, before or after conversion: the stock LoRA step (a norm whose
+    projections carry LoRA stays stock, with the reason; the gated MLP takes LoRA inside its fused op)."""
+    peft = pytest.importorskip("peft")
+    stock, _ = build_case("llama")
+    _without_rules(monkeypatch, "llama")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
+                             lora_dropout=0.0, init_lora_weights=False)
+    reference = peft.get_peft_model(copy.deepcopy(stock), config)
+    if order == "lora_then_convert":
+        model, report = convert_layers(peft.get_peft_model(copy.deepcopy(stock), config), report=True,
+                                       layers=LAYER_FUSIONS)
+        assert _kinds(model)["mlp"] == LAYERS
+        assert any("not exactly nn.Linear" in r for r in _skipped(report, "input_layernorm")), str(report)
+    else:
+        model = peft.get_peft_model(convert_layers(copy.deepcopy(stock), layers=LAYER_FUSIONS), config)
+    model.load_state_dict(reference.state_dict())
+    batch = family_inputs("llama", "cpu")
+    loss, grads = loss_and_grads(reference, batch)
+    got_loss, got_grads = loss_and_grads(model, batch)
+    torch.testing.assert_close(got_loss, loss, rtol=1e-5, atol=1e-6)
+    grads = {k: g for k, g in grads.items() if g is not None}
+    assert len(grads) == 12 * LAYERS and {k for k, g in got_grads.items() if g is not None} == grads.keys()
+    for key, grad in grads.items():
+        torch.testing.assert_close(got_grads[key], grad, rtol=1e-4, atol=1e-6, msg=key)
+
+
+# --- What the dataflow refuses ---------------------------------------------------------------------
+
+
+def test_an_mlp_whose_activation_reads_the_product_stays_stock(monkeypatch):
+    """down(act(gate(x) * up(x))) is not a gated MLP: the probe sees the activation read the product."""
+    stock, _ = build_case("llama")
+    _without_rules(monkeypatch, "llama")
+    monkeypatch.setattr(transformers.models.llama.modeling_llama.LlamaMLP, "forward",
+                        lambda self, x: self.down_proj(self.act_fn(self.gate_proj(x) * self.up_proj(x))))
+    converted, report = convert_layers(stock, report=True, layers=LAYER_FUSIONS)
+    assert _kinds(converted)["mlp"] == 0
+    assert all("none of fc1 -> act -> fc2" in r for r in _skipped(report, "post_attention_layernorm")), str(report)
+    assert_same_step(stock, converted, family_inputs("llama", "cpu"))
+
+
+def test_a_norm_that_rounds_as_none_of_remat_s_stays_stock(monkeypatch):
+    """An RMSNorm whose forward is not one of remat's styles bitwise (here: eps added after the root)."""
+    stock, _ = build_case("llama")
+    _without_rules(monkeypatch, "llama")
+
+    def forward(self, x):
+        return self.weight * (x / (x.pow(2).mean(-1, keepdim=True).sqrt() + self.variance_epsilon))
+
+    monkeypatch.setattr(transformers.models.llama.modeling_llama.LlamaRMSNorm, "forward", forward)
+    converted, report = convert_layers(stock, report=True, layers=LAYER_FUSIONS)
+    assert _kinds(converted)["norm"] == 0 and _kinds(converted)["mlp"] == LAYERS
+    assert all("none of remat's RMSNorm styles" in r for r in _skipped(report, "input_layernorm")), str(report)
+    assert_same_step(stock, converted, family_inputs("llama", "cpu"))
+
+
+def test_a_norm_feeding_the_residual_stays_stock():
+    """OLMo-2 normalises each block's output before the residual add: nothing to fuse those norms into."""
+    stock, _ = tiny_model("Olmo2Config")
+    _, report = convert_layers(stock, report=True, layers=LAYER_FUSIONS)
+    reasons = _skipped(report, "post_attention_layernorm")
+    assert len(reasons) == LAYERS and all("add() in Olmo2DecoderLayer's forward reads it" in r for r in reasons)
+
+
+def test_a_model_on_the_meta_device_is_not_probed():
+    with torch.device("meta"):
+        stock, _ = tiny_model("GraniteConfig")
+    with pytest.warns(RematWarning):
+        converted, report = convert_layers(stock, report=True, layers=LAYER_FUSIONS)
+    assert _kinds(converted) == {"norm": 0, "projection": 0, "mlp": 0, "ffn": 0}
+    assert any("meta device" in row.reason for row in report.skipped), str(report)
+
+
+# --- Families remat has no rule for -----------------------------------------------------------------
+
+# config -> the fusions found in each of its layers ({kind: count per layer}), or the reason none is:
+# a norm fused into its projections (projection: how many), a norm into a fused MLP, a split FFN.
+NORMS_AND_MLP = {"norm": 2, "projection": 3, "mlp": 1}
+FURTHER_FAMILIES = {
+    "GraniteConfig": NORMS_AND_MLP, "SmolLM3Config": NORMS_AND_MLP, "Glm4Config": NORMS_AND_MLP,
+    "GlmConfig": NORMS_AND_MLP, "MinistralConfig": NORMS_AND_MLP, "HeliumConfig": NORMS_AND_MLP,
+    "Ernie4_5Config": NORMS_AND_MLP, "StableLmConfig": NORMS_AND_MLP, "DogeConfig": NORMS_AND_MLP,
+    "Qwen2MoeConfig": {"norm": 1, "projection": 3, "mlp": 1},  # the MoE's shared expert, its norm not fused
+    "GPTBigCodeConfig": {"norm": 2, "projection": 1, "mlp": 1},  # c_attn: q, k and v in one projection
+    "Olmo2Config": {"mlp": 1}, "OlmoConfig": {"mlp": 1}, "Exaone4Config": {"mlp": 1},  # post-norm blocks
+    "CohereConfig": {"mlp": 1}, "Cohere2Config": {"mlp": 1},  # a LayerNorm without a bias remat fuses no RMSNorm
+    "Qwen3MoeConfig": {"norm": 1, "projection": 3}, "OlmoeConfig": {"norm": 1, "projection": 3},  # MoE MLPs
+    "GraniteMoeConfig": {"norm": 1, "projection": 3}, "GptOssConfig": {"norm": 1, "projection": 3},
+    "ArceeConfig": {"norm": 1, "projection": 3},  # its MLP's ReLU² is none of remat's
+    "PersimmonConfig": {"norm": 1, "projection": 1},  # its MLP's ReLU² is none of remat's
+    "ModernBertConfig": {"norm": 2, "projection": 2},  # a dropout inside its gated MLP
+    "ElectraConfig": {"ffn": 1}, "ErnieConfig": {"ffn": 1}, "XLMRobertaConfig": {"ffn": 1},
+    "CamembertConfig": {"ffn": 1}, "Data2VecTextConfig": {"ffn": 1},
+    "NemotronConfig": "ReLUSquaredActivation is not a GELU",
+    "DebertaV2Config": "has no feed_forward_chunk",
+}
+# Fusions fewer than per layer × layers: ModernBERT's first layer has no attention norm (an Identity).
+FEWER = {"ModernBertConfig": {"norm": 1, "projection": 1}}
+
+
+@pytest.mark.parametrize("config_name", FURTHER_FAMILIES)
+def test_a_family_without_rules_saves_bytes_or_says_why(config_name):
+    """remat.convert's layer fusions on a tiny model of a family remat has no rule for: the fusions the
+    dataflow allows in every layer, fewer bytes kept, the same loss and gradients; or the reason."""
+    if not hasattr(transformers, config_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {config_name}")
+    torch.manual_seed(0)
+    stock, kind = tiny_model(config_name)
+    ids = torch.randint(3, VOCAB, (2, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        converted, report = convert_layers(stock, report=True, layers=LAYER_FUSIONS)
+    stock_bytes, converted_bytes = (saved_bytes(lambda m=m: tiny_loss(m, kind, ids), exclude=list(m.parameters()))
+                                    for m in (stock, converted))
+    expected = FURTHER_FAMILIES[config_name]
+    if isinstance(expected, str):
+        assert converted_bytes == stock_bytes
+        assert any(expected in row.reason for row in report.skipped), str(report)
+    else:
+        kinds = _kinds(_layers(converted))  # not the LM head's (RoBERTa-like heads fuse their LayerNorm)
+        layers = stock.config.num_hidden_layers
+        fewer = FEWER.get(config_name, {})
+        want = {k: n * layers - fewer.get(k, 0) for k, n in expected.items()}
+        assert {k: n for k, n in kinds.items() if n} == want, str(report)
+        assert converted_bytes < stock_bytes
+    loss = tiny_loss(stock, kind, ids)
+    loss.backward()
+    converted_loss = tiny_loss(converted, kind, ids)
+    converted_loss.backward()
+    assert rel_error(converted_loss, loss) < 1e-5
+    grads = {n: p.grad for n, p in stock.named_parameters() if p.grad is not None}
+    converted_grads = dict(converted.named_parameters())
+    total = sum(g.double().norm() ** 2 for g in grads.values()) ** 0.5
+    assert max(grad_error(converted_grads[n].grad, g, total) for n, g in grads.items()) < 1e-4
