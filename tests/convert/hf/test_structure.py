@@ -73,6 +73,22 @@ def test_llama_without_its_rules_keeps_what_its_rules_keep(monkeypatch):
     assert_same_step(stock, converted, batch)
 
 
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"])
+def test_without_its_rules_a_llama_like_family_keeps_what_its_rules_keep(monkeypatch, name):
+    """Every layer rule of these families is matched byte for byte by what needs no rule: attention on
+    remat's through transformers' attention interface, norms and MLP fused by structure. (Phi-3, GPT-2 and
+    GPT-NeoX still need theirs: their rules copy v out of the fused qkv projection, which the stock
+    forward keeps whole.)"""
+    stock, _ = build_case(name)
+    batch = family_inputs(name, "cpu")
+    ruled = convert_layers(stock)
+    _without_rules(monkeypatch, name)
+    found = convert_layers(stock)
+    assert found.config._attn_implementation == "remat"
+    assert step_saved_bytes(found, batch) == step_saved_bytes(ruled, batch) < step_saved_bytes(stock, batch)
+    assert_same_step(stock, found, batch)
+
+
 def test_llama_without_its_rules_round_trips_its_checkpoint(monkeypatch, tmp_path):
     stock, _ = build_case("llama")
     _without_rules(monkeypatch, "llama")
