@@ -53,6 +53,16 @@ def test_import_remat_leaves_the_planner_until_it_is_used():
     assert out.split() == ["False", "True", "plan", "Plan", "calibrate", "convert"]
 
 
+def test_import_remat_leaves_torch_s_compiler_stack_alone_without_cuda():
+    """torch._dynamo alone takes seconds to import: `import remat` (its ops, nn and convert) pays for
+    it only where CUDA is available, for the capability check torch.compile must see as a constant."""
+    code = ("import sys, torch, remat.ops, remat.nn, remat.convert; "
+            "print(torch.cuda.is_available(), 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    cuda, dynamo = out.split()
+    assert dynamo == cuda
+
+
 def test_the_commands_lists_are_the_packages():
     assert cli.SUITES == {name: suite.SIZES_MEAN for name, suite in bench.SUITES.items()}
     assert cli.MODEL_NAMES == memory.model_names()

@@ -301,11 +301,16 @@ def _warn_fallback_once(reason, function="remat.attention", fallback=SDPA_FALLBA
         warnings.warn(f"{function}: {reason}; falling back to {fallback}", stacklevel=3)
 
 
-@torch.compiler.assume_constant_result
 def _ampere_or_newer(device_index: int) -> bool:
     """Compute capability >= 8.0, which both kernels need: Triton's tl.dot, and the CUDA kernels'
     bf16 mma.sync and cp.async."""
     return torch.cuda.get_device_capability(device_index) >= (8, 0)
+
+
+# A constant to torch.compile (no graph break, no guard). Only CUDA tensors ask, so only where CUDA is
+# available: elsewhere the decorator's import of torch._dynamo (seconds) is not paid at `import remat`.
+if torch.cuda.is_available():
+    _ampere_or_newer = torch.compiler.assume_constant_result(_ampere_or_newer)
 
 
 def _device_index(t):
