@@ -451,6 +451,22 @@ def tiny_loss(model, kind, ids):
     return model(input_ids=ids, labels=ids).loss
 
 
+def assert_tiny_step_as_stock(stock, converted, kind, ids):
+    """The converted tiny model's loss and gradients are the stock model's (tiny_loss); returns the
+    OpCounter of the converted model's forward."""
+    loss = tiny_loss(stock, kind, ids)
+    loss.backward()
+    with OpCounter() as counter:
+        loss_converted = tiny_loss(converted, kind, ids)
+    loss_converted.backward()
+    assert rel_error(loss_converted, loss) < 1e-5
+    grads = {n: p.grad for n, p in stock.named_parameters() if p.grad is not None}
+    converted_grads = dict(converted.named_parameters())
+    total = sum(g.double().norm() ** 2 for g in grads.values()) ** 0.5
+    assert max(grad_error(converted_grads[n].grad, g, total) for n, g in grads.items()) < 1e-4
+    return counter
+
+
 def convert_layers(model, **kwargs):
     """remat.convert with the layer rules only (LAYER_RULES), unless `layers` is given."""
     import remat

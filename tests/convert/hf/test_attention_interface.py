@@ -15,20 +15,17 @@ from remat.convert.hf import interface
 from hf_models import (
     SEQ,
     VOCAB,
-    OpCounter,
     assert_same_step,
+    assert_tiny_step_as_stock,
     build,
     family_inputs,
-    grad_error,
     packed_batch,
     padded_batch,
     remat_attention_calls,
-    tiny_loss,
     tiny_model,
     transformers,
     varlen_attention_calls,
 )
-from numerics import rel_error
 
 interface.register()
 
@@ -218,16 +215,7 @@ def test_a_family_without_rules_runs_remat_attention_or_says_why(config_name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         converted, report = remat.convert(stock, report=True)
-    loss = tiny_loss(stock, kind, ids)
-    loss.backward()
-    with OpCounter() as counter:
-        loss_converted = tiny_loss(converted, kind, ids)
-    loss_converted.backward()
-    assert rel_error(loss_converted, loss) < 1e-5
-    grads = {n: p.grad for n, p in stock.named_parameters() if p.grad is not None}
-    converted_grads = dict(converted.named_parameters())
-    total = sum(g.double().norm() ** 2 for g in grads.values()) ** 0.5
-    assert max(grad_error(converted_grads[n].grad, g, total) for n, g in grads.items()) < 1e-4
+    counter = assert_tiny_step_as_stock(stock, converted, kind, ids)
     calls = counter.counts["remat::attention_fwd"]
     expected = FURTHER_FAMILIES[config_name]
     if expected is None:

@@ -15,7 +15,6 @@ from ..._guards import from_transformers, hook_reason
 from ..._linears import base_layer, fused_saved_bytes, is_falcon_linear, projection, widths
 from ..._numerics import rel_error
 from ...ops.attention import HEAD_DIMS
-from ...ops.rms_norm import rms_norm_output_ref, rms_norm_rstd_ref
 from ...specs import RMS_NORM_STYLES
 from ..patterns import MLP, fusable, layer_norm_fusable
 from ..swap import is_converted, join, with_class
@@ -475,17 +474,10 @@ def _rms_norm_reason(norm, width, style=None):
         return f"{type(norm).__name__} has no 1-D weight and float eps (or variance_epsilon)"
     if weight.shape[0] != width:
         return f"{type(norm).__name__} width {weight.shape[0]} != the Linear's in_features {width}"
-    if weight.is_meta:
-        return None
-    x = torch.randn(6, width, generator=torch.Generator().manual_seed(3))
-    for dtype in dict.fromkeys((weight.dtype, torch.bfloat16)):
-        xi = x.to(weight.device, dtype)
-        with torch.no_grad():
-            want = norm(xi)
-            got = rms_norm_output_ref(xi, weight, rms_norm_rstd_ref(xi, eps), style)
-        if want.dtype != got.dtype or not torch.equal(want, got):
-            return (f"{type(norm).__name__}'s forward does not round as remat's {style!r} RMSNorm on {dtype} input: "
-                    "this transformers version's norm differs")
+    dtype = structure_probe.rms_mismatch(norm, style) if not weight.is_meta else None
+    if dtype is not None:
+        return (f"{type(norm).__name__}'s forward does not round as remat's {style!r} RMSNorm on {dtype} input: "
+                "this transformers version's norm differs")
     return None
 
 

@@ -238,22 +238,24 @@ def is_norm(module):
         isinstance(eps, float) and widths(module) is None and not list(module.children())
 
 
-def rms_style(norm):
-    """The style of remat's RMSNorm that `norm`'s forward computes bitwise (on a random input in its
-    weight's dtype and in bf16), or None."""
+def rms_mismatch(norm, style):
+    """The input dtype (its weight's, then bf16) on which the RMSNorm `norm`'s forward differs from
+    remat's `style` on a random input, bitwise; None when it equals it in both."""
     weight, eps = norm.weight, getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
     x = torch.randn(6, weight.shape[0], generator=torch.Generator().manual_seed(3))
-    for style in RMS_NORM_STYLES:
-        for dtype in dict.fromkeys((weight.dtype, torch.bfloat16)):
-            xi = x.to(weight.device, dtype)
-            with torch.no_grad():
-                want = norm(xi)
-                got = rms_norm_output_ref(xi, weight, rms_norm_rstd_ref(xi, eps), style)
-            if want.dtype != got.dtype or not torch.equal(want, got):
-                break
-        else:
-            return style
+    for dtype in dict.fromkeys((weight.dtype, torch.bfloat16)):
+        xi = x.to(weight.device, dtype)
+        with torch.no_grad():
+            want = norm(xi)
+            got = rms_norm_output_ref(xi, weight, rms_norm_rstd_ref(xi, eps), style)
+        if want.dtype != got.dtype or not torch.equal(want, got):
+            return dtype
     return None
+
+
+def rms_style(norm):
+    """The style of remat's RMSNorm that `norm`'s forward computes bitwise (rms_mismatch), or None."""
+    return next((style for style in RMS_NORM_STYLES if rms_mismatch(norm, style) is None), None)
 
 
 # ---------------------------------------------------------------------------------------------
