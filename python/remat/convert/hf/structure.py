@@ -73,9 +73,6 @@ class Frame:
         nodes = [n for n in self.nodes if tensor_id in n.inputs and not _metadata(n)]
         return nodes, tensor_id in self.outputs
 
-    def producer(self, tensor_id):
-        return next((n for n in self.nodes if tensor_id in n.outputs), None)
-
     def hidden_states(self):
         """The first positional tensor argument (the hidden states of a layer or MLP), or None."""
         first = self.args[0] if self.args else self.kwargs.get("hidden_states")
