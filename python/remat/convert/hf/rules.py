@@ -764,7 +764,7 @@ def _structural_rule(layer, structure, layers, recompute, path, report):
 
 
 def _unruled(module):
-    """A transformers module that no family rule names (nor any of its children)."""
+    """A transformers module, not converted yet, whose class no family rule names."""
     return from_transformers(type(module)) and family_of(module) is None and not is_converted(module)
 
 
