@@ -22,7 +22,6 @@ import csv
 import multiprocessing
 import os
 import sys
-import time
 
 SUITES = ("layernorm", "rms_norm", "gelu", "gated", "mlp", "attention", "block")
 COLUMNS = ["suite", "op", "dtype", "shape", "implementation", "check", "error", "seconds"]
@@ -40,23 +39,9 @@ def check_group(group):
 
 
 def _check_group(suite, dtype_name, device):
-    import torch
+    from remat.bench.kernel_check import check_rows
 
-    from remat import bench
-    from remat.bench.cases import check_case
-
-    rows = []
-    for case in bench.SUITES[suite].cases(torch.device(device), [bench.DTYPES[dtype_name]], quick=True):
-        if case.mode != "fwd+bwd":  # the same function as its fwd and bwd cases: one check covers them
-            continue
-        case.implementations = [impl for impl in case.implementations if impl.ours and not impl.compiles]
-        start = time.perf_counter()
-        results = check_case(case)
-        seconds = (time.perf_counter() - start) / max(len(results), 1)
-        rows += [{"suite": suite, "op": case.op, "dtype": dtype_name, "shape": case.shape,
-                  "implementation": r.implementation, "check": r.check or "did not run", "error": r.error,
-                  "seconds": f"{seconds:.1f}"} for r in results]
-    return rows
+    return check_rows(suite, dtype_name, device, lambda result: result.check or "did not run")
 
 
 def passed(row):

@@ -36,17 +36,23 @@ def check_group(group):
 
 
 def _check_group(suite, dtype_name):
-    import torch
-
     import remat
+
+    remat._load()  # a worker of the `remat` command starts with the package not loaded (remat/__init__.py)
+    return check_rows(suite, dtype_name, "cpu", _verdict)
+
+
+def check_rows(suite, dtype_name, device, verdict):
+    """A row (COLUMNS) per remat implementation of each forward + backward case of `suite` at its quick
+    shapes on `device`, checked once against float64, nothing timed; verdict(result) is its check column.
+    The smoke check of a GPU run (bench/smoke_check.py) runs the same."""
+    import torch
 
     from . import DTYPES, SUITES
     from .cases import check_case
 
-    remat._load()  # a worker of the `remat` command starts with the package not loaded (remat/__init__.py)
-
     rows = []
-    for case in SUITES[suite].cases(torch.device("cpu"), [DTYPES[dtype_name]], quick=True):
+    for case in SUITES[suite].cases(torch.device(device), [DTYPES[dtype_name]], quick=True):
         if case.mode != "fwd+bwd":  # the same function as its fwd and bwd cases: one check covers them
             continue
         case.implementations = [impl for impl in case.implementations if impl.ours and not impl.compiles]
@@ -54,7 +60,7 @@ def _check_group(suite, dtype_name):
         results = check_case(case)
         seconds = (time.perf_counter() - start) / max(len(results), 1)
         rows += [{"suite": suite, "op": case.op, "dtype": dtype_name, "shape": case.shape,
-                  "implementation": r.implementation, "check": _verdict(r), "error": r.error,
+                  "implementation": r.implementation, "check": verdict(r), "error": r.error,
                   "seconds": f"{seconds:.1f}"} for r in results]
     return rows
 
