@@ -20,9 +20,11 @@ from remat.convert.hf.modules import _RematFusedNorm, _RematGatedMLP, _RematMLP,
 from hf_models import (
     LAYERS,
     VOCAB,
+    assert_autocast_step_as_accurate_as_stock,
     assert_same_step,
     assert_save_pretrained_round_trip,
     assert_tiny_step_as_stock,
+    build,
     convert_layers,
     family_inputs,
     loss_and_grads,
@@ -87,6 +89,17 @@ def test_without_its_rules_a_llama_like_family_keeps_what_its_rules_keep(monkeyp
     assert found.config._attn_implementation == "remat"
     assert step_saved_bytes(found, batch) == step_saved_bytes(ruled, batch) < step_saved_bytes(stock, batch)
     assert_same_step(stock, found, batch)
+
+
+def test_a_model_without_rules_under_bf16_autocast_with_its_default_cache(monkeypatch):
+    """fp32 weights under torch.autocast(bf16), use_cache left at its default (True): what the Trainer's
+    bf16=True runs. The structural fusions stay within twice stock's error against float64."""
+    stock, _ = build("llama")  # the config's default use_cache
+    assert stock.config.use_cache
+    _without_rules(monkeypatch, "llama")
+    converted = convert_layers(stock, layers=LAYER_FUSIONS)
+    assert _kinds(converted) == {"norm": 2 * LAYERS, "projection": 3 * LAYERS, "mlp": LAYERS, "ffn": 0}
+    assert_autocast_step_as_accurate_as_stock(stock, converted, family_inputs("llama", "cpu"))
 
 
 def test_llama_without_its_rules_round_trips_its_checkpoint(monkeypatch, tmp_path):
