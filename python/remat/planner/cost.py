@@ -19,6 +19,10 @@ written once and read once) at the bandwidth.
   out and written once coming back, at the bandwidth the kernels share). Per byte kept less,
   that traffic alone costs at least what remat's rebuilding does. Each unit is taken alone: two
   offloaded units in a row share the link in truth.
+
+A causal LM's LM head and loss fused (remat.linear_cross_entropy) recompute the logits in their
+backward: 2·tokens·hidden·vocab FLOPs more than the stock head and loss (the stock loss's own
+traffic, the fp32 upcast and log-softmax of the logits, that the fused one saves is not counted).
 """
 
 import torch
@@ -74,3 +78,8 @@ def extra_seconds(choice, stock, saves, device):
         traffic = 2 * saves.offloaded_bytes / device.bytes_per_s
         return max(0.0, transfer - forward) + max(0.0, transfer - 2 * forward) + traffic
     raise ValueError(f"unknown choice {choice!r}")
+
+
+def fused_loss_seconds(tokens, hidden, vocab, device):
+    """Predicted extra step time of the fused LM head and loss over the stock ones (see above)."""
+    return 2 * tokens * hidden * vocab / device.flops_per_s

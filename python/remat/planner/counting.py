@@ -57,6 +57,9 @@ class ForwardSaves:
     units: list
     outside: UnitSaves
     key_bytes: dict
+    # keys ("outside", n) from n = after_units on are storages made after every unit returned (a causal
+    # LM's final norm, LM head and loss); the others were made before a unit that may keep them
+    after_units: int = 0
 
     def total_bytes(self):
         keys = set(self.outside.shared_keys).union(*(u.shared_keys for u in self.units))
@@ -111,6 +114,7 @@ class _Counter:
         self.alive = []  # every storage seen, held so that no identity is reused while counting
         self.origin = {}  # storage identity -> (scope, key or None for internal)
         self.outside_made = 0
+        self.after_units = 0  # outside_made when the last unit returned
         self.scope = [OUTSIDE]
         self.selective = {}  # unit index -> its selective policy, for the checkpointed units
         self.per_unit = [UnitSaves() for _ in range(unit_count)]
@@ -163,7 +167,7 @@ class _Counter:
             key_bytes[key] = size
             for scope in scopes:
                 self.saves(scope).shared_keys.add(key)
-        return ForwardSaves(self.per_unit, self.outside, key_bytes)
+        return ForwardSaves(self.per_unit, self.outside, key_bytes, self.after_units)
 
 
 class _GpuAttentionOnMeta(TorchFunctionMode):
@@ -245,6 +249,7 @@ def _leave(counter, index, out):
     counter.scope.pop()
     counter.selective.pop(index, None)
     counter.mark_outputs(index, out)
+    counter.after_units = counter.outside_made
 
 
 def saved_bytes_of(model, example_inputs):

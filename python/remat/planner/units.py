@@ -6,6 +6,10 @@ Choices: "stock" (the block as it is), "remat" (remat.convert's fused recompute)
 back for its backward: offload.py; a choice for GPUs only). A checkpointed or offloaded block keeps
 its class, its attributes and its state_dict keys: its forward is overridden on the instance, and
 remat.revert removes the override.
+
+Beside the units, a causal LM's LM head and loss: "stock" (logits and transformers' loss) or
+"fused" (remat.convert's remat.linear_cross_entropy, convert/hf/loss.py: no logits kept in training
+with labels). Their choice is remat.convert's "loss" rule, applied or not.
 """
 
 import functools
@@ -15,13 +19,14 @@ import warnings
 import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from ..convert import RematWarning, convert, revert
+from ..convert import LAYERS, RematWarning, convert, revert
 from ..policies import save_matmuls_and_attention
 from .offload import HostOffload, offloaded_forward
 
 CHOICES = ("stock", "remat", "selective", "full", "offload")
 ON_ANY_DEVICE = CHOICES[:4]  # all but "offload", a choice on GPUs only
 CHECKPOINT_POLICIES = {"selective": save_matmuls_and_attention, "full": None}
+HEAD_CHOICES = ("stock", "fused")  # a causal LM's LM head and loss
 
 
 def find_units(model):
@@ -102,14 +107,22 @@ def is_planned(model):
                for m in model.modules())
 
 
-def apply_choices(model, paths, choices):
+def fused_head(model):
+    """The module of `model` whose LM head and loss remat.convert fused (convert/hf/loss.py), or None."""
+    return next((m for m in model.modules() if "remat_head" in vars(m)), None)
+
+
+def apply_choices(model, paths, choices, head="stock"):
     """Apply one choice per unit to `model` in place: convert it all with remat.convert (the
     layers outside the units too, whatever the choices, so that they keep the same bytes in every
     plan), then give the units that are not "remat" their stock modules back and checkpoint those
-    that are "selective" or "full". Returns the units' modules after the change."""
+    that are "selective" or "full". head "fused": the LM head and loss as remat.convert fuses them
+    (fused_head says whether it did); anything else keeps them stock. Returns the units' modules
+    after the change."""
+    layers = LAYERS if head == "fused" else LAYERS - {"loss"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RematWarning)  # a unit that nothing fuses is told apart below
-        convert(model, inplace=True)
+        convert(model, inplace=True, layers=layers)
     units = []
     for path, choice in zip(paths, choices):
         parent, name = _parent_and_name(model, path)
