@@ -223,3 +223,62 @@ def test_the_sanitizer_runs_every_family(monkeypatch):
     sanitize = _module_in("bench", "sanitize_check", monkeypatch)
     names = [name for name, _ in sanitize.family_calls("cpu", torch.float32)]
     assert set(names) == set(FAMILIES)
+
+
+# --- the eager path: the family's functions skip torch.library's dispatch ------------------------
+
+
+def _dispatched_remat_ops(step, *args):
+    """(step(*args), the remat:: ops the dispatcher saw meanwhile): torch's profiler records every op
+    the dispatcher runs, without being a mode the eager path would step aside for."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        result = step(*args)
+    return result, {event.name for event in profile.events() if event.name.startswith("remat::")}
+
+
+def _grad_leaves(args):
+    return [a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+            for a in args]
+
+
+def _forward_and_grads(forward, args):
+    """(outputs, gradients of every floating input) of `forward` on fresh leaves of `args`."""
+    leaves = _grad_leaves(args)
+    outputs = forward(*leaves)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    differentiable = [o for o in outputs if o.requires_grad]
+    inputs = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad]
+    grads = torch.autograd.grad(differentiable, inputs, [torch.ones_like(o) for o in differentiable],
+                                allow_unused=True)
+    return [o.detach() for o in outputs], grads
+
+
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
+def test_the_eager_path_computes_what_the_ops_compute_without_their_dispatch(target, family):
+    """family.forward in eager mode on plain CPU tensors runs no remat:: op (forward nor backward), and
+    gives bitwise the outputs and gradients of the custom op; inside a dispatch mode (as a tracer
+    is) it is the custom ops again."""
+    device, _ = target
+    for args in family.samples(torch.device(device)).forward:
+        (outputs, grads), seen = _dispatched_remat_ops(_forward_and_grads, family.forward, args)
+        assert seen == set()
+        want_outputs, want_grads = _forward_and_grads(family.forward_op, args)
+        for got, want in zip([*outputs, *grads], [*want_outputs, *want_grads], strict=True):
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert torch.equal(got, want)
+        with _RecordedOps() as recorded:
+            _forward_and_grads(family.forward, args)
+        assert {f"{name.replace('::', '.')}.default" for name in family.qualified_op_names} <= recorded.names
+
+
+def test_the_eager_path_keeps_the_ops_for_meta_tensors_and_no_grad_backward_ops():
+    """Meta tensors go to the ops' fakes; without grad mode the backward runs directly too."""
+    family = FAMILIES["layer_norm"]
+    x = torch.randn(3, 7)
+    _, seen = _dispatched_remat_ops(family.forward, x.to("meta"), None, None, 1e-5)
+    assert seen == {"remat::layer_norm_fwd"}
+    y, mean, rstd = family.forward(x, None, None, 1e-5)
+    with torch.no_grad():
+        _, seen = _dispatched_remat_ops(family.backward, torch.ones_like(y), x, None, None, mean, rstd, False)
+    assert seen == set()

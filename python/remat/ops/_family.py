@@ -7,6 +7,10 @@ annotated Python signatures are the ops' schemas; the fake functions; the autogr
 
 - both custom ops, dispatching at each call to the backend remat._backend chooses: the Triton
   launchers (imported on first use), the CUDA extension's remat_C ops, or the references;
+- `forward` and `backward`, what the family's code calls: in eager mode on plain tensors they run
+  the chosen implementation directly (the forward under an autograd.Function with the ops'
+  autograd), skipping torch.library's dispatch, which costs tens of µs a call; under
+  torch.compile, a dispatch or function mode, tensor subclasses or meta tensors they call the ops;
 - the fakes of both ops, and of the remat_C ops when the extension is built and has them;
 - the forward's autograd, and a backward op whose own derivative is a clear error;
 - the family's entry in FAMILIES, which the tooling loops over: the benchmark suites, the CLI's
@@ -15,6 +19,7 @@ annotated Python signatures are the ops' schemas; the fake functions; the autogr
 """
 
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -95,6 +100,8 @@ class OpFamily:
     uses_tl_dot: bool = False
     forward_op: object = field(init=False, repr=False)
     backward_op: object = field(init=False, repr=False)
+    forward: Callable = field(init=False, repr=False)  # what the family's code calls (see the module docstring)
+    backward: Callable = field(init=False, repr=False)
 
     def __post_init__(self):
         if self.name in FAMILIES:
@@ -104,12 +111,42 @@ class OpFamily:
         self.forward_op.register_autograd(_backend.on_forward_backend(self.autograd_backward),
                                           setup_context=self._setup_context)
         _backend.refuse_double_backward(self.backward_op, self.qualified_op_names[1])
+        self.forward = self._eager_forward(_eager_autograd(self))
+        self.backward = self._eager_backward()
         self._register_cuda_extension_fakes()
         FAMILIES[self.name] = self
 
     def _setup_context(self, ctx, inputs, output):
         _backend.remember_backend(ctx)
         self.setup_context(ctx, inputs, output)
+
+    def _eager_forward(self, autograd):
+        """The forward op, or in eager mode on plain tensors its implementation: under `autograd`
+        when a gradient is needed."""
+        op, defaults = self.forward_op, _trailing_defaults(self.forward_ref)
+
+        def forward(*args, **kwargs):
+            if kwargs or not _plain_eager_call(args):
+                return op(*args, **kwargs)
+            args = _filled(args, defaults)
+            if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                return autograd.apply(*args)
+            return self._implementation(0, args)(*args)
+
+        return forward
+
+    def _eager_backward(self):
+        """The backward op, or in eager mode on plain tensors without a gradient to record (outside a
+        create_graph backward: the op's derivative is a clear error) its implementation."""
+        op, defaults = self.backward_op, _trailing_defaults(self.backward_ref)
+
+        def backward(*args, **kwargs):
+            if kwargs or torch.is_grad_enabled() or not _plain_eager_call(args):
+                return op(*args, **kwargs)
+            args = _filled(args, defaults)
+            return self._implementation(1, args)(*args)
+
+        return backward
 
     @property
     def op_names(self):
@@ -179,6 +216,52 @@ class OpFamily:
         for name, fake in zip(self.op_names, (self.forward_fake, self.backward_fake)):
             if hasattr(torch.ops.remat_C, name):  # not in an extension built before the family had it
                 torch.library.register_fake(f"remat_C::{name}")(fake)
+
+
+def _eager_autograd(family):
+    """The forward op's autograd (setup_context, backward on the forward's backend) as an
+    autograd.Function around its implementation, for eager calls."""
+
+    class EagerForward(torch.autograd.Function):
+        @staticmethod
+        def forward(*args):
+            return family._implementation(0, args)(*args)
+
+        setup_context = staticmethod(family._setup_context)
+        backward = staticmethod(_backend.on_forward_backend(family.autograd_backward))
+
+    EagerForward.__qualname__ = EagerForward.__name__ = f"{family.name}_fwd_eager"
+    return EagerForward
+
+
+def _trailing_defaults(reference):
+    """(number of parameters, their defaults from the first one that has a default) of `reference`, whose
+    signature is the op's schema."""
+    parameters = list(inspect.signature(reference).parameters.values())
+    first = next((i for i, p in enumerate(parameters) if p.default is not inspect.Parameter.empty), len(parameters))
+    return len(parameters), tuple(p.default for p in parameters[first:])
+
+
+def _filled(args, defaults):
+    """`args` completed with the schema's defaults, as the op fills them before its implementation runs."""
+    count, tail = defaults
+    missing = count - len(args)
+    return args + tail[len(tail) - missing:] if missing > 0 else args
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_KERNEL_DEVICES = ("cpu", "cuda")
+
+
+def _plain_eager_call(args):
+    """Whether an op call may skip torch.library's dispatch: eager (not traced by torch.compile), no
+    dispatch or function mode and no functorch transform active (they must see the op), every tensor a
+    plain CPU or CUDA one (not a subclass, not meta: those dispatch to the op's fake or their own handling)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() \
+            or torch._C._is_torch_function_mode_enabled() or torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    return all(type(a) in _PLAIN_TENSORS and a.device.type in _KERNEL_DEVICES
+               for a in args if isinstance(a, torch.Tensor))
 
 
 def grad_leaves(*tensors):

@@ -644,4 +644,4 @@ FAMILY = OpFamily(
     cuda_tools=("remat_C::attention_launch_plan",),
     uses_tl_dot=True,
 )
-attention_fwd, attention_bwd = FAMILY.forward_op, FAMILY.backward_op
+attention_fwd, attention_bwd = FAMILY.forward, FAMILY.backward

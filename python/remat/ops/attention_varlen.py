@@ -353,4 +353,4 @@ FAMILY = OpFamily(
     cuda_takes=cuda_kernel_takes,
     uses_tl_dot=True,
 )
-attention_varlen_fwd, attention_varlen_bwd = FAMILY.forward_op, FAMILY.backward_op
+attention_varlen_fwd, attention_varlen_bwd = FAMILY.forward, FAMILY.backward

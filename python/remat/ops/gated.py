@@ -164,4 +164,4 @@ FAMILY = OpFamily(
     triton="gated",
     cuda=True,
 )
-gated_fwd, gated_bwd = FAMILY.forward_op, FAMILY.backward_op
+gated_fwd, gated_bwd = FAMILY.forward, FAMILY.backward

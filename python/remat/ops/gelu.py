@@ -183,4 +183,4 @@ FAMILY = OpFamily(
     triton="gelu",
     cuda=True,
 )
-gelu_fwd, gelu_bwd = FAMILY.forward_op, FAMILY.backward_op
+gelu_fwd, gelu_bwd = FAMILY.forward, FAMILY.backward

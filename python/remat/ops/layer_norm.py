@@ -224,4 +224,4 @@ FAMILY = OpFamily(
     triton="layer_norm",
     cuda=True,
 )
-layer_norm_fwd, layer_norm_bwd = FAMILY.forward_op, FAMILY.backward_op
+layer_norm_fwd, layer_norm_bwd = FAMILY.forward, FAMILY.backward

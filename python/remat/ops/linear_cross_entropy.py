@@ -406,4 +406,4 @@ FAMILY = OpFamily(
     triton="linear_cross_entropy",
     uses_tl_dot=True,
 )
-linear_cross_entropy_fwd, linear_cross_entropy_bwd = FAMILY.forward_op, FAMILY.backward_op
+linear_cross_entropy_fwd, linear_cross_entropy_bwd = FAMILY.forward, FAMILY.backward

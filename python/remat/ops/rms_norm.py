@@ -212,4 +212,4 @@ FAMILY = OpFamily(
     triton_launchers=("rms_norm_fwd", "rms_norm_bwd"),
     cuda=True,
 )
-rms_norm_fwd, rms_norm_bwd = FAMILY.forward_op, FAMILY.backward_op
+rms_norm_fwd, rms_norm_bwd = FAMILY.forward, FAMILY.backward
