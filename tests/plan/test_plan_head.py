@@ -109,16 +109,21 @@ def test_a_plan_with_the_fused_head_on_meta_keeps_what_it_predicts_at_every_budg
     assert heads == {"stock", "fused"}
 
 
-def test_without_labels_the_head_is_no_choice_and_stays_stock():
+def test_without_labels_or_in_evaluation_the_head_is_no_choice_and_stays_stock():
     model, _ = build("llama")
-    batch = {"input_ids": inputs("llama", "cpu")["input_ids"]}
-    plan = remat.plan(model, batch, 10**9)
+    model, with_labels = meta_copy(model), _on_meta(inputs("llama", "cpu"))
+    batch = {"input_ids": with_labels["input_ids"]}
+    saves, _, _ = measure(model, batch, ("full",))
+    plan = remat.plan(model, batch, saves["full"].total_bytes())  # the least: no fused head to reach less
     assert plan.head is None and plan.head_bytes == 0 and "(LM head + loss)" not in str(plan)
-    planned = plan.apply(copy.deepcopy(model))
-    assert fused_head(planned) is None
-    assert saved_bytes_of(planned, batch) == plan.saved_bytes
-    with_labels = remat.plan(model, inputs("llama", "cpu"), 10**9)
-    assert with_labels.head == "stock"  # the same model with labels: a choice
+    plan.apply(model)
+    try:
+        assert fused_head(model) is None and saved_bytes_of(model, batch) == plan.saved_bytes
+    finally:
+        remat.revert(model)
+    assert remat.plan(model, with_labels, 10**9).head == "stock"  # the same model with labels: a choice
+    model.eval()  # evaluation computes logits, labels or not: no choice either
+    assert remat.plan(model, with_labels, 10**9).head is None
 
 
 def test_json_round_trip_of_the_head():
