@@ -11,7 +11,8 @@ remat + the fused loss (its LM head and loss as remat.linear_cross_entropy too: 
 does to a ...ForCausalLM); selective checkpointing (matmul and attention outputs kept, the rest
 recomputed); full checkpointing of every layer; offloading every layer's saved tensors to host
 memory (meta only: a GPU's choice); and remat.plan's per-layer mix for 75 %, 50 % and 25 % of what
-eager keeps (meta only). With `budget_gb`, the fastest that fits and remat plan's mix for it.
+eager keeps (meta only; for a causal LM its LM head and loss are a choice of the plan too). With
+`budget_gb`, the fastest that fits and remat plan's mix for it.
 
 Each row's step time is predicted for a GPU (`gpu`, default H200) by the planner's cost model
 (remat.planner.cost): the layers' forward at the GPU's data-sheet FLOP rate and bandwidth, the
@@ -25,6 +26,8 @@ The models are counted without their LM head (transformers' AutoModel, or a rema
 blocks). For a causal LM the head and transformers' loss are counted on their own, on meta (x, the
 final hidden states, kept by the head; the fp32 log-softmax of the logits), and added to every row;
 "remat + fused loss" adds remat.linear_cross_entropy's instead (x and an fp32 log-sum-exp a token).
+The plan rows plan the causal LM itself (its *ForCausalLM, with labels): remat.plan chooses its head
+and loss, stock or fused ("+ fused loss" in the row's name), and counts them in the row's total.
 """
 
 import collections
@@ -82,6 +85,7 @@ class PolicyResult:
     peak_gb: float = math.nan  # absolute peak of one training step (weights, input, gradients, activations)
     error: str = ""  # why the policy could not be counted or run
     choices: list = None  # one planner choice per layer (None: not a plan of the layers, the fused loss row)
+    head: str = None  # a plan row's choice for a causal LM's LM head and loss ("stock", "fused"); None elsewhere
     sbh: int = 1  # tokens x hidden, for per_layer_sbh
 
     @property
@@ -182,6 +186,19 @@ def meta_model(name, batch, seq, dtype):
     return model_on(name, batch, seq, dtype, "meta")
 
 
+def plan_model(name, batch, seq, dtype):
+    """(model on meta, its example inputs) that the plan rows plan: for a causal LM its *ForCausalLM
+    with labels (remat.plan then chooses its LM head and loss too), else meta_model's."""
+    if _causal_lm_head(name) is None:
+        return meta_model(name, batch, seq, dtype)
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(_hf_config(name)).to(dtype).train()
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    return model, {"input_ids": ids, "labels": ids}
+
+
 # --- The LM head and its loss -------------------------------------------------------------------
 
 
@@ -259,8 +276,9 @@ def _uniform_row(name, choice, saves, stock, constants, base_seconds, head, sbh)
                         choices=[choice] * len(saves.units), sbh=sbh)
 
 
-def _plan_row(label, model, example, budget, counted, base_seconds, head, sbh):
-    """remat.plan's mix for `budget` bytes kept (the layers and the rest; the loss head stays stock)."""
+def _plan_row(label, model, example, budget, counted, base_seconds, sbh):
+    """remat.plan's mix for `budget` bytes kept: the layers, the rest and, for a causal LM (planned
+    with labels), its LM head and loss, stock or fused as the plan chooses."""
     from .planner import CHOICES, plan
 
     try:
@@ -269,9 +287,11 @@ def _plan_row(label, model, example, budget, counted, base_seconds, head, sbh):
         return PolicyResult(label, math.nan, math.nan, math.nan, error=short_error(error), sbh=sbh)
     tally = collections.Counter(chosen.choices)
     mix = ", ".join(f"{tally[c]} {c}" for c in CHOICES if tally[c])
-    return PolicyResult(f"{label}: {mix}", chosen.saved_bytes + head, chosen.host_bytes,
+    if chosen.head == "fused":
+        mix += " + fused loss"
+    return PolicyResult(f"{label}: {mix}", chosen.saved_bytes, chosen.host_bytes,
                         sum(chosen.unit_bytes) / counted.layers, (base_seconds + chosen.extra_seconds) * 1e3,
-                        choices=list(chosen.choices), sbh=sbh)
+                        choices=list(chosen.choices), head=chosen.head, sbh=sbh)
 
 
 UNIFORM = {"stock": "eager", "remat": "remat", "selective": "selective checkpoint", "full": "full checkpoint",
@@ -281,7 +301,8 @@ UNIFORM = {"stock": "eager", "remat": "remat", "selective": "selective checkpoin
 def count(name, batch, seq, dtype=torch.bfloat16, device="meta", gpu=DEFAULT_GPU):
     """(Counted, [PolicyResult]) for model `name` at batch x seq: every policy's bytes, counted on
     `device` ("meta", or "cpu" for real CPU tensors), and its step time predicted for `gpu`. The plan
-    rows (meta only) are planned for fractions of what eager keeps besides the loss head."""
+    rows (meta only) are planned for fractions of what eager keeps, its stock LM head and loss included
+    (plan_model: a causal LM is planned with them)."""
     from .planner import CHOICES, ON_ANY_DEVICE, measure
     from .planner.cost import device_constants
 
@@ -301,8 +322,9 @@ def count(name, batch, seq, dtype=torch.bfloat16, device="meta", gpu=DEFAULT_GPU
     if counted.head:
         rows.insert(2, _fused_loss_row(rows[1], counted, constants))
     if on_meta:
-        eager = saves["stock"].total_bytes()
-        rows += [_plan_row(f"plan {fraction:.0%}", model, example, fraction * eager, counted, base, head, sbh)
+        eager = rows[0].saved_bytes
+        planned, planned_example = plan_model(name, batch, seq, dtype)
+        rows += [_plan_row(f"plan {fraction:.0%}", planned, planned_example, fraction * eager, counted, base, sbh)
                  for fraction in PLAN_FRACTIONS]
     return counted, rows
 
@@ -311,8 +333,10 @@ def _fused_loss_row(remat_row, counted, constants):
     """remat's row with the fused loss's bytes in place of the stock head's; its time adds the
     logits the fused backward recomputes (2·T·h·V FLOPs; the stock loss's own traffic it saves is
     not counted)."""
+    from .planner.cost import fused_loss_seconds
+
     stock, fused = counted.head
-    recompute = 2 * counted.batch * counted.seq * counted.hidden * counted.vocab / constants.flops_per_s
+    recompute = fused_loss_seconds(counted.batch * counted.seq, counted.hidden, counted.vocab, constants)
     return dataclasses.replace(remat_row, policy="remat + fused loss", choices=None,
                                saved_bytes=remat_row.saved_bytes - stock + fused,
                                predicted_ms=remat_row.predicted_ms + recompute * 1e3)
@@ -527,23 +551,27 @@ def _print_notes(counted):
                 f"keeps outside them{head}; host: offloaded to host memory")
     _print_note("pred. ms: the layers' forward and backward (twice the forward) at the GPU's data-sheet FLOP/s and "
                 "bandwidth, plus what the policy recomputes or copies; plan N%: remat.plan's fastest per-layer mix "
-                "keeping N% of eager's bytes (the loss head aside)")
+                "keeping N% of eager's bytes, for a causal LM with its LM head and loss stock or fused (\"+ fused "
+                "loss\") as the plan chooses")
 
 
 def _print_plan(model, batch, seq, budget_gb, dtype, device):
-    """remat plan's per-layer mix for the budget, taken as bytes the model (without an LM head)
-    keeps for the backward, counted on meta; device: whose constants time it (a name or a device)."""
+    """remat plan's per-layer mix for the budget, taken as bytes the model keeps for the backward
+    (plan_model's: a causal LM with its LM head and loss, their choice the plan's), counted on meta;
+    device: whose constants time it (a name or a device)."""
     from .planner import plan
     from .planner.cost import device_constants
 
     label = f"remat plan, {budget_gb} GB kept for the backward"
     try:
-        network, example = meta_model(model, batch, seq, dtype)
+        network, example = plan_model(model, batch, seq, dtype)
         result = plan(network, example, int(budget_gb * 2**30), device=device_constants(device).name)
     except ValueError as error:  # too small a budget, a GPU without constants: said, not raised
         print(f"{label}: {error}", flush=True)
         return
     mix = ", ".join(f"{count} {choice}" for choice, count in collections.Counter(result.choices).items())
+    if result.head is not None:
+        mix += f", LM head and loss {result.head}"
     print(f"{label}: {mix} ({result.saved_bytes / 2**30:.3f} GB, {result.extra_seconds * 1e3:.2f} ms "
           f"more per step predicted for {result.device})", flush=True)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from remat import memory
+from remat.planner import measure, plan
 from remat.policies import Checkpointed
 from remat.policies import policies as policy_table
 from remat.saved import SavedStorages, count_saved_bytes
@@ -79,6 +80,30 @@ def test_a_causal_lms_loss_head_is_counted_and_fused(tmp_path):
     assert fused == tokens * (2 * hidden + 4 + 8) + 4
     assert memory._causal_lm_head("hf-gpt2-small") == (768, 50257)
     assert memory._causal_lm_head("bert-base") is None and memory._causal_lm_head("tiny") is None
+
+
+def test_a_causal_lms_plan_rows_choose_its_loss_head():
+    """The plan rows of a causal LM plan its *ForCausalLM with labels: its LM head and loss are the
+    plan's choice too, "+ fused loss" in the row's name where fused, and the row's total is the plan's,
+    head included. Two countings agree: its all-stock plan keeps exactly the eager row's total (the
+    body and the head counted apart), and its two head choices differ by what loss_head_bytes says
+    the fused loss saves."""
+    pytest.importorskip("transformers", minversion="5.25")
+    name, batch, seq = "hf-gpt2-small", 2, 64
+    counted, rows = memory.count(name, batch, seq)
+    eager, plans = rows[0], [r for r in rows if r.policy.startswith("plan")]
+    assert len(plans) == len(memory.PLAN_FRACTIONS)
+    for fraction, row in zip(memory.PLAN_FRACTIONS, plans):
+        assert not row.error and row.saved_bytes <= fraction * eager.saved_bytes
+        assert row.head in ("stock", "fused") and row.policy.endswith(" + fused loss") == (row.head == "fused")
+    assert "fused" in {row.head for row in plans}  # the head's bytes are most of a short sequence's
+    model, example = memory.plan_model(name, batch, seq, torch.bfloat16)
+    loose = plan(model, example, 10**15)
+    assert (loose.head, loose.saved_bytes) == ("stock", eager.saved_bytes)
+    saves, _, _ = measure(model, example, ("full",))  # every layer checkpointed, the head stock
+    forced = plan(model, example, saves["full"].total_bytes() - 1)
+    stock_head, fused_head = counted.head
+    assert forced.head == "fused" and loose.head_bytes - forced.head_bytes == stock_head - fused_head
 
 
 class _SavesAWeightAndATensorTwice(torch.nn.Module):
