@@ -6,6 +6,7 @@ saves, counted on the stock and the loss-converted model the same way."""
 import copy
 import dataclasses
 import json
+import re
 import warnings
 
 import pytest
@@ -107,6 +108,23 @@ def test_a_plan_with_the_fused_head_on_meta_keeps_what_it_predicts_at_every_budg
             remat.revert(model)
         assert "(LM head + loss)" in str(plan)
     assert heads == {"stock", "fused"}
+
+
+def test_the_least_peak_of_a_step_fuses_the_head():
+    """Under a budget on the step's peak the head's choice also sets the backward's largest transient
+    outside the layers (the stock loss's fp32 logits): the least peak fuses it, and keeps its bytes."""
+    model, _ = build("llama")
+    model, batch = meta_copy(model), _on_meta(inputs("llama", "cpu"))
+    with pytest.raises(ValueError, match="least peak") as refused:
+        remat.plan(model, batch, 0, budget_kind="peak")
+    least = int(re.search(r"reach at these inputs: (\d+) bytes", str(refused.value)).group(1))
+    plan = remat.plan(model, batch, least, budget_kind="peak")
+    assert plan.head == "fused" and plan.peak_bytes == least
+    plan.apply(model)
+    try:
+        assert saved_bytes_of(model, batch) == plan.saved_bytes
+    finally:
+        remat.revert(model)
 
 
 def test_without_labels_or_in_evaluation_the_head_is_no_choice_and_stays_stock():
