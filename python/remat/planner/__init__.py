@@ -259,16 +259,17 @@ def plan(model, example_inputs, budget, budget_kind="saved", device=None, optimi
     key_bytes = {k: b for s in saves.values() for k, b in s.key_bytes.items()}
     options = [_unit_options(saves, i, fusable[i], constants, measured) for i in range(len(paths))]
     head_options = _head_options(saves["stock"], measure_fused_head(model, example_inputs, paths), constants)
-    if head_options:  # the head is a choice: the last "unit" of the solver, holding what is kept after the units
+    if head_options:  # the head is a choice: the solver's last "unit", holding what is kept after the units
         always, _ = _split_at_head(saves["stock"])
-        options, floor = [*options, head_options], min(o.transient_bytes for o in head_options)
+        solved, floor = [*options, head_options], min(o.transient_bytes for o in head_options)
     else:
         always, floor = frozenset(outside.shared_keys), 2 * outside.work.largest_output
+        solved = options
     if budget_kind == "saved":
-        front = frontier(options, outside.internal_bytes, always, key_bytes)
+        front = frontier(solved, outside.internal_bytes, always, key_bytes)
         best, transient, least = fastest_fitting(front, budget), 0, front[0].saved_bytes
     else:
-        best, transient, least = fastest_under_peak(options, outside.internal_bytes, always, key_bytes,
+        best, transient, least = fastest_under_peak(solved, outside.internal_bytes, always, key_bytes,
                                                     budget - fixed, floor=floor)
     if best is None:
         if budget_kind == "saved":
@@ -276,8 +277,8 @@ def plan(model, example_inputs, budget, budget_kind="saved", device=None, optimi
                              f"{least} bytes")
         raise ValueError(f"budget {budget} bytes is below the least peak this model can reach at these inputs: "
                          f"{least + fixed} bytes ({fixed} of them parameters, buffers, gradients and optimizer state)")
-    result = _plan_of(best, options[:len(paths)], head_options, paths, outside.internal_bytes, always, key_bytes,
-                      budget, constants.name)
+    result = _plan_of(best, options, head_options, paths, outside.internal_bytes, always, key_bytes, budget,
+                      constants.name)
     host = sum(saves["offload"].units[i].offloaded_bytes for i, c in enumerate(result.choices) if c == "offload")
     return dataclasses.replace(result, budget_kind=budget_kind, fixed_bytes=fixed, transient_bytes=transient,
                                host_bytes=host, measured=measured is not None)
@@ -324,15 +325,21 @@ def _head_options(stock, fused, constants):
     if fused is None:
         return []
     fused, dims = fused
-    units = [(u.internal_bytes, u.shared_keys) for u in stock.units]
     before, stock_bytes = _split_at_head(stock)
     fused_before, fused_bytes = _split_at_head(fused)
-    if units != [(u.internal_bytes, u.shared_keys) for u in fused.units] or before != fused_before:
+    if _run_independent(stock, before) != _run_independent(fused, fused_before):
         raise RuntimeError("the model keeps other bytes in or before its units when its LM head and loss are fused: "
                            "its saved bytes do not add up over units and head")
     return [Option("stock", stock_bytes, frozenset(), 0.0, 2 * stock.outside.work.largest_output),
             Option("fused", fused_bytes, frozenset(), fused_loss_seconds(*dims, constants),
                    2 * fused.outside.work.largest_output)]
+
+
+def _run_independent(saves, before_head):
+    """What the units and the outside before the head keep, by the keys that name the same storage in
+    every run (not the "unseen" ones, named by a run's own storage): equal whatever the head."""
+    units = [(u.internal_bytes, {k for k in u.shared_keys if k[0] != "unseen"}) for u in saves.units]
+    return units, {k for k in before_head if k[0] != "unseen"}
 
 
 def _plan_of(best, options, head_options, paths, outside_bytes, always, key_bytes, budget, device_name):
