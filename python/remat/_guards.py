@@ -3,9 +3,14 @@
 A fused path computes several modules' work in one op, reading their parameters directly, so it
 reproduces them only while they are the plain layers it was built for. A model changes after
 conversion: peft wraps Linears in LoRA layers, users add hooks or parametrizations, weights become
-quantised tensor subclasses. Every fused path therefore asks, at each call, whether its modules
-are still plain (these functions); where one is not, that call runs the modules' own forwards,
-and the converted module records why (`fallback`), warning once per module and reason.
+quantised tensor subclasses. Every fused path therefore asks whether its modules are still plain
+(these functions); where one is not, that call runs the modules' own forwards, and the converted
+module records why (`fallback`), warning once per module and reason.
+
+The answer is decided once and kept (`decided`) while a cheap fingerprint of the modules it read
+stays the same: their identities and classes, training flags, hook counts and parameters'
+identities and dtypes, and the global hooks' counts. Everything the checks read of a plain module
+is in it; a peft LoRA layer's adapters are not, so a check that reads one runs at every call.
 """
 
 import collections
@@ -18,6 +23,7 @@ from torch.nn.modules import module as _module_globals
 _MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
+_GLOBAL_HOOK_DICTS = tuple(getattr(_module_globals, name) for name in _GLOBAL_HOOKS)
 _PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)
 
 
@@ -49,6 +55,34 @@ def tensor_reason(name, tensor):
     if not tensor.is_floating_point():
         return f"{name} has dtype {tensor.dtype}, not a floating dtype"
     return None
+
+
+def fingerprint(modules):
+    """What can change in `modules` (None entries skipped) after conversion without a module being
+    replaced by another: classes (parametrize swaps it), training flags, hook counts, parameters
+    (identities: replaced by a quantised one; dtypes: cast in place by .to()), devices aside (a
+    parameter's device moves with it, and no check reads it), with the global hooks' counts."""
+    return (*map(len, _GLOBAL_HOOK_DICTS),
+            *[(m, m.__class__, m.training, len(m._forward_hooks), len(m._forward_pre_hooks),
+               len(m._backward_hooks), len(m._backward_pre_hooks),
+               *[(id(p), p.__class__, p.dtype) for p in m._parameters.values() if p is not None])
+              for m in modules if m is not None])
+
+
+def decided(owner, modules, check, extra=()):
+    """check(), kept on `owner` and computed again only when the fingerprint of `modules` (or `extra`,
+    further state the check reads) changed since it was kept: a converted module's per-call question
+    "are my modules still the plain ones I was built for?", asked once. The kept verdict holds the
+    modules it describes, so their identities cannot be reused by others while it stands. Under
+    torch.compile the check runs as it is (the graph's guards take its place)."""
+    if torch.compiler.is_compiling():
+        return check()
+    key = (fingerprint(modules), extra)
+    kept = owner.__dict__.get("remat_decided")
+    if kept is None or kept[0] != key:
+        kept = key, check()
+        owner.__dict__["remat_decided"] = kept
+    return kept[1]
 
 
 def from_transformers(kind):

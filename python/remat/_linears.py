@@ -18,7 +18,7 @@ never silently fused.
 import torch
 from torch import nn
 
-from ._guards import from_transformers, hook_reason, plain_reason
+from ._guards import decided, from_transformers, hook_reason, plain_reason
 from ._numerics import rel_error
 from .specs import Linear, LoRA
 
@@ -62,13 +62,14 @@ def base_layer(module):
 
 def _plain_base(module, label):
     """(Linear without adapters, None) for a plain nn.Linear, FalconLinear or Conv1D, or (None, why not)."""
-    if is_conv1d(module):
-        reason = plain_reason(module, (type(module),), label)
-        return (None, reason) if reason else (Linear(module.weight.t(), module.bias), None)
-    reason = plain_reason(module, (type(module),) if is_falcon_linear(module) else (nn.Linear,), label)
-    if reason:
-        return None, reason
-    return Linear(module.weight, module.bias), None
+    kinds = (type(module),) if is_conv1d(module) or is_falcon_linear(module) else (nn.Linear,)
+    reason = plain_reason(module, kinds, label)
+    return (None, reason) if reason else (_plain_linear(module), None)
+
+
+def _plain_linear(module):
+    """The Linear of a plain nn.Linear, FalconLinear or Conv1D (the weight read now: a view of it for Conv1D)."""
+    return Linear(module.weight.t(), module.bias) if is_conv1d(module) else Linear(module.weight, module.bias)
 
 
 def projection(module, label="projection"):
@@ -101,6 +102,22 @@ def projections(modules, labels):
             return None, reason
         linears.append(linear)
     return linears, None
+
+
+def decided_projections(owner, modules, labels, others=(), other_reason=None):
+    """projections(modules, labels), then `other_reason()` (the check of `others`, further modules the
+    fused op reads: its norm, its activation), both decided once on `owner` (_guards.decided) while no
+    module is a peft LoRA layer, whose adapters the fingerprint does not cover: those are checked at
+    every call. The Linears are read at every call (weights replaced in place stay seen)."""
+    def others_reason():
+        return other_reason() if other_reason is not None else None
+
+    if any(map(is_lora_linear, modules)):
+        linears, why = projections(modules, labels)
+        why = why or others_reason()
+        return (None, why) if why else (linears, None)
+    why = decided(owner, [*modules, *others], lambda: projections(modules, labels)[1] or others_reason())
+    return (None, why) if why else ([_plain_linear(m) for m in modules], None)
 
 
 def _active(module):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ._guards import fallback, plain_reason
-from ._linears import fused_saved_bytes, projection, projections
+from ._linears import decided_projections, fused_saved_bytes, projection
 from ._validate import check_float_tensor, check_self_attention_input
 from .ops.attention import multihead_self_attention
 from .ops.fused import check_input_width, fused_mlp, norm_linears
@@ -236,8 +236,8 @@ class MLP(torch.nn.Module):
 
     def _forward(self, x, norm):
         """The fused MLP, with `norm` (a LayerNorm) in front when given; unfused where it must be."""
-        linears, reason = projections([self.fc1, self.fc2], ["fc1", "fc2"])
-        reason = (norm_reason(norm) if norm is not None else None) or reason
+        linears, reason = decided_projections(self, [self.fc1, self.fc2], ["fc1", "fc2"], [norm],
+                                              lambda: norm_reason(norm) if norm is not None else None)
         approximate = ACTIVATIONS[self.activation]
         if reason:
             fallback(self, reason)
@@ -366,9 +366,10 @@ class GatedMLP(torch.nn.Module):
 
     def forward(self, x):
         names = self._up_names()
-        linears, reason = projections([self._modules[n] for n in names] + [self.down_proj], names + ["down_proj"])
         norm = self._modules.get("norm")
-        reason = (norm_reason(norm) if norm is not None else None) or reason
+        linears, reason = decided_projections(self, [self._modules[n] for n in names] + [self.down_proj],
+                                              names + ["down_proj"], [norm],
+                                              lambda: norm_reason(norm) if norm is not None else None)
         if reason:
             fallback(self, reason)
             return self._stock(norm(x) if norm is not None else x)

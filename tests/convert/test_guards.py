@@ -106,10 +106,14 @@ def test_global_module_hooks_run():
 # --- Hugging Face models: changes after conversion ---------------------------------------------
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["first-call", "after-a-fused-call"])
 @pytest.mark.parametrize("change", ["forward-hook", "parametrization", "tensor-subclass"])
-def test_a_changed_projection_in_a_converted_hf_model(change):
+def test_a_changed_projection_in_a_converted_hf_model(change, warm):
+    """Also after a fused call, whose verdict is kept: the change is seen at the next call."""
     stock, _ = build("gpt2")
     converted = conv.convert(copy.deepcopy(stock))
+    if warm:
+        converted(**inputs("gpt2", "cpu"))
     for model in (stock, converted):  # the same change to both: their results must agree
         CHANGES[change](model.transformer.h[0].attn.c_attn)
         CHANGES[change](model.transformer.h[1].mlp.c_fc)
@@ -201,3 +205,49 @@ def test_revert_drops_the_records():
         seq(torch.randn(2, 16))
     reverted = remat.revert(seq)
     assert not any(n.startswith("remat_") for m in reverted.modules() for n in vars(m))
+
+
+def _llama():
+    from hf_models import RMS_FAMILIES
+
+    torch.manual_seed(0)
+    stock, _ = RMS_FAMILIES["llama"]()
+    return stock
+
+
+def test_the_checks_are_decided_once_and_again_after_a_change(monkeypatch):
+    """A converted layer's checks of its modules run at its first call only: later calls compare one
+    fingerprint. Changes the fingerprint covers (a hook, eval mode, a cast, a replaced weight) make
+    the next call check again, and compute what stock computes."""
+    from remat import _guards, _linears
+
+    stock = _llama()
+    converted = conv.convert(copy.deepcopy(stock))
+    ids = torch.randint(0, stock.config.vocab_size, (2, 7))
+    converted(input_ids=ids, labels=ids)
+    checks = []
+    counted = lambda f: lambda *a, **k: checks.append(f.__name__) or f(*a, **k)  # noqa: E731
+    monkeypatch.setattr(_linears, "plain_reason", counted(_guards.plain_reason))
+    modules = importlib.import_module("remat.convert.hf.modules")
+    monkeypatch.setattr(modules, "hook_reason", counted(_guards.hook_reason))
+    monkeypatch.setattr(modules, "plain_reason", counted(_guards.plain_reason))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RematFallbackWarning)
+        converted(input_ids=ids, labels=ids)
+    assert checks == []
+    attention = converted.model.layers[0].self_attn
+    changes = {
+        "eval": lambda model: model.eval(),
+        "hook": lambda model: model.model.layers[0].self_attn.k_proj.register_forward_hook(double_output),
+        "weight": lambda model: to_subclass(model.model.layers[1].mlp.down_proj),
+    }
+    for name, change in changes.items():
+        for model in (stock, converted):
+            change(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RematFallbackWarning)
+            loss = converted(input_ids=ids, labels=ids).loss
+        assert checks, name
+        checks.clear()
+        assert rel_error(loss, stock(input_ids=ids, labels=ids).loss) < 1e-5, name
+    assert any("k_proj has forward/backward hooks" in reason for reason in attention.__dict__["remat_fallbacks"])

@@ -15,8 +15,8 @@ import weakref
 import torch
 from torch import nn
 
-from ..._guards import fallback, hook_reason, plain_reason
-from ..._linears import fused_saved_bytes, projection, projections, widths
+from ..._guards import decided, fallback, hook_reason, plain_reason
+from ..._linears import decided_projections, fused_saved_bytes, projection, projections, widths
 from ...ops.attention import attention
 from ...ops.fused import SharedStatistics, fused_mlp, norm_linears
 from ...specs import Activation, Linear, gelu, norm_of
@@ -58,8 +58,11 @@ def submodule(layer, path):
 
 def _path_modules(layer, path):
     """The modules along `path` below `layer`, the last one at `path` (None where one is missing)."""
-    names = path.split(".")
-    return [submodule(layer, ".".join(names[:i + 1])) for i in range(len(names))]
+    modules, module = [], layer
+    for name in path.split("."):
+        module = module._modules.get(name) if module is not None else None
+        modules.append(module)
+    return modules
 
 
 class Handoff:
@@ -95,11 +98,17 @@ class Handoff:
         self.statistics = SharedStatistics() if len(self.consumers) > 1 else None
 
     def reason(self):
-        """None while the handoff holds, else why not."""
+        """None while the handoff holds, else why not: decided again only when the modules along its
+        paths, or their fingerprint, changed."""
         layer = self._layer()
         if layer is None:
             return "the layer holding it is gone"
-        for path in (*self.producers.values(), *self.consumers):
+        modules = [layer, *(m for path in self._paths for m in _path_modules(layer, path))]
+        dropout = getattr(layer, self.dropout, 0) if self.dropout is not None else None
+        return decided(self, modules, lambda: self._reason(layer), extra=(dropout,))
+
+    def _reason(self, layer):
+        for path in self._paths:
             modules = _path_modules(layer, path)
             if modules[-1] is None or modules[-1].__dict__.get("remat_handoff") is not self:
                 return f"{path} is no longer the module converted"
@@ -109,6 +118,10 @@ class Handoff:
         if self.dropout is not None and layer.training and getattr(layer, self.dropout, 0) > 0:
             return f"{self.dropout} (p={getattr(layer, self.dropout)}) in training"
         return None
+
+    @property
+    def _paths(self):
+        return (*self.producers.values(), *self.consumers)
 
     def source(self, role="norm"):
         """The producer of `role` (call only while reason() is None), or None when it has none."""
@@ -168,7 +181,9 @@ def remat_class(mixin, stock_class, **attributes):
     if cls is None:
         name = f"{mixin.remat_prefix}{stock_class.__name__}"
         # Read at every call: computed here, once, outside any torch.compile trace.
-        fixed = {"remat_stock": stock_class, "remat_signature": inspect.signature(stock_class.forward),
+        signature = inspect.signature(stock_class.forward)
+        var_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+        fixed = {"remat_stock": stock_class, "remat_signature": signature, "remat_var_keyword": var_keyword,
                  "remat_passthrough": _passthrough_kwargs(), **attributes}
         cls = type(name, (mixin, stock_class), {**fixed, "__module__": __name__, "__qualname__": name})
         globals()[name] = cls  # importable by name, so a converted model pickles
@@ -237,18 +252,17 @@ def norm_spec(norm):
 
 
 def _layer_norm_reason(norm):
-    """Why a fused norm's parameters cannot be read by a fused op at this call, or None."""
-    return plain_reason(norm, (type(norm),), "the fused norm")
+    """Why a fused norm's parameters cannot be read by a fused op at this call, or None (also when there is none)."""
+    return plain_reason(norm, (type(norm),), "the fused norm") if norm is not None else None
 
 
-def _normed_outputs(x, norm, modules, recompute, labels, shared=None):
+def _normed_outputs(x, owner, norm, modules, recompute, labels, shared=None):
     """([module(norm(x)) for each module], None), with the LayerNorm fused into the projections when
     `norm` is given (its statistics `shared` with other consumers), or (None, why they cannot be
-    fused at this call)."""
+    fused at this call: decided once on `owner`, the module calling)."""
     if norm is None:
         return [m(x) for m in modules], None
-    linears, reason = projections(modules, labels)
-    reason = reason or _layer_norm_reason(norm)
+    linears, reason = decided_projections(owner, modules, labels, [norm], lambda: _layer_norm_reason(norm))
     if reason:
         return None, reason
     return norm_linears(x, norm_spec(norm), linears, recompute, shared), None
@@ -281,16 +295,18 @@ class _RematMLP(_RematModule):
     def forward(self, hidden_states, *args, **kwargs):
         parts = self.remat_parts
         norm, norm_reason = _handed_over(self)
-        linears, reason = projections([self._modules[parts.fc1], self._modules[parts.fc2]], [parts.fc1, parts.fc2])
-        reason = reason or activation_reason(self._modules[parts.act], parts.act) \
-            or (_layer_norm_reason(norm) if norm is not None else None) or self.remat_call_reason()
+        activation = self._modules[parts.act]
+        linears, reason = decided_projections(
+            self, [self._modules[parts.fc1], self._modules[parts.fc2]], [parts.fc1, parts.fc2], [activation, norm],
+            lambda: activation_reason(activation, parts.act) or _layer_norm_reason(norm))
+        reason = reason or self.remat_call_reason()
         if reason:
             self._remat_fallback(reason)
             if norm is not None:
                 hidden_states = stock_norm(norm, hidden_states)
             return self.remat_stock.forward(self, hidden_states, *args, **kwargs)
         self._remat_fallback(norm_reason)
-        act = gelu(gelu_approximate(self._modules[parts.act]))
+        act = gelu(gelu_approximate(activation))
         fc1, fc2 = linears
         out = fused_mlp(hidden_states, fc1, act, fc2, norm_spec(norm) if norm is not None else None,
                         self.remat_recompute, _shared_statistics(self))
@@ -347,9 +363,11 @@ class _RematGatedMLP(_RematModule):
         parts = self.remat_parts
         names = (*fc1_names(parts), parts.fc2)
         norm, norm_reason = _handed_over(self)
-        linears, reason = projections([self._modules[n] for n in names], list(names))
-        reason = reason or gated_activation_reason(self._modules[parts.act], parts.act) \
-            or (_layer_norm_reason(norm) if norm is not None else None) or self.remat_call_reason()
+        activation = self._modules[parts.act]
+        linears, reason = decided_projections(
+            self, [self._modules[n] for n in names], list(names), [activation, norm],
+            lambda: gated_activation_reason(activation, parts.act) or _layer_norm_reason(norm))
+        reason = reason or self.remat_call_reason()
         if reason:
             self._remat_fallback(reason)
             if norm is not None:
@@ -357,7 +375,7 @@ class _RematGatedMLP(_RematModule):
             return self.remat_stock.forward(self, hidden_states)
         self._remat_fallback(norm_reason)
         *ups, down = linears
-        act = Activation(gated_activation_name(self._modules[parts.act]), gated=True)
+        act = Activation(gated_activation_name(activation), gated=True)
         return fused_mlp(hidden_states, tuple(ups) if len(ups) == 2 else ups[0], act, down,
                          norm_spec(norm) if norm is not None else None, self.remat_recompute,
                          _shared_statistics(self))
@@ -413,7 +431,7 @@ class _RematNormedLinear(_RematModule):
     def forward(self, input):
         norm, reason = _handed_over(self)
         linear, reason = (None, reason) if norm is None else _own_linear(self, self.remat_path)
-        reason = reason or (_layer_norm_reason(norm) if norm is not None else None)
+        reason = reason or _layer_norm_reason(norm)
         if reason:
             self._remat_fallback(reason)
             if norm is not None:
@@ -442,7 +460,7 @@ class _RematLayerMLP(_RematModule):
         fc1_linear, reason = _own_linear(fc1, labels["fc1"])
         fc2_linear, reason = (None, reason) if reason else _own_linear(self, self.remat_path)
         reason = reason or activation_reason(act, labels["act"], act.remat_stock) or \
-            (_layer_norm_reason(norm) if norm is not None else None)
+            _layer_norm_reason(norm)
         if reason:  # the handoff holds, so input is what the first producer got: compute them here
             self._remat_fallback(reason)
             if norm is not None:
@@ -603,7 +621,7 @@ class _RematAttention(_RematModule):
             reason = core
         if reason is None:
             modules = [self._modules[n] for n in self.remat_projections]
-            outputs, reason = _normed_outputs(hidden_states, norm, modules, self.remat_recompute,
+            outputs, reason = _normed_outputs(hidden_states, self, norm, modules, self.remat_recompute,
                                               self.remat_projections, _shared_statistics(self))
         if reason is not None:
             self._remat_fallback(reason)
@@ -620,6 +638,8 @@ class _RematAttention(_RematModule):
     def _remat_bind(self, hidden_states, args, kwargs):
         """The call's arguments by the stock forward's names (**kwargs merged in), or None when
         they do not bind."""
+        if not args and self.remat_var_keyword:  # all by name into a forward taking **kwargs: what bind gives
+            return dict(kwargs)
         signature = self.remat_signature
         try:
             bound = signature.bind(self, hidden_states, *args, **kwargs)
