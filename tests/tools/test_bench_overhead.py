@@ -32,9 +32,10 @@ def test_the_command_writes_a_row_per_layer_and_dispatch_measurement(cli_run):
         rows = list(reader)
     assert reader.fieldnames[:len(overhead.COLUMNS)] == overhead.COLUMNS
     assert {"torch", "transformers", "remat", "commit", "backend", "timings"} <= set(reader.fieldnames)
+    empty = overhead.EMPTY_KERNELS
     assert [(row["subject"], row["implementation"]) for row in rows] == [
-        ("llama layer fwd+bwd", "stock"), ("llama layer fwd+bwd", "remat"),
-        ("gpt2 layer fwd+bwd", "stock"), ("gpt2 layer fwd+bwd", "remat"),
+        ("llama layer fwd+bwd", "stock"), ("llama layer fwd+bwd", "remat"), ("llama layer fwd+bwd", empty),
+        ("gpt2 layer fwd+bwd", "stock"), ("gpt2 layer fwd+bwd", "remat"), ("gpt2 layer fwd+bwd", empty),
         ("custom-op call, no grad", "python function"), ("custom-op call, no grad", "torch.library custom op"),
         ("custom-op pair, fwd+bwd", "native autograd"),
         ("custom-op pair, fwd+bwd", "custom op + autograd + backward op")]
@@ -42,11 +43,12 @@ def test_the_command_writes_a_row_per_layer_and_dispatch_measurement(cli_run):
     for row in rows:
         assert not row["error"], row
         assert 0 < float(row["p20_us"]) <= float(row["p50_us"]) <= float(row["p80_us"]), row
-    firsts, seconds = rows[0::2], rows[1::2]
+    firsts = [rows[0], rows[3], rows[6], rows[8]]
     assert all(row["minus_first_us"] == "-" for row in firsts)
-    assert all(row["minus_first_us"] not in ("", "-") for row in seconds)
+    assert all(row["minus_first_us"] not in ("", "-") for row in rows if row not in firsts)
+    assert [row["check"] for row in rows if row["implementation"] == empty] == ["same calls"] * 2
     # each remat layer: its check passed against float64, and it called remat's ops (stock: none)
-    for stock, ours in zip(firsts[:2], seconds[:2]):
+    for stock, ours in zip(rows[0:6:3], rows[1:6:3]):
         assert ours["check"].startswith("ok ("), ours
         assert stock["remat_op_calls"] == "0" and int(stock["aten_op_calls"]) > 0
         calls = ours["remat_op_calls"]
@@ -119,3 +121,20 @@ def test_the_suite_is_run_only_when_named(monkeypatch):
 def test_arguments_it_does_not_take_are_one_line_errors(arguments, message):
     with pytest.raises(SystemExit, match=message):
         cli.main(arguments)
+
+
+def test_the_empty_kernels_allocate_the_outputs_and_the_real_ones_come_back(reference_backend):
+    """The empty-launch timing runs the same layer with each remat op returning its fake's outputs (right
+    shapes, nothing computed), switched by the untimed reset; afterwards the ops compute again."""
+    pair = overhead.LayerPair("llama", seq=8)
+    switch = overhead._KernelSwitch()
+    want = pair.forward(pair.converted)
+    step, reset = switch.empty((pair.step(pair.converted), pair.reset(pair.converted)))
+    try:
+        reset()
+        empty = pair.forward(pair.converted)
+        step()
+        assert empty.shape == want.shape and pair.x.grad.shape == pair.x.shape
+    finally:
+        switch.restore()
+    torch.testing.assert_close(pair.forward(pair.converted), want)

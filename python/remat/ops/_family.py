@@ -250,7 +250,6 @@ def _filled(args, defaults):
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-_KERNEL_DEVICES = ("cpu", "cuda")
 
 
 def _plain_eager_call(args):
@@ -260,8 +259,10 @@ def _plain_eager_call(args):
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() \
             or torch._C._is_torch_function_mode_enabled() or torch._C._functorch.peek_interpreter_stack() is not None:
         return False
-    return all(type(a) in _PLAIN_TENSORS and a.device.type in _KERNEL_DEVICES
-               for a in args if isinstance(a, torch.Tensor))
+    for a in args:
+        if isinstance(a, torch.Tensor) and not (type(a) in _PLAIN_TENSORS and (a.is_cpu or a.is_cuda)):
+            return False
+    return True
 
 
 def grad_leaves(*tensors):
