@@ -20,15 +20,19 @@ converted layer's output and gradients (input and every weight) are checked agai
 copy of the stock layer, within twice the stock layer's own error, as every benchmark case is:
 both timings compute the same result.
 
+A third row per layer times the converted layer with remat's kernels as empty launches: each op
+call allocates its outputs (the op's fake) and computes nothing, switched in the untimed reset
+before each call. Its difference from stock is remat's host overhead itself (Python, autograd,
+allocations), without the reference's arithmetic, which a GPU's kernels do instead: the row held
+against the target.
+
 Beside the layers: what torch's custom-op machinery costs per call, for a trivial op declared as
 remat declares its ops (torch.library.custom_op with a fake and autograd): a call without grad
 against calling its Python function directly, and a forward op with autograd whose backward calls
-a backward op, forward + backward, against the same arithmetic on native autograd. With the
-counts of one forward + backward's ops (a TorchDispatchMode: remat's custom-op calls, and every
-aten op, those inside remat's ops included), the summary splits the layer's overhead, as an
-estimate, into the custom-op machinery, the aten ops the reference runs beyond stock's (at a
-trivial op's cost), and the rest: those ops' cost beyond a trivial op's, and Python, remat's
-around its ops and its references'. Finally cProfile, once, over the
+a backward op, forward + backward, against the same arithmetic on native autograd (remat's eager
+calls skip it: remat.ops._family). The table counts one forward + backward's ops (a
+TorchDispatchMode: remat's custom-op calls, and every aten op, those inside remat's ops
+included). Finally cProfile, once, over the
 converted layer's forward + backward: the top functions by cumulative and by own time, where the
 next engineer looks first.
 
