@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import remat
-from remat._guards import fallback_counts
+from remat._guards import RematFallbackWarning, fallback_counts
 from remat.convert.hf import interface
 
 from hf_models import (
@@ -22,6 +22,7 @@ from hf_models import (
     packed_batch,
     padded_batch,
     remat_attention_calls,
+    step_saved_bytes,
     tiny_model,
     transformers,
     varlen_attention_calls,
@@ -224,3 +225,30 @@ def test_a_family_without_rules_runs_remat_attention_or_says_why(config_name):
     assert calls == 0
     said = [row.reason for row in report.skipped] + [r for counts in report.fallbacks().values() for r in counts]
     assert any(expected in reason for reason in said), said
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_a_layer_reverted_apart_from_the_model_runs_stock_attention(implementation):
+    """remat.revert of one layer of a model whose attention runs through the interface (as a plan does
+    for the layers it keeps stock): every layer reads "remat" from the shared config, but the reverted
+    layer's attention runs the previous implementation's, the others remat's. With every layer
+    reverted so, the model keeps exactly stock's bytes (eager keeps its probabilities, sdpa does not:
+    the bytes tell the two apart); reverting the model gives its implementation back."""
+    stock, kind = tiny_model("Olmo2Config")
+    stock.set_attn_implementation(implementation)
+    converted = remat.convert(copy.deepcopy(stock), layers={"layernorm", "gelu", "attention", "mlp"})  # no fused loss
+    assert converted.config._attn_implementation == interface.NAME
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    layers = converted.model.layers
+    for reverted in range(len(layers)):
+        remat.revert(layers[reverted])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RematFallbackWarning)
+            _, calls = remat_attention_calls(lambda: converted(input_ids=ids, labels=ids).loss)
+        assert calls == len(layers) - reverted - 1
+    assert_tiny_step_as_stock(stock, converted, kind, ids)
+    assert converted.config._attn_implementation == interface.NAME
+    assert step_saved_bytes(converted, {"input_ids": ids, "labels": ids}) == \
+        step_saved_bytes(stock, {"input_ids": ids, "labels": ids})
+    remat.revert(converted)
+    assert converted.config._attn_implementation == implementation

@@ -73,15 +73,23 @@ def convert_attention(model, path, report):
         report.add(path, model, "skipped", f"attention implementation {previous!r} kept: {error}")
         return
     model.__dict__["remat_attention_implementation"] = previous
+    for module in model.modules():  # what each goes back to when reverted apart from the model (revert_attention)
+        module.__dict__["remat_attention_previous"] = previous
+        module.__dict__.pop("remat_attention_stock", None)
     report.add(path, model, f"attention implementation {previous!r} -> {NAME!r}", "every attention calling "
                "transformers' attention interface runs remat.attention")
 
 
-def revert_attention(model):
-    """Give `model` back the attention implementation it had before convert_attention."""
-    previous = model.__dict__.pop("remat_attention_implementation", None)
+def revert_attention(module):
+    """Give the model `module` back the attention implementation it had before convert_attention. A
+    module below such a model, reverted apart from it (remat.revert of one layer, as a plan does for
+    the layers it keeps stock), keeps the model's "remat" implementation, which every layer reads
+    from the shared config: its attention calls run the previous implementation's attention instead."""
+    previous = module.__dict__.pop("remat_attention_implementation", None)
     if previous is not None:
-        model.set_attn_implementation(previous)
+        module.set_attn_implementation(previous)
+    elif "remat_attention_previous" in module.__dict__:
+        module.__dict__["remat_attention_stock"] = module.__dict__["remat_attention_previous"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,12 +118,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     window = _window(sliding_window, key.shape[2], causal)
     packed = _packed_lengths(query, kwargs)
-    reason = _stock_reason(query, key, value, attention_mask, s_aux, kwargs)
+    reverted = module.__dict__.get("remat_attention_stock")  # its layer reverted alone: stock, asked for
+    reason = _stock_reason(query, key, value, attention_mask, s_aux, kwargs) if reverted is None else None
     if reason is not None:
         fallback(module, reason, runs="stock attention")
+    if reason is not None or reverted is not None:
         return _stock_attention(module, query, key, value, attention_mask, (packed, causal, window), dropout=dropout,
                                 scaling=scaling, sliding_window=sliding_window, softcap=softcap, is_causal=is_causal,
-                                s_aux=s_aux, **kwargs)
+                                s_aux=s_aux, eager=reverted == "eager", **kwargs)
     features = {"softmax_scale": scaling, "softcap": float(softcap or 0.0), "dropout_p": float(dropout),
                 "window_size": window}
     if packed is not None:
@@ -142,15 +152,16 @@ def _stock_reason(query, key, value, mask, s_aux, kwargs):
     return None
 
 
-def _stock_attention(module, query, key, value, mask, pattern, softcap=None, s_aux=None, **kwargs):
+def _stock_attention(module, query, key, value, mask, pattern, softcap=None, s_aux=None, eager=False, **kwargs):
     """The call on transformers' sdpa attention, or on the model file's own eager attention function
-    where sdpa cannot (softcap, sinks, weights requested). A flash-style mask (None or 2-D) and packed
-    sequences are turned into the 4-D mask those take, where they need one: sdpa reads no mask as
-    causal or not by itself, eager as all keys visible."""
+    where sdpa cannot (softcap, sinks, weights requested) or `eager` asks for it. A flash-style mask
+    (None or 2-D) and packed sequences are turned into the 4-D mask those take, where they need one:
+    sdpa reads no mask as causal or not by itself, eager as all keys visible."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    use_eager = eager is not None and (softcap is not None or s_aux is not None or kwargs.get("output_attentions"))
+    eager_forward = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    use_eager = eager_forward is not None and (eager or softcap is not None or s_aux is not None
+                                               or kwargs.get("output_attentions"))
     packed, causal, window = pattern
     if (mask is None and (use_eager or packed is not None)) or (mask is not None and mask.dim() == 2):
         mask = _dense_mask(query, key, mask, packed, causal, window)
@@ -159,7 +170,7 @@ def _stock_attention(module, query, key, value, mask, pattern, softcap=None, s_a
     if mask.dtype == torch.bool:  # eager attention adds its mask to the scores
         mask = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(~mask, torch.finfo(query.dtype).min)
     extra = {name: value for name, value in (("softcap", softcap), ("s_aux", s_aux)) if value is not None}
-    return eager(module, query, key, value, mask, **extra, **kwargs)
+    return eager_forward(module, query, key, value, mask, **extra, **kwargs)
 
 
 def _dense_mask(query, key, padding, packed, causal, window):
@@ -205,13 +216,15 @@ def _window(sliding_window, key_length, causal):
 def _packed_lengths(query, kwargs):
     """(cu_seqlens_q, cu_seqlens_k, max_q, max_k) of packed sequences in a batch of one, or None:
     from the collator's cu_seq_lens_q/k and max_length_q/k, else from position_ids that restart
-    (read on the device: not while torch.compile traces, as transformers' flash path)."""
+    (read on the device: not while torch.compile traces, as transformers' flash path, nor on meta,
+    which holds no positions to read: counted as one sequence)."""
     names = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
     if all(kwargs.get(name) is not None for name in names):
         cu_q, cu_k, max_q, max_k = (kwargs[name] for name in names)
         return cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k)
     positions = kwargs.get("position_ids")
-    if positions is None or query.shape[0] != 1 or query.shape[2] == 1 or torch.compiler.is_compiling():
+    if positions is None or positions.is_meta or query.shape[0] != 1 or query.shape[2] == 1 \
+            or torch.compiler.is_compiling():
         return None
     positions = positions.reshape(-1)
     if positions.numel() != query.shape[2]:
