@@ -13,7 +13,6 @@ import transformers
 from test_hf_rms_families import build_case, expected_saving
 
 import remat
-from remat.convert import RematWarning
 from remat.convert.hf import registry
 from remat.convert.hf.modules import _RematFusedNorm, _RematGatedMLP, _RematMLP, _RematNormedLinear, _RematOutput
 
@@ -174,13 +173,40 @@ def test_a_norm_feeding_the_residual_stays_stock():
     assert len(reasons) == LAYERS and all("add() in Olmo2DecoderLayer's forward reads it" in r for r in reasons)
 
 
-def test_a_model_on_the_meta_device_is_not_probed():
+@pytest.mark.parametrize("config_name", ["GraniteConfig", "Olmo2Config", "GPTBigCodeConfig", "ElectraConfig"])
+def test_a_model_on_the_meta_device_is_fused_as_on_the_cpu(config_name):
+    """The probe runs on meta too (with the model's default cache: its mask building then reads no
+    position ids), RMSNorm styles checked on a CPU copy: the same fusions and saved bytes as on the CPU,
+    what `remat memory` and remat.plan count at any size."""
+    kinds, saved = {}, {}
+    for device in ("cpu", "meta"):
+        with torch.device(device):
+            stock, _ = tiny_model(config_name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            converted, report = convert_layers(stock, report=True, layers=LAYER_FUSIONS)
+        kinds[device], saved[device] = _kinds(_layers(converted)), report.saved_bytes_per_token()
+    assert kinds["meta"] == kinds["cpu"] and any(kinds["cpu"].values())
+    assert saved["meta"] == saved["cpu"] > 0
+
+
+def test_on_the_meta_device_a_llama_without_its_rules_keeps_what_its_rules_keep(monkeypatch):
+    """Counted on meta as remat memory counts (remat.planner.counting): a Llama converted by its rules
+    and one converted by structure and the attention interface keep the same bytes, fewer than stock."""
+    from remat.planner.counting import count_forward
+
     with torch.device("meta"):
-        stock, _ = tiny_model("GraniteConfig")
-    with pytest.warns(RematWarning):
-        converted, report = convert_layers(stock, report=True, layers=LAYER_FUSIONS)
-    assert _kinds(converted) == {"norm": 0, "projection": 0, "mlp": 0, "ffn": 0}
-    assert any("meta device" in row.reason for row in report.skipped), str(report)
+        stock, _ = build("llama")
+    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+
+    def kept(model):
+        return count_forward(model, (), {"input_ids": ids, "labels": ids}).total_bytes()
+
+    ruled = remat.convert(copy.deepcopy(stock))
+    _without_rules(monkeypatch, "llama")
+    structural = remat.convert(copy.deepcopy(stock))
+    assert structural.config._attn_implementation == "remat" and ruled.config._attn_implementation == "sdpa"
+    assert kept(structural) == kept(ruled) < kept(stock)
 
 
 # --- Families remat has no rule for -----------------------------------------------------------------

@@ -18,11 +18,13 @@ numerically against the stock forward, replayed with the arguments the probe rec
 
 import collections
 import contextlib
+import copy
 import inspect
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..._guards import from_transformers
 from ..._linears import widths
@@ -154,6 +156,18 @@ def _eval(model):
             m.training = training
 
 
+class _MetaReads(TorchDispatchMode):
+    """Answers the data-dependent reads of a probe call on meta tensors, which hold no values: a
+    tensor read as a Python number (.item(), bool(), an `if` on a tensor) reads 1, True: the token
+    ids' positions unpacked, the all-ones masks all visible. Only transformers' mask building reads
+    values there; the dataflow between a layer's modules does not depend on them."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            return True if args[0].dtype == torch.bool else 1
+        return func(*args, **(kwargs or {}))
+
+
 class Structure:
     """What the probe call recorded of a model: Frames, and why there are none (reason)."""
 
@@ -165,11 +179,11 @@ class Structure:
 
 
 def probe(model):
-    """Run `model` once on a few token ids (eval mode, no grad, on its parameters' device) and record
-    every module's dataflow; Structure(frames) or Structure({}, why not)."""
+    """Run `model` once on a few token ids (eval mode, no grad, on its parameters' device, meta
+    included) and record every module's dataflow; Structure(frames) or Structure({}, why not)."""
     param = next(model.parameters(), None)
-    if param is None or param.is_meta:
-        return Structure({}, "its parameters are on the meta device: nothing to probe")
+    if param is None:
+        return Structure({}, "it has no parameters")
     inputs, reason = _probe_inputs(model, param)
     if reason:
         return Structure({}, reason)
@@ -177,7 +191,7 @@ def probe(model):
         inputs["use_cache"] = False  # the layers' calls recorded without a cache, as in training
     recorder = _Recorder(model)
     try:
-        with torch.no_grad(), _eval(model), recorder:
+        with torch.no_grad(), _eval(model), _MetaReads() if param.is_meta else contextlib.nullcontext(), recorder:
             model(**inputs)
     except Exception as error:  # noqa: BLE001 - a model this probe cannot call: no structural fusion
         return Structure({}, f"its probe call failed ({type(error).__name__}: {error})")
@@ -237,7 +251,10 @@ def is_norm(module):
 
 def rms_mismatch(norm, style):
     """The input dtype (its weight's, then bf16) on which the RMSNorm `norm`'s forward differs from
-    remat's `style` on a random input, bitwise; None when it equals it in both."""
+    remat's `style` on a random input, bitwise; None when it equals it in both. A norm on meta is
+    checked as a copy on the CPU with random weights (its forward's rounding is what is compared)."""
+    if norm.weight.is_meta:
+        norm = _cpu_copy(norm)
     weight, eps = norm.weight, getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
     x = torch.randn(6, weight.shape[0], generator=torch.Generator().manual_seed(3))
     for dtype in dict.fromkeys((weight.dtype, torch.bfloat16)):
@@ -248,6 +265,17 @@ def rms_mismatch(norm, style):
         if want.dtype != got.dtype or not torch.equal(want, got):
             return dtype
     return None
+
+
+def _cpu_copy(module):
+    """A copy of the meta `module` on the CPU, its parameters and buffers drawn near 1 (seeded)."""
+    twin = copy.deepcopy(module).to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for tensor in (*twin.parameters(), *twin.buffers()):
+            if tensor.is_floating_point():
+                tensor.copy_(1 + 0.1 * torch.randn(tensor.shape, generator=generator))
+    return twin
 
 
 def rms_style(norm):
