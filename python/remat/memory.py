@@ -72,6 +72,7 @@ SHAPES = {"llama-3-8b": (1, 8192), "qwen3-8b": (1, 8192)}  # (batch, seq) by def
 DEFAULT_SHAPE = (8, 1024)
 PLAN_FRACTIONS = (0.75, 0.5, 0.25)  # of what eager keeps: the budgets of the "plan" rows
 DEFAULT_GPU = "H200"
+POLICY_WIDTH = 44  # the table's policy column, at the least
 
 
 @dataclasses.dataclass
@@ -509,11 +510,12 @@ def _print_table(counted, rows, on_gpu):
            if counted.device == "meta" else "counted on CPU tensors: exact for what CPU kernels keep")
     _print_note(f"{how}; step times predicted for {counted.gpu} by remat.planner's cost model"
                 + (", and measured on this GPU" if on_gpu else ", not measured"))
-    print(f"{'policy':44s} {'per layer':>10s} {'total':>10s} {'host':>10s} {'pred. ms':>9s} {'vs eager':>8s}"
+    width = max(POLICY_WIDTH, *(len(r.policy) for r in rows))  # a long plan row widens the column
+    print(f"{'policy':{width}s} {'per layer':>10s} {'total':>10s} {'host':>10s} {'pred. ms':>9s} {'vs eager':>8s}"
           + (f" {'step ms':>8s} {'peak GB':>8s}" if on_gpu else ""))
     eager_ms = rows[0].predicted_ms
     for r in rows:
-        print(_row_text(r, eager_ms, on_gpu))
+        print(_row_text(r, eager_ms, on_gpu, width))
     _print_notes(counted)
 
 
@@ -521,11 +523,12 @@ def _print_note(text):
     print(textwrap.fill(text, width=100, initial_indent="  ", subsequent_indent="  "), flush=True)
 
 
-def _row_text(r, eager_ms, on_gpu):
+def _row_text(r, eager_ms, on_gpu, width=None):
+    width = width or POLICY_WIDTH
     if math.isnan(r.saved_bytes):
-        return f"{r.policy:44s} {r.error}"
+        return f"{r.policy:{width}s} {r.error}"
     host = _size(r.host_bytes) if r.host_bytes else f"{'-':>10s}"
-    line = (f"{r.policy:44s} {_size(r.per_layer_bytes)} {_size(r.saved_bytes)} {host} "
+    line = (f"{r.policy:{width}s} {_size(r.per_layer_bytes)} {_size(r.saved_bytes)} {host} "
             f"{r.predicted_ms:9.4g} {r.predicted_ms / eager_ms - 1:+8.0%}")
     if on_gpu:
         line += f" {r.step_ms:8.1f} {r.peak_gb:8.2f}"

@@ -233,3 +233,15 @@ def test_run_counts_selective_checkpoint_as_the_block_structure_says(tmp_path, d
 def test_an_unknown_model_is_a_value_error_naming_the_model(tmp_path):
     with pytest.raises(ValueError, match=r"model must be one of gpt2-small, .*; got 'gpt2-smal'"):
         memory.run("gpt2-smal", out_dir=str(tmp_path), device="cpu")
+
+
+def test_a_policy_longer_than_the_column_widens_it_for_every_row(capsys):
+    counted = memory.Counted("m", "M", 2, 8, 1, 4, torch.float32, "meta", "H200")
+    long = "plan 25%: 2 remat, 18 selective, 16 full + fused loss"
+    rows = [memory.PolicyResult("eager", 2048.0, 0.0, 1024.0, 1.0), memory.PolicyResult(long, 1024.0, 0.0, 512.0, 1.5)]
+    memory._print_table(counted, rows, on_gpu=False)
+    header, *table = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("policy", "eager",
+                                                                                                "plan"))]
+    assert len(long) > memory.POLICY_WIDTH
+    assert header.index("per layer") + len("per layer") == len(long) + 1 + 10  # where the rows' first number ends
+    assert table[1].startswith(long + " ") and len(table[0]) == len(table[1])
