@@ -415,3 +415,19 @@ def test_remat_memory_reads_a_llama_config(tmp_path):
     saving, _ = expected_saving("llama", ffn, "cpu")
     assert results["eager"].saved_bytes - results["remat"].saved_bytes == saving
     assert KV_HEADS < HEADS  # GQA is what these configs test
+
+
+def test_a_converted_gemma2_counts_on_meta():
+    """On meta (remat memory, remat.plan) a 4-D mask holds no pattern to read: the rules' attention takes
+    it as an unpadded batch's, and the converted model keeps fewer bytes than stock."""
+    from remat.planner.counting import count_forward
+
+    with torch.device("meta"):
+        stock, _ = build("gemma2")  # its default cache, as remat memory builds models
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+
+    def kept(model):
+        return count_forward(model, (), {"input_ids": ids, "labels": ids}).total_bytes()
+
+    converted = conv.convert(stock, inplace=False)
+    assert 0 < kept(converted) < kept(stock)

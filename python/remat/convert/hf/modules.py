@@ -688,6 +688,9 @@ class _RematAttention(_RematModule):
         mask = call.get("attention_mask")
         if mask is not None and torch.compiler.is_compiling():
             return "a materialised mask under torch.compile (reading it would break the graph)"
+        if mask is not None and mask.is_meta:  # no values to read (remat memory, remat.plan on meta): counted as
+            call["remat_mask_pattern"] = "causal" if self.is_causal else "full"  # the mask of an unpadded batch
+            return None
         if mask is not None:  # last: the pattern check synchronises with the device
             pattern = mask_pattern(mask, hidden_states.shape[1], hidden_states.shape[1], self.remat_windows())
             if pattern is None:
