@@ -148,9 +148,9 @@ def fusable(pattern, modules, labels=None):
 def unsupported_reason(module):
     """Why a module remat recognises is not converted (RMSNorm, gated MLPs), or None."""
     if type(module).__name__.endswith(("RMSNorm", "T5LayerNorm")):  # torch.nn.RMSNorm, LlamaRMSNorm, (M)T5's, ...
-        return ("RMSNorm: no fusion with a Linear after it applies here (remat fuses RMSNorms in the Hugging "
-                "Face families it knows, and in remat.nn.RMSNormLinear and GatedMLP); it runs as it is and "
-                "saves nothing")
+        return ("RMSNorm: no fusion with a Linear after it applies here (remat fuses an RMSNorm whose output only "
+                "projections read, in Hugging Face models and remat.nn.RMSNormLinear and GatedMLP); it runs as it "
+                "is and saves nothing")
     children = set(module._modules)
     if any(names <= children for names in GATED_MLP_NAMES):
         return ("gated MLP (act(gate) * up -> down): not fused outside the Hugging Face families remat knows "

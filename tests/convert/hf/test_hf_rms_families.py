@@ -1,10 +1,11 @@
 """remat.convert on the Hugging Face families built from RMSNorms and gated MLPs (tiny random configs,
-no downloads): Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, Gemma2 and Gemma3 (text). The same loss and
-gradients as stock, the same checkpoint, the exact bytes no longer kept (derived per family), and the
-reasons for what stays stock: the norms of a block's output. Sliding windows and Gemma2's softcap run on
-remat.attention, padded and packed batches on remat.attention_varlen; a call whose attention remat does not
-compute (another mask, a cache with past keys) keeps the fused norm and projections and runs the stock attention
-function."""
+no downloads), none of which has a rule: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, Gemma2 and Gemma3
+(text). Attention runs as the "remat" attention implementation (interface.py), norms and MLPs are fused
+by structure (structure.py). The same loss and gradients as stock, the same checkpoint, the exact bytes
+no longer kept (derived per family), and the reasons for what stays stock: the norms of a block's
+output. Sliding windows and Gemma2's softcap run on remat.attention, padded and packed batches on
+remat.attention_varlen; a call remat's kernels do not take (another mask, a static cache's prefill)
+keeps the fused norm and projections and runs stock attention."""
 
 import collections
 import importlib
@@ -16,7 +17,6 @@ import torch
 from test_hf_families import assert_skipped_as_expected, sdpa_mask_bytes, swapped_counts
 
 from remat import memory
-from remat.convert.hf import registry
 
 from hf_models import (
     BATCH,
@@ -47,25 +47,27 @@ from hf_models import (
 conv = importlib.import_module("remat.convert")
 
 TOKENS = BATCH * SEQ
-OUTPUT_NORMS = "normalises a block's output"
-STOCK_CORE = "runs the stock attention function on its fused q/k/v projections"
+OUTPUT_NORMS = "in Gemma{}DecoderLayer's forward reads it"  # post_attention_layernorm, post_feedforward_layernorm
+HEAD_NORMS = "in {}Attention's forward reads it"  # q_norm and k_norm over each head, before the rotary embedding
+STOCK_ATTENTION = "runs stock attention"
 
-# family -> (its class prefix, attention on remat.attention (else its projections only, and the stock
-# attention function), {reason substring: count} of the rows left stock); every family's model.norm (the
-# final norm, read by the LM head) stays stock too.
-Case = collections.namedtuple("Case", "prefix attention skipped")
+# family -> (its class prefix, the projections each input_layernorm is fused into, {reason substring:
+# count} of the rows left stock); every family's model.norm (the final norm, read by the LM head) and
+# attention module (its attention function remat's, through the interface) stay stock too.
+Case = collections.namedtuple("Case", "prefix projections skipped")
 CASES = {
-    "llama": Case("Llama", True, {}),
-    "mistral": Case("Mistral", True, {}),
-    "qwen2": Case("Qwen2", True, {}),
-    "qwen3": Case("Qwen3", True, {}),
-    "phi3": Case("Phi3", True, {}),
-    "gemma": Case("Gemma", True, {}),
+    "llama": Case("Llama", 3, {}),
+    "mistral": Case("Mistral", 3, {}),
+    "qwen2": Case("Qwen2", 3, {}),
+    "qwen3": Case("Qwen3", 3, {HEAD_NORMS.format("Qwen3"): 2 * LAYERS}),
+    "phi3": Case("Phi3", 1, {}),  # qkv_proj
+    "gemma": Case("Gemma", 3, {}),
     # softcapped attention (the default 50.0) on remat.attention's softcap
-    "gemma2": Case("Gemma2", True, {OUTPUT_NORMS: 2 * LAYERS}),
-    "gemma3": Case("Gemma3", True, {OUTPUT_NORMS: 2 * LAYERS}),
+    "gemma2": Case("Gemma2", 3, {OUTPUT_NORMS.format(2): 2 * LAYERS}),
+    "gemma3": Case("Gemma3", 3, {OUTPUT_NORMS.format(3): 2 * LAYERS, HEAD_NORMS.format("Gemma3"): 2 * LAYERS}),
 }
-FINAL_NORM = "RMSNorm"  # the generic rule's row for model.norm
+FINAL_NORM = "RMSNorm: no fusion"  # the generic rule's row for model.norm
+ATTENTION_MODULE = "its attention function the model's attention implementation"
 
 
 def build_case(name, **overrides):
@@ -73,12 +75,13 @@ def build_case(name, **overrides):
 
 
 def expected_skips(name):
-    return {**CASES[name].skipped, FINAL_NORM: 1}
+    return {**CASES[name].skipped, FINAL_NORM: 1, ATTENTION_MODULE: LAYERS}
 
 
 def expected_swaps(name):
     prefix = CASES[name].prefix
-    return {f"Remat{prefix}MLP": LAYERS, f"RematFused{prefix}RMSNorm": 2 * LAYERS, f"Remat{prefix}Attention": LAYERS}
+    return {f"Remat{prefix}MLP": LAYERS, f"RematFused{prefix}RMSNorm": 2 * LAYERS,
+            "RematNormedLinear": CASES[name].projections * LAYERS}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -91,13 +94,14 @@ def test_same_loss_gradients_and_checkpoint(target, name):
     for cls, count in expected_swaps(name).items():
         assert counts[cls] == count, f"{cls}: {counts[cls]} != {count}\n{report}"
     assert_skipped_as_expected(report, expected_skips(name))
+    assert converted.config._attn_implementation == "remat"
     state, converted_state = stock.state_dict(), converted.state_dict()
     assert list(converted_state) == list(state)
     assert all(torch.equal(converted_state[k], v) for k, v in state.items())
     converted.load_state_dict(state, strict=True)
     batch = family_inputs(name, device)
     _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, batch))
-    assert calls == (LAYERS if CASES[name].attention else 0)
+    assert calls == LAYERS
 
 
 # --- What autograd keeps: derived per family, asserted exactly -------------------------------------
@@ -122,6 +126,7 @@ def stock_attention_extra(name, device):
     probabilities (seq wide per head), and o_proj's input, a copy of the output; remat's k and v
     (kv heads) and lse are not."""
     if name == "phi3":  # stock's v is a view of qkv_proj's output, keeping its q and k parts too; remat's a copy
+        # (the interface's _own_value)
         return attention_output_copy(name, device) + F32 * (HEADS + KV_HEADS) * HEAD_DIM
     if name != "gemma2":
         return attention_output_copy(name, device)
@@ -137,10 +142,10 @@ def expected_saving(name, ffn, device, remat_attention=None):
           projections keep x and the fp32 rstd, which stock keeps too; the report counts y only (a
           lower bound: fused_saved_bytes)
     gemma GemmaRMSNorm's stock forward also keeps 1 + w in fp32 (hidden wide, once per norm, not per token)
-    and, where remat.attention runs (remat_attention, default: the family's Case), what the stock
-    attention keeps more (stock_attention_extra); the stock attention function keeps it too.
+    and, where remat.attention runs (remat_attention, default: it does), what the stock attention keeps
+    more (stock_attention_extra); stock attention, run for a call remat's kernels do not take, keeps it too.
     """
-    remat_attention = CASES[name].attention if remat_attention is None else remat_attention
+    remat_attention = True if remat_attention is None else remat_attention
     mlp, norm = 2 * F32 * ffn, 2 * F32 * HIDDEN
     per_layer = mlp + 2 * norm + (stock_attention_extra(name, device) if remat_attention else 0)
     constant = LAYERS * 2 * F32 * HIDDEN if name.startswith("gemma") else 0
@@ -169,36 +174,24 @@ def test_save_pretrained_round_trip(tmp_path, name):
 # --- What stays stock, and why ---------------------------------------------------------------------
 
 
-def test_a_norm_whose_forward_rounds_otherwise_stays_stock(monkeypatch):
-    """The style a family names is checked against the norm's own forward, bitwise, in bf16 too: as
-    if LlamaRMSNorm rounded as torch.nn.RMSNorm does, no norm fuses, and the report says why."""
-    monkeypatch.setitem(registry.FAMILIES["llama"].norms, "LlamaRMSNorm", "torch")
-    stock, _ = build_case("llama")
+def test_an_activation_the_gated_kernels_lack_stays_stock():
+    stock, _ = build_case("llama", hidden_act="relu")
     converted, report = convert_layers(stock, report=True)
-    reasons = [row.reason for row in report.skipped if "input_layernorm" in row.path]
-    assert len(reasons) == LAYERS and all("does not round as remat's 'torch' RMSNorm" in r for r in reasons), \
-        str(report)
-    assert swapped_counts(report)["RematFusedLlamaRMSNorm"] == 0
+    reasons = [row.reason for row in report.skipped if row.path.endswith((".mlp", "post_attention_layernorm"))]
+    assert len([r for r in reasons if "not an activation remat's gated MLP computes" in r]) == 2 * LAYERS, str(report)
+    assert swapped_counts(report)["RematLlamaMLP"] == 0
     assert_same_step(stock, converted, family_inputs("llama", "cpu"))
 
 
-def test_an_activation_the_gated_kernels_lack_stays_stock():
-    stock, _ = build_case("llama", hidden_act="relu")
-    _, report = convert_layers(stock, report=True)
-    reasons = [row.reason for row in report.skipped if row.path.endswith("post_attention_layernorm")]
-    assert len(reasons) == LAYERS and all("not an activation remat's gated MLP computes" in r for r in reasons)
-
-
-def assert_stock_attention_function_on_fused_projections(name, stock, batch, reason):
-    """Each attention call runs the stock attention function (no remat.attention) for `reason`, on the
-    fused norm and projections: the same step as stock, and the norms' and MLPs' bytes still saved."""
-    converted, report = convert_layers(stock, report=True)
-    assert swapped_counts(report)[f"Remat{CASES[name].prefix}Attention"] == LAYERS
+def assert_stock_attention_on_fused_projections(name, stock, batch, reason):
+    """Each attention call runs stock attention (no remat.attention) for `reason`, on the fused norm and
+    projections: the same step as stock, and the norms' and MLPs' bytes still saved."""
+    converted = convert_layers(stock)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, batch))
     assert calls == 0
-    assert any(STOCK_CORE in str(w.message) and reason in str(w.message) for w in caught), \
+    assert any(STOCK_ATTENTION in str(w.message) and reason in str(w.message) for w in caught), \
         [str(w.message) for w in caught]
     saving, _ = expected_saving(name, FFN, "cpu", remat_attention=False)
     assert step_saved_bytes(stock, batch) - step_saved_bytes(converted, batch) == saving
@@ -206,10 +199,11 @@ def assert_stock_attention_function_on_fused_projections(name, stock, batch, rea
 
 @pytest.mark.parametrize("name", ["mistral", "gemma2", "gemma3"])
 def test_a_sliding_window_shorter_than_the_sequence_runs_on_remat_attention(name):
-    """A window of 4 over 8 tokens reaches sdpa and eager only through the mask, which then hides the
-    future and the keys 4 or more before each query: remat.attention's window_size=(3, 0) computes it
-    (Gemma2 with its softcap too; Gemma2/3 with one global layer and one sliding one). Stock sdpa also
-    keeps a float copy of each sliding layer's mask, which remat.attention never reads."""
+    """A window of 4 over 8 tokens, handed to the attention function as sliding_window (sdpa and eager
+    read it from the mask, which then hides the future and the keys 4 or more before each query):
+    remat.attention's window_size=(3, 0) computes it (Gemma2 with its softcap too; Gemma2/3 with one
+    global layer and one sliding one). Stock sdpa also keeps a float copy of each sliding layer's mask,
+    which remat's mask function never builds."""
     layers = {"layer_types": ["sliding_attention", "full_attention"]} if name.startswith("gemma") else {}
     stock, ffn = build_case(name, sliding_window=4, **layers)
     batch = family_inputs(name, "cpu")
@@ -297,27 +291,14 @@ def test_a_converted_model_in_float64_computes_as_stock(name):
     assert all(p.grad.dtype == torch.float64 for p in converted.parameters() if p.grad is not None)
 
 
-def test_softcap_with_sdpa_raises_as_stock():
-    """Stock sdpa attention refuses a softcap (Gemma2 is built eager; a config switched to sdpa after):
-    the converted model hands the same call to it, and raises as stock does."""
-    stock, _ = build_case("gemma2")
-    converted = convert_layers(stock)
-    stock.config._attn_implementation = converted.config._attn_implementation = "sdpa"
-    batch = family_inputs("gemma2", "cpu")
-    for model in (stock, converted):
-        with pytest.raises(ValueError, match="softcap"):
-            model(**batch)
-
-
-def test_an_arbitrary_mask_runs_the_stock_attention_function_on_the_fused_projections():
-    """A 4-D mask of no pattern remat computes (one query that does not see one earlier key), passed
-    as the model's attention_mask: the stock attention function on the fused projections."""
+def test_a_4d_mask_runs_stock_attention_on_the_fused_projections():
+    """A 4-D mask passed as the model's attention_mask (here one query that does not see one earlier
+    key) reaches the attention function as it is: stock attention on the fused projections."""
     stock, _ = build_case("llama")
     mask = torch.ones(SEQ, SEQ, dtype=torch.bool).tril().expand(BATCH, 1, SEQ, SEQ).clone()
     mask[0, 0, 5, 2] = False
     batch = {**family_inputs("llama", "cpu"), "attention_mask": mask}
-    assert_stock_attention_function_on_fused_projections("llama", stock, batch, "no causal, sliding-window, "
-                                                         "padding or packing pattern")
+    assert_stock_attention_on_fused_projections("llama", stock, batch, "a mask remat's kernels do not take")
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -345,8 +326,7 @@ def test_packed_sequences_run_remat_attention_varlen():
 
 def test_gemma2_without_softcapping_runs_remat_attention_without_it():
     stock, _ = build_case("gemma2", attn_logit_softcapping=None)
-    converted, report = convert_layers(stock, report=True)
-    assert swapped_counts(report)["RematGemma2Attention"] == LAYERS
+    converted = convert_layers(stock)
     _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, family_inputs("gemma2", "cpu")))
     assert calls == LAYERS
 
@@ -365,11 +345,10 @@ def test_gemma3_sliding_cache_stays_on_remat():
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_generation_steps_run_the_stock_attention_function_on_the_cache(cache):
-    """The prefill fills the empty cache (a DynamicCache, or a StaticCache whose update hands back its
-    whole zero-padded buffer) through remat.attention; each step after it, with past keys, hands the
-    fused projections' q, k, v to the stock cache update and attention function: the same greedy
-    tokens as stock."""
+def test_generation_gives_the_stock_tokens(cache):
+    """Greedy generation with a DynamicCache (the prefill and each one-query step after it on
+    remat.attention: one query sees every key) or a StaticCache (its zero-padded buffer: stock
+    attention on the fused projections, with the mask transformers builds for it): stock's tokens."""
     stock, _ = build_case("llama")
     stock.eval()
     converted = convert_layers(stock)
@@ -380,8 +359,11 @@ def test_generation_steps_run_the_stock_attention_function_on_the_cache(cache):
         warnings.simplefilter("always")
         got, calls = remat_attention_calls(lambda: converted.generate(ids, **settings))
         torch.testing.assert_close(got, stock.generate(ids, **settings))
-    assert calls == LAYERS  # the prefill
-    assert any(STOCK_CORE in str(w.message) and "past keys" in str(w.message) for w in caught)
+    stocks = [str(w.message) for w in caught if STOCK_ATTENTION in str(w.message)]
+    if cache == "dynamic":  # the prefill and two steps
+        assert calls == 3 * LAYERS and not stocks
+    else:
+        assert calls == 0 and any("a static cache" in message for message in stocks), stocks
 
 
 # --- LoRA (peft) on every projection of Llama ---------------------------------------------------------
@@ -418,8 +400,8 @@ def test_remat_memory_reads_a_llama_config(tmp_path):
 
 
 def test_a_converted_gemma2_counts_on_meta():
-    """On meta (remat memory, remat.plan) a 4-D mask holds no pattern to read: the rules' attention takes
-    it as an unpadded batch's, and the converted model keeps fewer bytes than stock."""
+    """On meta (remat memory, remat.plan) a converted Gemma2 (eager, with sliding layers and softcap in
+    stock) is counted on remat's attention and keeps fewer bytes than stock."""
     from remat.planner.counting import count_forward
 
     with torch.device("meta"):

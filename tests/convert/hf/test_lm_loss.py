@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import remat
-from remat.convert.hf import registry
 from remat.convert.hf.modules import _RematFusedNorm
 
 from hf_models import (
@@ -159,15 +158,12 @@ def test_lora_on_the_base_model_both_orders():
             torch.testing.assert_close(got_grads[key], grad, rtol=1e-4, atol=1e-6, msg=key)
 
 
-@pytest.mark.parametrize("fusions", ["family_rules", "structure"])
-def test_the_trainer_trains_on_the_fused_loss(tmp_path, monkeypatch, fusions):
+def test_the_trainer_trains_on_the_fused_loss(tmp_path):
     """Two HF Trainer steps (it passes num_items_in_batch): the fused head and loss run at every step, and
     the trained weights are the stock model's (plain SGD: Adam's normalised steps would turn rounding
-    noise in a near-zero gradient into a full step); with Llama's rules, and without them (its norms and
-    MLPs fused by structure, attention through the interface)."""
+    noise in a near-zero gradient into a full step); Llama's norms and MLPs fused by structure, its
+    attention through the interface."""
     stock, _ = build("llama")
-    if fusions == "structure":
-        monkeypatch.delitem(registry.FAMILIES, "llama")
     converted, _ = convert(copy.deepcopy(stock))
     assert sum(isinstance(m, _RematFusedNorm) for m in converted.modules()) == 2 * LAYERS
     data = [{k: v[0] for k, v in family_inputs("llama", "cpu").items()} for _ in range(2)]

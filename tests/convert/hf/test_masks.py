@@ -13,7 +13,7 @@ SEQ = 8
 
 def causal_mask(kept, segments=None, window=None):
     """(B, 1, S, S) bool as transformers builds it: causal, keys `kept` (B, S), within `segments` (B, S)
-    (packing: equal ids attend), and `window` keys back at most."""
+    (packing: equal ids attend), and `window` keys back at most (a sliding window: no pattern here)."""
     batch, seq = kept.shape
     i, j = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
     visible = (j <= i)[None] & kept[:, None, :]
@@ -41,20 +41,22 @@ def test_right_and_left_padding_are_causal_sequences_of_the_real_tokens(dtype):
     kept[1, :2] = False  # left padding
     mask = causal_mask(kept)
     packing = masks.mask_pattern(mask if dtype == "bool" else as_float(mask), SEQ, SEQ)
-    assert isinstance(packing, masks.Packing) and packing.causal and packing.window_left == -1
+    assert isinstance(packing, masks.Packing) and packing.causal
     assert lengths(packing) == lengths(packing, "k") == [5, 6, 8] and packing.max_seqlen_q == 8
     assert packing.cu_seqlens_q.dtype == torch.int32
     batch_index, position = packing.rows_q
     assert torch.equal(torch.stack([batch_index, position]), torch.stack(kept.nonzero(as_tuple=True)))
 
 
-def test_packed_sequences_and_a_window():
+def test_packed_sequences_are_causal_sequences_and_a_window_is_refused():
+    """Sliding windows reach remat through the attention interface's sliding_window (interface.py),
+    never through a mask: a windowed mask is no pattern the rules' attention computes."""
     kept = torch.ones(2, SEQ, dtype=torch.bool)
     kept[1, 6:] = False
     segments = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 2, 2]])
-    packing = masks.mask_pattern(causal_mask(kept, segments, window=2), SEQ, SEQ, windows=(5, 2))
-    assert packing.window_left == 2 and lengths(packing) == [3, 5, 2, 4]
-    assert masks.mask_pattern(causal_mask(kept, segments, window=2), SEQ, SEQ, windows=(5,)) is None
+    assert lengths(masks.mask_pattern(causal_mask(kept, segments), SEQ, SEQ)) == [3, 5, 2, 4]
+    assert masks.mask_pattern(causal_mask(kept, segments, window=2), SEQ, SEQ) is None
+    assert masks.mask_pattern(causal_mask(torch.ones(2, SEQ, dtype=torch.bool), window=3), SEQ, SEQ) is None
 
 
 def test_bidirectional_padding_keeps_every_query_row():
@@ -70,7 +72,6 @@ def test_bidirectional_padding_keeps_every_query_row():
 def test_plain_patterns_stay_plain():
     kept = torch.ones(2, SEQ, dtype=torch.bool)
     assert masks.mask_pattern(causal_mask(kept), SEQ, SEQ) == "causal"
-    assert masks.mask_pattern(causal_mask(kept, window=3), SEQ, SEQ, windows=(3,)) == ("causal", 3)
     assert masks.mask_pattern(torch.ones(2, 1, SEQ, SEQ, dtype=torch.bool), SEQ, SEQ) == "full"
 
 

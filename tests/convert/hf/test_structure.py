@@ -1,8 +1,9 @@
 """Fusions found by structure (remat.convert.hf.structure): in the Hugging Face models no family rule
-covers, one probe call of the model records which module outputs feed which modules and functions;
-a norm read only by projections is fused into them, an MLP whose forward is fc1 -> act -> fc2 or a
-gated MLP becomes the fused MLP, a BERT-like FFN split in two the fused pair. The same loss and
-gradients as stock, the exact bytes no longer kept, and the reasons for what the dataflow refuses."""
+covers (Llama and its kin among them: tests/convert/hf/test_hf_rms_families.py), one probe call of the
+model records which module outputs feed which modules and functions; a norm read only by projections
+is fused into them, an MLP whose forward is fc1 -> act -> fc2 or a gated MLP becomes the fused MLP, a
+BERT-like FFN split in two the fused pair. The same loss and gradients as stock, the exact bytes no
+longer kept, and the reasons for what the dataflow refuses."""
 
 import copy
 import warnings
@@ -13,7 +14,6 @@ import transformers
 from test_hf_rms_families import build_case, expected_saving
 
 import remat
-from remat.convert.hf import registry
 from remat.convert.hf.modules import _RematFusedNorm, _RematGatedMLP, _RematMLP, _RematNormedLinear, _RematOutput
 
 from hf_models import (
@@ -21,7 +21,6 @@ from hf_models import (
     VOCAB,
     assert_autocast_step_as_accurate_as_stock,
     assert_same_step,
-    assert_save_pretrained_round_trip,
     assert_tiny_step_as_stock,
     build,
     convert_layers,
@@ -34,11 +33,6 @@ from hf_models import (
 from numerics import saved_bytes
 
 LAYER_FUSIONS = {"layernorm", "mlp"}
-
-
-def _without_rules(monkeypatch, family):
-    """The family's rules gone, as for a family remat has never heard of."""
-    monkeypatch.delitem(registry.FAMILIES, family)
 
 
 def _layers(model):
@@ -57,12 +51,11 @@ def _skipped(report, path_end):
     return [row.reason for row in report.skipped if row.path.endswith(path_end)]
 
 
-def test_llama_without_its_rules_keeps_what_its_rules_keep(monkeypatch):
-    """A Llama remat has no rule for: both norms of each layer fused (into q, k and v, into the gated MLP),
-    the MLP fused, exactly the bytes the Llama rules save on these layers (docs/memory.md), same step."""
+def test_llama_layers_by_structure_keep_the_bytes_of_docs_memory():
+    """Llama's layers without its attention: both norms of each layer fused (into q, k and v, into the
+    gated MLP), the MLP fused, exactly the bytes docs/memory.md says these layers save, same step."""
     stock, ffn = build_case("llama")
     batch = family_inputs("llama", "cpu")
-    _without_rules(monkeypatch, "llama")
     converted, report = convert_layers(stock, report=True, layers=LAYER_FUSIONS)
     assert _kinds(converted) == {"norm": 2 * LAYERS, "projection": 3 * LAYERS, "mlp": LAYERS, "ffn": 0}, str(report)
     saving, report_saving = expected_saving("llama", ffn, "cpu", remat_attention=False)
@@ -74,46 +67,22 @@ def test_llama_without_its_rules_keeps_what_its_rules_keep(monkeypatch):
     assert_same_step(stock, converted, batch)
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"])
-def test_without_its_rules_a_llama_like_family_keeps_what_its_rules_keep(monkeypatch, name):
-    """Every layer rule of these families is matched byte for byte by what needs no rule: attention on
-    remat's through transformers' attention interface, norms and MLP fused by structure. (Phi-3, GPT-2 and
-    GPT-NeoX still need theirs: their rules copy v out of the fused qkv projection, which the stock
-    forward keeps whole.)"""
-    stock, _ = build_case(name)
-    batch = family_inputs(name, "cpu")
-    ruled = convert_layers(stock)
-    _without_rules(monkeypatch, name)
-    found = convert_layers(stock)
-    assert found.config._attn_implementation == "remat"
-    assert step_saved_bytes(found, batch) == step_saved_bytes(ruled, batch) < step_saved_bytes(stock, batch)
-    assert_same_step(stock, found, batch)
-
-
-def test_a_model_without_rules_under_bf16_autocast_with_its_default_cache(monkeypatch):
+def test_structural_fusions_under_bf16_autocast_with_the_default_cache():
     """fp32 weights under torch.autocast(bf16), use_cache left at its default (True): what the Trainer's
     bf16=True runs. The structural fusions stay within twice stock's error against float64."""
     stock, _ = build("llama")  # the config's default use_cache
     assert stock.config.use_cache
-    _without_rules(monkeypatch, "llama")
     converted = convert_layers(stock, layers=LAYER_FUSIONS)
     assert _kinds(converted) == {"norm": 2 * LAYERS, "projection": 3 * LAYERS, "mlp": LAYERS, "ffn": 0}
     assert_autocast_step_as_accurate_as_stock(stock, converted, family_inputs("llama", "cpu"))
 
 
-def test_llama_without_its_rules_round_trips_its_checkpoint(monkeypatch, tmp_path):
-    stock, _ = build_case("llama")
-    _without_rules(monkeypatch, "llama")
-    assert_save_pretrained_round_trip(stock, family_inputs("llama", "cpu"), tmp_path)
-
-
 @pytest.mark.parametrize("order", ["lora_then_convert", "convert_then_lora"])
-def test_lora_on_a_model_without_rules(monkeypatch, order):
+def test_lora_on_structural_fusions(order):
     """peft LoRA on every projection, before or after conversion: the stock LoRA step (a norm whose
     projections carry LoRA stays stock, with the reason; the gated MLP takes LoRA inside its fused op)."""
     peft = pytest.importorskip("peft")
     stock, _ = build_case("llama")
-    _without_rules(monkeypatch, "llama")
     config = peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
                              lora_dropout=0.0, init_lora_weights=False)
     reference = peft.get_peft_model(copy.deepcopy(stock), config)
@@ -141,7 +110,6 @@ def test_lora_on_a_model_without_rules(monkeypatch, order):
 def test_an_mlp_whose_activation_reads_the_product_stays_stock(monkeypatch):
     """down(act(gate(x) * up(x))) is not a gated MLP: the probe sees the activation read the product."""
     stock, _ = build_case("llama")
-    _without_rules(monkeypatch, "llama")
     monkeypatch.setattr(transformers.models.llama.modeling_llama.LlamaMLP, "forward",
                         lambda self, x: self.down_proj(self.act_fn(self.gate_proj(x) * self.up_proj(x))))
     converted, report = convert_layers(stock, report=True, layers=LAYER_FUSIONS)
@@ -153,7 +121,6 @@ def test_an_mlp_whose_activation_reads_the_product_stays_stock(monkeypatch):
 def test_a_norm_that_rounds_as_none_of_remat_s_stays_stock(monkeypatch):
     """An RMSNorm whose forward is not one of remat's styles bitwise (here: eps added after the root)."""
     stock, _ = build_case("llama")
-    _without_rules(monkeypatch, "llama")
 
     def forward(self, x):
         return self.weight * (x / (x.pow(2).mean(-1, keepdim=True).sqrt() + self.variance_epsilon))
@@ -190,23 +157,21 @@ def test_a_model_on_the_meta_device_is_fused_as_on_the_cpu(config_name):
     assert saved["meta"] == saved["cpu"] > 0
 
 
-def test_on_the_meta_device_a_llama_without_its_rules_keeps_what_its_rules_keep(monkeypatch):
-    """Counted on meta as remat memory counts (remat.planner.counting): a Llama converted by its rules
-    and one converted by structure and the attention interface keep the same bytes, fewer than stock."""
+def test_on_the_meta_device_a_llama_keeps_what_it_keeps_on_the_cpu():
+    """Counted as remat memory counts (remat.planner.counting), a converted Llama (attention through the
+    interface, norms and MLP by structure) keeps on meta exactly what it keeps on the CPU, less than stock."""
     from remat.planner.counting import count_forward
 
-    with torch.device("meta"):
-        stock, _ = build("llama")
-    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
-
-    def kept(model):
-        return count_forward(model, (), {"input_ids": ids, "labels": ids}).total_bytes()
-
-    ruled = remat.convert(copy.deepcopy(stock))
-    _without_rules(monkeypatch, "llama")
-    structural = remat.convert(copy.deepcopy(stock))
-    assert structural.config._attn_implementation == "remat" and ruled.config._attn_implementation == "sdpa"
-    assert kept(structural) == kept(ruled) < kept(stock)
+    kept = {}
+    for device in ("cpu", "meta"):
+        with torch.device(device):
+            stock, _ = build("llama")
+        ids = torch.zeros(2, 16, dtype=torch.long, device=device)
+        converted = remat.convert(copy.deepcopy(stock))
+        assert converted.config._attn_implementation == "remat"
+        kept[device] = [count_forward(m, (), {"input_ids": ids, "labels": ids}).total_bytes()
+                        for m in (stock, converted)]
+    assert kept["meta"][1] == kept["cpu"][1] < kept["cpu"][0]
 
 
 # --- Families remat has no rule for -----------------------------------------------------------------

@@ -19,6 +19,7 @@ The attention function, per call:
   position_ids that restart in a batch of one) and padding (unpad, remat.attention_varlen on the
   tokens, pad, with O(batch x seq) indices) run on attention_varlen, every other call on
   remat.attention; padding rows get zeros, as transformers' flash-attention path gives them;
+- v copied out of a fused qkv projection's output where q and k are no views of it (_own_value);
 - causal or not (the call's is_causal, else the module's), GQA/MQA, scaling, training dropout
   (remat's own Philox mask: the distribution of stock dropout, not its draws), a sliding window of
   W keys as FlashAttention takes it (W - 1 before, and after when not causal), softcap;
@@ -128,11 +129,23 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                                 s_aux=s_aux, eager=reverted == "eager", **kwargs)
     features = {"softmax_scale": scaling, "softcap": float(softcap or 0.0), "dropout_p": float(dropout),
                 "window_size": window}
+    value = _own_value(query, key, value)
     if packed is not None:
         return _packed_attention(query, key, value, packed, causal, features), None
     if attention_mask is not None:
         return _padded_attention(query, key, value, attention_mask, causal, features), None
     return attention(query, key, value, causal=causal, **features).transpose(1, 2), None
+
+
+def _own_value(query, key, value):
+    """`value`, or a copy of it where it is a view of a larger tensor that q and k are no views of (v
+    split from a fused qkv projection whose q and k the rotary embedding copied: Phi-3, GPT-NeoX). The
+    attention keeps v for its backward, and a view would keep the whole projection output with it."""
+    base = value._base
+    if base is None or base.numel() <= value.numel() or torch.compiler.is_compiling() \
+            or query._base is base or key._base is base:
+        return value
+    return value.clone(memory_format=torch.contiguous_format)
 
 
 def _stock_reason(query, key, value, mask, s_aux, kwargs):

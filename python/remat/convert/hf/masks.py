@@ -4,10 +4,9 @@ transformers hands sdpa and eager attention a materialised (batch, 1, seq_q, seq
 (True = visible) for sdpa, float (0 visible, -inf or the dtype's minimum hidden) for eager. Its
 pattern decides the call:
 - "full" or "causal": remat.attention, plain or causal;
-- ("causal", left): causal within a sliding window of left + 1 keys (remat.attention's window_size);
 - a Packing: padding (right or left), packed sequences (the block-diagonal mask transformers builds
-  from position_ids that restart, as with DataCollatorWithFlattening), or both, optionally with a
-  window: remat.attention_varlen on the tokens the mask keeps;
+  from position_ids that restart, as with DataCollatorWithFlattening), or both:
+  remat.attention_varlen on the tokens the mask keeps;
 - None: anything else (an arbitrary mask), which runs the stock attention.
 
 Every pattern is checked exactly: the mask it implies is rebuilt and compared entry by entry with
@@ -36,8 +35,7 @@ class Packing(NamedTuple):
 
     rows_q / rows_k: (batch indices, positions) of the packed queries / keys, in order; rows_q None
     when every query row takes part (a bidirectional mask: each row of batch b is one query of
-    sequence b). cu_seqlens_*: int32 cumulative lengths; max_seqlen_*: the longest.
-    window_left: the sliding window's keys before each query (-1: none)."""
+    sequence b). cu_seqlens_*: int32 cumulative lengths; max_seqlen_*: the longest."""
 
     causal: bool
     rows_q: tuple | None
@@ -46,7 +44,6 @@ class Packing(NamedTuple):
     rows_k: tuple
     cu_seqlens_k: torch.Tensor
     max_seqlen_k: int
-    window_left: int = -1
 
 
 def _visible_entries(mask, seq_q, seq_k):
@@ -67,17 +64,13 @@ def _causal(seq_q, seq_k, device):
     return torch.ones(seq_q, seq_k, dtype=torch.bool, device=device).tril(seq_k - seq_q)
 
 
-def _dense_pattern(visible, seq_q, seq_k, windows):
-    """"full", "causal" or ("causal", left) when every batch row is that, else None."""
+def _dense_pattern(visible, seq_q, seq_k):
+    """"full" or "causal" when every batch row is that, else None."""
     if bool(visible.all()):
         return "full"
     causal = _causal(seq_q, seq_k, visible.device)
     if bool(torch.equal(visible, causal.expand_as(visible))):
         return "causal"
-    for left in windows:
-        band = causal.triu(seq_k - seq_q - left)
-        if bool(torch.equal(visible, band.expand_as(visible))):
-            return ("causal", left)
     return None
 
 
@@ -88,16 +81,16 @@ def _cu_seqlens(starts, total):
     return bounds.to(torch.int32), int(lengths.max()) if lengths.numel() else 0
 
 
-def _causal_packing(visible, windows):
+def _causal_packing(visible):
     """A causal Packing when `visible` (B, S, S) is, per batch row, causal attention within
-    contiguous runs of kept tokens (optionally within a window of `windows`), else None."""
+    contiguous runs of kept tokens, else None."""
     batch, seq, _ = visible.shape
     device = visible.device
     kept = visible.any(dim=1)  # (B, S): the tokens some query sees, i.e. the real ones
     # A sequence starts at every real token that does not see the token before it (inside a
-    # sequence the token before is real, and visible to a causal row, a window of one key back
-    # included); the sequences are numbered along each batch row. A padding row is named after the
-    # last key it sees (right padding sees its sequence), or after nothing (-1 - its position).
+    # sequence the token before is real, and visible to a causal row); the sequences are numbered
+    # along each batch row. A padding row is named after the last key it sees (right padding sees
+    # its sequence), or after nothing (-1 - its position).
     starts = torch.ones(batch, seq, dtype=torch.bool, device=device)
     starts[:, 1:] = ~visible.diagonal(offset=-1, dim1=1, dim2=2)
     numbers = starts.cumsum(dim=1)
@@ -107,24 +100,19 @@ def _causal_packing(visible, windows):
                         torch.where(visible.any(dim=-1), numbers.gather(1, last_seen), -1 - positions))
     same = names[:, :, None] == names[:, None, :]
     causal = _causal(seq, seq, device)
-    implied = kept[:, None, :] & same & causal
-    for left in (-1, *windows):
-        candidate = implied if left < 0 else implied & causal.triu(-left)
-        if bool(torch.equal(visible, candidate)):
-            break
-    else:
+    if not bool(torch.equal(visible, kept[:, None, :] & same & causal)):
         return None
     batch_index, position = kept.nonzero(as_tuple=True)  # row-major: each batch row's tokens in order
     sequence = names[batch_index, position]
     starts = torch.ones_like(position, dtype=torch.bool)
     starts[1:] = (batch_index[1:] != batch_index[:-1]) | (sequence[1:] != sequence[:-1])
     # Causal positions inside a sequence must be consecutive: a hole (a hidden token inside a
-    # sequence) would shift them, and windows with them.
+    # sequence) would shift them.
     if bool((~starts[1:] & (position[1:] != position[:-1] + 1)).any()):
         return None
     cu_seqlens, longest = _cu_seqlens(starts.nonzero().squeeze(1), position.numel())
     rows = (batch_index, position)
-    return Packing(True, rows, cu_seqlens, longest, rows, cu_seqlens, longest, left)
+    return Packing(True, rows, cu_seqlens, longest, rows, cu_seqlens, longest)
 
 
 def _bidirectional_packing(visible):
@@ -141,31 +129,30 @@ def _bidirectional_packing(visible):
     return Packing(False, None, cu_seqlens_q, seq_q, kept.nonzero(as_tuple=True), cu_seqlens_k, int(counts.max()))
 
 
-def _pattern(mask, seq_q, seq_k, windows):
+def _pattern(mask, seq_q, seq_k):
     visible = _visible_entries(mask, seq_q, seq_k)
     if visible is None:
         return None
-    pattern = _dense_pattern(visible, seq_q, seq_k, windows)
+    pattern = _dense_pattern(visible, seq_q, seq_k)
     if pattern is not None or visible.shape[1] != 1 or seq_q != seq_k:
         return pattern
     visible = visible[:, 0]
     if not bool(visible.triu(1).any()):  # nothing right of the diagonal: a causal mask
-        return _causal_packing(visible, windows)
+        return _causal_packing(visible)
     return _bidirectional_packing(visible)
 
 
-_RECENT = collections.OrderedDict()  # id(mask) -> (weak reference, version, sizes, windows, pattern)
+_RECENT = collections.OrderedDict()  # id(mask) -> (weak reference, version, sizes, pattern)
 _RECENT_SIZE = 8
 
 
-def mask_pattern(mask, seq_q, seq_k, windows=()):
-    """"full", "causal", ("causal", left), a Packing, or None for a 4-D attention mask (see the module
-    docstring); windows: the sliding windows (keys before each query) a mask of the caller may carry."""
-    key = (seq_q, seq_k, tuple(windows))
+def mask_pattern(mask, seq_q, seq_k):
+    """"full", "causal", a Packing, or None for a 4-D attention mask (see the module docstring)."""
+    key = (seq_q, seq_k)
     recent = _RECENT.get(id(mask))
     if recent is not None and recent[0]() is mask and recent[1] == mask._version and recent[2] == key:
         return recent[3]
-    pattern = _pattern(mask, seq_q, seq_k, windows)
+    pattern = _pattern(mask, seq_q, seq_k)
     if isinstance(mask, torch.Tensor):
         _RECENT[id(mask)] = (weakref.ref(mask), mask._version, key, pattern)
         while len(_RECENT) > _RECENT_SIZE:
@@ -184,10 +171,9 @@ def packed_attention(q, k, v, packing, softmax_scale, output, features):
     as (B, S, width): output maps (1, tokens, H * D) to (1, tokens, width) (the output projection),
     and is applied to the packed rows only; the rows of no sequence get zeros (see the docstring)."""
     batch, heads, seq, head_dim = q.shape
-    window = {"window_size": (packing.window_left, 0)} if packing.window_left >= 0 else {}
     o = attention_varlen(_gather(q, packing.rows_q), _gather(k, packing.rows_k), _gather(v, packing.rows_k),
                          packing.cu_seqlens_q, packing.cu_seqlens_k, packing.max_seqlen_q, packing.max_seqlen_k,
-                         causal=packing.causal, softmax_scale=softmax_scale, **window, **features)
+                         causal=packing.causal, softmax_scale=softmax_scale, **features)
     if packing.rows_q is None:
         return output(o.view(batch, seq, heads * head_dim))
     out = output(o.flatten(1).unsqueeze(0))[0]

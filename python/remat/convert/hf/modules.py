@@ -206,11 +206,6 @@ class _RematModule:
         elif reason is not None:
             fallback(self, reason)
 
-    def _remat_partly_stock(self, reason, runs):
-        """Record a call on remat's path whose part `runs` is stock's (not a fallback to the probe)."""
-        if self.__dict__.get("remat_trace") is None:
-            fallback(self, reason, runs=runs)
-
     def remat_revert(self):
         return strip(self, self.remat_stock)
 
@@ -414,11 +409,15 @@ class _RematFused(_RematPassThrough):
     remat_prefix = "RematFused"
 
 
-def _own_linear(module, label):
-    """(remat.specs.Linear of a swapped nn.Linear or FalconLinear, None), or (None, why its weights
-    cannot be read at this call)."""
-    reason = plain_reason(module, (type(module),), label)
-    return (None, reason) if reason else (Linear(module.weight, module.bias), None)
+def _own_reason(module, label):
+    """Why the weights of a swapped nn.Linear or FalconLinear cannot be read by a fused op, or None."""
+    return plain_reason(module, (type(module),), label)
+
+
+def _own_linear(module):
+    """The remat.specs.Linear of a swapped nn.Linear or FalconLinear (read at every call: weights
+    replaced in place stay seen)."""
+    return Linear(module.weight, module.bias)
 
 
 class _RematNormedLinear(_RematModule):
@@ -430,15 +429,17 @@ class _RematNormedLinear(_RematModule):
 
     def forward(self, input):
         norm, reason = _handed_over(self)
-        linear, reason = (None, reason) if norm is None else _own_linear(self, self.remat_path)
-        reason = reason or _layer_norm_reason(norm)
+        if norm is not None:  # decided once while the fingerprint holds (_guards.decided)
+            reason = decided(self, [self, norm],
+                             lambda: _own_reason(self, self.remat_path) or _layer_norm_reason(norm))
         if reason:
             self._remat_fallback(reason)
             if norm is not None:
                 input = stock_norm(norm, input)
             return self.remat_stock.forward(self, input)
         self._remat_fallback(None)
-        return norm_linears(input, norm_spec(norm), [linear], self.remat_recompute, _shared_statistics(self))[0]
+        return norm_linears(input, norm_spec(norm), [_own_linear(self)], self.remat_recompute,
+                            _shared_statistics(self))[0]
 
 
 class _RematLayerMLP(_RematModule):
@@ -457,10 +458,9 @@ class _RematLayerMLP(_RematModule):
             return self.remat_stock.forward(self, input)
         fc1, act, norm = handoff.source("fc1"), handoff.source("act"), handoff.source("norm")
         labels = handoff.producers
-        fc1_linear, reason = _own_linear(fc1, labels["fc1"])
-        fc2_linear, reason = (None, reason) if reason else _own_linear(self, self.remat_path)
-        reason = reason or activation_reason(act, labels["act"], act.remat_stock) or \
-            _layer_norm_reason(norm)
+        reason = decided(self, [self, fc1, act, norm], lambda: (
+            _own_reason(fc1, labels["fc1"]) or _own_reason(self, self.remat_path)
+            or activation_reason(act, labels["act"], act.remat_stock) or _layer_norm_reason(norm)))
         if reason:  # the handoff holds, so input is what the first producer got: compute them here
             self._remat_fallback(reason)
             if norm is not None:
@@ -468,7 +468,7 @@ class _RematLayerMLP(_RematModule):
             hidden = act.remat_stock.forward(act, fc1.remat_stock.forward(fc1, input))
             return self.remat_stock.forward(self, hidden)
         self._remat_fallback(None)
-        return fused_mlp(input, fc1_linear, gelu(gelu_approximate(act, act.remat_stock)), fc2_linear,
+        return fused_mlp(input, _own_linear(fc1), gelu(gelu_approximate(act, act.remat_stock)), _own_linear(self),
                          norm_spec(norm) if norm is not None else None, self.remat_recompute)
 
     def remat_saved_bytes(self):
@@ -598,12 +598,6 @@ class _RematAttention(_RematModule):
     remat_projections = ()  # the q/k/v projections, reading the hidden states
     remat_output_projection = None  # the output projection (None: the module has none, as BERT's)
     remat_attributes = ("config", "is_causal")  # what the stock module must have besides those (rules.py)
-    # Whether the family's stock forward hands q, k and v, after its projections, to transformers'
-    # attention interface (the Llama-like families): then a call whose attention remat.attention
-    # does not compute (remat_core_reason) still takes remat's fused projections, and hands their
-    # q, k and v to the same stock attention function (remat_stock_attention), as stock does.
-    remat_stock_core = False
-    _STOCK_CORE = "the stock attention function on its fused q/k/v projections"
 
     @classmethod
     def remat_refuse_reason(cls, module):
@@ -614,11 +608,7 @@ class _RematAttention(_RematModule):
     def forward(self, hidden_states, *args, **kwargs):
         norm, norm_reason = _handed_over(self)
         call = self._remat_bind(hidden_states, args, kwargs)
-        reason = self.remat_fallback_reason(hidden_states, call)
-        constant = self.remat_constant_core_reason()  # said by the conversion report, not warned per call
-        core = None if reason else constant or self.remat_core_reason(hidden_states, call)
-        if core is not None and not self.remat_stock_core:
-            reason = core
+        reason = self.remat_fallback_reason(hidden_states, call) or self.remat_core_reason(hidden_states, call)
         if reason is None:
             modules = [self._modules[n] for n in self.remat_projections]
             outputs, reason = _normed_outputs(hidden_states, self, norm, modules, self.remat_recompute,
@@ -629,10 +619,6 @@ class _RematAttention(_RematModule):
                 hidden_states = stock_norm(norm, hidden_states)
             return self.remat_stock.forward(self, hidden_states, *args, **kwargs)
         self._remat_fallback(norm_reason)
-        if core is not None:
-            if core is not constant:
-                self._remat_partly_stock(core, self._STOCK_CORE)
-            return self.remat_stock_attention(outputs, call)
         return self.remat_forward(outputs, call, self.remat_causal(call, hidden_states.shape[1]))
 
     def _remat_bind(self, hidden_states, args, kwargs):
@@ -672,14 +658,9 @@ class _RematAttention(_RematModule):
             return f"arguments that change the attention: {', '.join(sorted(others))}"
         return None
 
-    def remat_constant_core_reason(self):
-        """Why remat.attention computes no call of this module exactly (a feature its config turns
-        on, for a family with remat_stock_core), or None."""
-        return None
-
     def remat_core_reason(self, hidden_states, call):
         """None when remat.attention computes this call's attention exactly, else why not (checked
-        after remat_fallback_reason and remat_constant_core_reason)."""
+        after remat_fallback_reason)."""
         if _attention_weights_requested(self, call, self.remat_implementation()):
             return "attention weights requested (output_attentions)"
         cache = self._remat_cache(call)
@@ -692,9 +673,9 @@ class _RematAttention(_RematModule):
             call["remat_mask_pattern"] = "causal" if self.is_causal else "full"  # the mask of an unpadded batch
             return None
         if mask is not None:  # last: the pattern check synchronises with the device
-            pattern = mask_pattern(mask, hidden_states.shape[1], hidden_states.shape[1], self.remat_windows())
+            pattern = mask_pattern(mask, hidden_states.shape[1], hidden_states.shape[1])
             if pattern is None:
-                return "an attention mask that is no causal, sliding-window, padding or packing pattern"
+                return "an attention mask that is no causal, padding or packing pattern"
             call["remat_mask_pattern"] = pattern  # read by remat_causal and remat_features: one check per call
         return None
 
@@ -702,11 +683,6 @@ class _RematAttention(_RematModule):
         """The attention implementation the stock forward runs: the config's (a module without an
         attention interface, as BLOOM's, says "eager")."""
         return self.config._attn_implementation
-
-    def remat_windows(self):
-        """The sliding windows a mask of this module may carry, as the keys each query sees before
-        itself (remat.attention's window_size left), or ()."""
-        return ()
 
     def remat_causal(self, call, seq):
         """Whether this call is causal: by the mask's pattern, or without a mask, as the
@@ -719,11 +695,6 @@ class _RematAttention(_RematModule):
             return False
         is_causal = call.get("is_causal")
         return bool(self.is_causal if is_causal is None else is_causal)
-
-    def remat_stock_attention(self, outputs, call):
-        """(output, attention weights or None) of the stock attention function on the projections'
-        `outputs`, for a family with remat_stock_core."""
-        raise NotImplementedError(f"{type(self).__name__} has no stock attention function to call")
 
     def remat_forward(self, outputs, call, causal):
         """(output, None) by remat.attention; the caller has checked remat_fallback_reason."""
@@ -739,13 +710,10 @@ class _RematAttention(_RematModule):
         return self.remat_output(_merge_heads(o)), None
 
     def remat_features(self, call):
-        """remat.attention's feature arguments for this call: the sliding window its mask carries, and
-        in training the attention dropout (remat's own Philox mask, regenerated in the backward: the
-        same distribution as the stock dropout, not the same draws)."""
-        pattern = call.get("remat_mask_pattern")
-        # ("causal", left): a window; a Packing (a tuple too) carries its own window to attention_varlen.
-        windowed = isinstance(pattern, tuple) and not isinstance(pattern, Packing)
-        features = {"window_size": (pattern[1], 0)} if windowed else {}
+        """remat.attention's feature arguments for this call: in training the attention dropout (remat's
+        own Philox mask, regenerated in the backward: the same distribution as the stock dropout, not the
+        same draws)."""
+        features = {}
         if self.training and self.remat_dropout() > 0:
             features["dropout_p"] = float(self.remat_dropout())
         return features

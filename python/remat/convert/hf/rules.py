@@ -244,16 +244,8 @@ def _attention_width(module):
 
 def _attention_row(path, name, module, new, norm_name=None):
     fused = f"; {norm_name} fused into its q/k/v projection" if norm_name else ""
-    constant = new.remat_constant_core_reason()
-    stock = "other implementations than sdpa/eager"
-    if constant:  # a remat_stock_core family: the stock attention function at every call
-        how = f"its projections on remat, then the stock attention function at every call: {constant}{fused}"
-    elif new.remat_stock_core:
-        how = (f"remat.attention{fused} (attention_varlen for padding and packed sequences); the stock attention "
-               "function on the fused projections for other masks, output_attentions and KV caches with past keys")
-    else:
-        how = f"remat.attention{fused} (attention_varlen for padding and packed sequences)"
-        stock = f"other masks, KV caches with past keys, output_attentions, {stock}"
+    how = f"remat.attention{fused} (attention_varlen for padding and packed sequences)"
+    stock = "other masks, KV caches with past keys, output_attentions, other implementations than sdpa/eager"
     return (join(path, name), module, f"swapped to {type(new).__name__}", f"{how}; the stock forward for {stock}",
             new.remat_saved_bytes)
 
