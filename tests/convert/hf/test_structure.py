@@ -17,11 +17,13 @@ import remat
 from remat.convert.hf.modules import _RematFusedNorm, _RematGatedMLP, _RematMLP, _RematNormedLinear, _RematOutput
 
 from hf_models import (
+    HIDDEN,
     LAYERS,
     VOCAB,
     assert_autocast_step_as_accurate_as_stock,
     assert_same_step,
     assert_tiny_step_as_stock,
+    OpCounter,
     build,
     convert_layers,
     family_inputs,
@@ -65,6 +67,29 @@ def test_llama_layers_by_structure_keep_the_bytes_of_docs_memory():
     remat.revert(converted)
     assert _kinds(converted) == {"norm": 0, "projection": 0, "mlp": 0, "ffn": 0}
     assert_same_step(stock, converted, batch)
+
+
+def test_the_projections_of_one_norm_run_as_one_fused_op():
+    """q, k and v, each with input_layernorm fused in: the first one called computes all three in one
+    fused op (the norm applied once) and hands the others theirs; a projection called on another
+    tensor, or on the same one modified in place, computes its own."""
+    stock, _ = build_case("llama")
+    converted = convert_layers(stock, layers=LAYER_FUSIONS)
+    batch = family_inputs("llama", "cpu")
+    with OpCounter() as counter:
+        loss_and_grads(converted, batch)
+    assert counter.counts["remat::rms_norm_fwd"] == 2 * LAYERS  # once for q, k and v; once in the MLP
+    assert_same_step(stock, converted, batch)
+    fused, plain = converted.model.layers[0], stock.model.layers[0]
+    with torch.no_grad():
+        x = torch.randn(2, 3, HIDDEN)
+        fused.self_attn.q_proj(x)  # leaves k's and v's outputs for x
+        x.add_(1)  # (an RMSNorm is blind to a scale)
+        torch.testing.assert_close(fused.self_attn.v_proj(x), plain.self_attn.v_proj(plain.input_layernorm(x)))
+        fused.self_attn.q_proj(x)
+        other = x.clone().add_(1)  # modified once too, as x: its identity tells them apart
+        torch.testing.assert_close(fused.self_attn.k_proj(other),
+                                   plain.self_attn.k_proj(plain.input_layernorm(other)))
 
 
 def test_structural_fusions_under_bf16_autocast_with_the_default_cache():

@@ -82,7 +82,9 @@ class Handoff:
 
     A LayerNorm with several consumers gets one SharedStatistics (statistics): the first consumer's
     fused op leaves its fp32 statistics there, and the next ones, applying it to the same x, keep
-    those instead of their own, so the layer keeps x and the statistics once.
+    those instead of their own, so the layer keeps x and the statistics once. Consumers that are
+    projections of a stock module (q, k and v of an attention run through the interface) share one
+    SiblingOutputs (outputs): the first one called computes all of them in one fused op.
 
     It holds only while every member sits in its place in the layer without hooks, and so do the
     modules between the layer and it (checked at every call, by each member): otherwise each
@@ -96,6 +98,7 @@ class Handoff:
         self._layer = weakref.ref(layer)
         self.producers, self.consumers, self.dropout = dict(producers), tuple(consumers), dropout
         self.statistics = SharedStatistics() if len(self.consumers) > 1 else None
+        self.outputs = SiblingOutputs() if len(self.consumers) > 1 else None
 
     def reason(self):
         """None while the handoff holds, else why not: decided again only when the modules along its
@@ -123,6 +126,10 @@ class Handoff:
     def _paths(self):
         return (*self.producers.values(), *self.consumers)
 
+    def consumer_modules(self):
+        """The modules at the consumers' paths (call only while reason() is None)."""
+        return [submodule(self._layer(), path) for path in self.consumers]
+
     def source(self, role="norm"):
         """The producer of `role` (call only while reason() is None), or None when it has none."""
         path = self.producers.get(role)
@@ -135,10 +142,34 @@ class Handoff:
         new._layer = weakref.ref(memo.get(id(layer), layer)) if layer is not None else self._layer
         new.producers, new.consumers, new.dropout = dict(self.producers), self.consumers, self.dropout
         new.statistics = SharedStatistics() if self.statistics is not None else None
+        new.outputs = SiblingOutputs() if self.outputs is not None else None
         return new
 
     def __reduce__(self):  # pickling a model: the layer itself, which pickle keeps once
         return Handoff, (self._layer(), self.producers, self.consumers, self.dropout)
+
+
+class SiblingOutputs:
+    """The outputs of a norm's projections that a stock module calls one after the other on the same
+    input (q_proj, k_proj and v_proj), computed by one norm_linears call at the first one's call and
+    handed to each of the others when it is called on the same tensor, unmodified: x is read and
+    normalised once, in one op. A sibling called on anything else computes its own output."""
+
+    def __init__(self):
+        self._entry = None  # (weak reference to x, x's version, {id(module): its output})
+
+    def take(self, module, x):
+        """`module`'s output stored for `x`, once, or None."""
+        entry = self._entry
+        if entry is None or entry[0]() is not x or entry[1] != x._version:
+            return None
+        out = entry[2].pop(id(module), None)
+        if not entry[2]:
+            self._entry = None
+        return out
+
+    def store(self, x, outputs):
+        self._entry = (weakref.ref(x), x._version, outputs) if outputs else None
 
 
 def link(layer, members, producers, consumers, dropout=None):
@@ -428,18 +459,40 @@ class _RematNormedLinear(_RematModule):
     remat_prefix = "RematNormed"
 
     def forward(self, input):
+        siblings = self.remat_handoff.outputs
+        out = siblings.take(self, input) if siblings is not None else None
+        if out is not None:  # computed a moment ago by a sibling, which checked this module then
+            self._remat_fallback(None)
+            return out
         norm, reason = _handed_over(self)
-        if norm is not None:  # decided once while the fingerprint holds (_guards.decided)
-            reason = decided(self, [self, norm],
-                             lambda: _own_reason(self, self.remat_path) or _layer_norm_reason(norm))
+        reason = reason or self._remat_plain_reason(norm)
         if reason:
             self._remat_fallback(reason)
             if norm is not None:
                 input = stock_norm(norm, input)
             return self.remat_stock.forward(self, input)
         self._remat_fallback(None)
-        return norm_linears(input, norm_spec(norm), [_own_linear(self)], self.remat_recompute,
-                            _shared_statistics(self))[0]
+        modules = [self, *self._remat_siblings(norm)]
+        outs = norm_linears(input, norm_spec(norm), [_own_linear(m) for m in modules], self.remat_recompute,
+                            _shared_statistics(self))
+        if len(modules) > 1:
+            siblings.store(input, {id(m): o for m, o in zip(modules[1:], outs[1:])})
+        return outs[0]
+
+    def _remat_plain_reason(self, norm):
+        """Why this Linear or its norm cannot be read by the fused op, decided once while their
+        fingerprint holds (_guards.decided); None without a norm (the handoff said why)."""
+        if norm is None:
+            return None
+        return decided(self, [self, norm], lambda: _own_reason(self, self.remat_path) or _layer_norm_reason(norm))
+
+    def _remat_siblings(self, norm):
+        """The other projections of this norm, of this class, that can compute with this call: not
+        while torch.compile traces (each projection is its own op in the graph)."""
+        if self.remat_handoff.outputs is None or torch.compiler.is_compiling():
+            return []
+        return [m for m in self.remat_handoff.consumer_modules() if m is not self and type(m) is type(self)
+                and m.__dict__.get("remat_handoff") is self.remat_handoff and m._remat_plain_reason(norm) is None]
 
 
 class _RematLayerMLP(_RematModule):
