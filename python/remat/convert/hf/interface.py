@@ -129,11 +129,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                                 s_aux=s_aux, eager=reverted == "eager", **kwargs)
     features = {"softmax_scale": scaling, "softcap": float(softcap or 0.0), "dropout_p": float(dropout),
                 "window_size": window}
-    value = _own_value(query, key, value)
     if packed is not None:
         return _packed_attention(query, key, value, packed, causal, features), None
     if attention_mask is not None:
         return _padded_attention(query, key, value, attention_mask, causal, features), None
+    value = _own_value(query, key, value)  # (the varlen paths above gather copies of their tokens)
     return attention(query, key, value, causal=causal, **features).transpose(1, 2), None
 
 
