@@ -84,6 +84,27 @@ def test_packed_sequences_run_on_the_tokens(how):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_packed_position_ids_are_read_once_a_forward(monkeypatch):
+    """Every layer is handed the same position_ids: read on the device once (by the first layer), and
+    again for another tensor or after an in-place change; every forward runs the packing."""
+    stock, _ = build("llama")
+    converted = with_remat(stock)
+    batch = packed_batch(family_inputs("llama", "cpu"))
+    reads = []
+    original = interface._restarts
+    monkeypatch.setattr(interface, "_restarts", lambda positions: reads.append(1) or original(positions))
+    want = stock(**batch).logits
+    for change, expected_reads in (("none", 1), ("none", 0), ("in place", 1), ("new tensor", 1)):
+        if change == "in place":
+            batch["position_ids"].add_(0)  # a new version, the same values
+        if change == "new tensor":
+            batch["position_ids"] = batch["position_ids"].clone()
+        got, varlen, _ = varlen_attention_calls(lambda: converted(**batch).logits)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        assert varlen == stock.config.num_hidden_layers and len(reads) == expected_reads, change
+        reads.clear()
+
+
 def test_dropout_in_training_is_remat_s_and_reproducible():
     """Training with attention dropout: remat's own mask, drawn from torch's generator (the same seed,
     the same step), and a different step from no dropout; none in eval."""

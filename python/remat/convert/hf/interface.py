@@ -29,6 +29,7 @@ The attention function, per call:
 """
 
 import sys
+import weakref
 
 import torch
 
@@ -237,11 +238,19 @@ def _packed_lengths(query, kwargs):
         return cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k)
     positions = kwargs.get("position_ids")
     if positions is None or positions.is_meta or query.shape[0] != 1 or query.shape[2] == 1 \
-            or torch.compiler.is_compiling():
+            or torch.compiler.is_compiling() or positions.numel() != query.shape[2]:
         return None
-    positions = positions.reshape(-1)
-    if positions.numel() != query.shape[2]:
-        return None
+    cached = _LAST_POSITIONS[0]  # every layer gets the same position_ids: read them once a forward
+    if cached is None or cached[0]() is not positions or cached[1] != positions._version:
+        cached = _LAST_POSITIONS[0] = (weakref.ref(positions), positions._version, _restarts(positions.reshape(-1)))
+    return cached[2]
+
+
+_LAST_POSITIONS = [None]  # (weak reference to position_ids, its version, _restarts of it)
+
+
+def _restarts(positions):
+    """(cu_seqlens, cu_seqlens, longest, longest) of the sequences 1-D `positions` restarts, or None."""
     starts = (positions == positions.min()).nonzero().flatten()
     if starts.numel() <= 1:
         return None
