@@ -99,6 +99,7 @@ class Handoff:
         self.producers, self.consumers, self.dropout = dict(producers), tuple(consumers), dropout
         self.statistics = SharedStatistics() if len(self.consumers) > 1 else None
         self.outputs = SiblingOutputs() if len(self.consumers) > 1 else None
+        self._given = None  # (weak reference to the tensor a producer handed over, its version, the verdict)
 
     def reason(self):
         """None while the handoff holds, else why not: decided again only when the modules along its
@@ -109,6 +110,24 @@ class Handoff:
         modules = [layer, *(m for path in self._paths for m in _path_modules(layer, path))]
         dropout = getattr(layer, self.dropout, 0) if self.dropout is not None else None
         return decided(self, modules, lambda: self._reason(layer), extra=(dropout,))
+
+    def give(self, x):
+        """reason(), left for `x`, the tensor a producer hands over unchanged: the consumer called on
+        that very tensor acts on the same verdict (received) without deciding again. Not while
+        torch.compile traces (the graph's guards stand for the checks)."""
+        reason = self.reason()
+        if not torch.compiler.is_compiling():
+            self._given = (weakref.ref(x), x._version, reason)
+        return reason
+
+    def received(self, x):
+        """The verdict given for `x` (taken: once), else reason()."""
+        if torch.compiler.is_compiling():
+            return self.reason()
+        given, self._given = self._given, None
+        if given is not None and given[0]() is x and given[1] == x._version:
+            return given[2]
+        return self.reason()
 
     def _reason(self, layer):
         for path in self._paths:
@@ -143,6 +162,7 @@ class Handoff:
         new.producers, new.consumers, new.dropout = dict(self.producers), self.consumers, self.dropout
         new.statistics = SharedStatistics() if self.statistics is not None else None
         new.outputs = SiblingOutputs() if self.outputs is not None else None
+        new._given = None
         return new
 
     def __reduce__(self):  # pickling a model: the layer itself, which pickle keeps once
@@ -180,13 +200,13 @@ def link(layer, members, producers, consumers, dropout=None):
     return handoff
 
 
-def _handed_over(module, role="norm"):
-    """(the producer of `role` whose work `module` does at this call, or None; why a handoff no
-    longer holds, or None)."""
+def _handed_over(module, x, role="norm"):
+    """(the producer of `role` whose work `module` does at this call on `x`, or None; why a handoff
+    no longer holds, or None)."""
     handoff = module.__dict__.get("remat_handoff")
     if handoff is None:
         return None, None
-    reason = handoff.reason()
+    reason = handoff.received(x)
     return (None, _not_fused(handoff, reason)) if reason else (handoff.source(role), None)
 
 
@@ -253,7 +273,7 @@ class _RematFusedNorm(_RematModule):
     remat_style = None  # None: a LayerNorm; else the RMSNorm rounding (remat.specs.RMS_NORM_STYLES)
 
     def forward(self, hidden_states):
-        if self.remat_handoff.reason() is None:
+        if self.remat_handoff.give(hidden_states) is None:
             return hidden_states
         return self.remat_stock.forward(self, hidden_states)
 
@@ -320,7 +340,7 @@ class _RematMLP(_RematModule):
 
     def forward(self, hidden_states, *args, **kwargs):
         parts = self.remat_parts
-        norm, norm_reason = _handed_over(self)
+        norm, norm_reason = _handed_over(self, hidden_states)
         activation = self._modules[parts.act]
         linears, reason = decided_projections(
             self, [self._modules[parts.fc1], self._modules[parts.fc2]], [parts.fc1, parts.fc2], [activation, norm],
@@ -388,7 +408,7 @@ class _RematGatedMLP(_RematModule):
     def forward(self, hidden_states):
         parts = self.remat_parts
         names = (*fc1_names(parts), parts.fc2)
-        norm, norm_reason = _handed_over(self)
+        norm, norm_reason = _handed_over(self, hidden_states)
         activation = self._modules[parts.act]
         linears, reason = decided_projections(
             self, [self._modules[n] for n in names], list(names), [activation, norm],
@@ -425,7 +445,7 @@ class _RematPassThrough(_RematModule):
     the fc1 and activation a layer holds itself): returns its input while the handoff holds."""
 
     def forward(self, hidden_states, *args, **kwargs):
-        if self.remat_handoff.reason() is None:
+        if self.remat_handoff.give(hidden_states) is None:
             return hidden_states
         return self.remat_stock.forward(self, hidden_states, *args, **kwargs)
 
@@ -464,7 +484,7 @@ class _RematNormedLinear(_RematModule):
         if out is not None:  # computed a moment ago by a sibling, which checked this module then
             self._remat_fallback(None)
             return out
-        norm, reason = _handed_over(self)
+        norm, reason = _handed_over(self, input)
         reason = reason or self._remat_plain_reason(norm)
         if reason:
             self._remat_fallback(reason)
@@ -505,7 +525,7 @@ class _RematLayerMLP(_RematModule):
 
     def forward(self, input):
         handoff = self.remat_handoff
-        reason = handoff.reason()
+        reason = handoff.received(input)
         if reason:  # each producer computed itself: input is the activation's output, as stock
             self._remat_fallback(_not_fused(handoff, reason))
             return self.remat_stock.forward(self, input)
@@ -535,7 +555,7 @@ class _RematOutput(_RematModule):
     LayerNorm(dropout(dense(gelu(intermediate.dense(x)))) + input_tensor) on remat.mlp."""
 
     def forward(self, hidden_states, input_tensor):
-        intermediate, reason = _handed_over(self, "intermediate")
+        intermediate, reason = _handed_over(self, hidden_states, "intermediate")
         if intermediate is None:  # the intermediate computed itself
             self._remat_fallback(reason)
             return self.remat_stock.forward(self, hidden_states, input_tensor)
@@ -659,7 +679,7 @@ class _RematAttention(_RematModule):
         return None
 
     def forward(self, hidden_states, *args, **kwargs):
-        norm, norm_reason = _handed_over(self)
+        norm, norm_reason = _handed_over(self, hidden_states)
         call = self._remat_bind(hidden_states, args, kwargs)
         reason = self.remat_fallback_reason(hidden_states, call) or self.remat_core_reason(hidden_states, call)
         if reason is None:
