@@ -141,10 +141,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 def _own_value(query, key, value):
     """`value`, or a copy of it where it is a view of a larger tensor that q and k are no views of (v
     split from a fused qkv projection whose q and k the rotary embedding copied: Phi-3, GPT-NeoX). The
-    attention keeps v for its backward, and a view would keep the whole projection output with it."""
+    attention keeps v for its backward, and a view would keep the whole projection output with it
+    (without grad nothing is kept: no copy)."""
     base = value._base
-    if base is None or base.numel() <= value.numel() or torch.compiler.is_compiling() \
-            or query._base is base or key._base is base:
+    if base is None or base.numel() <= value.numel() or not torch.is_grad_enabled() \
+            or torch.compiler.is_compiling() or query._base is base or key._base is base:
         return value
     return value.clone(memory_format=torch.contiguous_format)
 

@@ -87,8 +87,9 @@ class Handoff:
     SiblingOutputs (outputs): the first one called computes all of them in one fused op.
 
     It holds only while every member sits in its place in the layer without hooks, and so do the
-    modules between the layer and it (checked at every call, by each member): otherwise each
-    producer runs its own forward and each consumer takes what it gets, as stock. The layer is held
+    modules between the layer and it (checked at every call: by each producer, and by a consumer
+    not called on the tensor its producer handed over): otherwise each producer runs its own
+    forward and each consumer takes what it gets, as stock. The layer is held
     by a weak reference; a deepcopy of the whole model points the copy at the copied layer, while a
     copy of one member alone keeps pointing at the original layer, where it does not sit, so the
     copy computes itself.
