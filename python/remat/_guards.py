@@ -62,11 +62,15 @@ def fingerprint(modules):
     replaced by another: classes (parametrize swaps it), training flags, hook counts, parameters
     (identities: replaced by a quantised one; dtypes: cast in place by .to()), devices aside (a
     parameter's device moves with it, and no check reads it), with the global hooks' counts."""
-    return (*map(len, _GLOBAL_HOOK_DICTS),
-            *[(m, m.__class__, m.training, len(m._forward_hooks), len(m._forward_pre_hooks),
-               len(m._backward_hooks), len(m._backward_pre_hooks),
-               *[(id(p), p.__class__, p.dtype) for p in m._parameters.values() if p is not None])
-              for m in modules if m is not None])
+    key = [*map(len, _GLOBAL_HOOK_DICTS)]  # one flat list: this runs at every fused call
+    for m in modules:
+        if m is not None:
+            key += (m, m.__class__, m.training, len(m._forward_hooks), len(m._forward_pre_hooks),
+                    len(m._backward_hooks), len(m._backward_pre_hooks))
+            for p in m._parameters.values():
+                if p is not None:
+                    key += (id(p), p.__class__, p.dtype)
+    return key
 
 
 def decided(owner, modules, check, extra=()):

@@ -63,8 +63,8 @@ def check_optional_param(name, value, shape, like_name, like):
     if value is None:
         return
     check_float_tensor(name, value)
-    allowed = tuple(dict.fromkeys((like.dtype, torch.float32)))
-    if value.dtype not in allowed:
+    if value.dtype != like.dtype and value.dtype != torch.float32:
+        allowed = tuple(dict.fromkeys((like.dtype, torch.float32)))
         raise TypeError(
             f"{name} must have dtype {_dtype_names(allowed)} ({like_name} is {_dtype_names((like.dtype,))}), "
             f"got {value.dtype}"

@@ -32,7 +32,9 @@ def norm_of(module, style=None):
         style = "torch"
     if style is None:
         return Norm(module.weight, module.bias, module.eps)
-    eps = module.eps if hasattr(module, "eps") else module.variance_epsilon
+    eps = module.__dict__.get("eps")  # read at every fused call: hasattr on a module without it raises inside
+    if eps is None:
+        eps = module.eps if hasattr(module, "eps") else module.variance_epsilon
     return Norm(module.weight, None, eps, "rms_norm", style)
 
 

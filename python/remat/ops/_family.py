@@ -222,12 +222,15 @@ def _eager_autograd(family):
     """The forward op's autograd (setup_context, backward on the forward's backend) as an
     autograd.Function around its implementation, for eager calls."""
 
+    # forward takes ctx and calls setup_context itself: an autograd.Function that defines
+    # setup_context has every apply bind its arguments with inspect.signature (tens of µs a call).
     class EagerForward(torch.autograd.Function):
         @staticmethod
-        def forward(*args):
-            return family._implementation(0, args)(*args)
+        def forward(ctx, *args):
+            output = family._implementation(0, args)(*args)
+            family._setup_context(ctx, args, output)
+            return output
 
-        setup_context = staticmethod(family._setup_context)
         backward = staticmethod(_backend.on_forward_backend(family.autograd_backward))
 
     EagerForward.__qualname__ = EagerForward.__name__ = f"{family.name}_fwd_eager"

@@ -20,6 +20,7 @@ eager PyTorch does, so tests and benchmarks can compare the two modes.
 """
 
 import collections
+import functools
 import weakref
 
 import torch
@@ -134,6 +135,15 @@ def _norm_backward(layout, dy, x, weight, bias, stats, rebuild):
         return dx, d_weight, None, rebuilt.to(x.dtype) if rebuild else None
     dx, d_weight, d_bias, rebuilt = layer_norm_bwd(dy, x, weight, bias, *stats, rebuild)
     return dx, d_weight, d_bias, rebuilt if rebuild else None
+
+
+def _weight_grad(d_out, inp, weight):
+    """d_outᵀ·inp, the gradient of `weight` (out, in), laid out as `weight` is: a transposed view of an
+    (in, out) parameter (transformers' Conv1D) gets (inpᵀ·d_out)ᵀ, so that autograd hands the
+    parameter a contiguous gradient instead of copying a transposed one into its layout."""
+    if weight.dim() == 2 and weight.stride(0) == 1 and weight.stride(1) != 1:
+        return inp.t().matmul(d_out).t()
+    return d_out.t().matmul(inp)
 
 
 def _kept(keep, *tensors):
@@ -251,7 +261,7 @@ class _LayerNormLinears(torch.autograd.Function):
             normed = rebuilt if rebuild else normed
         flat = []
         for linear, need, (d_out, adapter_grads, d_ts) in zip(linears, ctx.needs, grads):
-            flat.append(d_out.t().matmul(normed) if need.weight else None)
+            flat.append(_weight_grad(d_out, normed, linear.weight) if need.weight else None)
             flat.append(d_out.sum(0) if need.bias and linear.bias is not None else None)
             flat.extend(_finish_adapter_grads(adapter_grads, linear.adapters, d_ts, normed, need.adapters))
         need_x, need_nw, need_nb = ctx.needs_input_grad[:3]
@@ -405,7 +415,7 @@ class _MLP(torch.autograd.Function):
                                                                 rebuild_activation)
             activation = rebuilt if rebuild_activation else activation
             d_activation = None
-        flat_down = [d_out.t().matmul(activation) if down_needs.weight else None,
+        flat_down = [_weight_grad(d_out, activation, down.weight) if down_needs.weight else None,
                      d_out.sum(0) if down_needs.bias and down.bias is not None else None,
                      *_finish_adapter_grads(down_grads, down.adapters, down_d_ts, activation, down_needs.adapters)]
         activation = None  # the rebuilt act(h) lives only for dW2 and the down projection's dA
@@ -432,7 +442,8 @@ class _MLP(torch.autograd.Function):
             flat_ups = []
             for up, need, dh, (grads, d_ts) in zip(ups, up_needs, d_hs, pending):
                 d_bias = d_kernel_bias if kernel_bias is not None else dh.sum(0) if up.bias is not None else None
-                flat_ups += [dh.t().matmul(up_input) if need.weight else None, d_bias if need.bias else None,
+                flat_ups += [_weight_grad(dh, up_input, up.weight) if need.weight else None,
+                             d_bias if need.bias else None,
                              *_finish_adapter_grads(grads, up.adapters, d_ts, up_input, need.adapters)]
         need_nw, need_nb = ctx.needs_input_grad[2:4]
         return (
@@ -567,12 +578,11 @@ def _norm_linears(x, norm, linears, recompute, slot):
     if not isinstance(linears, (tuple, list)) or not linears or not all(isinstance(lin, Linear) for lin in linears):
         raise TypeError(f"linears must be a non-empty list of remat.specs.Linear(weight, bias, adapters), "
                         f"got {linears!r}")
-    if autocast_dtype(x.device.type) is not None:
-        dtype = autocast_dtype(x.device.type)
+    dtype = autocast_dtype(x.device.type)
+    if dtype is not None:
         with torch.autocast(x.device.type, enabled=False):
             return _norm_linears(cast_for_autocast(dtype, x)[0], norm, _cast_linears(dtype, linears), recompute, slot)
-    names = [("weight", "bias", "adapters")] if len(linears) == 1 else \
-        [(f"linears[{i}].weight", f"linears[{i}].bias", f"linears[{i}].adapters") for i in range(len(linears))]
+    names = _linear_names(len(linears))
     rows = _rows(x)
     _check_width_against_norm(x, norm.weight, linears[0].weight)
     norm = _check_norm_params(norm, x.shape[-1], x)
@@ -589,16 +599,29 @@ def _norm_linears(x, norm, linears, recompute, slot):
     return [out.view(*x.shape[:-1], linear.weight.shape[0]) for out, linear in zip(outs, linears)]
 
 
+@functools.cache
+def _linear_names(count):
+    """The argument names of norm_linears' Linears in its error messages (built once per count)."""
+    if count == 1:
+        return [("weight", "bias", "adapters")]
+    return [(f"linears[{i}].weight", f"linears[{i}].bias", f"linears[{i}].adapters") for i in range(count)]
+
+
+# The argument names of fused_mlp's up projections in its error messages.
+_FC1_NAMES = (("w1", "b1", "fc1_adapters"),)
+_GATE_UP_NAMES = tuple((f"{n}.weight", f"{n}.bias", f"{n}.adapters") for n in ("gate", "up"))
+
+
 def _up_projections(fc1, act):
-    """fc1 as a list of up projections: [fc1], or for a gated act [gate, up] from a (gate, up) pair
-    (a single Linear then holds gate ∥ up, gate first, as Phi-3's gate_up_proj)."""
+    """(fc1 as a list of up projections, their argument names): [fc1], or for a gated act [gate, up]
+    from a (gate, up) pair (a single Linear then holds gate ∥ up, gate first, as Phi-3's gate_up_proj)."""
     if act.gated and isinstance(fc1, (tuple, list)) and not isinstance(fc1, Linear):
         if len(fc1) != 2 or not all(isinstance(lin, Linear) for lin in fc1):
             raise TypeError(f"fc1 must be a remat.specs.Linear or a (gate, up) pair of them, got {fc1!r}")
-        return list(fc1), ("gate", "up")
+        return list(fc1), _GATE_UP_NAMES
     if not isinstance(fc1, Linear):
         raise TypeError(f"fc1 must be a remat.specs.Linear(weight, bias, adapters), got {type(fc1).__name__}")
-    return [fc1], ("fc1",)
+    return [fc1], _FC1_NAMES
 
 
 def fused_mlp(x, fc1, act, fc2, norm=None, recompute=True, shared=None):
@@ -623,8 +646,8 @@ def _fused_mlp(x, fc1, act, fc2, norm, recompute, slot):
         raise TypeError(f"fc2 must be a remat.specs.Linear(weight, bias, adapters), got {type(fc2).__name__}")
     if norm is not None:
         check_norm(norm)
-    if autocast_dtype(x.device.type) is not None:
-        dtype = autocast_dtype(x.device.type)
+    dtype = autocast_dtype(x.device.type)
+    if dtype is not None:
         with torch.autocast(x.device.type, enabled=False):
             *ups, fc2 = _cast_linears(dtype, [*ups, fc2])
             return _fused_mlp(cast_for_autocast(dtype, x)[0], ups if len(ups) == 2 else ups[0], act, fc2, norm,
@@ -633,9 +656,7 @@ def _fused_mlp(x, fc1, act, fc2, norm, recompute, slot):
     if norm is not None:
         _check_width_against_norm(x, norm.weight, ups[0].weight)
         norm = _check_norm_params(norm, x.shape[-1], x)
-    labels = [("w1", "b1", "fc1_adapters")] if names == ("fc1",) else \
-        [(f"{n}.weight", f"{n}.bias", f"{n}.adapters") for n in names]
-    for up, (weight_name, bias_name, adapters_name) in zip(ups, labels):
+    for up, (weight_name, bias_name, adapters_name) in zip(ups, names):
         _check_linear(weight_name, up.weight, bias_name, up.bias, x.shape[-1], x)
         _check_adapters(adapters_name, up.adapters, up.weight, x)
     hidden = _activation_width(act, ups)
