@@ -273,3 +273,4 @@ def test_a_layer_reverted_apart_from_the_model_runs_stock_attention(implementati
         step_saved_bytes(stock, {"input_ids": ids, "labels": ids})
     remat.revert(converted)
     assert converted.config._attn_implementation == implementation
+    assert not [name for m in converted.modules() for name in vars(m) if name.startswith("remat_")]

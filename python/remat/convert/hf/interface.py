@@ -16,7 +16,9 @@ stock attention with that mask.
 
 The attention function, per call:
 - packed sequences (the cu_seq_lens_q/k and max_length_q/k a DataCollatorWithFlattening passes, or
-  position_ids that restart in a batch of one) and padding (unpad, remat.attention_varlen on the
+  position_ids that restart in a batch of one), when no cache is made (with one, transformers
+  builds sdpa's and eager's masks without the packing: stock attends across the sequences, and so
+  does remat), and padding (unpad, remat.attention_varlen on the
   tokens, pad, with O(batch x seq) indices) run on attention_varlen, every other call on
   remat.attention; padding rows get zeros, as transformers' flash-attention path gives them;
 - v copied out of a fused qkv projection's output where q and k are no views of it (_own_value);
@@ -90,6 +92,9 @@ def revert_attention(module):
     previous = module.__dict__.pop("remat_attention_implementation", None)
     if previous is not None:
         module.set_attn_implementation(previous)
+        for below in module.modules():
+            below.__dict__.pop("remat_attention_previous", None)
+            below.__dict__.pop("remat_attention_stock", None)
     elif "remat_attention_previous" in module.__dict__:
         module.__dict__["remat_attention_stock"] = module.__dict__["remat_attention_previous"]
 
@@ -232,7 +237,11 @@ def _packed_lengths(query, kwargs):
     """(cu_seqlens_q, cu_seqlens_k, max_q, max_k) of packed sequences in a batch of one, or None:
     from the collator's cu_seq_lens_q/k and max_length_q/k, else from position_ids that restart
     (read on the device: not while torch.compile traces, as transformers' flash path, nor on meta,
-    which holds no positions to read: counted as one sequence)."""
+    which holds no positions to read: counted as one sequence). None when the model made a cache
+    (use_cache): transformers then builds sdpa's and eager's mask without the packing, and their
+    queries attend across the sequences, as remat's do."""
+    if kwargs.get("use_cache"):
+        return None
     names = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
     if all(kwargs.get(name) is not None for name in names):
         cu_q, cu_k, max_q, max_k = (kwargs[name] for name in names)
