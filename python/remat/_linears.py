@@ -40,8 +40,9 @@ def is_falcon_linear(module):
 
 
 def is_lora_linear(module):
-    """peft's LoRA layer for Linear-like base layers (peft.tuners.lora.layer.Linear)."""
-    kind = type(module)
+    """peft's LoRA layer for Linear-like base layers (peft.tuners.lora.layer.Linear), also one whose class
+    remat.convert swapped (its stock class: remat_stock)."""
+    kind = getattr(type(module), "remat_stock", type(module))
     return kind.__name__ == "Linear" and kind.__module__ == "peft.tuners.lora.layer"
 
 
@@ -178,8 +179,9 @@ def _verified(module, base, adapters, label):
         return None  # nothing to run on: accepted on structure, as convert's probes do
     generator = torch.Generator().manual_seed(0)  # private: the caller's random stream is untouched
     x = torch.randn(2, weight.shape[1], generator=generator).to(weight.device, weight.dtype)
+    own_forward = getattr(type(module), "remat_stock", type(module)).forward  # peft's, also under a remat class
     with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
-        want = module(x)
+        want = own_forward(module, x)
         got = torch.nn.functional.linear(x, base.weight, base.bias)
         for lora in adapters:
             got = got + torch.nn.functional.linear(torch.nn.functional.linear(x.to(lora.a.dtype), lora.a),

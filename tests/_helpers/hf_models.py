@@ -64,9 +64,11 @@ FAMILIES = {"gpt2": gpt2, "bert": bert, "roberta": roberta, "vit": vit, "gpt_neo
 # The MLP module swapped in each family (the FFN of BERT/RoBERTa is split over two modules).
 FUSED = {"gpt2": "RematGPT2MLP", "bert": "RematBertOutput", "roberta": "RematRobertaOutput",
          "vit": "RematViTMLP", "gpt_neox": "RematGPTNeoXMLP"}
+# The attention class swapped in each family; None: the family has no rule for it, its attention runs
+# through transformers' attention interface ("remat") with its q/k/v projection fused with the norm
+# before it (RematNormedLinear, structure.py).
 ATTENTION = {"gpt2": "RematGPT2Attention", "bert": "RematBertSelfAttention",
-             "roberta": "RematRobertaSelfAttention", "vit": "RematViTAttention",
-             "gpt_neox": "RematGPTNeoXAttention"}
+             "roberta": "RematRobertaSelfAttention", "vit": "RematViTAttention", "gpt_neox": None}
 PRE_LN = ("gpt2", "vit", "gpt_neox")  # LayerNorms fused into the q/k/v projection and into fc1
 DECODERS = ("gpt2", "gpt_neox")
 

@@ -17,6 +17,7 @@ import torch
 from test_hf_families import assert_skipped_as_expected, sdpa_mask_bytes, swapped_counts
 
 from remat import memory
+from remat._guards import RematFallbackWarning
 
 from hf_models import (
     BATCH,
@@ -316,12 +317,17 @@ def test_a_padded_batch_runs_remat_attention_varlen(name, config, side):
     assert_nothing_seq_by_seq_saved(converted, batch)
 
 
-def test_packed_sequences_run_remat_attention_varlen():
+def test_packed_sequences_run_remat_attention_varlen_as_stock_honours_them():
+    """position_ids restarting, without a cache: remat.attention_varlen on the sequences; with a cache
+    made (use_cache=True) stock attends across the sequences, and so does remat (remat.attention)."""
     stock, _ = build_case("qwen2")
     converted = convert_layers(stock)
-    _, varlen, dense = varlen_attention_calls(
-        lambda: assert_same_step(stock, converted, packed_batch(family_inputs("qwen2", "cpu"))))
+    packed = packed_batch(family_inputs("qwen2", "cpu"))
+    _, varlen, dense = varlen_attention_calls(lambda: assert_same_step(stock, converted, packed))
     assert (varlen, dense) == (LAYERS, 0)
+    across = {**packed, "use_cache": True}
+    _, varlen, dense = varlen_attention_calls(lambda: assert_same_step(stock, converted, across))
+    assert (varlen, dense) == (0, LAYERS)
 
 
 def test_gemma2_without_softcapping_runs_remat_attention_without_it():
@@ -370,18 +376,55 @@ def test_generation_gives_the_stock_tokens(cache):
 
 
 def test_lora_on_every_projection_of_llama():
+    """peft's LoRA layers on q, k, v (each with input_layernorm fused in: RematNormedLoraLinear, the
+    adapters inside the fused op) and on the MLP's projections: every norm fused as without LoRA, the
+    same step as stock + LoRA, and exactly the bytes the report counts less than it keeps (the first
+    layer's input_layernorm reads the embeddings, which need no gradient: the fused op keeps its
+    output, as stock, not its input), plus the attention's own term."""
     peft = pytest.importorskip("peft")
     stock, _ = build_case("llama")
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)
     stock_peft = peft.get_peft_model(stock, config)
-    converted_peft = convert_layers(__import__("copy").deepcopy(stock_peft))
+    converted_peft, report = convert_layers(__import__("copy").deepcopy(stock_peft), report=True)
+    counts = swapped_counts(report)
+    assert counts["RematNormedLoraLinear"] == 3 * LAYERS and counts["RematFusedLlamaRMSNorm"] == 2 * LAYERS, str(report)
     batch = family_inputs("llama", "cpu")
-    _, calls = remat_attention_calls(lambda: assert_same_step(stock_peft, converted_peft, batch))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RematFallbackWarning)
+        _, calls = remat_attention_calls(lambda: assert_same_step(stock_peft, converted_peft, batch))
     assert calls == LAYERS
+    first_norm_input = F32 * HIDDEN
+    attention = LAYERS * TOKENS * attention_output_copy("llama", "cpu")
+    assert step_saved_bytes(stock_peft, batch) - step_saved_bytes(converted_peft, batch) == \
+        TOKENS * (report.saved_bytes_per_token() - first_norm_input) + attention
     _, grads = loss_and_grads(converted_peft, batch)
     lora = [k for k in grads if "lora_" in k]
     assert len(lora) == 2 * len(targets) * LAYERS and all(grads[k] is not None for k in lora)
+
+
+def test_lora_added_after_convert_takes_effect_when_reverted_and_converted():
+    """peft wraps projections of a converted model, q_proj and v_proj among them: until the model is
+    converted again, input_layernorm computes itself (stock's step), and the warning says what to do;
+    remat.revert then remat.convert convert the model as it is now, the same swaps as converting the
+    peft model itself."""
+    peft = pytest.importorskip("peft")
+    stock, _ = build_case("llama")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"],
+                             lora_dropout=0.0, init_lora_weights=False)
+    stock_peft = peft.get_peft_model(__import__("copy").deepcopy(stock), config)
+    _, want = convert_layers(__import__("copy").deepcopy(stock_peft), report=True)
+    again = peft.get_peft_model(convert_layers(stock), config)
+    again.load_state_dict(stock_peft.state_dict())
+    with pytest.warns(RematFallbackWarning, match=r"self_attn.q_proj was wrapped by Linear after convert "
+                                                  r"\(remat.revert, then remat.convert the model to fuse it\)"):
+        assert_same_step(stock_peft, again, family_inputs("llama", "cpu"))
+    again, report = convert_layers(conv.revert(again), report=True)
+    assert [(r.path, r.action) for r in report] == [(r.path, r.action) for r in want]
+    assert report.saved_bytes_per_token() == want.saved_bytes_per_token() > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RematFallbackWarning)
+        assert_same_step(stock_peft, again, family_inputs("llama", "cpu"))
 
 
 # --- remat memory --------------------------------------------------------------------------------------

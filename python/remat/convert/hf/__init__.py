@@ -15,7 +15,6 @@ from . import (  # noqa: F401,E501  (each registers its family)
     distilbert,
     falcon,
     gpt2,
-    gpt_neox,
     gptj,
     opt,
     phi,

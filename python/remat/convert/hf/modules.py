@@ -108,7 +108,7 @@ class Handoff:
         layer = self._layer()
         if layer is None:
             return "the layer holding it is gone"
-        modules = [layer, *(m for path in self._paths for m in _path_modules(layer, path))]
+        modules = [layer, *(submodule(layer, path) for path in self._along)]
         dropout = getattr(layer, self.dropout, 0) if self.dropout is not None else None
         return decided(self, modules, lambda: self._reason(layer), extra=(dropout,))
 
@@ -134,6 +134,10 @@ class Handoff:
         for path in self._paths:
             modules = _path_modules(layer, path)
             if modules[-1] is None or modules[-1].__dict__.get("remat_handoff") is not self:
+                base = getattr(modules[-1], "base_layer", None)
+                if base is not None and base.__dict__.get("remat_handoff") is self:
+                    return (f"{path} was wrapped by {type(modules[-1]).__name__} after convert (remat.revert, then "
+                            "remat.convert the model to fuse it)")
                 return f"{path} is no longer the module converted"
             reason = next(filter(None, map(hook_reason, modules)), None)
             if reason:
@@ -145,6 +149,15 @@ class Handoff:
     @property
     def _paths(self):
         return (*self.producers.values(), *self.consumers)
+
+    @property
+    def _along(self):
+        """Every path to a module along the paths, once ("self_attn", "self_attn.q_proj", ...)."""
+        along = self.__dict__.get("_along_paths")
+        if along is None:
+            along = self._along_paths = tuple(dict.fromkeys(
+                ".".join(path.split(".")[:i]) for path in self._paths for i in range(1, path.count(".") + 2)))
+        return along
 
     def consumer_modules(self):
         """The modules at the consumers' paths (call only while reason() is None)."""
@@ -321,7 +334,7 @@ def _normed_outputs(x, owner, norm, modules, recompute, labels, shared=None):
 
 
 class _RematMLP(_RematModule):
-    """A transformers MLP module (GPT2MLP, ViTMLP, GPTNeoXMLP, PhiMLP, ...) on remat.mlp:
+    """A transformers MLP module (GPT2MLP, ViTMLP, PhiMLP, ...) on remat.mlp:
     dropout(fc2(gelu(fc1(x)))) keeping x and the fc1 output only, with the LayerNorm before it
     fused in when it was handed over. Any call remat cannot compute runs the stock forward.
 
@@ -474,46 +487,75 @@ def _own_linear(module):
 
 class _RematNormedLinear(_RematModule):
     """A Linear (nn.Linear or FalconLinear) inside a module that stays stock (BLOOM's ALiBi
-    attention's query_key_value, OPT's fc1 before its ReLU) with the LayerNorm before it fused in:
-    norm_linears keeps x and fp32 mean/rstd, never LN(x)."""
+    attention's query_key_value, OPT's fc1 before its ReLU, the q/k/v projections of an attention
+    run through the interface) with the LayerNorm before it fused in: norm_linears keeps x and fp32
+    mean/rstd, never LN(x)."""
 
     remat_prefix = "RematNormed"
+    remat_lora = False  # a peft LoRA layer (_RematNormedLoraLinear): its adapters are checked at every call
+
+    def _remat_reason(self):
+        """Why the fused op cannot compute this module, or None."""
+        return _own_reason(self, self.remat_path)
+
+    def _remat_linear(self):
+        """The remat.specs.Linear the fused op computes for this module (call where _remat_reason() is None)."""
+        return _own_linear(self)
 
     def forward(self, input):
-        siblings = self.remat_handoff.outputs
-        out = siblings.take(self, input) if siblings is not None else None
+        outputs = self.remat_handoff.outputs
+        out = outputs.take(self, input) if outputs is not None else None
         if out is not None:  # computed a moment ago by a sibling, which checked this module then
             self._remat_fallback(None)
             return out
         norm, reason = _handed_over(self, input)
-        reason = reason or self._remat_plain_reason(norm)
+        reason, siblings = (reason, ()) if norm is None else self._remat_decided(norm)
         if reason:
             self._remat_fallback(reason)
             if norm is not None:
                 input = stock_norm(norm, input)
             return self.remat_stock.forward(self, input)
         self._remat_fallback(None)
-        modules = [self, *self._remat_siblings(norm)]
-        outs = norm_linears(input, norm_spec(norm), [_own_linear(m) for m in modules], self.remat_recompute,
+        modules = [self, *siblings]
+        outs = norm_linears(input, norm_spec(norm), [m._remat_linear() for m in modules], self.remat_recompute,
                             _shared_statistics(self))
-        if len(modules) > 1:
-            siblings.store(input, {id(m): o for m, o in zip(modules[1:], outs[1:])})
+        if siblings:
+            self.remat_handoff.outputs.store(input, {id(m): o for m, o in zip(siblings, outs[1:])})
         return outs[0]
 
-    def _remat_plain_reason(self, norm):
-        """Why this Linear or its norm cannot be read by the fused op, decided once while their
-        fingerprint holds (_guards.decided); None without a norm (the handoff said why)."""
-        if norm is None:
-            return None
-        return decided(self, [self, norm], lambda: _own_reason(self, self.remat_path) or _layer_norm_reason(norm))
+    def _remat_decided(self, norm):
+        """(why this Linear or its norm cannot be read by the fused op, or None; the other projections
+        of this norm whose weights it can read too, to compute them in the same op), decided once while
+        the fingerprint of them all holds (_guards.decided), at every call where one is a LoRA layer.
+        No siblings while torch.compile traces (each projection is its own op in the graph)."""
+        handoff = self.remat_handoff
+        others = [] if handoff.outputs is None or torch.compiler.is_compiling() else \
+            [m for m in handoff.consumer_modules() if m is not self and isinstance(m, _RematNormedLinear)
+             and m.__dict__.get("remat_handoff") is handoff]
 
-    def _remat_siblings(self, norm):
-        """The other projections of this norm, of this class, that can compute with this call: not
-        while torch.compile traces (each projection is its own op in the graph)."""
-        if self.remat_handoff.outputs is None or torch.compiler.is_compiling():
-            return []
-        return [m for m in self.remat_handoff.consumer_modules() if m is not self and type(m) is type(self)
-                and m.__dict__.get("remat_handoff") is self.remat_handoff and m._remat_plain_reason(norm) is None]
+        def check():
+            reason = self._remat_reason() or _layer_norm_reason(norm)
+            siblings = () if reason else tuple(m for m in others if m._remat_reason() is None)
+            return reason, siblings
+
+        if self.remat_lora or any(m.remat_lora for m in others):
+            return check()
+        return decided(self, [self, *others, norm], check)
+
+
+class _RematNormedLoraLinear(_RematNormedLinear):
+    """A peft LoRA layer around an nn.Linear, as _RematNormedLinear: its adapters computed inside the
+    fused op too (each keeping its rank-r A(LN(x)) only), in peft's order and dtypes; any call the
+    fused op cannot compute exactly (a LoRA variant, dropout in training, ...) runs peft's forward."""
+
+    remat_prefix = "RematNormedLora"
+    remat_lora = True
+
+    def _remat_reason(self):
+        return projection(self, self.remat_path)[1]
+
+    def _remat_linear(self):
+        return projection(self, self.remat_path)[0]
 
 
 class _RematLayerMLP(_RematModule):

@@ -3,9 +3,30 @@ parallel; it is fused into both (the attention's q/k/v projections on remat.atte
 the partial head dim and the optional q/k LayerNorms included, and fc1 of the MLP, fused). Each of
 the two keeps the same x, once, and its own fp32 mean/rstd."""
 
-from .gpt_neox import _probe_kwargs, _rotary
+import torch
+
 from .modules import CACHE_ARGS, MLPParts, _RematSplitAttention
-from .registry import Family, register
+from .registry import Family, register, rotary_probe_kwargs
+
+
+def _rotary(q, k, cos, sin):
+    """Rotary embeddings on the first cos.shape[-1] dims of q and k, as Phi applies them (rotate_half
+    convention; cos and sin (B, S, rotary_dims) from the model's rotary_emb)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    dims = cos.shape[-1]
+
+    def rotate(t):
+        t_rot, t_pass = t[..., :dims], t[..., dims:]
+        half = t_rot.shape[-1] // 2
+        rotated = torch.cat((-t_rot[..., half:], t_rot[..., :half]), dim=-1)
+        return torch.cat([(t_rot * cos) + (rotated * sin), t_pass], dim=-1)
+
+    return rotate(q), rotate(k)
+
+
+def _probe_kwargs(module, param):
+    """The rotary cos and sin the model computes for its layers and attentions (of rotary_ndims dims)."""
+    return rotary_probe_kwargs(module, param, lambda m: getattr(m, "rotary_ndims", None))
 
 
 class _RematPhiAttention(_RematSplitAttention):
@@ -27,5 +48,5 @@ register(Family(
     attention={"PhiAttention": _RematPhiAttention},
     mlps={"PhiMLP": MLPParts("fc1", "activation_fn", "fc2", None)},
     layers={"PhiDecoderLayer": ((("input_layernorm", "self_attn"), ("input_layernorm", "mlp")),)},
-    probe_kwargs=_probe_kwargs,  # GPT-NeoX's: the rotary cos and sin of the attention's rotary_ndims
+    probe_kwargs=_probe_kwargs,
 ))

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..._guards import from_transformers, hook_reason
-from ..._linears import base_layer, fused_saved_bytes, is_falcon_linear, projection, widths
+from ..._linears import base_layer, fused_saved_bytes, is_falcon_linear, is_lora_linear, projection, widths
 from ..._numerics import rel_error
 from ...ops.attention import HEAD_DIMS
 from ...specs import RMS_NORM_STYLES
@@ -27,6 +27,7 @@ from .modules import (
     _RematLayerMLP,
     _RematMLP,
     _RematNormedLinear,
+    _RematNormedLoraLinear,
     _RematOutput,
     fc1_names,
     link,
@@ -157,7 +158,7 @@ def _fused_norm(norm, path, style=None):
 
 def _probe_kwargs(module, param):
     """Arguments a probe call of `module` (a layer or an attention) needs besides the input: no
-    mask, and what its family says (GPT-NeoX's rotary cos and sin)."""
+    mask, and what its family says (Phi's rotary cos and sin)."""
     kwargs = {"attention_mask": None} if "attention_mask" in inspect.signature(module.forward).parameters else {}
     family = family_of(module)
     if family is not None and family.probe_kwargs is not None:
@@ -401,10 +402,14 @@ def _linear_consumer(layer, linear_path, recompute, path):
     """The Linear at `linear_path` (inside a module that stays stock, or a layer's fc1 before an
     activation remat does not fuse) with the LayerNorm fused in; or (None, why not)."""
     module = submodule(layer, linear_path)
-    reason = _plain_linear_reason(module, linear_path)
+    lora = is_lora_linear(module)  # a peft LoRA layer: its adapters are checked at each call (projection)
+    if lora:
+        reason = _instance_reason(module) or _plain_linear_reason(module.base_layer, f"{linear_path}.base_layer")
+    else:
+        reason = _plain_linear_reason(module, linear_path)
     if reason:
         return None, reason
-    new = _swapped(module, _RematNormedLinear, recompute, join(path, linear_path))
+    new = _swapped(module, _RematNormedLoraLinear if lora else _RematNormedLinear, recompute, join(path, linear_path))
 
     def rows(report, norm_name):
         report.add(join(path, linear_path), module, f"swapped to {type(new).__name__}",
