@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _backend
+from .._tensor_memo import MISSING, TensorMemo
 from .._validate import (
     autocast_dtype,
     cast_for_autocast,
@@ -163,20 +164,18 @@ class SharedStatistics:
     """
 
     def __init__(self):
-        self._entry = None
+        self._stored = TensorMemo()  # weak references to the statistics, for x
 
     def lookup(self, x):
         """The statistics stored for `x`, if still alive, else None."""
-        if self._entry is None:
+        refs = self._stored.get(x)
+        if refs is MISSING:
             return None
-        ref, version, stats = self._entry
-        if ref() is not x or x._version != version:
-            return None
-        stats = tuple(s() for s in stats)
+        stats = tuple(s() for s in refs)
         return None if any(s is None for s in stats) else stats
 
     def store(self, x, stats):
-        self._entry = (weakref.ref(x), x._version, tuple(weakref.ref(s) for s in stats))
+        self._stored.put(x, tuple(weakref.ref(s) for s in stats))
 
 
 class _StatisticsSlot:

@@ -31,11 +31,11 @@ The attention function, per call:
 """
 
 import sys
-import weakref
 
 import torch
 
 from ..._guards import fallback
+from ..._tensor_memo import MISSING, TensorMemo
 from ...ops.attention import attention
 from ...ops.attention_varlen import attention_varlen
 
@@ -250,13 +250,14 @@ def _packed_lengths(query, kwargs):
     if positions is None or positions.is_meta or query.shape[0] != 1 or query.shape[2] == 1 \
             or torch.compiler.is_compiling() or positions.numel() != query.shape[2]:
         return None
-    cached = _LAST_POSITIONS[0]  # every layer gets the same position_ids: read them once a forward
-    if cached is None or cached[0]() is not positions or cached[1] != positions._version:
-        cached = _LAST_POSITIONS[0] = (weakref.ref(positions), positions._version, _restarts(positions.reshape(-1)))
-    return cached[2]
+    packed = _LAST_POSITIONS.get(positions)  # every layer gets the same position_ids: read them once a forward
+    if packed is MISSING:
+        packed = _restarts(positions.reshape(-1))
+        _LAST_POSITIONS.put(positions, packed)
+    return packed
 
 
-_LAST_POSITIONS = [None]  # (weak reference to position_ids, its version, _restarts of it)
+_LAST_POSITIONS = TensorMemo()  # _restarts of the last position_ids read
 
 
 def _restarts(positions):

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..._guards import decided, fallback, hook_reason, plain_reason
 from ..._linears import decided_projections, fused_saved_bytes, projection, projections, widths
+from ..._tensor_memo import MISSING, TensorMemo
 from ...ops.attention import attention
 from ...ops.fused import SharedStatistics, fused_mlp, norm_linears
 from ...specs import Activation, Linear, gelu, norm_of
@@ -100,7 +101,7 @@ class Handoff:
         self.producers, self.consumers, self.dropout = dict(producers), tuple(consumers), dropout
         self.statistics = SharedStatistics() if len(self.consumers) > 1 else None
         self.outputs = SiblingOutputs() if len(self.consumers) > 1 else None
-        self._given = None  # (weak reference to the tensor a producer handed over, its version, the verdict)
+        self._given = TensorMemo()  # the verdict for the tensor a producer handed over
 
     def reason(self):
         """None while the handoff holds, else why not: decided again only when the modules along its
@@ -118,17 +119,16 @@ class Handoff:
         torch.compile traces (the graph's guards stand for the checks)."""
         reason = self.reason()
         if not torch.compiler.is_compiling():
-            self._given = (weakref.ref(x), x._version, reason)
+            self._given.put(x, reason)
         return reason
 
     def received(self, x):
         """The verdict given for `x` (taken: once), else reason()."""
         if torch.compiler.is_compiling():
             return self.reason()
-        given, self._given = self._given, None
-        if given is not None and given[0]() is x and given[1] == x._version:
-            return given[2]
-        return self.reason()
+        given = self._given.get(x)
+        self._given.clear()
+        return self.reason() if given is MISSING else given
 
     def _reason(self, layer):
         for path in self._paths:
@@ -176,7 +176,7 @@ class Handoff:
         new.producers, new.consumers, new.dropout = dict(self.producers), self.consumers, self.dropout
         new.statistics = SharedStatistics() if self.statistics is not None else None
         new.outputs = SiblingOutputs() if self.outputs is not None else None
-        new._given = None
+        new._given = TensorMemo()
         return new
 
     def __reduce__(self):  # pickling a model: the layer itself, which pickle keeps once
@@ -190,20 +190,20 @@ class SiblingOutputs:
     normalised once, in one op. A sibling called on anything else computes its own output."""
 
     def __init__(self):
-        self._entry = None  # (weak reference to x, x's version, {id(module): its output})
+        self._stored = TensorMemo()  # {id(module): its output}, for x
 
     def take(self, module, x):
         """`module`'s output stored for `x`, once, or None."""
-        entry = self._entry
-        if entry is None or entry[0]() is not x or entry[1] != x._version:
+        outputs = self._stored.get(x)
+        if outputs is MISSING:
             return None
-        out = entry[2].pop(id(module), None)
-        if not entry[2]:
-            self._entry = None
+        out = outputs.pop(id(module), None)
+        if not outputs:
+            self._stored.clear()
         return out
 
     def store(self, x, outputs):
-        self._entry = (weakref.ref(x), x._version, outputs) if outputs else None
+        self._stored.put(x, outputs)
 
 
 def link(layer, members, producers, consumers, dropout=None):
