@@ -38,9 +38,12 @@ def norm_of(module, style=None):
     return Norm(module.weight, None, eps, "rms_norm", style)
 
 
+_GELU_OF_APPROXIMATE = {approximate: Activation(name) for name, approximate in GELU_APPROXIMATE.items()}
+
+
 def gelu(approximate):
     """The Activation of a GELU with the GELU kernels' `approximate` ("none", "tanh" or "quick")."""
-    return Activation({approximate: name for name, approximate in GELU_APPROXIMATE.items()}[approximate])
+    return _GELU_OF_APPROXIMATE[approximate]
 
 
 def check_activation(act):
