@@ -31,13 +31,14 @@ class RematFallbackWarning(UserWarning):
     """A converted module ran its stock forward for a call (shown once per module and reason)."""
 
 
-def hook_reason(module):
-    """Why `module` must run its own forward because of hooks or parametrizations, or None.
+def hook_reason(module, skip=()):
+    """Why `module` must run its own forward because of hooks or parametrizations, or None; the hook
+    dicts named in `skip` ("_forward_hooks") not counted.
 
     Global module hooks (torch.nn.modules.module.register_module_forward_hook and the like) count
     too: they run on every module call, which a fused path would skip.
     """
-    if any(getattr(module, name, None) for name in _MODULE_HOOKS):
+    if any(getattr(module, name, None) for name in _MODULE_HOOKS if name not in skip):
         return "has forward/backward hooks"
     if any(getattr(_module_globals, name, None) for name in _GLOBAL_HOOKS):
         return "global module hooks are registered"

@@ -24,8 +24,9 @@ from .specs import Linear, LoRA
 
 
 def _is_transformers_class(module, name):
-    """By class name and origin: transformers need not be imported."""
-    kind = type(module)
+    """By class name and origin (transformers need not be imported), also for a module whose class
+    remat.convert swapped (its stock class: remat_stock)."""
+    kind = getattr(type(module), "remat_stock", type(module))
     return kind.__name__ == name and from_transformers(kind)
 
 
@@ -65,10 +66,10 @@ def _plain_base(module, label):
     """(Linear without adapters, None) for a plain nn.Linear, FalconLinear or Conv1D, or (None, why not)."""
     kinds = (type(module),) if is_conv1d(module) or is_falcon_linear(module) else (nn.Linear,)
     reason = plain_reason(module, kinds, label)
-    return (None, reason) if reason else (_plain_linear(module), None)
+    return (None, reason) if reason else (plain_linear(module), None)
 
 
-def _plain_linear(module):
+def plain_linear(module):
     """The Linear of a plain nn.Linear, FalconLinear or Conv1D (the weight read now: a view of it for Conv1D)."""
     return Linear(module.weight.t(), module.bias) if is_conv1d(module) else Linear(module.weight, module.bias)
 
@@ -118,7 +119,7 @@ def decided_projections(owner, modules, labels, others=(), other_reason=None):
         why = why or others_reason()
         return (None, why) if why else (linears, None)
     why = decided(owner, [*modules, *others], lambda: projections(modules, labels)[1] or others_reason())
-    return (None, why) if why else ([_plain_linear(m) for m in modules], None)
+    return (None, why) if why else ([plain_linear(m) for m in modules], None)
 
 
 def _active(module):

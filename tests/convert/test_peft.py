@@ -166,6 +166,10 @@ def test_merge_and_unload_after_convert():
     reference, ours = peft_pair("gpt2", "after")
     merged_reference, merged = reference.merge_and_unload(), ours.merge_and_unload()
     assert not any("lora" in n for n, _ in merged.named_parameters())
+    if ATTENTION["gpt2"] is None:  # c_attn, fused by structure, is the plain base layer again: convert it again
+        with pytest.warns(RematFallbackWarning, match="ln_1 is not fused any more: attn.c_attn is no longer"):
+            merged(**inputs("gpt2", "cpu"))
+        merged = convert_layers(conv.revert(merged))
     batch = inputs("gpt2", "cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error", RematFallbackWarning)
@@ -211,7 +215,9 @@ def test_lora_peft_computes_itself_runs_its_own_forward(variant):
     for name, grad in want_grads.items():
         assert rel_error(grads[name], grad) < TOL, name
     warned = [str(w.message) for w in caught if issubclass(w.category, RematFallbackWarning)]
-    assert len(warned) == 2 * LAYERS  # each layer's attention and MLP, once
+    # once each: each layer's MLP, and its c_attn (fused by structure, wrapped after convert: not fused,
+    # test_lora_added_after_convert_takes_effect_when_reverted_and_converted) or attention (a rule's)
+    assert len(warned) == 2 * LAYERS
     counts = report.fallbacks()
     assert counts and all(sum(c.values()) == 2 for c in counts.values())
 

@@ -8,11 +8,14 @@ import collections
 import copy
 import functools
 import importlib
+import types
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from remat._guards import fallback_counts
 
 from hf_models import (
     ATTENTION,
@@ -63,7 +66,8 @@ def test_same_loss_gradients_and_state_dict(target, family):
     assert any(row.action == "swapped to remat.nn.LayerNorm" for row in report)
     if ATTENTION[family] is None:  # the attention modules stay, on the "remat" implementation
         assert converted.config._attn_implementation == "remat"
-        assert actions["swapped to RematNormedLinear"] == LAYERS, str(report)
+        normed = "RematNormedConv1D" if family == "gpt2" else "RematNormedLinear"  # GPT-2's c_attn is a Conv1D
+        assert actions[f"swapped to {normed}"] == LAYERS, str(report)
         assert len(report.skipped) == LAYERS and all("its attention function" in r.reason for r in report.skipped)
     else:
         assert actions[f"swapped to {ATTENTION[family]}"] == LAYERS, str(report)
@@ -215,8 +219,16 @@ def test_output_attentions_gives_the_stock_weights(family):
     for a, b in zip(got.attentions, want.attentions, strict=True):
         torch.testing.assert_close(a, b)
     torch.testing.assert_close(got.logits, want.logits)
+    fell_back = fallback_counts(converted)  # the attention modules: the weights asked for
     _, calls = remat_attention_calls(lambda: converted(**batch))  # not asked for: remat again
     assert calls == LAYERS
+    if ATTENTION[family] is None:
+        # and nothing else fell back: transformers' output recorders, left on the attention modules, read
+        # their outputs only, and the norm fused into the projections inside them stays fused (a family
+        # rule's attention class, which the norm is fused into, runs stock with hooks on it: ViT's)
+        assert fallback_counts(converted) == fell_back
+        reasons = {"attention weights requested (output_attentions)"}
+        assert all(set(counts) == reasons for counts in fell_back.values())
 
 
 @pytest.mark.parametrize("family", DECODERS)
@@ -293,13 +305,14 @@ def test_unsupported_head_dim_is_left_alone():
 
 
 def test_probe_refuses_a_forward_that_differs():
-    """A transformers MLP class whose forward is not the known one is left alone."""
+    """A transformers MLP whose forward is not the known one is left alone, and the report says why."""
     model, _ = build("gpt2")
     mlp = model.transformer.h[0].mlp
-    mlp.forward = lambda x: mlp.c_proj(mlp.act(mlp.c_fc(x)) * 2)  # what a new version might do
+    # what a new version might do (a method of the instance: a copy of the model calls the copy's children)
+    mlp.forward = types.MethodType(lambda self, x: self.c_proj(self.act(self.c_fc(x)) * 2), mlp)
     _, report = convert_layers(model, report=True)
     row = next(row for row in report if row.path == "transformer.h.0.mlp")
-    assert row.action == "skipped" and "its forward is replaced on the instance" in row.reason
+    assert row.action == "skipped" and row.reason.startswith("not fused as an MLP: its forward"), str(report)
     assert hf.is_hf_model(model) and not hf.is_hf_model(torch.nn.Linear(2, 2))
 
 
@@ -307,7 +320,7 @@ def test_probe_refuses_an_attention_forward_that_differs(monkeypatch):
     """An attention class whose stock forward computes something else (a new release, say) is
     left alone, and so is its LayerNorm; the stock module is kept as it is, and convert says so in a
     warning, not in the report only."""
-    stock_class = transformers.models.gpt2.modeling_gpt2.GPT2Attention
+    stock_class = transformers.models.vit.modeling_vit.ViTAttention
     original = stock_class.forward
 
     @functools.wraps(original)
@@ -316,17 +329,17 @@ def test_probe_refuses_an_attention_forward_that_differs(monkeypatch):
         return out * 2, weights
 
     monkeypatch.setattr(stock_class, "forward", scaled)
-    model, _ = build("gpt2")
+    model, _ = build("vit")
     with pytest.warns(conv.RematWarning, match=r"remat.convert: 2 modules that a rule of remat's is written for "
-                                               r"failed its probe and stay stock: transformer.h.0.attn: "
+                                               r"failed its probe and stay stock: vit.layers.0.attention: "
                                                r"probe mismatch"):
         converted, report = convert_layers(model, report=True)
     rows = collections.defaultdict(list)
     for row in report:
         rows[row.path].append(row)
-    (attention,) = rows["transformer.h.0.attn"]
+    (attention,) = rows["vit.layers.0.attention"]
     assert attention.action == "skipped" and "probe mismatch" in attention.reason, str(report)
-    norm_rows = rows["transformer.h.0.ln_1"]
-    assert any(r.action == "skipped" and r.reason.startswith("fusion into attn") for r in norm_rows)
+    norm_rows = rows["vit.layers.0.layernorm_before"]
+    assert any(r.action == "skipped" and r.reason.startswith("fusion into attention") for r in norm_rows)
     assert all(r.action != "swapped to RematFusedLayerNorm" for r in norm_rows), str(report)
-    assert type(converted.transformer.h[0].attn) is stock_class
+    assert type(converted.vit.layers[0].attention) is stock_class

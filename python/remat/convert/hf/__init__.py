@@ -14,7 +14,6 @@ from . import (  # noqa: F401,E501  (each registers its family)
     deit,
     distilbert,
     falcon,
-    gpt2,
     gptj,
     opt,
     phi,

@@ -21,7 +21,7 @@ The attention function, per call:
   does remat), and padding (unpad, remat.attention_varlen on the
   tokens, pad, with O(batch x seq) indices) run on attention_varlen, every other call on
   remat.attention; padding rows get zeros, as transformers' flash-attention path gives them;
-- v copied out of a fused qkv projection's output where q and k are no views of it (_own_value);
+- q, k or v copied out of a fused qkv projection's output where the others are no views of it (_own_views);
 - causal or not (the call's is_causal, else the module's), GQA/MQA, scaling, training dropout
   (remat's own Philox mask: the distribution of stock dropout, not its draws), a sliding window of
   W keys as FlashAttention takes it (W - 1 before, and after when not causal), softcap;
@@ -30,6 +30,7 @@ The attention function, per call:
   weights requested, with the reason recorded (remat.convert's report, fallback_counts()).
 """
 
+import collections
 import sys
 
 import torch
@@ -126,7 +127,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     window = _window(sliding_window, key.shape[2], causal)
     packed = _packed_lengths(query, kwargs)
     reverted = module.__dict__.get("remat_attention_stock")  # its layer reverted alone: stock, asked for
-    reason = _stock_reason(query, key, value, attention_mask, s_aux, kwargs) if reverted is None else None
+    reason = _stock_reason(module, query, key, value, attention_mask, s_aux, kwargs) if reverted is None else None
     if reason is not None:
         fallback(module, reason, runs="stock attention")
     if reason is not None or reverted is not None:
@@ -139,23 +140,29 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         return _packed_attention(query, key, value, packed, causal, features), None
     if attention_mask is not None:
         return _padded_attention(query, key, value, attention_mask, causal, features), None
-    value = _own_value(query, key, value)  # (the varlen paths above gather copies of their tokens)
+    query, key, value = _own_views(query, key, value)  # (the varlen paths above gather copies of their tokens)
     return attention(query, key, value, causal=causal, **features).transpose(1, 2), None
 
 
-def _own_value(query, key, value):
-    """`value`, or a copy of it where it is a view of a larger tensor that q and k are no views of (v
-    split from a fused qkv projection whose q and k the rotary embedding copied: Phi-3, GPT-NeoX). The
-    attention keeps v for its backward, and a view would keep the whole projection output with it
-    (without grad nothing is kept: no copy)."""
-    base = value._base
-    if base is None or base.numel() <= value.numel() or not torch.is_grad_enabled() \
-            or torch.compiler.is_compiling() or query._base is base or key._base is base:
-        return value
-    return value.clone(memory_format=torch.contiguous_format)
+def _own_views(query, key, value):
+    """q, k and v, each a copy of itself where it is a view of a larger tensor that the three views of
+    it do not cover: a fused qkv projection's output whose other parts were copied (the rotary
+    embedding copies q and k: Phi-3, GPT-NeoX; a cache being filled copies k and v: GPT-2 in training,
+    whose use_cache defaults to True). The attention keeps q, k and v for its backward, and a view
+    keeps the whole projection output alive with it; its copy keeps its own part only. No copy
+    without grad (nothing is kept) or while torch.compile traces (the graph's views are its own)."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return query, key, value
+    tensors = (query, key, value)
+    covered = collections.Counter()  # id of a base -> the elements of it q, k and v view
+    for t in tensors:
+        if t._base is not None:
+            covered[id(t._base)] += t.numel()
+    return tuple(t if t._base is None or t._base.numel() <= covered[id(t._base)]
+                 else t.clone(memory_format=torch.contiguous_format) for t in tensors)
 
 
-def _stock_reason(query, key, value, mask, s_aux, kwargs):
+def _stock_reason(module, query, key, value, mask, s_aux, kwargs):
     """Why stock attention computes this call, or None."""
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
         return "a mask remat's kernels do not take (past keys, a static cache, or the model's own pattern)"
@@ -167,9 +174,25 @@ def _stock_reason(query, key, value, mask, s_aux, kwargs):
         return "more queries than one but fewer than the keys, without a mask (a static cache's prefill)"
     if s_aux is not None:
         return "attention sinks (s_aux)"
-    if kwargs.get("output_attentions"):
+    if attention_weights_requested(module, kwargs, module.__dict__.get("remat_attention_previous")):
         return "attention weights requested (output_attentions)"
     return None
+
+
+def attention_weights_requested(module, kwargs, implementation):
+    """True when this attention call may be asked for its attention weights (output_attentions);
+    `implementation`: the model's attention implementation before remat's, when known."""
+    if kwargs.get("output_attentions") or getattr(getattr(module, "config", None), "output_attentions", False):
+        return True
+    # transformers >= 5 collects the weights with forward hooks while a model-level
+    # output_attentions=True call runs (and models may pop the argument before their layers, as
+    # GPT-2 does); the active collector says whether this call's are collected.
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(capturing, "_active_collector", None)
+    if collector is None:
+        return implementation == "eager"  # cannot tell: only eager returns weights
+    collected = collector.get()
+    return bool(collected) and "attentions" in collected
 
 
 def _stock_attention(module, query, key, value, mask, pattern, softcap=None, s_aux=None, eager=False, **kwargs):
@@ -180,8 +203,8 @@ def _stock_attention(module, query, key, value, mask, pattern, softcap=None, s_a
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     eager_forward = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    use_eager = eager_forward is not None and (eager or softcap is not None or s_aux is not None
-                                               or kwargs.get("output_attentions"))
+    weights = attention_weights_requested(module, kwargs, module.__dict__.get("remat_attention_previous"))
+    use_eager = eager_forward is not None and (eager or softcap is not None or s_aux is not None or weights)
     packed, causal, window = pattern
     if (mask is None and (use_eager or packed is not None)) or (mask is not None and mask.dim() == 2):
         mask = _dense_mask(query, key, mask, packed, causal, window)

@@ -3,7 +3,7 @@
 remat's fused ops, and the stock forward itself for any call those do not compute exactly.
 
 Handoff links a module whose work the next module does (a pre-LN LayerNorm, BERT's intermediate)
-to that module; the family files (gpt2.py, vit.py, ...) subclass _RematAttention for their
+to that module; the family files (vit.py, phi.py, ...) subclass _RematAttention for their
 attention classes.
 """
 
@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 from ..._guards import decided, fallback, hook_reason, plain_reason
-from ..._linears import decided_projections, fused_saved_bytes, projection, projections, widths
+from ..._linears import decided_projections, fused_saved_bytes, plain_linear, projection, projections, widths
 from ..._tensor_memo import MISSING, TensorMemo
 from ...ops.attention import attention
 from ...ops.fused import SharedStatistics, fused_mlp, norm_linears
-from ...specs import Activation, Linear, gelu, norm_of
+from ...specs import Activation, gelu, norm_of
 from ..patterns import (
     MLP,
     activation_reason,
@@ -31,6 +31,7 @@ from ..patterns import (
     uniform_reason,
 )
 from ..swap import strip
+from .interface import attention_weights_requested
 from .masks import Packing, mask_pattern, packed_attention
 
 # A transformers MLP module: the names of its fc1, activation, fc2 and (or None) dropout after fc2,
@@ -139,7 +140,7 @@ class Handoff:
                     return (f"{path} was wrapped by {type(modules[-1]).__name__} after convert (remat.revert, then "
                             "remat.convert the model to fuse it)")
                 return f"{path} is no longer the module converted"
-            reason = next(filter(None, map(hook_reason, modules)), None)
+            reason = next(filter(None, [*map(_between_reason, modules[:-1]), hook_reason(modules[-1])]), None)
             if reason:
                 return f"{path} {reason}"
         if self.dropout is not None and layer.training and getattr(layer, self.dropout, 0) > 0:
@@ -158,6 +159,16 @@ class Handoff:
             along = self._along_paths = tuple(dict.fromkeys(
                 ".".join(path.split(".")[:i]) for path in self._paths for i in range(1, path.count(".") + 2)))
         return along
+
+    def consumer_replaced(self):
+        """Whether a consumer's place holds a module of its own now, which does not say why the handoff
+        broke (peft's merge_and_unload puts a LoRA layer's plain base layer back)."""
+        def says(module):  # a consumer, or one wrapped by peft after convert (its base layer says it)
+            return any(m is not None and m.__dict__.get("remat_handoff") is self
+                       for m in (module, getattr(module, "base_layer", None)))
+
+        layer = self._layer()
+        return layer is not None and not all(says(_path_modules(layer, path)[-1]) for path in self.consumers)
 
     def consumer_modules(self):
         """The modules at the consumers' paths (call only while reason() is None)."""
@@ -204,6 +215,22 @@ class SiblingOutputs:
 
     def store(self, x, outputs):
         self._stored.put(x, outputs)
+
+
+def _records_outputs(hook):
+    """A forward hook of transformers' output capturing, installed on a model's attention modules
+    and layers the first time it is called with output_attentions or output_hidden_states: it reads
+    what the module returns (the attention weights), and the input of a layer only."""
+    return getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
+
+
+def _between_reason(module):
+    """hook_reason of a module between a layer and a handoff's member, whose own forward runs (the
+    attention holding q_proj): its input is the norm's input instead of its output then, which
+    transformers' output recorders do not read."""
+    hooks = module._forward_hooks
+    skip = ("_forward_hooks",) if hooks and all(map(_records_outputs, hooks.values())) else ()
+    return hook_reason(module, skip)
 
 
 def link(layer, members, producers, consumers, dropout=None):
@@ -287,8 +314,11 @@ class _RematFusedNorm(_RematModule):
     remat_style = None  # None: a LayerNorm; else the RMSNorm rounding (remat.specs.RMS_NORM_STYLES)
 
     def forward(self, hidden_states):
-        if self.remat_handoff.give(hidden_states) is None:
+        reason = self.remat_handoff.give(hidden_states)
+        if reason is None:
             return hidden_states
+        if self.remat_handoff.consumer_replaced():  # it says nothing: said here
+            self._remat_fallback(_not_fused(self.remat_handoff, reason))
         return self.remat_stock.forward(self, hidden_states)
 
     def extra_repr(self):
@@ -475,19 +505,13 @@ class _RematFused(_RematPassThrough):
 
 
 def _own_reason(module, label):
-    """Why the weights of a swapped nn.Linear or FalconLinear cannot be read by a fused op, or None."""
+    """Why the weights of a swapped nn.Linear, FalconLinear or Conv1D cannot be read by a fused op, or None."""
     return plain_reason(module, (type(module),), label)
 
 
-def _own_linear(module):
-    """The remat.specs.Linear of a swapped nn.Linear or FalconLinear (read at every call: weights
-    replaced in place stay seen)."""
-    return Linear(module.weight, module.bias)
-
-
 class _RematNormedLinear(_RematModule):
-    """A Linear (nn.Linear or FalconLinear) inside a module that stays stock (BLOOM's ALiBi
-    attention's query_key_value, OPT's fc1 before its ReLU, the q/k/v projections of an attention
+    """A Linear-like module (nn.Linear, FalconLinear or Conv1D) inside a module that stays stock (BLOOM's
+    ALiBi attention's query_key_value, OPT's fc1 before its ReLU, the q/k/v projections of an attention
     run through the interface) with the LayerNorm before it fused in: norm_linears keeps x and fp32
     mean/rstd, never LN(x)."""
 
@@ -500,7 +524,7 @@ class _RematNormedLinear(_RematModule):
 
     def _remat_linear(self):
         """The remat.specs.Linear the fused op computes for this module (call where _remat_reason() is None)."""
-        return _own_linear(self)
+        return plain_linear(self)  # read at every call: weights replaced in place stay seen
 
     def forward(self, input):
         outputs = self.remat_handoff.outputs
@@ -584,7 +608,7 @@ class _RematLayerMLP(_RematModule):
             hidden = act.remat_stock.forward(act, fc1.remat_stock.forward(fc1, input))
             return self.remat_stock.forward(self, hidden)
         self._remat_fallback(None)
-        return fused_mlp(input, _own_linear(fc1), gelu(gelu_approximate(act, act.remat_stock)), _own_linear(self),
+        return fused_mlp(input, plain_linear(fc1), gelu(gelu_approximate(act, act.remat_stock)), plain_linear(self),
                          norm_spec(norm) if norm is not None else None, self.remat_recompute)
 
     def remat_saved_bytes(self):
@@ -679,20 +703,6 @@ def _empty_cache(cache, layer_idx):
     return length == 0
 
 
-def _attention_weights_requested(module, kwargs, implementation):
-    """True when this call may be asked for its attention weights (output_attentions)."""
-    if kwargs.get("output_attentions") or getattr(getattr(module, "config", None), "output_attentions", False):
-        return True
-    # transformers >= 5 collects the weights with forward hooks while a model-level
-    # output_attentions=True call runs; the active collector says whether this one does.
-    capturing = sys.modules.get("transformers.utils.output_capturing")
-    collector = getattr(capturing, "_active_collector", None)
-    if collector is None:
-        return implementation == "eager"  # cannot tell: only eager returns weights
-    collected = collector.get()
-    return bool(collected) and "attentions" in collected
-
-
 # The KV-cache argument of the stock attention forwards: past_key_values up to transformers 5.17, cache in 5.24.
 CACHE_ARGS = ("cache", "past_key_values")
 
@@ -777,7 +787,7 @@ class _RematAttention(_RematModule):
     def remat_core_reason(self, hidden_states, call):
         """None when remat.attention computes this call's attention exactly, else why not (checked
         after remat_fallback_reason)."""
-        if _attention_weights_requested(self, call, self.remat_implementation()):
+        if attention_weights_requested(self, call, self.remat_implementation()):
             return "attention weights requested (output_attentions)"
         cache = self._remat_cache(call)
         if cache is not None and not _empty_cache(cache, getattr(self, "layer_idx", None)):

@@ -12,7 +12,15 @@ import torch
 from torch import nn
 
 from ..._guards import from_transformers, hook_reason
-from ..._linears import base_layer, fused_saved_bytes, is_falcon_linear, is_lora_linear, projection, widths
+from ..._linears import (
+    base_layer,
+    fused_saved_bytes,
+    is_conv1d,
+    is_falcon_linear,
+    is_lora_linear,
+    projection,
+    widths,
+)
 from ..._numerics import rel_error
 from ...ops.attention import HEAD_DIMS
 from ...specs import RMS_NORM_STYLES
@@ -365,8 +373,8 @@ def _mlp_consumer(layer, name, recompute, path, parts=None):
 def _plain_linear_reason(module, label):
     """Why `module` cannot be swapped to a remat Linear class (fc1 / fc2 held by a layer, a Linear
     inside a stock module), or None."""
-    if type(module) is not nn.Linear and not is_falcon_linear(module):
-        return f"{label} is {type(module).__name__}, not exactly nn.Linear"
+    if type(module) is not nn.Linear and not is_falcon_linear(module) and not is_conv1d(module):
+        return f"{label} is {type(module).__name__}, not exactly nn.Linear, FalconLinear or Conv1D"
     return _instance_reason(module)
 
 
@@ -394,7 +402,7 @@ def _layer_mlp_consumer(layer, parts, recompute, path):
                    f"fused {f'{norm_name} -> ' if norm_name else ''}{chain}, the MLP its layer holds: {kept}",
                    swaps[parts.fc2].remat_saved_bytes)
 
-    return _Consumer(parts.fc2, swaps, (parts.fc1,), parts.fc1, fc1.in_features, fc1.weight, rows,
+    return _Consumer(parts.fc2, swaps, (parts.fc1,), parts.fc1, widths(fc1)[0], fc1.weight, rows,
                      producers={"fc1": parts.fc1, "act": parts.act}, need_bias=True, dropout=parts.dropout), None
 
 
@@ -416,8 +424,8 @@ def _linear_consumer(layer, linear_path, recompute, path):
                    f"{norm_name} applied inside it, fused (x and its fp32 statistics kept, never {norm_name}'s output)",
                    lambda: 0)
 
-    return _Consumer(linear_path, {linear_path: new}, (linear_path,), linear_path, module.in_features,
-                     module.weight, rows), None
+    return _Consumer(linear_path, {linear_path: new}, (linear_path,), linear_path, widths(module)[0],
+                     base_layer(module).weight, rows), None
 
 
 def _consumer(layer, consumer_path, layers, recompute, path, mlps):
@@ -735,7 +743,7 @@ def _structural_rule(layer, structure, layers, recompute, path, report):
     pair = _split_ffn(structure, layer) if "mlp" in layers else None
     if pair is not None:
         handled |= _pair_rule(layer, recompute, path, report, pair) or set()
-    mlps = structure_probe.mlp_children(structure, layer) if "mlp" in layers else {}
+    mlps, not_mlps = structure_probe.mlp_children(structure, layer) if "mlp" in layers else ({}, {})
     norms = {n: c for n, c in layer._modules.items() if c is not None and structure_probe.is_norm(c)}
     styles = {n: structure_probe.rms_style(c) for n, c in norms.items() if type(c) is not nn.LayerNorm}
     found = Found(styles, mlps, _replay(frame))
@@ -757,6 +765,10 @@ def _structural_rule(layer, structure, layers, recompute, path, report):
             if reason:
                 report.add(join(path, name), layer._modules[name], "skipped", reason)
             handled.add(name)
+    for name, reason in not_mlps.items():  # an attention holds projections too: the rows above say what it runs
+        if name not in handled and not is_converted(layer._modules[name]) and \
+                not type(layer._modules[name]).__name__.endswith(ATTENTION_SUFFIXES):
+            report.add(join(path, name), layer._modules[name], "skipped", f"not fused as an MLP: {reason}")
     return {h for h in handled if "." not in h}
 
 

@@ -337,12 +337,15 @@ def mlp_parts(structure, module):
 
 
 def mlp_children(structure, layer):
-    """{child name: MLPParts} of the children of `layer` the probe saw as MLPs."""
-    found = {}
+    """({child name: MLPParts} of the children of `layer` the probe saw as MLPs, {child name: why not}
+    of its other transformers children holding two Linear-likes or more)."""
+    found, refused = {}, {}
     for name, child in layer._modules.items():
         if child is not None and from_transformers(type(child)) and sum(
                 widths(c) is not None for c in child.children()) >= 2:
-            parts, _ = mlp_parts(structure, child)
+            parts, reason = mlp_parts(structure, child)
             if parts is not None:
                 found[name] = parts
-    return found
+            else:
+                refused[name] = reason
+    return found, refused
