@@ -60,6 +60,7 @@ MODELS = {
 REAL_MODELS = {
     "hf-gpt2-small": ("gpt2", {}),
     "hf-gpt2-medium": ("gpt2", dict(n_embd=1024, n_layer=24, n_head=16)),
+    "bert-base": ("bert", {}),
     "llama-3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                                  max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5)),

@@ -67,8 +67,7 @@ FUSED = {"gpt2": "RematGPT2MLP", "bert": "RematBertOutput", "roberta": "RematRob
 # The attention class swapped in each family; None: the family has no rule for it, its attention runs
 # through transformers' attention interface ("remat") with its q/k/v projection fused with the norm
 # before it (RematNormedLinear, structure.py).
-ATTENTION = {"gpt2": None, "bert": "RematBertSelfAttention",
-             "roberta": "RematRobertaSelfAttention", "vit": "RematViTAttention", "gpt_neox": None}
+ATTENTION = {"gpt2": None, "bert": None, "roberta": None, "vit": "RematViTAttention", "gpt_neox": None}
 PRE_LN = ("gpt2", "vit", "gpt_neox")  # LayerNorms fused into the q/k/v projection and into fc1
 DECODERS = ("gpt2", "gpt_neox")
 

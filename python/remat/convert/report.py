@@ -1,5 +1,7 @@
-"""The conversion report: one row per candidate module, swapped or skipped and why, with what each
-swap saves, and the counts of the calls that ran a stock forward."""
+"""The conversion report: one row per candidate module, swapped, kept or skipped and why, with what
+each swap saves, and the counts of the calls that ran a stock forward. "kept": a module left as it
+is that runs on remat all the same (an attention module whose attention function is remat's through
+transformers' attention interface)."""
 
 import collections
 
@@ -27,13 +29,17 @@ class ConversionReport(list):
     model = None  # a weak reference to the converted model, set by convert()
 
     def add(self, path, module, action, reason="", saves=None):
-        if action != "skipped" and saves is None:
+        if action not in ("skipped", "kept") and saves is None:
             saves = _no_saving
         self.append(ReportRow(path or "(root)", type(module).__name__, action, reason, saves))
 
     @property
     def swapped(self):
-        return [row for row in self if row.action != "skipped"]
+        return [row for row in self if row.action not in ("skipped", "kept")]
+
+    @property
+    def kept(self):
+        return [row for row in self if row.action == "kept"]
 
     @property
     def skipped(self):
@@ -59,11 +65,13 @@ class ConversionReport(list):
             lines.append("  ".join(cells).rstrip())
             if n == 0:
                 lines.append("  ".join("-" * w for w in widths) + "  ------")
-        lines.append(f"{len(self.swapped)} swapped, {len(self.skipped)} skipped; "
+        kept = f"{len(self.kept)} kept, " if self.kept else ""
+        lines.append(f"{len(self.swapped)} swapped, {kept}{len(self.skipped)} skipped; "
                      f"{self.saved_bytes_per_token()} activation bytes saved per token "
                      "(for layers whose input requires grad, at the current requires_grad)")
         return "\n".join(lines)
 
     def __repr__(self):
-        return (f"ConversionReport({len(self)} rows: {len(self.swapped)} swapped, {len(self.skipped)} skipped, "
+        return (f"ConversionReport({len(self)} rows: {len(self.swapped)} swapped, {len(self.kept)} kept, "
+                f"{len(self.skipped)} skipped, "
                 f"{self.saved_bytes_per_token()} bytes/token saved)")

@@ -49,27 +49,34 @@ conv = importlib.import_module("remat.convert")
 
 # case -> (family, config overrides, {swapped class: count}, remat attention kernels per step,
 #          {reason substring: count} of the rows left stock)
-Case = collections.namedtuple("Case", "family overrides swaps attention skipped")
+# kept: the attention modules left as they are, their attention function remat's (the "remat"
+# attention implementation): LAYERS for a family without rules
+Case = collections.namedtuple("Case", "family overrides swaps attention skipped kept", defaults=(0,))
+KEPT = "its attention function remat's"
 CASES = {
     "deit": Case("deit", {}, {"RematDeiTAttention": 2, "RematDeiTMLP": 2, "RematFusedLayerNorm": 4}, 2, {}),
     # both towers' layers, and the vision tower's pooling head (its LayerNorm and MLP)
     "siglip": Case("siglip", {}, {"RematSiglipAttention": 4, "RematSiglipMLP": 5, "RematFusedLayerNorm": 9}, 4, {}),
     # both towers' layers, QuickGELU MLPs; the text tower's causal mask
     "clip": Case("clip", {}, {"RematCLIPAttention": 4, "RematCLIPMLP": 4, "RematFusedLayerNorm": 8}, 4, {}),
-    # one LayerNorm per layer, fused into both the attention and the MLP
-    "phi": Case("phi", {}, {"RematPhiAttention": 2, "RematPhiMLP": 2, "RematFusedLayerNorm": 2}, 2, {}),
-    "gptj": Case("gptj", {}, {"RematGPTJAttention": 2, "RematGPTJMLP": 2, "RematFusedLayerNorm": 2}, 2, {}),
-    # Falcon-7B: multi-query, one LayerNorm feeding the parallel attention and MLP
-    "falcon": Case("falcon", {}, {"RematFalconAttention": 2, "RematFalconMLP": 2, "RematFusedLayerNorm": 2}, 2, {}),
+    # no rule: the attention modules kept, on the "remat" implementation, the norms fused into the
+    # projections by structure. One LayerNorm per layer feeding q, k, v and fc1:
+    "phi": Case("phi", {}, {"RematNormedLinear": 6, "RematPhiMLP": 2, "RematFusedLayerNorm": 2}, 2, {}, LAYERS),
+    "gptj": Case("gptj", {}, {"RematNormedLinear": 6, "RematGPTJMLP": 2, "RematFusedLayerNorm": 2}, 2, {}, LAYERS),
+    # Falcon-7B: multi-query, one LayerNorm feeding the parallel query_key_value and MLP
+    "falcon": Case("falcon", {}, {"RematNormedFalconLinear": 2, "RematFalconMLP": 2, "RematFusedLayerNorm": 2}, 2,
+                   {}, LAYERS),
     # the new decoder architecture: one group of keys and values for the 2 heads, ln_attn and ln_mlp
     "falcon-new": Case("falcon", {"new_decoder_architecture": True, "num_kv_heads": 1},
-                       {"RematFalconAttention": 2, "RematFalconMLP": 2, "RematFusedLayerNorm": 4}, 2, {}),
+                       {"RematNormedFalconLinear": 2, "RematFalconMLP": 2, "RematFusedLayerNorm": 4}, 2, {}, LAYERS),
     "falcon-new-one-ln": Case("falcon", {"new_decoder_architecture": True, "num_kv_heads": 1,
                                          "num_ln_in_parallel_attn": 1},
-                              {"RematFalconAttention": 2, "RematFalconMLP": 2, "RematFusedLayerNorm": 2}, 2, {}),
+                              {"RematNormedFalconLinear": 2, "RematFalconMLP": 2, "RematFusedLayerNorm": 2}, 2,
+                              {}, LAYERS),
     "falcon-sequential": Case("falcon", {"parallel_attn": False, "multi_query": False},
-                              {"RematFalconAttention": 2, "RematFalconMLP": 2, "RematFusedLayerNorm": 4}, 2, {}),
-    "distilbert": Case("distilbert", {}, {"RematDistilBertSelfAttention": 2, "RematFFN": 2}, 2, {}),
+                              {"RematNormedFalconLinear": 2, "RematFalconMLP": 2, "RematFusedLayerNorm": 4}, 2,
+                              {}, LAYERS),
+    "distilbert": Case("distilbert", {}, {"RematFFN": 2}, 2, {}, LAYERS),
     "bart": Case("bart", {}, {"RematBartAttention": 4, "RematMLPLinear": 4, "RematFusedLinear": 4,
                               "RematFusedGELUActivation": 4}, 4, {"cross-attention": 2}),
     "whisper": Case("whisper", {}, {"RematWhisperAttention": 4, "RematMLPLinear": 4, "RematFusedLinear": 4,
@@ -77,8 +84,8 @@ CASES = {
                                     "RematNormedLinear": 2}, 4, {"cross-attention": 2}),
     # the ALiBi attention on remat.attention's alibi_slopes
     "bloom": Case("bloom", {}, {"RematBloomAttention": 2, "RematBloomMLP": 2, "RematFusedLayerNorm": 4}, 2, {}),
-    "opt": Case("opt", {}, {"RematOPTAttention": 2, "RematFusedLayerNorm": 4, "RematNormedLinear": 2}, 2,
-                {"ReLU is not a GELU": 2}),
+    # no rule; its ReLU MLP stays stock, final_layer_norm fused into its fc1
+    "opt": Case("opt", {}, {"RematFusedLayerNorm": 4, "RematNormedLinear": 8}, 2, {}, LAYERS),
 }
 
 
@@ -91,8 +98,10 @@ def swapped_counts(report):
     return collections.Counter(row.action.removeprefix("swapped to ") for row in report if row.action != "skipped")
 
 
-def assert_skipped_as_expected(report, expected):
-    """Every row left stock is one the case expects, for its reason (and no "no remat rule" row)."""
+def assert_skipped_as_expected(report, expected, kept=0):
+    """Every row left stock is one the case expects, for its reason; `kept` attention modules on the
+    "remat" implementation."""
+    assert len(report.kept) == kept and all(KEPT in row.reason for row in report.kept), str(report)
     found = collections.Counter()
     for row in report.skipped:
         reason = next((r for r in expected if r in row.reason), None)
@@ -111,7 +120,7 @@ def test_same_loss_gradients_and_checkpoint(target, name):
     counts = swapped_counts(report)
     for cls, count in case.swaps.items():
         assert counts[cls] == count, f"{cls}: {counts[cls]} != {count}\n{report}"
-    assert_skipped_as_expected(report, case.skipped)
+    assert_skipped_as_expected(report, case.skipped, case.kept)
     # the checkpoint: the same keys in the same order, the same values, loadable strictly
     state, converted_state = stock.state_dict(), converted.state_dict()
     assert list(converted_state) == list(state)
@@ -367,14 +376,15 @@ def test_activation_dropout_in_training_runs_the_layer_mlp_stock(name):
 
 
 def test_falcon_alibi_keeps_the_stock_attention():
+    """Falcon adds ALiBi to a materialised (B, 1, S, S) mask: its attention implementation stays sdpa,
+    and the report's root row says why; its norms and MLP fuse all the same."""
     stock, _ = build_case("falcon", alibi=True)
     converted, report = convert_layers(stock, report=True)
-    rows = [row for row in report if row.type == "FalconAttention"]
-    assert len(rows) == LAYERS and all(row.action == "skipped" and "ALiBi" in row.reason for row in rows)
-    # its LayerNorm feeds the attention too: it stays stock, while the MLP fuses on its own
-    norms = [row for row in report if row.path.endswith("input_layernorm") and row.action == "skipped"]
-    assert len(norms) == LAYERS and all("ALiBi" in row.reason for row in norms)
-    assert swapped_counts(report)["RematFalconMLP"] == LAYERS
+    (root,) = [row for row in report if row.path == "(root)"]
+    assert root.action == "skipped" and "alibi=True" in root.reason, str(report)
+    assert converted.config._attn_implementation == "sdpa"
+    counts = swapped_counts(report)
+    assert counts["RematFalconMLP"] == counts["RematNormedFalconLinear"] == counts["RematFusedLayerNorm"] == LAYERS
     _, calls = remat_attention_calls(lambda: assert_same_step(stock, converted, family_inputs("falcon", "cpu")))
     assert calls == 0
 
@@ -425,16 +435,21 @@ def test_bloom_with_a_bias_that_is_not_its_alibi_runs_the_stock_attention():
 @pytest.mark.parametrize("name, overrides, norm, reason", [
     ("bloom", {"apply_residual_connection_post_layernorm": True}, "input_layernorm",
      "apply_residual_connection_post_layernorm"),
-    ("opt", {"do_layer_norm_before": False}, "self_attn_layer_norm", "do_layer_norm_before=False"),
+    # no rule: the structure probe sees the residual add read the LayerNorm's output, and leaves it
+    # unfused (remat.nn.LayerNorm, as every LayerNorm fused into nothing)
+    ("opt", {"do_layer_norm_before": False}, "self_attn_layer_norm", None),
 ])
 def test_configs_whose_layer_norms_feed_more_stay_stock(name, overrides, norm, reason):
     """BLOOM with apply_residual_connection_post_layernorm (the LayerNorm's output is the residual
-    too) and OPT-350m's post-LN layers: the LayerNorms stay stock, with the reason; the rest converts."""
+    too) and OPT-350m's post-LN layers: the LayerNorms are not fused (BLOOM's rule says why); the
+    rest converts."""
     stock, _ = build_case(name, **overrides)
     converted, report = convert_layers(stock, report=True)
-    rows = [row for row in report.skipped if row.path.endswith(norm)]
-    assert len(rows) == LAYERS and all(reason in row.reason for row in rows), str(report)
+    if reason is not None:
+        rows = [row for row in report.skipped if row.path.endswith(norm)]
+        assert len(rows) == LAYERS and all(reason in row.reason for row in rows), str(report)
     assert "RematFusedLayerNorm" not in swapped_counts(report)
+    assert "RematNormedLinear" not in swapped_counts(report)
     assert_same_step(stock, converted, family_inputs(name, "cpu"))
 
 
@@ -524,14 +539,18 @@ def test_revert(name):
         torch.testing.assert_close(reverted(**batch).loss, stock(**batch).loss, rtol=0, atol=0)
 
 
-def test_a_model_in_training_with_attention_dropout_still_converts():
-    """The probe runs the stock module and its swapped copy both in eval mode: with the default
-    attention dropout (DistilBERT's 0.1) in a model in training mode, the attention is swapped, and
-    its calls run remat.attention, in training with its dropout_p."""
-    stock, _ = build_case("distilbert", attention_dropout=0.1)
+@pytest.mark.parametrize("name, swapped", [("deit", "RematDeiTAttention"), ("distilbert", None)])
+def test_a_model_in_training_with_attention_dropout_still_converts(name, swapped):
+    """A rule's probe runs the stock module and its swapped copy both in eval mode: with an attention
+    dropout (0.1) in a model in training mode, DeiT's attention is swapped; through the attention
+    interface (DistilBERT) the call hands its dropout over. Either way the calls run remat.attention,
+    in training with its dropout_p."""
+    stock, _ = build_case(name, **({"attention_probs_dropout_prob": 0.1} if name == "deit" else
+                                   {"attention_dropout": 0.1}))
     converted, report = convert_layers(stock.train(), report=True)
-    assert swapped_counts(report)["RematDistilBertSelfAttention"] == LAYERS, str(report)
-    batch = family_inputs("distilbert", "cpu")
+    if swapped is not None:
+        assert swapped_counts(report)[swapped] == LAYERS, str(report)
+    batch = family_inputs(name, "cpu")
     _, calls = remat_attention_calls(lambda: converted(**batch))
     assert calls == LAYERS
     converted.eval()

@@ -8,15 +8,9 @@ import sys
 
 from . import (  # noqa: F401,E501  (each registers its family)
     bart,
-    bert,
     bloom,
     clip,
     deit,
-    distilbert,
-    falcon,
-    gptj,
-    opt,
-    phi,
     siglip,
     t5,
     vit,

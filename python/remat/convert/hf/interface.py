@@ -20,7 +20,8 @@ The attention function, per call:
   builds sdpa's and eager's masks without the packing: stock attends across the sequences, and so
   does remat), and padding (unpad, remat.attention_varlen on the
   tokens, pad, with O(batch x seq) indices) run on attention_varlen, every other call on
-  remat.attention; padding rows get zeros, as transformers' flash-attention path gives them;
+  remat.attention; causal (or windowed) padding rows get zeros, as transformers' flash-attention
+  path gives them; bidirectional ones see the kept keys, as in stock attention;
 - q, k or v copied out of a fused qkv projection's output where the others are no views of it (_own_views);
 - causal or not (the call's is_causal, else the module's), GQA/MQA, scaling, training dropout
   (remat's own Philox mask: the distribution of stock dropout, not its draws), a sliding window of
@@ -55,9 +56,10 @@ def register():
 def convert_attention(model, path, report):
     """Make "remat" the attention implementation of the Hugging Face `model` (remat.convert), unless it is
     of a family remat has rules for (they decide its attention: their attention classes compute on
-    sdpa's or eager's calls, and some rework the mask, as Falcon's ALiBi), the config names another
-    implementation than sdpa and eager, or the model does not take flash-attention-style masks (a
-    forward that reworks the (B, 1, S, S) mask itself, as Doge's); the report says which."""
+    sdpa's or eager's calls, and some rework the mask), the config names another implementation than
+    sdpa and eager, or the model does not take flash-attention-style masks (a forward that reworks the
+    (B, 1, S, S) mask itself, as Doge's, or adds ALiBi to it, as Falcon's with alibi=True); the report
+    says which."""
     from .registry import family_of
 
     previous = model.config._attn_implementation
@@ -66,6 +68,10 @@ def convert_attention(model, path, report):
     if previous not in ("sdpa", "eager"):
         report.add(path, model, "skipped", f"attention implementation {previous!r} kept (remat replaces sdpa "
                                            "and eager)")
+        return
+    if getattr(model.config, "alibi", False):  # Falcon's: added onto a materialised (B, 1, S, S) mask
+        report.add(path, model, "skipped", f"attention implementation {previous!r} kept: alibi=True (the model adds "
+                                           "its ALiBi bias to a (B, 1, S, S) mask, which remat's masks are not)")
         return
     if not getattr(model, "_supports_flash_attn", False):  # its forward may read the mask as sdpa's (B, 1, S, S)
         report.add(path, model, "skipped", f"attention implementation {previous!r} kept: the model does not take "
@@ -83,6 +89,19 @@ def convert_attention(model, path, report):
         module.__dict__.pop("remat_attention_stock", None)
     report.add(path, model, f"attention implementation {previous!r} -> {NAME!r}", "every attention calling "
                "transformers' attention interface runs remat.attention")
+    _keep_attention_rows(report, previous)
+
+
+def _keep_attention_rows(report, previous):
+    """The rows of the attention modules without a rule (rules.INTERFACE_ATTENTION) become "kept": each
+    runs as it is, its attention function remat's now."""
+    from ..report import ReportRow
+    from .rules import INTERFACE_ATTENTION
+
+    for i, row in enumerate(report):
+        if row.action == "skipped" and row.reason.endswith(INTERFACE_ATTENTION):
+            report[i] = ReportRow(row.path, row.type, "kept", f"it runs as it is, its attention function remat's "
+                                  f"(the {NAME!r} implementation, was {previous!r})")
 
 
 def revert_attention(module):
@@ -302,13 +321,21 @@ def _packed_attention(query, key, value, packed, causal, features):
 
 
 def _padded_attention(query, key, value, mask, causal, features):
-    """remat.attention_varlen on the tokens the 2-D mask (batch, keys) keeps; padding rows zero."""
+    """remat.attention_varlen on the tokens the 2-D mask (batch, keys) keeps. A padding row gets zeros
+    where it is causal (as in transformers' flash-attention path) or windowed; else (bidirectional,
+    every key in reach) it sees the kept keys, as in stock attention."""
     if key.shape[2] > mask.shape[1]:  # a static cache's buffer, longer than the tokens it holds
         key, value = key[:, :, :mask.shape[1]], value[:, :, :mask.shape[1]]
     batch, _, seq_q, _ = query.shape
     seq_k = key.shape[2]
     mask = mask[:, -seq_k:].bool()
     keys, cu_k, max_k = _kept_tokens(mask)
+    if not causal and features["window_size"] == (-1, -1):
+        # every row a query of its sequence (varlen aligns a window at the end of the keys: no window)
+        cu_q = torch.arange(0, (batch + 1) * seq_q, seq_q, dtype=torch.int32, device=query.device)
+        o = attention_varlen(query.transpose(1, 2).flatten(0, 1), _gather(key, keys), _gather(value, keys), cu_q, cu_k,
+                             seq_q, max_k, causal=False, **features)
+        return o.view(batch, seq_q, *o.shape[1:])
     queries, cu_q, max_q = (keys, cu_k, max_k) if seq_q == seq_k else _kept_tokens(mask[:, -seq_q:])
     o = attention_varlen(_gather(query, queries), _gather(key, keys), _gather(value, keys), cu_q, cu_k, max_q, max_k,
                          causal=causal, **features)

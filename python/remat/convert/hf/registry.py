@@ -4,22 +4,18 @@ attention, what a probe call of its modules needs, and the configs `remat memory
 
 import collections
 import dataclasses
-import inspect
 from collections.abc import Callable, Mapping
 
 import torch
 
-# A layer's wirings: the alternative ways its forward feeds its LayerNorms to the modules after them
-# (Falcon's depend on its config), each a tuple of (LayerNorm child, consumer path) pairs; the first
-# wiring whose modules all exist in the layer applies. A consumer is an attention or MLP child with
-# a rule, the fc1 of the MLP the layer holds itself (LayerMLP), or a Linear below the layer
-# ("self_attention.query_key_value": the LayerNorm fused into that Linear, its module kept stock).
-# One LayerNorm may feed several consumers (Phi's and GPT-J's parallel attention and MLP). Each
+# A layer's wirings: the alternative ways its forward feeds its LayerNorms to the modules after them,
+# each a tuple of (LayerNorm child, consumer path) pairs; the first wiring whose modules all exist in
+# the layer applies. A consumer is an attention or MLP child with a rule, the fc1 of the MLP the
+# layer holds itself (LayerMLP), or a Linear below the layer ("encoder_attn.q_proj": the LayerNorm
+# fused into that Linear, its module kept stock). One LayerNorm may feed several consumers. Each
 # LayerNorm's output must feed only its consumers: the probe, which runs the whole layer, checks it.
-# Pair: (intermediate attr, its class name, output attr, its class name) of an FFN split over two
-# siblings (BERT's), the output computing the whole FFN.
 
-# An MLP a layer holds itself, its forward calling fc2(dropout(act(fc1(x)))) (BART, Whisper, OPT):
+# An MLP a layer holds itself, its forward calling fc2(dropout(act(fc1(x)))) (BART, Whisper):
 # the child names, and the layer attribute holding the probability of the dropout between the
 # activation and fc2 (None: there is none).
 LayerMLP = collections.namedtuple("LayerMLP", "fc1 act fc2 dropout")
@@ -32,7 +28,6 @@ class Family:
     mlps: Mapping[str, tuple] = dataclasses.field(default_factory=dict)  # stock class name -> MLPParts
     layers: Mapping[str, tuple] = dataclasses.field(default_factory=dict)  # layer class name -> wirings
     layer_mlps: Mapping[str, LayerMLP] = dataclasses.field(default_factory=dict)  # layer class name -> LayerMLP
-    pairs: Mapping[str, tuple] = dataclasses.field(default_factory=dict)  # layer class name -> FFN pair
     # RMSNorm classes its layers' wirings may fuse: class name -> the remat.specs.Norm style rounding as
     # its forward does ("llama", "gemma", "t5"); checked against that forward when a norm is fused.
     norms: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -53,7 +48,7 @@ class Family:
     model_types: tuple = ()  # the config model_types whose models this family's memory_input serves
 
     def classes(self):
-        return {*self.attention, *self.mlps, *self.layers, *self.layer_mlps, *self.pairs, *self.stock_attention,
+        return {*self.attention, *self.mlps, *self.layers, *self.layer_mlps, *self.stock_attention,
                 *self.stock_mlps, *self.norms}
 
 
@@ -85,10 +80,6 @@ def layer_rule(name):
 
 def layer_mlp(name):
     return _merged("layer_mlps").get(name)
-
-
-def pair_rule(name):
-    return _merged("pairs").get(name)
 
 
 def norm_style(name):
@@ -129,20 +120,6 @@ def memory_input(model_type):
 def stock_name(module):
     """The name of `module`'s stock class (also once it is swapped to a remat class)."""
     return getattr(module, "remat_stock", type(module)).__name__
-
-
-def rotary_probe_kwargs(module, param, width, sin_first=False):
-    """{"position_embeddings": (cos, sin)} for a probe call of `module` (a layer, or its attention)
-    whose forward takes them; `width`(attention) is the width of the attention's cos and sin, None
-    for other modules. Random angles check the rotation for any of them. sin_first: GPT-J's (sin, cos)."""
-    if "position_embeddings" not in inspect.signature(module.forward).parameters:
-        return {}
-    dims = next(filter(None, map(width, [module, *module.children()])), None)
-    if dims is None:
-        return {}
-    angles = torch.randn(2, 3, dims, generator=torch.Generator().manual_seed(1)).to(param.device, param.dtype)
-    cos, sin = angles.cos(), angles.sin()
-    return {"position_embeddings": (sin, cos) if sin_first else (cos, sin)}
 
 
 def probe_tensor(param, *shape, seed=2):

@@ -50,13 +50,15 @@ from .registry import (
     layer_rule,
     mlp_parts,
     norm_style,
-    pair_rule,
     stock_attention_reason,
     stock_mlp_reason,
 )
 from .structure import norm_node
 
 ATTENTION_SUFFIXES = ("Attention",)
+# The reason of an attention module without a rule: interface.convert_attention makes the row "kept"
+# where the model's attention implementation becomes remat's.
+INTERFACE_ATTENTION = "its attention function the model's attention implementation"
 
 
 def _mlp_reason(fc1, act, fc2):
@@ -646,10 +648,10 @@ def _rms_norms_reported(layer, wiring, path, report):
     return names
 
 
-def _pair_rule(layer, recompute, path, report, pair=None):
+def _pair_rule(layer, recompute, path, report, pair):
     """BERT's FFN split over two children (pair: (intermediate name, its class name, output name, its
-    class name); default: the family's) fused into the output module."""
-    inter_name, inter_class, out_name, out_class = pair or pair_rule(type(layer).__name__)
+    class name), as the structure probe found them) fused into the output module."""
+    inter_name, inter_class, out_name, out_class = pair
     inter, out = getattr(layer, inter_name, None), getattr(layer, out_name, None)
     if type(inter).__name__ != inter_class or type(out).__name__ != out_class:
         return None  # already converted, or not the expected structure
@@ -685,8 +687,11 @@ def _pair_rule(layer, recompute, path, report, pair=None):
     return {inter_name}  # output is recursed into: its LayerNorm becomes remat.nn.LayerNorm
 
 
-def _holds_ruled_attention(module):
-    return any(attention_mixin(type(m).__name__) and from_transformers(type(m)) for m in module.modules())
+def _holds_attention(module):
+    """Whether a transformers attention module lies below `module` (BertAttention holds
+    BertSelfAttention: the row is the inner one's)."""
+    return any(type(m).__name__.endswith(ATTENTION_SUFFIXES) and from_transformers(type(m))
+               for m in module.modules() if m is not module)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -784,8 +789,6 @@ def convert_children(parent, layers, recompute, path, report, structure=None):
     kind = type(parent).__name__
     if structure is not None and _unruled(parent):
         handled |= _structural_rule(parent, structure, layers, recompute, path, report)
-    if pair_rule(kind) and from_transformers(type(parent)) and "mlp" in layers:
-        handled |= _pair_rule(parent, recompute, path, report) or set()
     if _has_layer_rule(kind) and from_transformers(type(parent)):
         handled |= _layer_rule(parent, layers, recompute, path, report)
     for name, child in list(parent._modules.items()):
@@ -807,9 +810,9 @@ def convert_children(parent, layers, recompute, path, report, structure=None):
         elif stock_mlp_reason(child) and "mlp" in layers:  # its children are still converted one by one
             report.add(join(path, name), child, "skipped", stock_mlp_reason(child))
         elif kind.endswith(ATTENTION_SUFFIXES) and "attention" in layers and not _has_layer_rule(kind) \
-                and not _holds_ruled_attention(child):  # T5LayerSelfAttention has its layer rule
-            report.add(join(path, name), child, "skipped", f"no remat rule for {kind}: it runs as it is, its attention "
-                       "function the model's attention implementation (remat's where the root row says so)")
+                and not _holds_attention(child):  # T5LayerSelfAttention has its layer rule
+            report.add(join(path, name), child, "skipped", f"no remat rule for {kind}: it runs as it is, "
+                       f"{INTERFACE_ATTENTION}")
         elif _unruled_layer(child) and (structure is None or structure.reason):
             why = f" and no probe of its structure: {structure.reason}" if structure is not None else ""
             report.add(join(path, name), child, "skipped",
@@ -826,7 +829,7 @@ def _unruled_layer(module):
     """True for a transformers block (…Layer, …Block) holding a norm, that no family rule covers
     (neither the block nor its attention or MLP: DistilBERT's post-LN block has rules for these)."""
     kind = type(module).__name__
-    if _has_layer_rule(kind) or pair_rule(kind) or not kind.endswith(("Layer", "Block")):
+    if _has_layer_rule(kind) or not kind.endswith(("Layer", "Block")):
         return False
     if any(attention_mixin(type(m).__name__) or mlp_parts(type(m).__name__) for m in module.children()):
         return False
