@@ -188,7 +188,8 @@ def test_a_mask_remat_does_not_compute_is_reported():
     mask = torch.ones(SEQ, SEQ, dtype=torch.bool).tril().expand(BATCH, 1, SEQ, SEQ).clone()
     mask[0, 0, 5, 2] = False
     reason = "a mask remat's kernels do not take (past keys, a static cache, or the model's own pattern)"
-    with pytest.warns(RematFallbackWarning, match=r"runs stock attention: a mask remat's kernels do not take"):
+    with pytest.warns(RematFallbackWarning, match=r"remat: transformer.h.1.attn \(GPT2Attention\) runs stock "
+                                                  r"attention: a mask remat's kernels do not take"):
         for _ in range(3):
             converted(**batch, attention_mask=mask).loss.backward()
     counts = report.fallbacks()

@@ -40,6 +40,7 @@ from ..._guards import fallback
 from ..._tensor_memo import MISSING, TensorMemo
 from ...ops.attention import attention
 from ...ops.attention_varlen import attention_varlen
+from ..swap import join
 
 NAME = "remat"
 
@@ -84,8 +85,9 @@ def convert_attention(model, path, report):
         report.add(path, model, "skipped", f"attention implementation {previous!r} kept: {error}")
         return
     model.__dict__["remat_attention_implementation"] = previous
-    for module in model.modules():  # what each goes back to when reverted apart from the model (revert_attention)
-        module.__dict__["remat_attention_previous"] = previous
+    for name, module in model.named_modules():  # what each goes back to when reverted apart from the model
+        module.__dict__["remat_attention_previous"] = previous  # (revert_attention)
+        module.__dict__["remat_attention_path"] = join(path, name) if name else path  # what its warnings name
         module.__dict__.pop("remat_attention_stock", None)
     report.add(path, model, f"attention implementation {previous!r} -> {NAME!r}", "every attention calling "
                "transformers' attention interface runs remat.attention")
@@ -113,8 +115,8 @@ def revert_attention(module):
     if previous is not None:
         module.set_attn_implementation(previous)
         for below in module.modules():
-            below.__dict__.pop("remat_attention_previous", None)
-            below.__dict__.pop("remat_attention_stock", None)
+            for key in ("remat_attention_previous", "remat_attention_path", "remat_attention_stock"):
+                below.__dict__.pop(key, None)
     elif "remat_attention_previous" in module.__dict__:
         module.__dict__["remat_attention_stock"] = module.__dict__["remat_attention_previous"]
 
@@ -148,7 +150,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     reverted = module.__dict__.get("remat_attention_stock")  # its layer reverted alone: stock, asked for
     reason = _stock_reason(module, query, key, value, attention_mask, s_aux, kwargs) if reverted is None else None
     if reason is not None:
-        fallback(module, reason, runs="stock attention")
+        path = module.__dict__.get("remat_attention_path")
+        fallback(module, reason, where=f"{path} ({type(module).__name__})" if path else None, runs="stock attention")
     if reason is not None or reverted is not None:
         return _stock_attention(module, query, key, value, attention_mask, (packed, causal, window), dropout=dropout,
                                 scaling=scaling, sliding_window=sliding_window, softcap=softcap, is_causal=is_causal,

@@ -72,7 +72,7 @@ class Handoff:
     BERT's intermediate, the fc1 and activation a layer holds itself) returns its input unchanged,
     and each consumer does the producers' work inside its own fused op (a pre-LN LayerNorm into the
     q/k/v projection or fc1; BERT's intermediate into its output; a layer's fc1 and activation into
-    its fc2). A LayerNorm whose output feeds several modules (Phi's, GPT-J's parallel attention and
+    its fc2). A LayerNorm whose output feeds several modules (a parallel attention and
     MLP) has several consumers, each applying it inside its own op.
 
     producers: {role: path}, the roles ("norm", "intermediate", "fc1", "act") naming what each
@@ -846,7 +846,7 @@ class _RematAttention(_RematModule):
 
     def remat_scale(self):
         """The softmax scale remat.attention applies to q·kᵀ (1.0 where remat_qkv scales q itself,
-        as OPT and Whisper do before their attention)."""
+        as Whisper does before its attention)."""
         return float(getattr(self, self.remat_scale_attr))
 
     def _remat_cache(self, call):
@@ -874,7 +874,7 @@ class _RematSplitAttention(_RematAttention):
     remat_projections = ("q_proj", "k_proj", "v_proj")
     remat_output_projection = "out_proj"
     remat_dropout_attr = "dropout"  # the attention dropout: a probability or an nn.Dropout
-    # OPT and Whisper multiply q_proj's output by scaling before their attention, which then scales
+    # Whisper multiplies q_proj's output by scaling before its attention, which then scales
     # by 1: the same rounding here.
     remat_query_scaled = False
 

@@ -168,7 +168,7 @@ def _fused_norm(norm, path, style=None):
 
 def _probe_kwargs(module, param):
     """Arguments a probe call of `module` (a layer or an attention) needs besides the input: no
-    mask, and what its family says (Phi's rotary cos and sin)."""
+    mask, and what its family says (BART's encoder states for its cross-attention)."""
     kwargs = {"attention_mask": None} if "attention_mask" in inspect.signature(module.forward).parameters else {}
     family = family_of(module)
     if family is not None and family.probe_kwargs is not None:
@@ -827,7 +827,7 @@ def _has_layer_rule(kind):
 
 def _unruled_layer(module):
     """True for a transformers block (…Layer, …Block) holding a norm, that no family rule covers
-    (neither the block nor its attention or MLP: DistilBERT's post-LN block has rules for these)."""
+    (neither the block nor its attention or MLP: BART's post-LN layer has rules for these)."""
     kind = type(module).__name__
     if _has_layer_rule(kind) or not kind.endswith(("Layer", "Block")):
         return False
