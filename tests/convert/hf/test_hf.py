@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from remat._guards import fallback_counts
+from remat._guards import RematFallbackWarning, fallback_counts
 
 from hf_models import (
     ATTENTION,
@@ -47,6 +47,7 @@ from numerics import rel_error, saved_bytes
 # remat.convert is also the name of the function remat/__init__.py exports: import the module by path.
 conv = importlib.import_module("remat.convert")
 from remat.convert import hf  # noqa: E402
+from remat.convert.hf import interface  # noqa: E402
 
 # RoBERTa's LM head (dense -> GELU -> layer_norm -> decoder, no family rule) has its LayerNorm fused into
 # the decoder by structure (convert/hf/structure.py): hidden fp32 bytes a token more not kept.
@@ -300,14 +301,20 @@ def test_default_attention_dropout_runs_remat_attention_reproducibly(family, dro
     assert not torch.equal(step(4)[0], loss)
 
 
-def test_a_head_dim_the_kernels_lack_runs_remat_attention_s_own_fallback():
-    """Head dim 16, which the GPU kernels lack: the attention interface hands the call to
-    remat.attention, whose own fallback (SDPA or its reference, with a warning) computes it on a GPU;
-    on the CPU its reference computes every head dim. The same step as stock."""
+def test_a_head_dim_the_kernels_lack_runs_stock_attention_on_a_gpu(monkeypatch):
+    """Head dim 16, which the GPU kernels lack: on the CPU remat's reference computes every head dim;
+    on a GPU (simulated: the kernels' verdict patched in) the attention interface hands the call to
+    stock attention, with the reason. The same step as stock either way."""
     model, _ = build("bert", hidden_size=48, num_attention_heads=3)
     converted = convert_layers(model)
-    _, calls = remat_attention_calls(lambda: assert_same_step(model, converted, inputs("bert", "cpu")))
+    batch = inputs("bert", "cpu")
+    _, calls = remat_attention_calls(lambda: assert_same_step(model, converted, batch))
     assert calls == LAYERS
+    monkeypatch.setattr(interface, "kernels_reason", lambda q, k, v: f"head dim {q.shape[-1]} is not the kernels'")
+    warning = r"attention.self \(BertSelfAttention\) runs stock attention: head dim 16"
+    with pytest.warns(RematFallbackWarning, match=warning):
+        _, calls = remat_attention_calls(lambda: assert_same_step(model, converted, batch))
+    assert calls == 0
 
 
 def test_probe_refuses_a_forward_that_differs():

@@ -76,7 +76,8 @@ CASES = {
     "falcon-sequential": Case("falcon", {"parallel_attn": False, "multi_query": False},
                               {"RematNormedFalconLinear": 2, "RematFalconMLP": 2, "RematFusedLayerNorm": 4}, 2,
                               {}, LAYERS),
-    "distilbert": Case("distilbert", {}, {"RematFFN": 2}, 2, {}, LAYERS),
+    # post-LN: its two LayerNorms a layer feed the residual adds, and say so
+    "distilbert": Case("distilbert", {}, {"RematFFN": 2}, 2, {"not fused into a projection": 2 * LAYERS}, LAYERS),
     "bart": Case("bart", {}, {"RematBartAttention": 4, "RematMLPLinear": 4, "RematFusedLinear": 4,
                               "RematFusedGELUActivation": 4}, 4, {"cross-attention": 2}),
     "whisper": Case("whisper", {}, {"RematWhisperAttention": 4, "RematMLPLinear": 4, "RematFusedLinear": 4,
@@ -435,19 +436,18 @@ def test_bloom_with_a_bias_that_is_not_its_alibi_runs_the_stock_attention():
 @pytest.mark.parametrize("name, overrides, norm, reason", [
     ("bloom", {"apply_residual_connection_post_layernorm": True}, "input_layernorm",
      "apply_residual_connection_post_layernorm"),
-    # no rule: the structure probe sees the residual add read the LayerNorm's output, and leaves it
-    # unfused (remat.nn.LayerNorm, as every LayerNorm fused into nothing)
-    ("opt", {"do_layer_norm_before": False}, "self_attn_layer_norm", None),
+    # no rule: the structure probe sees more than projections read the LayerNorm's output (a reshape
+    # before the residual add) and says so; it then runs as remat.nn.LayerNorm
+    ("opt", {"do_layer_norm_before": False}, "self_attn_layer_norm", "not fused into a projection"),
 ])
 def test_configs_whose_layer_norms_feed_more_stay_stock(name, overrides, norm, reason):
     """BLOOM with apply_residual_connection_post_layernorm (the LayerNorm's output is the residual
-    too) and OPT-350m's post-LN layers: the LayerNorms are not fused (BLOOM's rule says why); the
-    rest converts."""
+    too) and OPT-350m's post-LN layers: the LayerNorms are not fused, with the reason; the rest
+    converts."""
     stock, _ = build_case(name, **overrides)
     converted, report = convert_layers(stock, report=True)
-    if reason is not None:
-        rows = [row for row in report.skipped if row.path.endswith(norm)]
-        assert len(rows) == LAYERS and all(reason in row.reason for row in rows), str(report)
+    rows = [row for row in report.skipped if row.path.endswith(norm)]
+    assert len(rows) == LAYERS and all(reason in row.reason for row in rows), str(report)
     assert "RematFusedLayerNorm" not in swapped_counts(report)
     assert "RematNormedLinear" not in swapped_counts(report)
     assert_same_step(stock, converted, family_inputs(name, "cpu"))

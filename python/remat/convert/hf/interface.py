@@ -27,8 +27,9 @@ The attention function, per call:
   (remat's own Philox mask: the distribution of stock dropout, not its draws), a sliding window of
   W keys as FlashAttention takes it (W - 1 before, and after when not causal), softcap;
 - stock attention (sdpa; the model's own eager function where sdpa cannot: softcap, attention
-  sinks, attention weights), for a call with a 4-D mask, attention sinks (s_aux) or attention
-  weights requested, with the reason recorded (remat.convert's report, fallback_counts()).
+  sinks, attention weights), for a call with a 4-D mask, attention sinks (s_aux), attention
+  weights requested, or on a GPU a head dim remat's Triton kernels lack, with the reason recorded
+  (remat.convert's report, fallback_counts()).
 """
 
 import collections
@@ -38,6 +39,7 @@ import torch
 
 from ..._guards import fallback
 from ..._tensor_memo import MISSING, TensorMemo
+from ...ops.attention import _fallback_reason as kernels_reason
 from ...ops.attention import attention
 from ...ops.attention_varlen import attention_varlen
 from ..swap import join
@@ -190,6 +192,9 @@ def _stock_reason(module, query, key, value, mask, s_aux, kwargs):
         return "a mask remat's kernels do not take (past keys, a static cache, or the model's own pattern)"
     if value.shape[-1] != query.shape[-1]:
         return "v's head dim differs from q's (multi-head latent attention)"
+    reason = kernels_reason(query, key, value)  # on a GPU: a head dim the kernels lack, an older GPU
+    if reason is not None:  # (remat.attention would run SDPA, or its reference where it has features)
+        return reason
     if mask is None and 1 < query.shape[2] != key.shape[2]:
         # sdpa aligns its causal mask top-left there (a static cache's prefill: the buffer's first
         # keys are the call's own); remat's kernels align it bottom-right, as FlashAttention

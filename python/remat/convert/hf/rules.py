@@ -761,9 +761,10 @@ def _structural_rule(layer, structure, layers, recompute, path, report):
         if reason is None and "layernorm" in layers:
             handled |= _hand_over(layer, norm_name, _norm_consumers(readers, mlps), layers, recompute, path, report,
                                   found)
-        elif reason is not None and type(norm) is not nn.LayerNorm:  # a LayerNorm goes on to remat.nn.LayerNorm
+        elif reason is not None and (type(norm) is not nn.LayerNorm or _is_block(layer)):
             report.add(join(path, norm_name), norm, "skipped", f"not fused into a projection: {reason}")
-            handled.add(norm_name)
+            if type(norm) is not nn.LayerNorm:  # a LayerNorm goes on to remat.nn.LayerNorm (a row of its own)
+                handled.add(norm_name)
     for name, parts in mlps.items():
         if name not in handled and not is_converted(layer._modules[name]):
             reason = _mlp_rule(layer, name, layer._modules[name], recompute, path, report, parts)
@@ -825,11 +826,17 @@ def _has_layer_rule(kind):
     return bool(layer_rule(kind) or layer_mlp(kind) or cross_attention(kind))
 
 
+def _is_block(module):
+    """A transformer block by its class name (…Layer, …Block): where a norm not fused is worth a row (a
+    model's final norm or an embedding's is fused into nothing by design)."""
+    return type(module).__name__.endswith(("Layer", "Block"))
+
+
 def _unruled_layer(module):
     """True for a transformers block (…Layer, …Block) holding a norm, that no family rule covers
     (neither the block nor its attention or MLP: BART's post-LN layer has rules for these)."""
     kind = type(module).__name__
-    if _has_layer_rule(kind) or not kind.endswith(("Layer", "Block")):
+    if _has_layer_rule(kind) or not _is_block(module):
         return False
     if any(attention_mixin(type(m).__name__) or mlp_parts(type(m).__name__) for m in module.children()):
         return False
