@@ -10,6 +10,7 @@ from .._guards import fallback_counts
 # saves: a function giving the activation bytes per token the swap keeps less than stock, under the
 # model's requires_grad when it is called (None for skipped rows).
 ReportRow = collections.namedtuple("ReportRow", "path type action reason saves", defaults=(None,))
+_NOT_SWAPPED = ("skipped", "kept")  # the actions of rows that swap nothing (no saves)
 
 
 def _no_saving():
@@ -29,13 +30,13 @@ class ConversionReport(list):
     model = None  # a weak reference to the converted model, set by convert()
 
     def add(self, path, module, action, reason="", saves=None):
-        if action not in ("skipped", "kept") and saves is None:
+        if action not in _NOT_SWAPPED and saves is None:
             saves = _no_saving
         self.append(ReportRow(path or "(root)", type(module).__name__, action, reason, saves))
 
     @property
     def swapped(self):
-        return [row for row in self if row.action not in ("skipped", "kept")]
+        return [row for row in self if row.action not in _NOT_SWAPPED]
 
     @property
     def kept(self):

@@ -201,7 +201,7 @@ def _stock_reason(module, query, key, value, mask, s_aux, kwargs):
         return "more queries than one but fewer than the keys, without a mask (a static cache's prefill)"
     if s_aux is not None:
         return "attention sinks (s_aux)"
-    if attention_weights_requested(module, kwargs, module.__dict__.get("remat_attention_previous")):
+    if _weights_requested(module, kwargs):
         return "attention weights requested (output_attentions)"
     return None
 
@@ -222,6 +222,11 @@ def attention_weights_requested(module, kwargs, implementation):
     return bool(collected) and "attentions" in collected
 
 
+def _weights_requested(module, kwargs):
+    """attention_weights_requested for an attention module of a model convert_attention converted."""
+    return attention_weights_requested(module, kwargs, module.__dict__.get("remat_attention_previous"))
+
+
 def _stock_attention(module, query, key, value, mask, pattern, softcap=None, s_aux=None, eager=False, **kwargs):
     """The call on transformers' sdpa attention, or on the model file's own eager attention function
     where sdpa cannot (softcap, sinks, weights requested) or `eager` asks for it. A flash-style mask
@@ -230,8 +235,8 @@ def _stock_attention(module, query, key, value, mask, pattern, softcap=None, s_a
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     eager_forward = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    weights = attention_weights_requested(module, kwargs, module.__dict__.get("remat_attention_previous"))
-    use_eager = eager_forward is not None and (eager or softcap is not None or s_aux is not None or weights)
+    use_eager = eager_forward is not None and (eager or softcap is not None or s_aux is not None
+                                               or _weights_requested(module, kwargs))
     packed, causal, window = pattern
     if (mask is None and (use_eager or packed is not None)) or (mask is not None and mask.dim() == 2):
         mask = _dense_mask(query, key, mask, packed, causal, window)

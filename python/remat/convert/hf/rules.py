@@ -690,8 +690,7 @@ def _pair_rule(layer, recompute, path, report, pair):
 def _holds_attention(module):
     """Whether a transformers attention module lies below `module` (BertAttention holds
     BertSelfAttention: the row is the inner one's)."""
-    return any(type(m).__name__.endswith(ATTENTION_SUFFIXES) and from_transformers(type(m))
-               for m in module.modules() if m is not module)
+    return any(_is_attention(m) and from_transformers(type(m)) for m in module.modules() if m is not module)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -772,8 +771,7 @@ def _structural_rule(layer, structure, layers, recompute, path, report):
                 report.add(join(path, name), layer._modules[name], "skipped", reason)
             handled.add(name)
     for name, reason in not_mlps.items():  # an attention holds projections too: the rows above say what it runs
-        if name not in handled and not is_converted(layer._modules[name]) and \
-                not type(layer._modules[name]).__name__.endswith(ATTENTION_SUFFIXES):
+        if name not in handled and not is_converted(layer._modules[name]) and not _is_attention(layer._modules[name]):
             report.add(join(path, name), layer._modules[name], "skipped", f"not fused as an MLP: {reason}")
     return {h for h in handled if "." not in h}
 
@@ -810,7 +808,7 @@ def convert_children(parent, layers, recompute, path, report, structure=None):
             report.add(join(path, name), child, "skipped", stock_attention_reason(kind))
         elif stock_mlp_reason(child) and "mlp" in layers:  # its children are still converted one by one
             report.add(join(path, name), child, "skipped", stock_mlp_reason(child))
-        elif kind.endswith(ATTENTION_SUFFIXES) and "attention" in layers and not _has_layer_rule(kind) \
+        elif _is_attention(child) and "attention" in layers and not _has_layer_rule(kind) \
                 and not _holds_attention(child):  # T5LayerSelfAttention has its layer rule
             report.add(join(path, name), child, "skipped", f"no remat rule for {kind}: it runs as it is, "
                        f"{INTERFACE_ATTENTION}")
@@ -824,6 +822,10 @@ def convert_children(parent, layers, recompute, path, report, structure=None):
 
 def _has_layer_rule(kind):
     return bool(layer_rule(kind) or layer_mlp(kind) or cross_attention(kind))
+
+
+def _is_attention(module):
+    return type(module).__name__.endswith(ATTENTION_SUFFIXES)
 
 
 def _is_block(module):
