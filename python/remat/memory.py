@@ -45,8 +45,7 @@ import torch
 from .bench.cases import short_error
 from .bench.timing import Timer, quantiles
 from .cli import config_fields as _config_fields
-from .convert.hf import memory_input as hf_memory_input
-from .convert.hf import memory_models as hf_memory_models
+from .convert.hf import example_inputs
 from .gpt import GPTConfig, torch_stack
 
 MODELS = {
@@ -55,12 +54,13 @@ MODELS = {
     "gpt2-large": GPTConfig(hidden=1280, heads=20, layers=36),
     "tiny": GPTConfig(hidden=64, heads=2, layers=4),
 }
-# Real configurations at their real sizes, beside those of the remat.convert.hf families:
+# Hugging Face models at their real sizes, built from a config with random weights (no download):
 # {name: (model_type, the config fields that differ from transformers' defaults)}.
-REAL_MODELS = {
+HF_MODELS = {
     "hf-gpt2-small": ("gpt2", {}),
     "hf-gpt2-medium": ("gpt2", dict(n_embd=1024, n_layer=24, n_head=16)),
     "bert-base": ("bert", {}),
+    "vit-base": ("vit", {"image_size": 384}),
     "llama-3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                                  max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5)),
@@ -68,8 +68,6 @@ REAL_MODELS = {
                                num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                                rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)),
 }
-# Hugging Face models, built from a config with random weights (no download).
-HF_MODELS = {**hf_memory_models(), **REAL_MODELS}
 DEFAULT_MODELS = ("llama-3-8b", "qwen3-8b", "hf-gpt2-small")  # `remat memory` without --model, and the main job
 SHAPES = {"llama-3-8b": (1, 8192), "qwen3-8b": (1, 8192)}  # (batch, seq) by default; (8, 1024) for the others
 DEFAULT_SHAPE = (8, 1024)
@@ -158,14 +156,13 @@ def _hf_config(name):
     return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
-def _hf_input(config, batch, seq, device, dtype):
-    """The model's keyword inputs: token ids, or its family's (the image models' pixels, T5's ids
-    into its encoder and decoder)."""
-    make_input = hf_memory_input(config.model_type)
-    if make_input is None:
-        return {"input_ids": torch.zeros(batch, seq, dtype=torch.long, device=device)}
-    names, x, _ = make_input(config, batch, seq, device, dtype)
-    return dict.fromkeys((names,) if isinstance(names, str) else names, x)
+def _hf_input(model, batch, seq, device, dtype):
+    """The model's keyword inputs, made from its config: token ids (an encoder-decoder's for both
+    stacks), or images or audio of the size its config says."""
+    inputs, reason = example_inputs(model, batch, seq, device, dtype)
+    if reason:
+        raise ValueError(f"model: {type(model).__name__}: {reason}")
+    return inputs
 
 
 def model_on(name, batch, seq, dtype, device):
@@ -182,7 +179,7 @@ def model_on(name, batch, seq, dtype, device):
     config = _hf_config(name)
     with torch.device(device):
         model = transformers.AutoModel.from_config(config).to(dtype).train()
-    return model, _hf_input(config, batch, seq, device, dtype)
+    return model, _hf_input(model, batch, seq, device, dtype)
 
 
 def meta_model(name, batch, seq, dtype):

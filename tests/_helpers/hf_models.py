@@ -64,10 +64,10 @@ FAMILIES = {"gpt2": gpt2, "bert": bert, "roberta": roberta, "vit": vit, "gpt_neo
 # The MLP module swapped in each family (the FFN of BERT/RoBERTa is split over two modules).
 FUSED = {"gpt2": "RematGPT2MLP", "bert": "RematBertOutput", "roberta": "RematRobertaOutput",
          "vit": "RematViTMLP", "gpt_neox": "RematGPTNeoXMLP"}
-# The attention class swapped in each family; None: the family has no rule for it, its attention runs
-# through transformers' attention interface ("remat") with its q/k/v projection fused with the norm
-# before it (RematNormedLinear, structure.py).
-ATTENTION = {"gpt2": None, "bert": None, "roberta": None, "vit": "RematViTAttention", "gpt_neox": None}
+# No family here has a rule: each attention runs through transformers' attention interface ("remat"),
+# a pre-LN norm fused into the projections reading it (RematNormedLinear, structure.py): q, k and v
+# separate (ViT), or one (GPT-2's c_attn, GPT-NeoX's query_key_value).
+QKV_PROJECTIONS = {"vit": 3}
 PRE_LN = ("gpt2", "vit", "gpt_neox")  # LayerNorms fused into the q/k/v projection and into fc1
 DECODERS = ("gpt2", "gpt_neox")
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from hf_models import (
-    ATTENTION,
     LAYERS,
     OpCounter,
     build,
@@ -61,8 +60,7 @@ def peft_pair(family, order, **config):
     reference = randomize_lora(peft.get_peft_model(copy.deepcopy(stock), lora_config(family, **config)))
     if order == "after":
         ours = peft.get_peft_model(convert_layers(copy.deepcopy(stock)), lora_config(family, **config))
-        if ATTENTION[family] is None:  # a norm fused into a projection by structure: reverted, converted again
-            ours = convert_layers(conv.revert(ours))
+        ours = convert_layers(conv.revert(ours))  # a norm fused into a projection peft wrapped: converted again
     else:
         ours = convert_layers(peft.get_peft_model(copy.deepcopy(stock), lora_config(family, **config)))
     ours.load_state_dict(reference.state_dict())
@@ -123,8 +121,7 @@ def test_lora_saved_bytes_match_the_report(family):
     full_fine_tuning = report.saved_bytes_per_token()
     reference = peft.get_peft_model(stock, lora_config(family))
     ours = peft.get_peft_model(converted, lora_config(family))
-    if ATTENTION[family] is None:  # reverted and converted again after peft (see peft_pair)
-        ours, report = convert_layers(conv.revert(ours), report=True)
+    ours, report = convert_layers(conv.revert(ours), report=True)  # converted again after peft (see peft_pair)
     batch = inputs(family, "cpu")
     measure = lambda m: saved_bytes(lambda: m(**batch).loss, exclude=list(m.parameters()))  # noqa: E731
     per_token = report.saved_bytes_per_token()  # now under LoRA's requires_grad
@@ -166,10 +163,10 @@ def test_merge_and_unload_after_convert():
     reference, ours = peft_pair("gpt2", "after")
     merged_reference, merged = reference.merge_and_unload(), ours.merge_and_unload()
     assert not any("lora" in n for n, _ in merged.named_parameters())
-    if ATTENTION["gpt2"] is None:  # c_attn, fused by structure, is the plain base layer again: convert it again
-        with pytest.warns(RematFallbackWarning, match="ln_1 is not fused any more: attn.c_attn is no longer"):
-            merged(**inputs("gpt2", "cpu"))
-        merged = convert_layers(conv.revert(merged))
+    # c_attn, fused by structure, is the plain base layer again: convert it again
+    with pytest.warns(RematFallbackWarning, match="ln_1 is not fused any more: attn.c_attn is no longer"):
+        merged(**inputs("gpt2", "cpu"))
+    merged = convert_layers(conv.revert(merged))
     batch = inputs("gpt2", "cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error", RematFallbackWarning)

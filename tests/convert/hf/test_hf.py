@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from remat._guards import RematFallbackWarning, fallback_counts
 
 from hf_models import (
-    ATTENTION,
+    QKV_PROJECTIONS,
     DECODERS,
     FAMILIES,
     FUSED,
@@ -65,19 +65,14 @@ def test_same_loss_gradients_and_state_dict(target, family):
     expected_norms = (2 * LAYERS if family in PRE_LN else 0) + HEAD_NORMS.get(family, 0)
     assert actions["swapped to RematFusedLayerNorm"] == expected_norms, str(report)
     assert any(row.action == "swapped to remat.nn.LayerNorm" for row in report)
-    if ATTENTION[family] is None:  # the attention modules stay, on the "remat" implementation
-        assert converted.config._attn_implementation == "remat"
-        normed = "RematNormedConv1D" if family == "gpt2" else "RematNormedLinear"  # GPT-2's c_attn is a Conv1D
-        # (RoBERTa's LM head has its layer_norm fused into its decoder: HEAD_NORMS)
-        assert actions[f"swapped to {normed}"] == (LAYERS if family in PRE_LN else 0) + HEAD_NORMS.get(family, 0), \
-            str(report)
-        assert len(report.kept) == LAYERS and all("its attention function remat's" in r.reason for r in report.kept)
-        assert not report.skipped and f" swapped, {LAYERS} kept, 0 skipped;" in str(report), str(report)
-    else:
-        assert actions[f"swapped to {ATTENTION[family]}"] == LAYERS, str(report)
-        assert not report.skipped, str(report)
-        swapped = [type(m).__name__ for m in converted.modules() if type(m).__name__ == ATTENTION[family]]
-        assert len(swapped) == LAYERS
+    # the attention modules stay, on the "remat" implementation
+    assert converted.config._attn_implementation == "remat"
+    normed = "RematNormedConv1D" if family == "gpt2" else "RematNormedLinear"  # GPT-2's c_attn is a Conv1D
+    # (RoBERTa's LM head has its layer_norm fused into its decoder: HEAD_NORMS)
+    projections = LAYERS * QKV_PROJECTIONS.get(family, 1) if family in PRE_LN else 0
+    assert actions[f"swapped to {normed}"] == projections + HEAD_NORMS.get(family, 0), str(report)
+    assert len(report.kept) == LAYERS and all("its attention function remat's" in r.reason for r in report.kept)
+    assert not report.skipped and f" swapped, {LAYERS} kept, 0 skipped;" in str(report), str(report)
     assert list(converted.state_dict()) == list(stock.state_dict())
     converted.load_state_dict(stock.state_dict(), strict=True)
     batch = inputs(family, device)
@@ -226,13 +221,11 @@ def test_output_attentions_gives_the_stock_weights(family):
     fell_back = fallback_counts(converted)  # the attention modules: the weights asked for
     _, calls = remat_attention_calls(lambda: converted(**batch))  # not asked for: remat again
     assert calls == LAYERS
-    if ATTENTION[family] is None:
-        # and nothing else fell back: transformers' output recorders, left on the attention modules, read
-        # their outputs only, and the norm fused into the projections inside them stays fused (a family
-        # rule's attention class, which the norm is fused into, runs stock with hooks on it: ViT's)
-        assert fallback_counts(converted) == fell_back
-        reasons = {"attention weights requested (output_attentions)"}
-        assert all(set(counts) == reasons for counts in fell_back.values())
+    # and nothing else fell back: transformers' output recorders, left on the attention modules, read
+    # their outputs only, and the norm fused into the projections inside them stays fused
+    assert fallback_counts(converted) == fell_back
+    reasons = {"attention weights requested (output_attentions)"}
+    assert all(set(counts) == reasons for counts in fell_back.values())
 
 
 @pytest.mark.parametrize("family", DECODERS)
@@ -252,7 +245,7 @@ def test_generation_uses_the_cache_like_stock(family):
         step = ids[:, -1:]
         want = stock(step, cache=prefill_stock.cache, use_cache=True).logits
         got, calls = remat_attention_calls(lambda: converted(step, cache=prefill.cache, use_cache=True).logits)
-        assert calls == (LAYERS if ATTENTION[family] is None else 0)
+        assert calls == LAYERS
         torch.testing.assert_close(got, want)
         settings = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0}
         torch.testing.assert_close(converted.generate(ids, **settings), stock.generate(ids, **settings))
@@ -333,26 +326,26 @@ def test_probe_refuses_an_attention_forward_that_differs(monkeypatch):
     """An attention class whose stock forward computes something else (a new release, say) is
     left alone, and so is its LayerNorm; the stock module is kept as it is, and convert says so in a
     warning, not in the report only."""
-    stock_class = transformers.models.vit.modeling_vit.ViTAttention
+    stock_class = transformers.models.bloom.modeling_bloom.BloomAttention  # a family rule's (the ALiBi tensor)
     original = stock_class.forward
 
     @functools.wraps(original)
     def scaled(self, *args, **kwargs):
-        out, weights = original(self, *args, **kwargs)
-        return out * 2, weights
+        out, *rest = original(self, *args, **kwargs)
+        return out * 2, *rest
 
     monkeypatch.setattr(stock_class, "forward", scaled)
-    model, _ = build("vit")
+    model, _ = build("bloom")
     with pytest.warns(conv.RematWarning, match=r"remat.convert: 2 modules that a rule of remat's is written for "
-                                               r"failed its probe and stay stock: vit.layers.0.attention: "
+                                               r"failed its probe and stay stock: transformer.h.0.self_attention: "
                                                r"probe mismatch"):
         converted, report = convert_layers(model, report=True)
     rows = collections.defaultdict(list)
     for row in report:
         rows[row.path].append(row)
-    (attention,) = rows["vit.layers.0.attention"]
+    (attention,) = rows["transformer.h.0.self_attention"]
     assert attention.action == "skipped" and "probe mismatch" in attention.reason, str(report)
-    norm_rows = rows["vit.layers.0.layernorm_before"]
-    assert any(r.action == "skipped" and r.reason.startswith("fusion into attention") for r in norm_rows)
+    norm_rows = rows["transformer.h.0.input_layernorm"]
+    assert any(r.action == "skipped" and r.reason.startswith("fusion into self_attention") for r in norm_rows)
     assert all(r.action != "swapped to RematFusedLayerNorm" for r in norm_rows), str(report)
-    assert type(converted.vit.layers[0].attention) is stock_class
+    assert type(converted.transformer.h[0].self_attention) is stock_class

@@ -1,30 +1,22 @@
 """Hugging Face transformers support for remat.convert: one file per model family registers its classes,
-submodule names, layer wirings, attention class, probe inputs and the configs `remat memory` builds
+submodule names, layer wirings, attention class and probe inputs
 (registry.Family); modules.py holds the swapped classes they share, rules.py what convert does with
 each module. The families, what each swap computes and when it runs stock: docs/huggingface.md.
 """
 
 import sys
 
-from . import (  # noqa: F401,E501  (each registers its family)
-    bart,
-    bloom,
-    clip,
-    deit,
-    siglip,
-    t5,
-    vit,
-    whisper,
-)
+from . import bart, bloom, t5, whisper  # noqa: F401  (each registers its family)
 from .interface import convert_attention, revert_attention
 from .loss import convert_loss, revert_loss
 from .modules import Handoff, RematFusedLayerNorm
-from .registry import FAMILIES, memory_input, memory_models
+from .registry import FAMILIES
 from .rules import PROBE_BROKEN, convert_children
+from .structure import example_inputs
 from .structure import probe as probe_structure
 
 __all__ = ["FAMILIES", "PROBE_BROKEN", "Handoff", "RematFusedLayerNorm", "convert_attention", "convert_children",
-           "convert_loss", "is_hf_model", "memory_input", "memory_models", "probe_structure",
+           "convert_loss", "example_inputs", "is_hf_model", "probe_structure",
            "revert_attention", "revert_loss"]
 
 

@@ -1,6 +1,6 @@
 """The Hugging Face model families remat converts. Each family is one file of this package that
 registers one Family: its classes, the submodule names its rules read, the remat classes of its
-attention, what a probe call of its modules needs, and the configs `remat memory` builds."""
+attention, and what a probe call of its modules needs."""
 
 import collections
 import dataclasses
@@ -40,12 +40,6 @@ class Family:
     cross_attention: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
     layer_reason: Callable | None = None  # (layer) -> why its LayerNorms do not feed its wiring (post-LN), or None
     probe_kwargs: Callable | None = None  # (module, param) -> keyword arguments a probe call needs
-    memory_models: Mapping[str, tuple] = dataclasses.field(default_factory=dict)  # name -> (model_type, fields)
-    # (config, batch, seq, device, dtype) -> (input name, input, tokens per sequence) for `remat memory`,
-    # for models whose input is not input_ids alone (a tuple of names: each is given the input, as T5's
-    # encoder and decoder ids); None: input_ids of (batch, seq).
-    memory_input: Callable | None = None
-    model_types: tuple = ()  # the config model_types whose models this family's memory_input serves
 
     def classes(self):
         return {*self.attention, *self.mlps, *self.layers, *self.layer_mlps, *self.stock_attention,
@@ -105,16 +99,6 @@ def family_of(module):
     """The family one of whose classes `module` is (or was, before its swap), or None."""
     name = stock_name(module)
     return next((family for family in FAMILIES.values() if name in family.classes()), None)
-
-
-def memory_models():
-    """{name: (model_type, config fields)} of the Hugging Face models `remat memory` builds."""
-    return _merged("memory_models")
-
-
-def memory_input(model_type):
-    """The memory_input of the family serving `model_type`, or None (input_ids)."""
-    return next((f.memory_input for f in FAMILIES.values() if model_type in f.model_types), None)
 
 
 def stock_name(module):

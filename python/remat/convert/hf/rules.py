@@ -740,8 +740,7 @@ def _structural_rule(layer, structure, layers, recompute, path, report):
     its norm children into the projections reading them, its MLP children, a split FFN; the names
     of the children handled."""
     frame = structure.frame(layer)
-    x = frame.hidden_states() if frame is not None else None
-    if x is None or tuple(x.shape[:2]) != structure_probe.PROBE_SHAPE:
+    if frame is None or frame.layer_input() is None:
         return set()  # not called by the probe as a layer on the hidden states: its children go on their own
     handled = set()
     pair = _split_ffn(structure, layer) if "mlp" in layers else None

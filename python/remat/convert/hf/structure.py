@@ -40,9 +40,9 @@ Node = collections.namedtuple("Node", "kind name inputs outputs")
 _METADATA = frozenset({"__get__", "size", "dim", "ndimension", "numel", "nelement", "__len__", "stride",
                        "is_floating_point", "is_complex", "is_contiguous", "get_device", "element_size"})
 
-# The probe's input: token ids of this shape (batch, sequence); every recorded hidden state is then
-# (batch, sequence, width), the shape the fusions' numerical checks replay.
-PROBE_SHAPE = (2, 3)
+# The probe's batch: every hidden state it records is (PROBE_BATCH, tokens, width), the shape of a
+# layer's input; token ids are (PROBE_BATCH, PROBE_TOKENS).
+PROBE_BATCH, PROBE_TOKENS = 2, 3
 
 
 def _metadata(node):
@@ -79,6 +79,11 @@ class Frame:
         """The first positional tensor argument (the hidden states of a layer or MLP), or None."""
         first = self.args[0] if self.args else self.kwargs.get("hidden_states")
         return first if isinstance(first, torch.Tensor) else None
+
+    def layer_input(self):
+        """hidden_states() where they are (PROBE_BATCH, tokens, width), as a layer's are, else None."""
+        x = self.hidden_states()
+        return x if x is not None and x.dim() == 3 and x.shape[0] == PROBE_BATCH else None
 
 
 class _Recorder(TorchFunctionMode):
@@ -131,18 +136,55 @@ class _Recorder(TorchFunctionMode):
             handle.remove()
 
 
-def _probe_inputs(model, param):
-    """The keyword arguments of the probe call: token ids (and decoder ids), or None with why not."""
-    if model.main_input_name != "input_ids":
-        return None, f"its input is {model.main_input_name}, not token ids"
-    vocab = getattr(model.config, "vocab_size", None)
+def _token_ids(config, batch, tokens):
+    vocab = getattr(config.get_text_config(), "vocab_size", None)
     if not isinstance(vocab, int) or vocab < 1:
-        return None, "its config has no vocab_size"
-    ids = torch.randint(0, min(vocab, 100), PROBE_SHAPE, generator=torch.Generator().manual_seed(4))
-    inputs = {"input_ids": ids.to(param.device)}
-    if getattr(model.config, "is_encoder_decoder", False):
-        inputs["decoder_input_ids"] = inputs["input_ids"]
-    return inputs, None
+        return None
+    return torch.randint(0, min(vocab, 100), (batch, tokens), generator=torch.Generator().manual_seed(4))
+
+
+def _pixels(config, batch, tokens):
+    """Images of the size the config says (its vision_config's, for a model of two towers), or None."""
+    config = getattr(config, "vision_config", None) or config
+    size = getattr(config, "image_size", None)
+    height, width = (size, size) if isinstance(size, int) else tuple(size or (None, None))[:2]
+    if not isinstance(height, int) or not isinstance(width, int):
+        return None
+    shape = (batch, getattr(config, "num_channels", 3), height, width)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(6))
+
+
+def _mel_frames(config, batch, tokens):
+    """Log-mel features of the one length a Whisper-like encoder takes: its two convolutions halve
+    2 * max_source_positions frames to max_source_positions tokens, and it checks that length."""
+    bins, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
+    if not isinstance(bins, int) or not isinstance(positions, int):
+        return None
+    return torch.randn(batch, bins, 2 * positions, generator=torch.Generator().manual_seed(7))
+
+
+# How each main input a model may name is made from its config, for `batch` sequences of `tokens`
+# (images and audio: the size their config says).
+_MAKERS = {"input_ids": _token_ids, "pixel_values": _pixels, "input_features": _mel_frames}
+
+
+def example_inputs(model, batch, tokens, device, dtype, images=False):
+    """({name: tensor}, None): random inputs of the transformers `model` from its config (its main
+    input: token ids, images or log-mel features; an encoder-decoder's decoder token ids; with
+    images=True, images besides token ids, for a model of a text and a vision tower), on `device`,
+    floats in `dtype`; or (None, why not)."""
+    config, main = model.config, model.main_input_name
+    make = _MAKERS.get(main)
+    inputs = {main: make(config, batch, tokens)} if make is not None else {}
+    if inputs.get(main) is None:
+        return None, f"its input {main} is none made from its config ({', '.join(_MAKERS)})"
+    if getattr(config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = _token_ids(config, batch, tokens)
+    if images and main != "pixel_values":
+        inputs["pixel_values"] = _pixels(config, batch, tokens)
+    if any(x is None for x in inputs.values()):
+        return None, f"its config does not say how to make {', '.join(n for n, x in inputs.items() if x is None)}"
+    return {name: x.to(device, dtype) if x.is_floating_point() else x.to(device) for name, x in inputs.items()}, None
 
 
 @contextlib.contextmanager
@@ -179,25 +221,38 @@ class Structure:
 
 
 def probe(model):
-    """Run `model` once on a few token ids (eval mode, no grad, on its parameters' device, meta
+    """Run `model` once on a small input (example_inputs; eval mode, no grad, on its parameters' device, meta
     included) and record every module's dataflow; Structure(frames) or Structure({}, why not)."""
     param = next(model.parameters(), None)
     if param is None:
         return Structure({}, "it has no parameters")
-    inputs, reason = _probe_inputs(model, param)
+    dtype = param.dtype if param.is_floating_point() else torch.float32  # fp32 beside quantised weights
+    inputs, reason = example_inputs(model, PROBE_BATCH, PROBE_TOKENS, param.device, dtype)
     if reason:
-        return Structure({}, reason)
+        return Structure({}, f"no probe input: {reason}")
     if "use_cache" in inspect.signature(model.forward).parameters:
         inputs["use_cache"] = False  # the layers' calls recorded without a cache, as in training
+    frames, error = _record(model, param, inputs)
+    if error is not None and "pixel_values" in inspect.signature(model.forward).parameters:
+        images, _ = example_inputs(model, PROBE_BATCH, PROBE_TOKENS, param.device, dtype, images=True)
+        if images is not None:  # CLIP, SigLIP: the call needs both towers' inputs
+            frames, error = _record(model, param, {**inputs, **images})
+    if error is not None:
+        return Structure({}, f"its probe call failed ({type(error).__name__}: {error})")
+    return Structure(frames)
+
+
+def _record(model, param, inputs):
+    """(the Frames of one call of `model` on `inputs`, None), or (None, the exception it raised)."""
     recorder = _Recorder(model)
     try:
         with torch.no_grad(), _eval(model), _MetaReads() if param.is_meta else contextlib.nullcontext(), recorder:
             model(**inputs)
     except Exception as error:  # noqa: BLE001 - a model this probe cannot call: no structural fusion
-        return Structure({}, f"its probe call failed ({type(error).__name__}: {error})")
+        return None, error
     finally:
         recorder.close()
-    return Structure(recorder.frames)
+    return recorder.frames, None
 
 
 # ---------------------------------------------------------------------------------------------

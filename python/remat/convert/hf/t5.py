@@ -15,7 +15,6 @@ than wi_0/wi_1 (T5's _keep_in_fp32_modules, when loaded in half precision) leave
 
 import inspect
 
-import torch
 from torch import nn
 
 from ..._linears import base_layer, projection
@@ -81,12 +80,6 @@ def _probe_kwargs(module, param):
     return {name: probe_tensor(param, 2, 3, norm.weight.shape[0])}
 
 
-def memory_input(config, batch, seq, device, dtype):
-    """`remat memory`'s input for an encoder-decoder T5 model: the same token ids for both stacks."""
-    ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
-    return ("input_ids", "decoder_input_ids"), ids, seq
-
-
 def t5_like(name, prefix):
     """The Family of T5 or one of its copies, whose classes are named <prefix>LayerNorm, <prefix>LayerFF, ..."""
     return Family(
@@ -99,8 +92,6 @@ def t5_like(name, prefix):
         stock_mlps={f"{prefix}DenseActDense": _dense_act_dense_reason},
         cross_attention={f"{prefix}LayerCrossAttention": ("EncDecAttention",)},
         probe_kwargs=_probe_kwargs,
-        memory_input=memory_input,
-        model_types=(name,),
     )
 
 
