@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from remat._guards import RematFallbackWarning, fallback_counts
 
 from hf_models import (
-    QKV_PROJECTIONS,
     DECODERS,
     FAMILIES,
     FUSED,
@@ -27,6 +26,7 @@ from hf_models import (
     HIDDEN,
     LAYERS,
     PRE_LN,
+    QKV_PROJECTIONS,
     OpCounter,
     assert_nothing_seq_by_seq_saved,
     assert_same_step,

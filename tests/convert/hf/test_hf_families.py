@@ -82,15 +82,19 @@ CASES = {
                               {}, LAYERS),
     # post-LN: its two LayerNorms a layer feed the residual adds, and say so
     "distilbert": Case("distilbert", {}, {"RematFFN": 2}, 2, {"not fused into a projection": 2 * LAYERS}, LAYERS),
-    "bart": Case("bart", {}, {"RematBartAttention": 4, "RematMLPLinear": 4, "RematFusedLinear": 4,
-                              "RematFusedGELUActivation": 4}, 4, {"cross-attention": 2}),
-    "whisper": Case("whisper", {}, {"RematWhisperAttention": 4, "RematMLPLinear": 4, "RematFusedLinear": 4,
-                                    "RematFusedGELUActivation": 4, "RematFusedLayerNorm": 10,
-                                    "RematNormedLinear": 2}, 4, {"cross-attention": 2}),
+    # post-LN: the MLP each layer holds itself (fc1 -> activation_fn -> fc2, found by structure), fused
+    # into its fc2; its LayerNorms feed the residual adds. The encoder's and the decoder's self-attention
+    # and the decoder's cross-attention on the "remat" implementation.
+    "bart": Case("bart", {}, {"RematMLPLinear": 4, "RematFusedLinear": 4, "RematFusedGELUActivation": 4}, 6,
+                 {"not fused into a projection": 5 * LAYERS}, 3 * LAYERS),
+    # pre-LN: the encoder's 2 LayerNorms a layer, the decoder's 3 (the cross-attention's into its q_proj)
+    "whisper": Case("whisper", {}, {"RematMLPLinear": 4, "RematFusedLinear": 4, "RematFusedGELUActivation": 4,
+                                    "RematFusedLayerNorm": 10, "RematNormedLinear": 14}, 6, {}, 3 * LAYERS),
     # the ALiBi attention on remat.attention's alibi_slopes
     "bloom": Case("bloom", {}, {"RematBloomAttention": 2, "RematBloomMLP": 2, "RematFusedLayerNorm": 4}, 2, {}),
-    # no rule; its ReLU MLP stays stock, final_layer_norm fused into its fc1
-    "opt": Case("opt", {}, {"RematFusedLayerNorm": 4, "RematNormedLinear": 8}, 2, {}, LAYERS),
+    # no rule; the ReLU MLP its layers hold stays stock, final_layer_norm fused into its fc1
+    "opt": Case("opt", {}, {"RematFusedLayerNorm": 4, "RematNormedLinear": 8}, 2,
+                {"the MLP the layer holds stays stock: activation ReLU": LAYERS}, LAYERS),
 }
 
 
@@ -207,9 +211,10 @@ def expected_saving(name, ffn, device):
         return Saving(LAYERS * tokens * gelu, 0, LAYERS * gelu, 0)
     if name == "bart":  # post-LN: the MLPs only, in the encoder's and the decoder's layers
         return Saving(2 * LAYERS * tokens * gelu, 0, 2 * LAYERS * gelu, 0)
-    if name == "whisper":  # encoder: 2 LayerNorms; decoder: 3 (the cross-attention's into its q_proj)
+    if name == "whisper":  # encoder: 2 LayerNorms; decoder: 3 (the cross-attention's into its q_proj);
+        # the output copy of the encoder's self-attention, the decoder's self- and cross-attention
         encoder, decoder, frames = gelu + 2 * norm, gelu + 3 * norm, BATCH * WHISPER_FRAMES
-        return Saving(LAYERS * (frames * encoder + tokens * decoder), LAYERS * (frames + tokens) * copy,
+        return Saving(LAYERS * (frames * encoder + tokens * decoder), LAYERS * (frames + 2 * tokens) * copy,
                       LAYERS * (encoder + decoder), 0)
     if name == "bloom":  # the ALiBi attention on remat.attention: the stock one keeps the probabilities (seq
         # wide per head), remat's the lse and the slopes (fp32 per head, once a layer); both keep q, k, v (the
@@ -396,8 +401,9 @@ def test_falcon_alibi_keeps_the_stock_attention():
 
 @pytest.mark.parametrize("name", ["bart", "opt", "clip", "siglip", "distilbert", "gptj"])
 def test_padded_batches_run_remat_attention_varlen(name):
-    """A right-padded batch: the padded attentions (BART's encoder, CLIP's and SigLIP's text towers,
-    the decoders, DistilBERT) run remat.attention_varlen on the real tokens, the same step as stock."""
+    """A right-padded batch: the padded attentions (BART's encoder and its decoder's cross-attention
+    to it, CLIP's and SigLIP's text towers, the decoders, DistilBERT) run remat.attention_varlen on
+    the real tokens, the same step as stock."""
     stock, _ = build_case(name)
     batch = family_inputs(name, "cpu")
     mask = torch.ones_like(batch["input_ids"])
@@ -407,7 +413,7 @@ def test_padded_batches_run_remat_attention_varlen(name):
         batch["labels"] = batch["labels"].masked_fill(mask == 0, -100)
     converted = convert_layers(stock)
     _, varlen, _ = varlen_attention_calls(lambda: assert_same_step(stock, converted, batch))
-    assert varlen == LAYERS
+    assert varlen == (2 * LAYERS if name == "bart" else LAYERS)
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -477,7 +483,8 @@ def test_generation_uses_the_cache_like_stock(name):
 @pytest.mark.parametrize("name", ["bart", "whisper"])
 def test_an_encoder_decoder_prefill_fills_its_self_attention_cache_through_remat(name):
     """The decoder's self-attention reads the EncoderDecoderCache's self_attention_cache: an empty
-    one is filled through remat.attention, as stock fills it."""
+    one is filled through remat.attention, as stock fills it (and the cross-attention's keys and
+    values from the encoder are computed once and kept in its cross_attention_cache)."""
     stock, _ = build_case(name)
     stock.eval()
     converted = convert_layers(stock)
@@ -486,9 +493,60 @@ def test_an_encoder_decoder_prefill_fills_its_self_attention_cache_through_remat
     with torch.no_grad():
         want = stock(**batch, use_cache=True)
         got, calls = remat_attention_calls(lambda: converted(**batch, use_cache=True))
-    assert calls == 2 * LAYERS  # the encoder's and the decoder's self-attention
+    assert calls == 3 * LAYERS  # the encoder's and the decoder's self-attention, the cross-attention
     torch.testing.assert_close(got.logits, want.logits)
     assert got.cache.self_attention_cache.get_seq_length() == want.cache.self_attention_cache.get_seq_length()
+    assert got.cache.cross_attention_cache.get_seq_length() == want.cache.cross_attention_cache.get_seq_length()
+
+
+@pytest.mark.parametrize("name", ["bart", "whisper"])
+def test_an_encoder_decoder_generates_as_stock(name):
+    """Greedy generation: the encoder once, then each step's self-attention over the cache and
+    cross-attention over the encoder's keys, all on remat.attention: the same tokens as stock."""
+    stock, _ = build_case(name)
+    stock.eval()
+    converted = convert_layers(stock)
+    batch = {k: v for k, v in family_inputs(name, "cpu").items() if k != "labels"}
+    settings = {"max_new_tokens": 3, "min_new_tokens": 3, "do_sample": False}
+    with torch.no_grad():
+        want = stock.generate(**batch, **settings)
+        got, calls = remat_attention_calls(lambda: converted.generate(**batch, **settings))
+    torch.testing.assert_close(got, want)
+    assert calls == LAYERS + 3 * 2 * LAYERS  # the encoder's layers, then 3 steps of the decoder's
+
+
+def test_a_layer_mlp_dropout_two_attributes_held_runs_stock_when_either_drops():
+    """BART's layer applies dropout(p=activation_dropout) between its activation and fc2, and
+    dropout(p=dropout) after fc2: with both 0 at convert time the probe cannot tell which attribute
+    the first reads, so the fused MLP holds only while neither drops in training."""
+    stock, _ = build_case("bart")
+    converted = convert_layers(stock)
+    for layer in (*stock.model.encoder.layers, *converted.model.encoder.layers):
+        layer.dropout = 0.2  # after fc2: stock's own dropout, which the fused MLP could have kept
+    batch = family_inputs("bart", "cpu")
+    torch.manual_seed(5)
+    loss, grads = loss_and_grads(stock, batch)
+    torch.manual_seed(5)
+    with pytest.warns(RematFallbackWarning, match=r"dropout \(p=0.2\) in training"):
+        loss_c, grads_c = loss_and_grads(converted, batch)
+    assert rel_error(loss_c, loss) < 1e-4
+    assert all(rel_error(grads_c[k], g) < 1e-4 for k, g in grads.items() if g is not None)
+
+
+def test_a_layer_mlp_dropout_read_from_no_attribute_stays_stock(monkeypatch):
+    """A dropout between the activation and fc2 whose probability no attribute of the layer holds
+    (here a class attribute): whether it drops in training is unknown, so that MLP stays stock."""
+    layer_class = transformers.models.bart.modeling_bart.BartEncoderLayer
+    monkeypatch.setattr(layer_class, "activation_dropout", 0.25, raising=False)
+    stock, _ = build_case("bart")
+    for layer in stock.model.encoder.layers:
+        del layer.activation_dropout
+    converted, report = convert_layers(stock, report=True)
+    rows = [row for row in report.skipped if "the MLP the layer holds stays stock" in row.reason]
+    assert [row.path for row in rows] == [f"model.encoder.layers.{i}" for i in range(LAYERS)], str(report)
+    assert all("(p=0.25) reads no attribute of BartEncoderLayer" in row.reason for row in rows)
+    assert swapped_counts(report)["RematMLPLinear"] == LAYERS  # the decoder's
+    assert_same_step(stock, converted, family_inputs("bart", "cpu"), seed=5)  # the same dropout masks
 
 
 def test_pickle_and_deepcopy_keep_the_handoffs(tmp_path):

@@ -77,10 +77,10 @@ class Handoff:
 
     producers: {role: path}, the roles ("norm", "intermediate", "fc1", "act") naming what each
     consumer reads; consumers: paths. Paths are dotted below the layer ("fc1",
-    "self_attention.query_key_value"). dropout: the name of a layer attribute holding the
+    "self_attention.query_key_value"). dropout: the names of the layer attributes holding the
     probability of a dropout the layer's forward applies between a producer and its consumer
-    (BART's activation_dropout): the handoff holds only while that dropout does nothing (p = 0, or
-    the layer in eval mode).
+    (BART's activation_dropout, and any other attribute that held the same value at convert time):
+    the handoff holds only while that dropout does nothing (each of them 0, or the layer in eval mode).
 
     A LayerNorm with several consumers gets one SharedStatistics (statistics): the first consumer's
     fused op leaves its fp32 statistics there, and the next ones, applying it to the same x, keep
@@ -97,9 +97,9 @@ class Handoff:
     copy computes itself.
     """
 
-    def __init__(self, layer, producers, consumers, dropout=None):
+    def __init__(self, layer, producers, consumers, dropout=()):
         self._layer = weakref.ref(layer)
-        self.producers, self.consumers, self.dropout = dict(producers), tuple(consumers), dropout
+        self.producers, self.consumers, self.dropout = dict(producers), tuple(consumers), tuple(dropout)
         self.statistics = SharedStatistics() if len(self.consumers) > 1 else None
         self.outputs = SiblingOutputs() if len(self.consumers) > 1 else None
         self._given = TensorMemo()  # the verdict for the tensor a producer handed over
@@ -111,8 +111,8 @@ class Handoff:
         if layer is None:
             return "the layer holding it is gone"
         modules = [layer, *(submodule(layer, path) for path in self._along)]
-        dropout = getattr(layer, self.dropout, 0) if self.dropout is not None else None
-        return decided(self, modules, lambda: self._reason(layer), extra=(dropout,))
+        dropout = tuple(getattr(layer, name, 0) for name in self.dropout)
+        return decided(self, modules, lambda: self._reason(layer), extra=dropout)
 
     def give(self, x):
         """reason(), left for `x`, the tensor a producer hands over unchanged: the consumer called on
@@ -143,8 +143,9 @@ class Handoff:
             reason = next(filter(None, [*map(_between_reason, modules[:-1]), hook_reason(modules[-1])]), None)
             if reason:
                 return f"{path} {reason}"
-        if self.dropout is not None and layer.training and getattr(layer, self.dropout, 0) > 0:
-            return f"{self.dropout} (p={getattr(layer, self.dropout)}) in training"
+        dropping = [name for name in self.dropout if getattr(layer, name, 0) > 0] if layer.training else []
+        if dropping:
+            return f"{dropping[0]} (p={getattr(layer, dropping[0])}) in training"
         return None
 
     @property
@@ -233,7 +234,7 @@ def _between_reason(module):
     return hook_reason(module, skip)
 
 
-def link(layer, members, producers, consumers, dropout=None):
+def link(layer, members, producers, consumers, dropout=()):
     """One Handoff in `layer` for the new modules `members` ({path: module}, not installed yet)."""
     handoff = Handoff(layer, producers, consumers, dropout)
     for module in members.values():
@@ -672,11 +673,6 @@ def _passthrough_kwargs():
     return _PASSTHROUGH_KWARGS | frozenset(getattr(TransformersKwargs, "__annotations__", {}))
 
 
-def split_heads(t, heads, head_dim):
-    """(B, S, heads * head_dim) -> (B, heads, S, head_dim), a strided view."""
-    return t.unflatten(-1, (heads, head_dim)).transpose(1, 2)
-
-
 def _merge_heads(o):
     """(B, H, S, D) laid out (B, S, H, D), as remat.attention returns it -> (B, S, H * D), a view:
     the output projection keeps the very storage attention keeps."""
@@ -703,10 +699,6 @@ def _empty_cache(cache, layer_idx):
     return length == 0
 
 
-# The KV-cache argument of the stock attention forwards: past_key_values up to transformers 5.17, cache in 5.24.
-CACHE_ARGS = ("cache", "past_key_values")
-
-
 class _RematAttention(_RematModule):
     """The remat path shared by the swapped attention classes (mixed in before the stock class).
 
@@ -715,9 +707,7 @@ class _RematAttention(_RematModule):
     project the output.
     """
 
-    # The stock forward's KV-cache argument; a tuple names the candidates, the first one the stock
-    # forward has is taken (CACHE_ARGS: transformers renamed past_key_values to cache after 5.17).
-    remat_cache_arg = None
+    remat_cache_arg = None  # the stock forward's KV-cache argument
     remat_extra_args = ()  # further stock arguments the remat path reads (rotary cos/sin)
     remat_head_dim_attr = "head_dim"
     remat_scale_attr = "scaling"  # the attribute holding the softmax scale the stock forward applies
@@ -865,35 +855,6 @@ class _RematAttention(_RematModule):
 
     def extra_repr(self):
         return f"{self.remat_stock.__name__} on remat.attention"
-
-
-class _RematSplitAttention(_RematAttention):
-    """An attention with separate q, k and v Linears, each (B, S, heads * head_dim) with k and v
-    possibly fewer heads (GQA), and an output projection; what a family differs in is data:"""
-
-    remat_projections = ("q_proj", "k_proj", "v_proj")
-    remat_output_projection = "out_proj"
-    remat_dropout_attr = "dropout"  # the attention dropout: a probability or an nn.Dropout
-    # Whisper multiplies q_proj's output by scaling before its attention, which then scales
-    # by 1: the same rounding here.
-    remat_query_scaled = False
-
-    def remat_dropout(self):
-        p = getattr(self, self.remat_dropout_attr)
-        return p.p if isinstance(p, nn.Dropout) else p
-
-    def remat_qkv(self, outputs, call):
-        q, k, v = outputs
-        if self.remat_query_scaled:
-            q = q * self.scaling
-        head_dim = getattr(self, self.remat_head_dim_attr)
-        return (split_heads(t, t.shape[-1] // head_dim, head_dim) for t in (q, k, v))
-
-    def remat_scale(self):
-        return 1.0 if self.remat_query_scaled else super().remat_scale()
-
-    def remat_output(self, o):
-        return self._modules[self.remat_output_projection](o)
 
 
 def stock_function(module, name):

@@ -2,7 +2,6 @@
 registers one Family: its classes, the submodule names its rules read, the remat classes of its
 attention, and what a probe call of its modules needs."""
 
-import collections
 import dataclasses
 from collections.abc import Callable, Mapping
 
@@ -10,16 +9,10 @@ import torch
 
 # A layer's wirings: the alternative ways its forward feeds its LayerNorms to the modules after them,
 # each a tuple of (LayerNorm child, consumer path) pairs; the first wiring whose modules all exist in
-# the layer applies. A consumer is an attention or MLP child with a rule, the fc1 of the MLP the
-# layer holds itself (LayerMLP), or a Linear below the layer ("encoder_attn.q_proj": the LayerNorm
-# fused into that Linear, its module kept stock). One LayerNorm may feed several consumers. Each
-# LayerNorm's output must feed only its consumers: the probe, which runs the whole layer, checks it.
-
-# An MLP a layer holds itself, its forward calling fc2(dropout(act(fc1(x)))) (BART, Whisper):
-# the child names, and the layer attribute holding the probability of the dropout between the
-# activation and fc2 (None: there is none).
-LayerMLP = collections.namedtuple("LayerMLP", "fc1 act fc2 dropout")
-
+# the layer applies. A consumer is an attention or MLP child with a rule, or a Linear below the layer
+# ("self_attention.query_key_value": the LayerNorm fused into that Linear, its module kept stock).
+# One LayerNorm may feed several consumers. Each LayerNorm's output must feed only its consumers: the
+# probe, which runs the whole layer, checks it.
 
 @dataclasses.dataclass(frozen=True)
 class Family:
@@ -27,7 +20,6 @@ class Family:
     attention: Mapping[str, type] = dataclasses.field(default_factory=dict)  # stock class name -> remat mixin
     mlps: Mapping[str, tuple] = dataclasses.field(default_factory=dict)  # stock class name -> MLPParts
     layers: Mapping[str, tuple] = dataclasses.field(default_factory=dict)  # layer class name -> wirings
-    layer_mlps: Mapping[str, LayerMLP] = dataclasses.field(default_factory=dict)  # layer class name -> LayerMLP
     # RMSNorm classes its layers' wirings may fuse: class name -> the remat.specs.Norm style rounding as
     # its forward does ("llama", "gemma", "t5"); checked against that forward when a norm is fused.
     norms: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -42,7 +34,7 @@ class Family:
     probe_kwargs: Callable | None = None  # (module, param) -> keyword arguments a probe call needs
 
     def classes(self):
-        return {*self.attention, *self.mlps, *self.layers, *self.layer_mlps, *self.stock_attention,
+        return {*self.attention, *self.mlps, *self.layers, *self.stock_attention,
                 *self.stock_mlps, *self.norms}
 
 
@@ -70,10 +62,6 @@ def mlp_parts(name):
 
 def layer_rule(name):
     return _merged("layers").get(name)
-
-
-def layer_mlp(name):
-    return _merged("layer_mlps").get(name)
 
 
 def norm_style(name):

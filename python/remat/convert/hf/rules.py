@@ -46,7 +46,6 @@ from .registry import (
     attention_mixin,
     cross_attention,
     family_of,
-    layer_mlp,
     layer_rule,
     mlp_parts,
     norm_style,
@@ -134,25 +133,15 @@ def _attention_reason(module):
     if head_dim not in HEAD_DIMS:
         return f"head dim {head_dim} is not one of remat's kernel head dims {HEAD_DIMS}"
     parameters = inspect.signature(type(module).forward).parameters
-    cache = _cache_argument(mixin, type(module))
+    cache = mixin.remat_cache_arg
     needed = ["attention_mask", *filter(None, [cache]), *mixin.remat_extra_args]
     if any(n not in parameters for n in needed):
         return f"the forward's arguments are not {', '.join(needed)}: this transformers version differs"
     return mixin.remat_refuse_reason(module)
 
 
-def _cache_argument(mixin, stock_class):
-    """The name of the stock forward's KV-cache argument (the first of the mixin's candidates it has)."""
-    names = mixin.remat_cache_arg
-    if not isinstance(names, tuple):
-        return names
-    parameters = inspect.signature(stock_class.forward).parameters
-    return next((n for n in names if n in parameters), names[0])
-
-
 def _swapped_attention(module, recompute, path):
-    mixin = attention_mixin(type(module).__name__)
-    return _swapped(module, mixin, recompute, path, remat_cache_arg=_cache_argument(mixin, type(module)))
+    return _swapped(module, attention_mixin(type(module).__name__), recompute, path)
 
 
 def _fused_norm(norm, path, style=None):
@@ -345,7 +334,7 @@ class _Consumer:
     rows: Callable
     producers: dict = dataclasses.field(default_factory=dict)
     need_bias: bool = False  # remat.mlp takes LayerNorms with a bias only
-    dropout: str | None = None  # the layer's dropout attribute between its producers and it (LayerMLP)
+    dropout: tuple = ()  # the layer's attributes holding the dropout between its producers and it (LayerMLP)
 
 
 def _attention_consumer(layer, name, recompute, path):
@@ -381,7 +370,7 @@ def _plain_linear_reason(module, label):
 
 
 def _layer_mlp_consumer(layer, parts, recompute, path):
-    """The MLP `layer` holds itself (LayerMLP parts) as one consumer: fc1 and the activation
+    """The MLP `layer` holds itself (structure.LayerMLP parts) as one consumer: fc1 and the activation
     return their input, fc2 computes the whole MLP; or (None, why not)."""
     fc1, act, fc2 = (layer._modules.get(n) for n in (parts.fc1, parts.act, parts.fc2))
     if fc1 is None or act is None or fc2 is None:
@@ -430,10 +419,11 @@ def _linear_consumer(layer, linear_path, recompute, path):
                      base_layer(module).weight, rows), None
 
 
-def _consumer(layer, consumer_path, layers, recompute, path, mlps):
+def _consumer(layer, consumer_path, layers, recompute, path, found=None):
     """(_Consumer, None) for the module at `consumer_path` of `layer` taking over a LayerNorm's work,
-    or (None, why not). mlps: {path: MLPParts} of the MLPs the structure probe found."""
+    or (None, why not). found: what the structure probe found of an unruled layer (its MLPs)."""
     module = submodule(layer, consumer_path)
+    mlps, held = (found.mlps, found.held) if found else ({}, None)
     kind = type(module).__name__
     if consumer_path in mlps:
         if "mlp" not in layers:
@@ -450,9 +440,8 @@ def _consumer(layer, consumer_path, layers, recompute, path, mlps):
     reason = stock_mlp_reason(module) if from_transformers(type(module)) else None
     if reason:
         return None, reason
-    parts = layer_mlp(type(layer).__name__)
-    if parts is not None and consumer_path == parts.fc1 and "mlp" in layers:
-        consumer, reason = _layer_mlp_consumer(layer, parts, recompute, path)
+    if held is not None and consumer_path == held.fc1 and "mlp" in layers:
+        consumer, reason = _layer_mlp_consumer(layer, held, recompute, path)
         if consumer is not None:
             return consumer, None  # else the LayerNorm fuses into fc1 alone (OPT's ReLU MLP)
     return _linear_consumer(layer, consumer_path, recompute, path)
@@ -519,15 +508,16 @@ def _norm_row(report, path, layer, norm_name, norm, new_norm, consumers):
 
 
 # What the structure probe found of a layer (structure.py): the RMSNorm style of each norm child,
-# {path: MLPParts} of its MLP children, and call(layer, x), the layer called as the probe called it.
-Found = collections.namedtuple("Found", "styles mlps call")
+# {path: MLPParts} of its MLP children, call(layer, x), the layer called as the probe called it, and
+# the LayerMLP of the MLP it holds itself (or None).
+Found = collections.namedtuple("Found", "styles mlps call held")
 
 
 def _hand_over(layer, norm_name, consumer_paths, layers, recompute, path, report, found=None):
     """Hand the LayerNorm `norm_name` over to the modules at `consumer_paths`, all of them or none;
     returns the paths of the consumers installed. found: what the structure probe found of an unruled layer."""
-    style, mlps = (found.styles.get(norm_name), found.mlps) if found else (None, {})
-    built = [_consumer(layer, p, layers, recompute, path, mlps) for p in consumer_paths]
+    style = found.styles.get(norm_name) if found else None
+    built = [_consumer(layer, p, layers, recompute, path, found) for p in consumer_paths]
     consumers = [c for c, _ in built if c is not None]
     reason = next((r for c, r in built if c is None), None)
     norm, norm_reason = _fusable_norm(layer, norm_name, layers, style) if reason else \
@@ -541,7 +531,7 @@ def _hand_over(layer, norm_name, consumer_paths, layers, recompute, path, report
         for consumer in consumers:
             members.update(consumer.swaps)
             producers.update(consumer.producers)
-        dropout = next((c.dropout for c in consumers if c.dropout), None)
+        dropout = next((c.dropout for c in consumers if c.dropout), ())
         link(layer, members, producers, [c.path for c in consumers], dropout)
         first = consumers[0]
         reason = _swap_probe(layer, members, first.width, first.param, [members[c.path] for c in consumers],
@@ -555,6 +545,20 @@ def _hand_over(layer, norm_name, consumer_paths, layers, recompute, path, report
     if norm is not None and not reason.startswith("layers excludes"):
         report.add(join(path, norm_name), norm, "skipped", f"fusion into {' and '.join(consumer_paths)}: {reason}")
     return set()
+
+
+def _held_mlp(layer, held, reason, fused, recompute, path, report):
+    """Convert the MLP `layer` holds itself (held: its structure.LayerMLP, or None) where no norm took it
+    in (fused: the consumer paths the norms went to); reason: why it cannot be fused (asked before the
+    norms were), or None. The names handled."""
+    if held is None or (reason and held.fc1 in fused):  # OPT's ReLU MLP: the norm went into fc1 alone
+        if reason:
+            report.add(join(path, held.fc2) if held else path, layer._modules[held.fc2] if held else layer,
+                       "skipped", f"the MLP the layer holds stays stock: {reason}")
+        return set()
+    if held.fc1 in fused:  # the MLP took the norm
+        return {held.act, held.fc2}
+    return {held.fc1, held.act, held.fc2} if _layer_mlp_alone(layer, held, recompute, path, report) else set()
 
 
 def _layer_mlp_alone(layer, parts, recompute, path, report):
@@ -608,8 +612,6 @@ def _layer_rule(layer, layers, recompute, path, report):
         return set()
     family = family_of(layer)
     wiring = _wiring(layer)
-    parts = layer_mlp(kind) if "mlp" in layers else None
-    mlp_reason = _layer_mlp_consumer(layer, parts, recompute, path)[1] if parts is not None else None
     reason = family.layer_reason(layer) if family is not None and family.layer_reason is not None else None
     fused = set()
     for norm_name, consumer_paths in wiring:
@@ -620,13 +622,6 @@ def _layer_rule(layer, layers, recompute, path, report):
     handled = {p for p in fused if "." not in p} | _rms_norms_reported(layer, wiring, path, report)
     for consumer_path in dict.fromkeys(p for _, paths in wiring for p in paths if p not in fused):
         handled |= _alone(layer, consumer_path, layers, recompute, path, report)
-    if parts is not None and parts.fc1 in fused:
-        if mlp_reason:  # the LayerNorm went into fc1 alone (OPT's ReLU MLP)
-            _layer_mlp_skipped(layer, parts, path, report, mlp_reason)
-        else:  # the MLP took the LayerNorm
-            handled |= {parts.act, parts.fc2}
-    elif parts is not None and _layer_mlp_alone(layer, parts, recompute, path, report):
-        handled |= {parts.fc1, parts.act, parts.fc2}
     for name in cross_attention(kind):
         if name in layer._modules:
             report.add(join(path, name), layer._modules[name], "skipped",
@@ -747,9 +742,13 @@ def _structural_rule(layer, structure, layers, recompute, path, report):
     if pair is not None:
         handled |= _pair_rule(layer, recompute, path, report, pair) or set()
     mlps, not_mlps = structure_probe.mlp_children(structure, layer) if "mlp" in layers else ({}, {})
+    held, held_reason = structure_probe.layer_mlp(structure, layer) if "mlp" in layers else (None, None)
     norms = {n: c for n, c in layer._modules.items() if c is not None and structure_probe.is_norm(c)}
     styles = {n: structure_probe.rms_style(c) for n, c in norms.items() if type(c) is not nn.LayerNorm}
-    found = Found(styles, mlps, _replay(frame))
+    found = Found(styles, mlps, _replay(frame), held)
+    if held is not None:  # asked before a norm's fusion into fc1 swaps it
+        held_reason = _layer_mlp_consumer(layer, held, recompute, path)[1]
+    fused = set()
     for norm_name, norm in norms.items():
         node = structure_probe.norm_node(frame, norm_name)
         readers, reason = structure_probe.linear_readers(structure, frame, node.outputs[0]) if node else \
@@ -757,12 +756,13 @@ def _structural_rule(layer, structure, layers, recompute, path, report):
         if reason is None and type(norm) is not nn.LayerNorm and styles[norm_name] is None:
             reason = f"{type(norm).__name__}'s forward is none of remat's RMSNorm styles {RMS_NORM_STYLES} bitwise"
         if reason is None and "layernorm" in layers:
-            handled |= _hand_over(layer, norm_name, _norm_consumers(readers, mlps), layers, recompute, path, report,
-                                  found)
+            fused |= _hand_over(layer, norm_name, _norm_consumers(readers, mlps), layers, recompute, path, report,
+                                found)
         elif reason is not None and (type(norm) is not nn.LayerNorm or _is_block(layer)):
             report.add(join(path, norm_name), norm, "skipped", f"not fused into a projection: {reason}")
             if type(norm) is not nn.LayerNorm:  # a LayerNorm goes on to remat.nn.LayerNorm (a row of its own)
                 handled.add(norm_name)
+    handled |= fused | _held_mlp(layer, held, held_reason, fused, recompute, path, report)
     for name, parts in mlps.items():
         if name not in handled and not is_converted(layer._modules[name]):
             reason = _mlp_rule(layer, name, layer._modules[name], recompute, path, report, parts)
@@ -820,7 +820,7 @@ def convert_children(parent, layers, recompute, path, report, structure=None):
 
 
 def _has_layer_rule(kind):
-    return bool(layer_rule(kind) or layer_mlp(kind) or cross_attention(kind))
+    return bool(layer_rule(kind) or cross_attention(kind))
 
 
 def _is_attention(module):

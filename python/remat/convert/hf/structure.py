@@ -33,8 +33,14 @@ from ...specs import RMS_NORM_STYLES
 from .modules import MLPParts, _RematGatedMLP
 
 # A call recorded in a module's forward: a child module ("module", its name) or a torch function
-# ("function", its name), with the ids of the tensors it read and returned.
-Node = collections.namedtuple("Node", "kind name inputs outputs")
+# ("function", its name), with the ids of the tensors it read and returned, and the probability a
+# dropout function was called with (else None).
+Node = collections.namedtuple("Node", "kind name inputs outputs p", defaults=(None,))
+
+# An MLP a layer holds itself, its forward calling fc2(dropout(act(fc1(x)))) (BART, Whisper): the
+# child names, and the names of the layer attributes holding the probability of the dropout between
+# the activation and fc2 (every attribute whose value it was: empty where there is none).
+LayerMLP = collections.namedtuple("LayerMLP", "fc1 act fc2 dropout")
 
 # Functions that read a tensor's metadata only (shape, dtype, device, ...): not a use of its values.
 _METADATA = frozenset({"__get__", "size", "dim", "ndimension", "numel", "nelement", "__len__", "stride",
@@ -127,8 +133,10 @@ class _Recorder(TorchFunctionMode):
         frame = self._frame()
         if frame is not None:
             self.keep.append(out)
-            frame.nodes.append(Node("function", getattr(func, "__name__", str(func)),
-                                    [id(t) for t in _tensors((args, kwargs))], [id(t) for t in _tensors(out)]))
+            name = getattr(func, "__name__", str(func))
+            p = (kwargs or {}).get("p", args[1] if len(args) > 1 else None) if name == "dropout" else None
+            frame.nodes.append(Node("function", name, [id(t) for t in _tensors((args, kwargs))],
+                                    [id(t) for t in _tensors(out)], p))
         return out
 
     def close(self):
@@ -344,7 +352,8 @@ def rms_style(norm):
 
 
 def _linear(frame, node):
-    return node.kind == "module" and widths(frame.module._modules[node.name]) is not None
+    child = frame.module._modules.get(node.name) if node.kind == "module" else None
+    return child is not None and widths(child) is not None
 
 
 def _reads(node, producer, index=0):
@@ -404,3 +413,47 @@ def mlp_children(structure, layer):
             else:
                 refused[name] = reason
     return found, refused
+
+
+def _next_call(frame, node):
+    """(the one call reading `node`'s one output, a dropout function between them or None), each
+    output read by nothing else and not returned; (None, None) otherwise. In the probe's eval mode
+    a dropout returns its input: the call after it reads that same tensor."""
+    if len(node.outputs) != 1:
+        return None, None
+    uses, returned = frame.uses(node.outputs[0])
+    dropouts = [u for u in uses if u.kind == "function" and u.name == "dropout"]
+    others = [u for u in uses if u not in dropouts]
+    if returned or len(dropouts) > 1:
+        return None, None
+    dropout = dropouts[0] if dropouts else None
+    if dropout is not None and dropout.outputs != node.outputs:  # a new tensor: read by the call after it
+        if others:
+            return None, None
+        uses, returned = frame.uses(dropout.outputs[0]) if len(dropout.outputs) == 1 else ([], True)
+        others = [] if returned else uses
+    return (others[0], dropout) if len(others) == 1 else (None, None)
+
+
+def layer_mlp(structure, layer):
+    """(LayerMLP, None) when `layer`'s own forward calls fc2([dropout](act(fc1(x)))), each output read
+    by the next call only, fc1 and fc2 Linear-like children and act a child module; (None, why not)
+    when it calls such a chain with a dropout whose probability no attribute of the layer holds;
+    (None, None) when it calls none."""
+    frame = structure.frame(layer)
+    for fc1 in [n for n in frame.nodes if _linear(frame, n)] if frame is not None else ():
+        act, between = _next_call(frame, fc1)
+        if act is None or between is not None or act.kind != "module" or _linear(frame, act):
+            continue
+        fc2, dropout = _next_call(frame, act)
+        if fc2 is None or not _linear(frame, fc2):
+            continue
+        if dropout is None:
+            return LayerMLP(fc1.name, act.name, fc2.name, ()), None
+        attributes = tuple(name for name, value in vars(layer).items()
+                           if not name.startswith("_") and type(value) is float and value == dropout.p)
+        if not attributes:
+            return None, (f"the dropout between {act.name} and {fc2.name} (p={dropout.p}) reads no attribute of "
+                          f"{type(layer).__name__}: whether it drops in training is unknown")
+        return LayerMLP(fc1.name, act.name, fc2.name, attributes), None
+    return None, None
