@@ -425,10 +425,25 @@ _TINY_EXTRA = dict(moe_intermediate_size=32, num_experts=4, num_local_experts=4,
                    resid_pdrop=0.0, embd_pdrop=0.0)
 
 
+# Fields of the tiny image and audio models: 4 patches of an 8 x 8 image; two convolutions turning
+# TINY_SAMPLES of audio into 12 frames (a receptive field of 10 + 4, a hop of 10). No dropout or
+# masking of time steps in training.
+_TINY_VISION = dict(**IMAGE)
+_TINY_AUDIO = dict(conv_dim=(16, 16), conv_kernel=(10, 3), conv_stride=(5, 2), num_conv_pos_embeddings=4,
+                   num_conv_pos_embedding_groups=2, mask_time_prob=0.0, layerdrop=0.0, activation_dropout=0.0,
+                   feat_proj_dropout=0.0, final_dropout=0.0)
+TINY_SAMPLES = 124
+
+
 def tiny_model(config_name):
     """(a tiny random model of the transformers config class `config_name` with a language-model head
-    where it has one (causal, else masked), its kind: "causal", "masked" or "base")."""
-    config = getattr(transformers, config_name)(**_TINY_FIELDS)
+    where it has one (causal, else masked), its kind: "causal", "masked" or "base"). Image and audio
+    models (their main input pixel_values or input_values) are "base"."""
+    config_class = getattr(transformers, config_name)
+    default = config_class()
+    fields = {**_TINY_FIELDS, **(_TINY_VISION if hasattr(default, "image_size") else {}),
+              **(_TINY_AUDIO if hasattr(default, "conv_kernel") else {})}
+    config = config_class(**fields)
     for name, value in _TINY_EXTRA.items():
         if hasattr(config, name):
             setattr(config, name, value)
@@ -445,10 +460,23 @@ def tiny_model(config_name):
     raise ValueError(f"no model class for {config_name}")
 
 
+def tiny_inputs(model, ids):
+    """The tiny model's inputs: the token ids, or an image batch (or audio) of as many rows."""
+    generator = torch.Generator().manual_seed(1)
+    if model.main_input_name == "pixel_values":
+        return {"pixel_values": torch.randn(ids.shape[0], 3, 8, 8, generator=generator)}
+    if model.main_input_name == "input_values":
+        return {"input_values": torch.randn(ids.shape[0], TINY_SAMPLES, generator=generator)}
+    return {"input_ids": ids}
+
+
 def tiny_loss(model, kind, ids):
-    """A training loss of the tiny model on token ids: its LM loss, or the mean square of the hidden states."""
+    """A training loss of the tiny model on token ids (or tiny_inputs): its LM loss, or the mean square
+    of the hidden states. Seeded: models drawing random numbers in training (stochastic depth, MAE's
+    masking) draw the same for stock and converted."""
+    torch.manual_seed(0)
     if kind == "base":
-        return model(input_ids=ids).last_hidden_state.pow(2).mean()
+        return model(**tiny_inputs(model, ids)).last_hidden_state.pow(2).mean()
     return model(input_ids=ids, labels=ids).loss
 
 

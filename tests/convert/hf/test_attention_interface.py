@@ -222,6 +222,11 @@ FURTHER_FAMILIES = {
     "GptOssConfig": "attention sinks (s_aux)",
     "DogeConfig": "does not take flash-attention-style masks",
     "DebertaV2Config": "does not take flash-attention-style masks",
+    # image and audio models
+    "Dinov2Config": None, "ViTMSNConfig": None, "ViTMAEConfig": None, "SiglipVisionConfig": None,
+    "CLIPVisionConfig": None, "Wav2Vec2Config": None, "HubertConfig": None,
+    "BeitConfig": "does not take flash-attention-style masks",  # its relative position bias
+    "WavLMConfig": "does not take flash-attention-style masks",  # its gated relative position bias
 }
 
 

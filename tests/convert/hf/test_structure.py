@@ -16,6 +16,7 @@ from test_hf_rms_families import build_case, expected_saving
 
 import remat
 from remat._guards import RematFallbackWarning
+from remat.convert.hf import example_inputs
 from remat.convert.hf.modules import _RematFusedNorm, _RematGatedMLP, _RematMLP, _RematNormedLinear, _RematOutput
 
 from hf_models import (
@@ -170,7 +171,8 @@ def test_a_norm_feeding_the_residual_stays_stock():
     assert len(reasons) == LAYERS and all("add() in Olmo2DecoderLayer's forward reads it" in r for r in reasons)
 
 
-@pytest.mark.parametrize("config_name", ["GraniteConfig", "Olmo2Config", "GPTBigCodeConfig", "ElectraConfig"])
+@pytest.mark.parametrize("config_name", ["GraniteConfig", "Olmo2Config", "GPTBigCodeConfig", "ElectraConfig",
+                                         "Dinov2Config"])
 def test_a_model_on_the_meta_device_is_fused_as_on_the_cpu(config_name):
     """The probe runs on meta too (with the model's default cache: its mask building then reads no
     position ids), RMSNorm styles checked on a CPU copy: the same fusions and saved bytes as on the CPU,
@@ -185,6 +187,43 @@ def test_a_model_on_the_meta_device_is_fused_as_on_the_cpu(config_name):
         kinds[device], saved[device] = _kinds(_layers(converted)), report.saved_bytes_per_token()
     assert kinds["meta"] == kinds["cpu"] and any(kinds["cpu"].values())
     assert saved["meta"] == saved["cpu"] > 0
+
+
+@pytest.mark.parametrize("config_name, name, tokens", [
+    ("LlamaConfig", "input_ids", 5), ("Dinov2Config", "pixel_values", 5), ("Wav2Vec2Config", "input_values", 5),
+    ("WhisperConfig", "input_features", 8)])
+def test_example_inputs_are_what_the_model_takes(config_name, name, tokens):
+    """The probe's (and remat memory's) inputs, made from the config: token ids, images of the config's
+    size (4 patches and [CLS]), audio that the convolutions turn into the asked-for frames, Whisper's
+    log-mel frames of the one length its encoder takes (2 x max_source_positions); on meta too."""
+    config = getattr(transformers, config_name)(
+        **({"max_source_positions": 8, "num_mel_bins": 8} if config_name == "WhisperConfig" else {}))
+    for device in ("cpu", "meta"):
+        with torch.device(device):
+            model, _ = tiny_model(config_name) if config_name != "WhisperConfig" else \
+                (transformers.WhisperModel(config), None)
+        inputs, reason = example_inputs(model, 2, 5, device, torch.float32)
+        assert reason is None and name in inputs and all(x.device.type == device for x in inputs.values())
+        if config_name == "WhisperConfig":
+            assert inputs[name].shape == (2, 8, 16) and inputs["decoder_input_ids"].shape == (2, 5)
+        with torch.no_grad():
+            out = model.eval()(**inputs)
+        first = {"WhisperConfig": "encoder_last_hidden_state", "LlamaConfig": "logits"}.get(config_name,
+                                                                                          "last_hidden_state")
+        assert getattr(out, first).shape[:2] == (2, tokens)
+
+
+def test_a_model_whose_input_the_probe_cannot_make_says_why():
+    """A main input the probe does not know how to make: no structural fusion, and the report says why."""
+    stock, _ = tiny_model("Olmo2Config")
+    stock.main_input_name = "inputs_embeds"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, report = convert_layers(stock, report=True, layers=LAYER_FUSIONS)
+    layers = {f"model.layers.{i}" for i in range(LAYERS)}
+    reasons = [row.reason for row in report.skipped if row.path in layers]
+    assert len(reasons) == LAYERS and all("no probe of its structure: no probe input: its input inputs_embeds is "
+                                          "none made from its config" in r for r in reasons), str(report)
 
 
 def test_on_the_meta_device_a_llama_keeps_what_it_keeps_on_the_cpu():
@@ -227,6 +266,18 @@ FURTHER_FAMILIES = {
     "NemotronConfig": "ReLUSquaredActivation is not a GELU",
     "DebertaV2Config": "has no feed_forward_chunk",
 }
+# Image and audio models: the probe calls them on images (audio) of the size their config says.
+FURTHER_FAMILIES.update({
+    "Dinov2Config": NORMS_AND_MLP, "Dinov2WithRegistersConfig": NORMS_AND_MLP, "ViTMSNConfig": NORMS_AND_MLP,
+    "IJepaConfig": NORMS_AND_MLP, "ViTMAEConfig": NORMS_AND_MLP, "SiglipVisionConfig": NORMS_AND_MLP,
+    "CLIPVisionConfig": NORMS_AND_MLP, "ChineseCLIPVisionConfig": NORMS_AND_MLP,
+    "BeitConfig": NORMS_AND_MLP,  # its attention stays sdpa (its relative position bias): the report says so
+    # the attention's LayerNorm read inside its self-attention, not by its projections alone; the FFN's
+    # output module has no LayerNorm to make the pair
+    "Data2VecVisionConfig": {"norm": 1, "projection": 1}, "DPTConfig": {"norm": 1, "projection": 1},
+    # post-LN layers whose FFN has a dropout module between its activation and output_dense
+    "Wav2Vec2Config": "is none of fc1 -> act -> fc2", "UniSpeechConfig": "is none of fc1 -> act -> fc2",
+})
 # Fusions fewer than per layer × layers: ModernBERT's first layer has no attention norm (an Identity).
 FEWER = {"ModernBertConfig": {"norm": 1, "projection": 1}}
 

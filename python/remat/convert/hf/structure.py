@@ -171,9 +171,21 @@ def _mel_frames(config, batch, tokens):
     return torch.randn(batch, bins, 2 * positions, generator=torch.Generator().manual_seed(7))
 
 
+def _waveform(config, batch, tokens):
+    """Raw audio for a wav2vec2-like encoder: its convolutions' receptive field plus a stride per token."""
+    kernels, strides = getattr(config, "conv_kernel", None), getattr(config, "conv_stride", None)
+    if not kernels or not strides or len(kernels) != len(strides):
+        return None
+    field, hop = 1, 1
+    for kernel, stride in zip(kernels, strides, strict=True):
+        field, hop = field + (kernel - 1) * hop, hop * stride
+    return torch.randn(batch, field + hop * (tokens - 1), generator=torch.Generator().manual_seed(9))
+
+
 # How each main input a model may name is made from its config, for `batch` sequences of `tokens`
-# (images and audio: the size their config says).
-_MAKERS = {"input_ids": _token_ids, "pixel_values": _pixels, "input_features": _mel_frames}
+# (images and log-mel features: the size their config says).
+_MAKERS = {"input_ids": _token_ids, "pixel_values": _pixels, "input_features": _mel_frames,
+           "input_values": _waveform}
 
 
 def example_inputs(model, batch, tokens, device, dtype, images=False):
