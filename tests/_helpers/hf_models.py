@@ -149,13 +149,15 @@ def assert_same_step(stock, converted, batch, seed=None):
     assert compared > 10
 
 
-def assert_autocast_step_as_accurate_as_stock(stock, converted, batch, dtype=torch.bfloat16):
-    """fp32 weights, forward under torch.autocast(dtype) and backward (what the HF Trainer's bf16=True
-    runs): the converted model's loss and whole gradient are within twice the stock model's error
-    under the same autocast, both measured against the stock model in float64 without autocast."""
+def autocast_errors(stock, converted, batch, dtype=torch.bfloat16):
+    """((loss error, gradient error) of the stock model, the same of the converted model): fp32 weights,
+    forward under torch.autocast(dtype) and backward (what the HF Trainer's bf16=True runs), both
+    measured against the stock model in float64 without autocast (its float inputs in float64 too)."""
     import copy
 
-    exact_loss, exact_grads = loss_and_grads(copy.deepcopy(stock).double(), batch)
+    exact_batch = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                   for k, v in batch.items()}
+    exact_loss, exact_grads = loss_and_grads(copy.deepcopy(stock).double(), exact_batch)
 
     def error(model):
         with torch.autocast(next(model.parameters()).device.type, dtype=dtype):
@@ -164,8 +166,13 @@ def assert_autocast_step_as_accurate_as_stock(stock, converted, batch, dtype=tor
         exact = torch.cat([g.flatten() for k, g in sorted(exact_grads.items()) if g is not None])
         return rel_error(loss, exact_loss), rel_error(flat, exact)
 
-    stock_loss_error, stock_grad_error = error(stock)
-    loss_error, grad_error_ = error(converted)
+    return error(stock), error(converted)
+
+
+def assert_autocast_step_as_accurate_as_stock(stock, converted, batch, dtype=torch.bfloat16):
+    """Under autocast (autocast_errors) the converted model's loss and whole gradient are within twice
+    the stock model's error."""
+    (stock_loss_error, stock_grad_error), (loss_error, grad_error_) = autocast_errors(stock, converted, batch, dtype)
     assert loss_error <= 2 * stock_loss_error + 1e-3, (loss_error, stock_loss_error)
     assert grad_error_ <= 2 * stock_grad_error + 1e-3, (grad_error_, stock_grad_error)
 
