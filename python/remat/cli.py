@@ -21,8 +21,8 @@ SUITES = {  # `remat bench` suite -> what its --shapes sizes are
 # Suites run only when named, not by `all`: reports of their own (remat.bench.NAMED_SUITES), not kernel timings.
 NAMED_SUITES = {"overhead": "sequence lengths s (batch 1)"}
 DTYPES = ("bf16", "fp16", "fp32")
-MODEL_NAMES = ("gpt2-small", "gpt2-medium", "gpt2-large", "tiny", "vit-base", "hf-gpt2-small", "hf-gpt2-medium",
-               "bert-base", "llama-3-8b", "qwen3-8b")
+MODEL_NAMES = ("gpt2-small", "gpt2-medium", "gpt2-large", "tiny", "hf-gpt2-small", "hf-gpt2-medium", "bert-base",
+               "vit-base", "llama-3-8b", "qwen3-8b")
 GPUS = ("A100", "H100", "H200")  # remat.planner.DEVICES less "cpu"
 
 

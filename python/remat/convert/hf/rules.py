@@ -551,10 +551,12 @@ def _held_mlp(layer, held, reason, fused, recompute, path, report):
     """Convert the MLP `layer` holds itself (held: its structure.LayerMLP, or None) where no norm took it
     in (fused: the consumer paths the norms went to); reason: why it cannot be fused (asked before the
     norms were), or None. The names handled."""
-    if held is None or (reason and held.fc1 in fused):  # OPT's ReLU MLP: the norm went into fc1 alone
-        if reason:
-            report.add(join(path, held.fc2) if held else path, layer._modules[held.fc2] if held else layer,
-                       "skipped", f"the MLP the layer holds stays stock: {reason}")
+    if held is None:
+        if reason:  # a chain the probe saw, whose dropout it cannot follow
+            report.add(path, layer, "skipped", f"the MLP the layer holds stays stock: {reason}")
+        return set()
+    if reason and held.fc1 in fused:  # OPT's ReLU MLP: the norm went into fc1 alone
+        _layer_mlp_skipped(layer, held, path, report, reason)
         return set()
     if held.fc1 in fused:  # the MLP took the norm
         return {held.act, held.fc2}
@@ -577,7 +579,7 @@ def _layer_mlp_alone(layer, parts, recompute, path, report):
 
 def _layer_mlp_skipped(layer, parts, path, report, reason):
     report.add(join(path, parts.fc2), layer._modules.get(parts.fc2), "skipped",
-               f"the MLP {parts.fc1} -> {parts.act} -> {parts.fc2} the layer holds: {reason}")
+               f"the MLP {parts.fc1} -> {parts.act} -> {parts.fc2} the layer holds stays stock: {reason}")
 
 
 def _wiring(layer):
