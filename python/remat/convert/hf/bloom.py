@@ -11,85 +11,182 @@ batch restarts the positions at each sequence's first real token: the same bias,
 remat.attention_varlen's ALiBi on the real tokens. remat adds the bias in fp32, where the stock
 forward adds it rounded to the model's dtype (in bf16 exact up to key position 256)."""
 
+import inspect
 import sys
 
 import torch
 
-from .masks import Packing
-from .modules import MLPParts, _RematAttention, _RematMLP, stock_function
+from ...ops.attention import attention
+from .interface import attention_weights_requested
+from .masks import Packing, causal_pattern, packed_attention
+from .modules import (
+    MLPParts,
+    _handed_over,
+    _normed_outputs,
+    _RematMLP,
+    _RematModule,
+    _shared_statistics,
+    stock_function,
+    stock_norm,
+)
 from .registry import Family, probe_tensor, register
 
+# The stock forward's parameters, in order: the remat forward takes the same (checked at convert time).
+FORWARD = ("self", "hidden_states", "residual", "alibi", "attention_mask", "layer_past", "use_cache",
+           "output_attentions", "kwargs")
+# Arguments that may have any value without changing what the stock forward computes: transformers'
+# TransformersKwargs, passed through its models' layers (the Trainer's num_items_in_batch, ...).
+_PASSTHROUGH = frozenset({"num_items_in_batch", "output_hidden_states", "position_ids", "cache_position",
+                          "return_dict"})
 
-class _RematBloomAttention(_RematAttention):
-    """BloomAttention(hidden_states, residual, alibi, attention_mask, layer_past, ...): q, k, v from
-    query_key_value (heads interleaved: (batch, seq, heads, 3, head_dim)), remat.attention with the
-    ALiBi slopes, dense, and dropout_add with the residual, as the stock forward."""
 
-    remat_cache_arg = "layer_past"
-    remat_extra_args = ("residual", "alibi")
+def _passthrough():
+    """_PASSTHROUGH and whatever else this transformers version declares in TransformersKwargs."""
+    from transformers.utils.generic import TransformersKwargs
+
+    return _PASSTHROUGH | frozenset(getattr(TransformersKwargs, "__annotations__", {}))
+
+
+def _empty_cache(cache, layer_idx):
+    """True when `cache` (dynamic, static, ...) holds nothing yet for this layer: a prefill, or
+    training with use_cache=True. The keys this call attends to are then exactly its own, whatever
+    the cache's update() returns; False when that cannot be told without reading the device (a
+    static layer's length is a tensor) while torch.compile traces."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or not isinstance(layer_idx, int):
+        return False
+    if layer_idx >= len(layers):  # created by its first update
+        return getattr(cache, "layer_class_to_replicate", None) is not None
+    layer = layers[layer_idx]
+    if not getattr(layer, "is_initialized", True):
+        return True
+    length = layer.get_seq_length()
+    if isinstance(length, torch.Tensor):
+        return not torch.compiler.is_compiling() and int(length) == 0
+    return length == 0
+
+
+class _RematBloomAttention(_RematModule):
+    """BloomAttention(hidden_states, residual, alibi, attention_mask, layer_past, ...) on remat.attention:
+    q, k, v from query_key_value (heads interleaved: (batch, seq, heads, 3, head_dim)), input_layernorm
+    fused in when it was handed over; causal remat.attention with the ALiBi slopes (attention_varlen on
+    the real tokens of a padded or packed batch) and the training dropout (remat's own Philox mask:
+    the distribution of the stock dropout, not its draws); dense, and dropout_add with the residual, as
+    the stock forward. Any call it does not compute exactly runs the stock forward, with the reason."""
+
+    # What rules._attention_reason checks the stock module has, at convert time.
+    remat_head_dim_attr = "head_dim"
     remat_scale_attr = "inv_norm_factor"
     remat_projections = ("query_key_value",)
     remat_output_projection = "dense"
+    remat_cache_arg = "layer_past"
+    remat_extra_args = ("residual", "alibi")
     remat_attributes = ("num_heads", "beta", "pretraining_tp", "slow_but_exact", "hidden_dropout",
-                        "attention_dropout")
+                        "attention_dropout", "layer_idx")
+
+    def __init_subclass__(cls, **kwargs):  # the class made at convert time (remat_class), outside any trace
+        super().__init_subclass__(**kwargs)
+        cls.remat_passthrough = _passthrough()
 
     @classmethod
     def remat_refuse_reason(cls, module):
+        parameters = tuple(inspect.signature(type(module).forward).parameters)
+        if parameters != FORWARD:
+            return f"its forward takes ({', '.join(parameters)}), not ({', '.join(FORWARD)}): this transformers " \
+                   "version differs"
         if module.beta != 1.0:
             return f"beta={module.beta}: the stock forward scales its ALiBi bias"
         return None
 
-    def remat_implementation(self):
-        return "eager"  # BloomAttention computes its scores itself: no attention interface
-
-    def remat_dropout(self):
-        return self.attention_dropout.p
-
-    def remat_fallback_reason(self, hidden_states, call):
-        if self.pretraining_tp > 1 and self.slow_but_exact:
-            return "pretraining_tp > 1 with slow_but_exact: the stock forward sums dense in slices"
-        return super().remat_fallback_reason(hidden_states, call)
-
-    def remat_core_reason(self, hidden_states, call):
-        reason = super().remat_core_reason(hidden_states, call)
-        pattern = call.get("remat_mask_pattern")
-        packing = pattern if isinstance(pattern, Packing) and pattern.causal else None
-        if reason is None and pattern != "causal" and packing is None:
-            reason = "no causal mask: BLOOM's ALiBi bias equals remat.attention's under a causal mask only"
+    def forward(self, hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
+                output_attentions=False, **kwargs):
+        norm, norm_reason = _handed_over(self, hidden_states)
+        reason, pattern, slopes = self._remat_call(hidden_states, residual, alibi, attention_mask, layer_past,
+                                                   output_attentions, kwargs)
         if reason is None:
-            batch, seq = hidden_states.shape[:2]
-            positions = None if packing is None else _key_positions(packing, batch, seq)
-            slopes = _alibi_slopes(call["alibi"], batch, self.num_heads, seq, positions)
-            if slopes is None:
-                return "an ALiBi bias other than the slopes times the key positions"
-            call["remat_alibi_slopes"] = slopes
-        return reason
+            outputs, reason = _normed_outputs(hidden_states, self, norm, [self.query_key_value], self.remat_recompute,
+                                              self.remat_projections, _shared_statistics(self))
+        if reason is not None:
+            self._remat_fallback(reason)
+            if norm is not None:
+                hidden_states = stock_norm(norm, hidden_states)
+            return self.remat_stock.forward(self, hidden_states, residual, alibi, attention_mask, layer_past,
+                                            use_cache, output_attentions, **kwargs)
+        self._remat_fallback(norm_reason)
+        batch, seq, _ = hidden_states.shape
+        fused = outputs[0].view(batch, seq, self.num_heads, 3, self.head_dim)
+        q, k, v = (fused[..., i, :].transpose(1, 2) for i in range(3))
+        if layer_past is not None:  # empty (_remat_call): filled as the stock forward fills it; the
+            layer_past.update(k, v, self.layer_idx)  # keys attended to are this call's own
+        features = {"alibi_slopes": slopes}
+        if self.training and self.attention_dropout.p > 0:
+            features["dropout_p"] = float(self.attention_dropout.p)
+        scale = float(self.inv_norm_factor)
+        if isinstance(pattern, Packing):
+            out = packed_attention(q, k, v, pattern, scale, self.dense, features)
+        else:  # o: (B, H, S, D) laid out (B, S, H, D): dense keeps the very storage attention keeps
+            o = attention(q, k, v, causal=True, softmax_scale=scale, **features)
+            out = self.dense(o.transpose(1, 2).flatten(2))
+        return stock_function(self, "dropout_add")(out, residual, self.hidden_dropout, self.training), None
 
-    def remat_qkv(self, outputs, call):
-        (fused,) = outputs
-        batch, seq, _ = fused.shape
-        fused = fused.view(batch, seq, self.num_heads, 3, self.head_dim)
-        return tuple(fused[..., i, :].transpose(1, 2) for i in range(3))
+    def _remat_call(self, hidden_states, residual, alibi, mask, cache, output_attentions, kwargs):
+        """(None, the mask's pattern, the ALiBi slopes) when remat computes this call exactly, else
+        (why not, None, None)."""
+        reason, pattern = self._remat_reason(hidden_states, residual, alibi, mask, cache, output_attentions, kwargs)
+        if reason:
+            return reason, None, None
+        batch, seq = hidden_states.shape[:2]
+        positions = _key_positions(pattern, batch, seq) if isinstance(pattern, Packing) else None
+        slopes = _alibi_slopes(alibi, batch, self.num_heads, seq, positions)
+        if slopes is None:
+            return "an ALiBi bias other than the slopes times the key positions", None, None
+        return None, pattern, slopes
 
-    def remat_features(self, call):
-        return {**super().remat_features(call), "alibi_slopes": call["remat_alibi_slopes"]}
+    def _remat_reason(self, hidden_states, residual, alibi, mask, cache, output_attentions, kwargs):
+        """(None, the mask's pattern) when remat.attention takes this call, else (why not, None)."""
+        if self.pretraining_tp > 1 and self.slow_but_exact:
+            return "pretraining_tp > 1 with slow_but_exact: the stock forward sums dense in slices", None
+        if hidden_states.dim() != 3:
+            return "input is not (batch, seq, hidden)", None
+        if residual is None or alibi is None:
+            return "no residual or alibi", None
+        others = sorted(n for n, value in kwargs.items() if n not in self.remat_passthrough
+                        and value is not None and value is not False)
+        if others:
+            return f"arguments that change the attention: {', '.join(others)}", None
+        if attention_weights_requested(self, {"output_attentions": output_attentions}, "eager"):
+            return "attention weights requested (output_attentions)", None
+        if cache is not None and not _empty_cache(cache, self.layer_idx):
+            return "a KV cache with past keys (decoding)", None
+        if mask is None:
+            return "no mask: BLOOM's ALiBi bias equals remat.attention's under a causal mask only", None
+        if mask.is_meta:  # no values to read (remat memory, remat.plan on meta): counted as an unpadded batch's
+            return None, "causal"
+        if torch.compiler.is_compiling():
+            return "a materialised mask under torch.compile (reading it would break the graph)", None
+        pattern = causal_pattern(mask, hidden_states.shape[1])  # last: it synchronises with the device
+        if pattern is None:
+            return ("an attention mask that is no causal mask of padded or packed sequences (BLOOM's ALiBi bias "
+                    "equals remat.attention's under a causal mask only)"), None
+        return None, pattern
 
-    def remat_output(self, o):
-        return self.dense(o)
+    def remat_saved_bytes(self):
+        """Bytes per token kept less than stock by the attention itself: none against SDPA's flash
+        and efficient kernels, which keep what remat.attention keeps (q, k, v, output, lse)."""
+        return 0
 
-    def remat_forward(self, outputs, call, causal):
-        out, _ = super().remat_forward(outputs, call, causal)
-        return stock_function(self, "dropout_add")(out, call["residual"], self.hidden_dropout, self.training), None
+    def extra_repr(self):
+        return "BloomAttention on remat.attention"
 
 
 def _key_positions(packing, batch, seq):
     """(batch, seq) fp32: each kept key's position in its sequence, 0 for the others, as the stock
     model's positions (the attention mask's cumulative sum less one, times the mask) give them."""
-    lengths = packing.cu_seqlens_k[1:] - packing.cu_seqlens_k[:-1]
-    starts = torch.repeat_interleave(packing.cu_seqlens_k[:-1], lengths)
+    lengths = packing.cu_seqlens[1:] - packing.cu_seqlens[:-1]
+    starts = torch.repeat_interleave(packing.cu_seqlens[:-1], lengths)
     within = torch.arange(starts.numel(), device=starts.device) - starts
     positions = torch.zeros(batch, seq, device=starts.device)
-    return positions.index_put(packing.rows_k, within.float())
+    return positions.index_put(packing.rows, within.float())
 
 
 def _alibi_slopes(alibi, batch, heads, seq, positions=None):

@@ -3,12 +3,10 @@
 remat's fused ops, and the stock forward itself for any call those do not compute exactly.
 
 Handoff links a module whose work the next module does (a pre-LN LayerNorm, BERT's intermediate)
-to that module; the family files (vit.py, phi.py, ...) subclass _RematAttention for their
-attention classes.
+to that module; the family files (bloom.py, t5.py) subclass these classes, or _RematModule itself.
 """
 
 import collections
-import inspect
 import sys
 import weakref
 
@@ -18,7 +16,6 @@ from torch import nn
 from ..._guards import decided, fallback, hook_reason, plain_reason
 from ..._linears import decided_projections, fused_saved_bytes, plain_linear, projection, projections, widths
 from ..._tensor_memo import MISSING, TensorMemo
-from ...ops.attention import attention
 from ...ops.fused import SharedStatistics, fused_mlp, norm_linears
 from ...specs import Activation, gelu, norm_of
 from ..patterns import (
@@ -31,8 +28,6 @@ from ..patterns import (
     uniform_reason,
 )
 from ..swap import strip
-from .interface import attention_weights_requested
-from .masks import Packing, mask_pattern, packed_attention
 
 # A transformers MLP module: the names of its fc1, activation, fc2 and (or None) dropout after fc2,
 # and the remat class it is swapped to (None: _RematMLP; BLOOM's takes the residual too). A gated
@@ -273,12 +268,8 @@ def remat_class(mixin, stock_class, **attributes):
     cls = _REMAT_CLASSES.get(key)
     if cls is None:
         name = f"{mixin.remat_prefix}{stock_class.__name__}"
-        # Read at every call: computed here, once, outside any torch.compile trace.
-        signature = inspect.signature(stock_class.forward)
-        var_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
-        fixed = {"remat_stock": stock_class, "remat_signature": signature, "remat_var_keyword": var_keyword,
-                 "remat_passthrough": _passthrough_kwargs(), **attributes}
-        cls = type(name, (mixin, stock_class), {**fixed, "__module__": __name__, "__qualname__": name})
+        fixed = {"remat_stock": stock_class, **attributes, "__module__": __name__, "__qualname__": name}
+        cls = type(name, (mixin, stock_class), fixed)
         globals()[name] = cls  # importable by name, so a converted model pickles
         _REMAT_CLASSES[key] = cls
     return cls
@@ -641,220 +632,6 @@ class _RematOutput(_RematModule):
 
     def remat_saved_bytes(self):
         return fused_saved_bytes(fc2=self.dense) if self.remat_recompute else 0
-
-
-# ---------------------------------------------------------------------------------------------
-# Attention: the stock classes with a remat path (class swap, same objects inside)
-# ---------------------------------------------------------------------------------------------
-
-# The attention implementations whose result is fully determined by q, k, v, the mask, the
-# scale and dropout. flash_attention_* and flex_attention also read packing information from the
-# call (cu_seq_lens, position_ids) and run the stock forward.
-REMAT_IMPLEMENTATIONS = ("sdpa", "eager")
-
-# Arguments of the stock forwards that may have any value without changing what sdpa and eager
-# attention compute. transformers passes its TransformersKwargs through every layer (the Trainer's
-# num_items_in_batch, position_ids, packing's cu_seq_lens, which only flash attention reads; a
-# packed batch reaches sdpa as a block-diagonal mask, which is read); use_cache only says whether
-# a cache was made (the cache itself is checked). output_attentions and is_causal are read.
-_PASSTHROUGH_KWARGS = frozenset({
-    "num_items_in_batch", "output_hidden_states", "output_router_logits", "cu_seq_lens_q", "cu_seq_lens_k",
-    "max_length_q", "max_length_k", "position_ids", "seq_idx", "use_cache", "cache_position", "return_dict",
-    "output_attentions", "is_causal",
-})
-
-
-def _passthrough_kwargs():
-    """_PASSTHROUGH_KWARGS and whatever else this transformers version declares in TransformersKwargs."""
-    try:
-        from transformers.utils.generic import TransformersKwargs
-    except ImportError:
-        return _PASSTHROUGH_KWARGS
-    return _PASSTHROUGH_KWARGS | frozenset(getattr(TransformersKwargs, "__annotations__", {}))
-
-
-def _merge_heads(o):
-    """(B, H, S, D) laid out (B, S, H, D), as remat.attention returns it -> (B, S, H * D), a view:
-    the output projection keeps the very storage attention keeps."""
-    return o.transpose(1, 2).flatten(2)
-
-
-def _empty_cache(cache, layer_idx):
-    """True when `cache` (any kind: dynamic, sliding-window, static, offloaded, quantised) holds
-    nothing yet for this layer: a prefill, or training with use_cache=True. The keys this call
-    attends to are then exactly its own, whatever the cache's update() returns (a copy, a padded
-    static buffer); False when that cannot be told without reading the device (a static layer's
-    length is a tensor) while torch.compile traces."""
-    layers = getattr(cache, "layers", None)
-    if layers is None or not isinstance(layer_idx, int):
-        return False
-    if layer_idx >= len(layers):  # created by its first update
-        return getattr(cache, "layer_class_to_replicate", None) is not None
-    layer = layers[layer_idx]
-    if not getattr(layer, "is_initialized", True):
-        return True
-    length = layer.get_seq_length()
-    if isinstance(length, torch.Tensor):
-        return not torch.compiler.is_compiling() and int(length) == 0
-    return length == 0
-
-
-class _RematAttention(_RematModule):
-    """The remat path shared by the swapped attention classes (mixed in before the stock class).
-
-    Subclasses name their q/k/v projections (remat_projections, which read the hidden states,
-    the handed-over LayerNorm fused in) and say how to form q, k, v from their outputs and how to
-    project the output.
-    """
-
-    remat_cache_arg = None  # the stock forward's KV-cache argument
-    remat_extra_args = ()  # further stock arguments the remat path reads (rotary cos/sin)
-    remat_head_dim_attr = "head_dim"
-    remat_scale_attr = "scaling"  # the attribute holding the softmax scale the stock forward applies
-    remat_projections = ()  # the q/k/v projections, reading the hidden states
-    remat_output_projection = None  # the output projection (None: the module has none, as BERT's)
-    remat_attributes = ("config", "is_causal")  # what the stock module must have besides those (rules.py)
-
-    @classmethod
-    def remat_refuse_reason(cls, module):
-        """Why the stock `module` computes something remat.attention does not at every call (a
-        position bias its config turns on), or None; checked once, at conversion."""
-        return None
-
-    def forward(self, hidden_states, *args, **kwargs):
-        norm, norm_reason = _handed_over(self, hidden_states)
-        call = self._remat_bind(hidden_states, args, kwargs)
-        reason = self.remat_fallback_reason(hidden_states, call) or self.remat_core_reason(hidden_states, call)
-        if reason is None:
-            modules = [self._modules[n] for n in self.remat_projections]
-            outputs, reason = _normed_outputs(hidden_states, self, norm, modules, self.remat_recompute,
-                                              self.remat_projections, _shared_statistics(self))
-        if reason is not None:
-            self._remat_fallback(reason)
-            if norm is not None:
-                hidden_states = stock_norm(norm, hidden_states)
-            return self.remat_stock.forward(self, hidden_states, *args, **kwargs)
-        self._remat_fallback(norm_reason)
-        return self.remat_forward(outputs, call, self.remat_causal(call, hidden_states.shape[1]))
-
-    def _remat_bind(self, hidden_states, args, kwargs):
-        """The call's arguments by the stock forward's names (**kwargs merged in), or None when
-        they do not bind."""
-        if not args and self.remat_var_keyword:  # all by name into a forward taking **kwargs: what bind gives
-            return dict(kwargs)
-        signature = self.remat_signature
-        try:
-            bound = signature.bind(self, hidden_states, *args, **kwargs)
-        except TypeError:
-            return None  # e.g. a deprecated argument name that the stock forward's wrapper renames
-        arguments = dict(bound.arguments)
-        for name in list(signature.parameters)[:2]:  # self, hidden_states
-            arguments.pop(name, None)
-        for name, parameter in signature.parameters.items():
-            if parameter.kind is inspect.Parameter.VAR_KEYWORD:
-                arguments.update(arguments.pop(name, {}))
-        return arguments
-
-    def remat_fallback_reason(self, hidden_states, call):
-        """None when remat's path takes this call (the fused projections, and remat.attention unless
-        remat_core_reason says otherwise), else why the stock forward runs."""
-        if call is None:
-            return "arguments the stock forward renames or rejects"
-        if hidden_states.dim() != 3:
-            return "input is not (batch, seq, hidden)"
-        missing = [name for name in self.remat_extra_args if call.get(name) is None]
-        if missing:
-            return f"no {', '.join(missing)} (rotary cos, sin)"
-        if self.remat_implementation() not in REMAT_IMPLEMENTATIONS:
-            return f"attention implementation {self.remat_implementation()!r}"
-        known = {"attention_mask", self.remat_cache_arg, *self.remat_extra_args, *self.remat_passthrough}
-        others = [name for name, value in call.items()
-                  if name not in known and value is not None and value is not False]
-        if others:
-            return f"arguments that change the attention: {', '.join(sorted(others))}"
-        return None
-
-    def remat_core_reason(self, hidden_states, call):
-        """None when remat.attention computes this call's attention exactly, else why not (checked
-        after remat_fallback_reason)."""
-        if attention_weights_requested(self, call, self.remat_implementation()):
-            return "attention weights requested (output_attentions)"
-        cache = self._remat_cache(call)
-        if cache is not None and not _empty_cache(cache, getattr(self, "layer_idx", None)):
-            return "a KV cache with past keys (decoding)"
-        mask = call.get("attention_mask")
-        if mask is not None and torch.compiler.is_compiling():
-            return "a materialised mask under torch.compile (reading it would break the graph)"
-        if mask is not None and mask.is_meta:  # no values to read (remat memory, remat.plan on meta): counted as
-            call["remat_mask_pattern"] = "causal" if self.is_causal else "full"  # the mask of an unpadded batch
-            return None
-        if mask is not None:  # last: the pattern check synchronises with the device
-            pattern = mask_pattern(mask, hidden_states.shape[1], hidden_states.shape[1])
-            if pattern is None:
-                return "an attention mask that is no causal, padding or packing pattern"
-            call["remat_mask_pattern"] = pattern  # read by remat_causal and remat_features: one check per call
-        return None
-
-    def remat_implementation(self):
-        """The attention implementation the stock forward runs: the config's (a module without an
-        attention interface, as BLOOM's, says "eager")."""
-        return self.config._attn_implementation
-
-    def remat_causal(self, call, seq):
-        """Whether this call is causal: by the mask's pattern, or without a mask, as the
-        implementation reads none (sdpa: the call's is_causal, else the module's; eager: nothing
-        is masked)."""
-        if call.get("attention_mask") is not None:
-            pattern = call["remat_mask_pattern"]
-            return pattern.causal if isinstance(pattern, Packing) else pattern != "full"
-        if self.remat_implementation() != "sdpa":
-            return False
-        is_causal = call.get("is_causal")
-        return bool(self.is_causal if is_causal is None else is_causal)
-
-    def remat_forward(self, outputs, call, causal):
-        """(output, None) by remat.attention; the caller has checked remat_fallback_reason."""
-        q, k, v = self.remat_qkv(outputs, call)
-        cache = self._remat_cache(call)
-        if cache is not None:  # empty (remat_core_reason): filled as the stock forward fills it; the
-            cache.update(k, v, self.layer_idx)  # keys attended to are this call's own
-        pattern = call.get("remat_mask_pattern")
-        if isinstance(pattern, Packing):  # padding or packed sequences: remat.attention_varlen on their tokens
-            return packed_attention(q, k, v, pattern, self.remat_scale(), self.remat_output,
-                                    self.remat_features(call)), None
-        o = attention(q, k, v, causal=causal, softmax_scale=self.remat_scale(), **self.remat_features(call))
-        return self.remat_output(_merge_heads(o)), None
-
-    def remat_features(self, call):
-        """remat.attention's feature arguments for this call: in training the attention dropout (remat's
-        own Philox mask, regenerated in the backward: the same distribution as the stock dropout, not the
-        same draws)."""
-        features = {}
-        if self.training and self.remat_dropout() > 0:
-            features["dropout_p"] = float(self.remat_dropout())
-        return features
-
-    def remat_scale(self):
-        """The softmax scale remat.attention applies to q·kᵀ (1.0 where remat_qkv scales q itself,
-        as Whisper does before its attention)."""
-        return float(getattr(self, self.remat_scale_attr))
-
-    def _remat_cache(self, call):
-        """The call's self-attention KV cache, or None: an encoder-decoder model's
-        EncoderDecoderCache holds it as its self_attention_cache, which the stock self-attention
-        updates (its cross-attention calls run stock)."""
-        cache = call.get(self.remat_cache_arg) if self.remat_cache_arg else None
-        if type(cache).__name__ == "EncoderDecoderCache":
-            return cache.self_attention_cache
-        return cache
-
-    def remat_saved_bytes(self):
-        """Bytes per token kept less than stock by the attention itself: none against SDPA's flash
-        and efficient kernels, which keep what remat.attention keeps (q, k, v, output, lse)."""
-        return 0
-
-    def extra_repr(self):
-        return f"{self.remat_stock.__name__} on remat.attention"
 
 
 def stock_function(module, name):

@@ -245,7 +245,7 @@ def _attention_width(module):
 def _attention_row(path, name, module, new, norm_name=None):
     fused = f"; {norm_name} fused into its q/k/v projection" if norm_name else ""
     how = f"remat.attention{fused} (attention_varlen for padding and packed sequences)"
-    stock = "other masks, KV caches with past keys, output_attentions, other implementations than sdpa/eager"
+    stock = "other masks, KV caches with past keys, attention weights"
     return (join(path, name), module, f"swapped to {type(new).__name__}", f"{how}; the stock forward for {stock}",
             new.remat_saved_bytes)
 
