@@ -6,7 +6,7 @@ each module. The families, what each swap computes and when it runs stock: docs/
 
 import sys
 
-from . import bloom, t5  # noqa: F401  (each registers its family)
+from . import bloom  # noqa: F401  (registers its family)
 from .interface import convert_attention, revert_attention
 from .loss import convert_loss, revert_loss
 from .modules import Handoff, RematFusedLayerNorm

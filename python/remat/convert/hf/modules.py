@@ -3,7 +3,7 @@
 remat's fused ops, and the stock forward itself for any call those do not compute exactly.
 
 Handoff links a module whose work the next module does (a pre-LN LayerNorm, BERT's intermediate)
-to that module; the family files (bloom.py, t5.py) subclass these classes, or _RematModule itself.
+to that module; bloom.py, the one family file, subclasses _RematMLP and _RematModule.
 """
 
 import collections
@@ -29,9 +29,11 @@ from ..patterns import (
 )
 from ..swap import strip
 
-# A transformers MLP module: the names of its fc1, activation, fc2 and (or None) dropout after fc2,
-# and the remat class it is swapped to (None: _RematMLP; BLOOM's takes the residual too). A gated
-# MLP (mixin _RematGatedMLP) names its (gate, up) projections as fc1, or its one gate_up projection.
+# A transformers MLP module: the names of its fc1, activation, fc2 and (or None) dropout, and the
+# remat class it is swapped to (None: _RematMLP; BLOOM's takes the residual too). A gated MLP (mixin
+# _RematGatedMLP) names its (gate, up) projections as fc1, or its one gate_up projection. The dropout
+# is after fc2 in a plain MLP (applied by the fused one too), before fc2 in a gated one (T5's: fused
+# while it does nothing).
 MLPParts = collections.namedtuple("MLPParts", "fc1 act fc2 dropout mixin", defaults=(None,))
 
 
@@ -464,7 +466,15 @@ class _RematGatedMLP(_RematModule):
 
     def remat_call_reason(self):
         """Why this module's stock forward computes something else than down(act(gate(x)) * up(x)) now
-        (T5's dropout before wo in training), or None."""
+        (T5's dropout before wo, in training), or None."""
+        name = self.remat_parts.dropout
+        if name is None:
+            return None
+        dropout = self._modules.get(name)
+        if type(dropout) is not nn.Dropout:
+            return f"its {name} before {self.remat_parts.fc2} is no longer an nn.Dropout"
+        if self.training and dropout.p > 0:
+            return f"{name} (p={dropout.p}) before {self.remat_parts.fc2} in training"
         return None
 
     def remat_saved_bytes(self):

@@ -20,22 +20,11 @@ class Family:
     attention: Mapping[str, type] = dataclasses.field(default_factory=dict)  # stock class name -> remat mixin
     mlps: Mapping[str, tuple] = dataclasses.field(default_factory=dict)  # stock class name -> MLPParts
     layers: Mapping[str, tuple] = dataclasses.field(default_factory=dict)  # layer class name -> wirings
-    # RMSNorm classes its layers' wirings may fuse: class name -> the remat.specs.Norm style rounding as
-    # its forward does ("llama", "gemma", "t5"); checked against that forward when a norm is fused.
-    norms: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    # Attention classes kept stock on purpose: class name -> why (the report says it).
-    stock_attention: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    # MLP classes kept stock on purpose: class name -> (module) -> why (the report says it; a norm wired
-    # into one stays stock with that reason: Mixtral's experts, T5's ReLU FFN).
-    stock_mlps: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
-    # Cross-attention children of a layer (the same class as its self-attention): layer class name -> names.
-    cross_attention: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
     layer_reason: Callable | None = None  # (layer) -> why its LayerNorms do not feed its wiring (post-LN), or None
     probe_kwargs: Callable | None = None  # (module, param) -> keyword arguments a probe call needs
 
     def classes(self):
-        return {*self.attention, *self.mlps, *self.layers, *self.stock_attention,
-                *self.stock_mlps, *self.norms}
+        return {*self.attention, *self.mlps, *self.layers}
 
 
 FAMILIES = {}
@@ -62,25 +51,6 @@ def mlp_parts(name):
 
 def layer_rule(name):
     return _merged("layers").get(name)
-
-
-def norm_style(name):
-    """The RMSNorm style of the transformers norm class `name`, or None (not an RMSNorm a family names)."""
-    return _merged("norms").get(name)
-
-
-def stock_attention_reason(name):
-    return _merged("stock_attention").get(name)
-
-
-def stock_mlp_reason(module):
-    """Why the transformers MLP `module` stays stock, if its family keeps its class stock, else None."""
-    reason = _merged("stock_mlps").get(type(module).__name__)
-    return reason(module) if reason is not None else None
-
-
-def cross_attention(name):
-    return _merged("cross_attention").get(name, ())
 
 
 def family_of(module):

@@ -44,13 +44,9 @@ from .modules import (
 )
 from .registry import (
     attention_mixin,
-    cross_attention,
     family_of,
     layer_rule,
     mlp_parts,
-    norm_style,
-    stock_attention_reason,
-    stock_mlp_reason,
 )
 from .structure import norm_node
 
@@ -146,9 +142,7 @@ def _swapped_attention(module, recompute, path):
 
 def _fused_norm(norm, path, style=None):
     """The fused norm for the stock LayerNorm or RMSNorm `norm` (RematFusedLayerNorm, RematFused<RMSNorm class>)
-    rounded as `style` (default: its family's)."""
-    if type(norm) is not nn.LayerNorm:
-        style = style or norm_style(type(norm).__name__)
+    rounded as `style` (None: a LayerNorm)."""
     cls = RematFusedLayerNorm if style is None else remat_class(_RematFusedNorm, type(norm), remat_style=style)
     new = with_class(norm, cls)
     new.__dict__["remat_path"] = path
@@ -437,9 +431,6 @@ def _consumer(layer, consumer_path, layers, recompute, path, found=None):
         if "mlp" not in layers:
             return None, "layers excludes mlp"
         return _mlp_consumer(layer, consumer_path, recompute, path)
-    reason = stock_mlp_reason(module) if from_transformers(type(module)) else None
-    if reason:
-        return None, reason
     if held is not None and consumer_path == held.fc1 and "mlp" in layers:
         consumer, reason = _layer_mlp_consumer(layer, held, recompute, path)
         if consumer is not None:
@@ -448,22 +439,19 @@ def _consumer(layer, consumer_path, layers, recompute, path, found=None):
 
 
 def _fusable_norm(layer, norm_name, layers, style=None):
-    """(the norm, None) when `norm_name` is a norm the rules fuse (an exact nn.LayerNorm, an RMSNorm
-    class a family names, or one the structure probe found rounding as `style`), else (it or None, why not)."""
+    """(the norm, None) when `norm_name` is a norm the rules fuse (an exact nn.LayerNorm, or an RMSNorm
+    the structure probe found rounding as `style`), else (it or None, why not)."""
     norm = layer._modules.get(norm_name)
     if "layernorm" not in layers:
         return None, "layers excludes layernorm"
-    style = style or norm_style(type(norm).__name__)
     if type(norm) is not nn.LayerNorm and not (style and from_transformers(type(norm))):
         return None, f"{norm_name} is {type(norm).__name__}, not exactly nn.LayerNorm nor an RMSNorm remat matches"
     return norm, _instance_reason(norm) or hook_reason(layer)
 
 
 def _rms_norm_reason(norm, width, style=None):
-    """None when the stock RMSNorm `norm` is the norm of `style` (default: its family's) over `width`
-    features, rounded as that style rounds (checked on a random input in the weight's dtype and in
-    bf16), else why not."""
-    style = style or norm_style(type(norm).__name__)
+    """None when the stock RMSNorm `norm` is the norm of `style` over `width` features, rounded as that
+    style rounds (checked on a random input in the weight's dtype and in bf16), else why not."""
     weight = getattr(norm, "weight", None)
     eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, float):
@@ -608,7 +596,6 @@ def _layer_rule(layer, layers, recompute, path, report):
     """Hand each LayerNorm of a layer over to the modules it feeds, and convert what remains of them
     on its own; the names of the children handled (a Linear fused inside a child that stays stock,
     BLOOM's self_attention.query_key_value, leaves that child to the other rules)."""
-    kind = type(layer).__name__
     if hook_reason(layer):
         report.add(path, layer, "skipped", f"{hook_reason(layer)}: no fusion across its children")
         return set()
@@ -621,28 +608,10 @@ def _layer_rule(layer, layers, recompute, path, report):
             report.add(join(path, norm_name), layer._modules[norm_name], "skipped", reason)
         else:
             fused |= _hand_over(layer, norm_name, consumer_paths, layers, recompute, path, report)
-    handled = {p for p in fused if "." not in p} | _rms_norms_reported(layer, wiring, path, report)
+    handled = {p for p in fused if "." not in p}
     for consumer_path in dict.fromkeys(p for _, paths in wiring for p in paths if p not in fused):
         handled |= _alone(layer, consumer_path, layers, recompute, path, report)
-    for name in cross_attention(kind):
-        if name in layer._modules:
-            report.add(join(path, name), layer._modules[name], "skipped",
-                       "cross-attention (keys and values from the encoder): it runs as it is")
-            handled.add(name)
     return handled
-
-
-def _rms_norms_reported(layer, wiring, path, report):
-    """The names of the layer's RMSNorm children whose rows the layer rule writes: those of its wiring
-    (fused, or skipped with the reason) and the others, which normalise a block's output (Gemma2's
-    post_attention_layernorm and post_feedforward_layernorm) and stay as they are."""
-    wired = {norm_name for norm_name, _ in wiring}
-    names = {name for name, child in layer._modules.items() if norm_style(type(child).__name__)}
-    for name in sorted(names - wired):
-        report.add(join(path, name), layer._modules[name], "skipped",
-                   "normalises a block's output before the residual add, not the input of a projection: "
-                   "nothing for remat to fuse it into; it runs as it is")
-    return names
 
 
 def _pair_rule(layer, recompute, path, report, pair):
@@ -755,11 +724,16 @@ def _structural_rule(layer, structure, layers, recompute, path, report):
         node = structure_probe.norm_node(frame, norm_name)
         readers, reason = structure_probe.linear_readers(structure, frame, node.outputs[0]) if node else \
             (None, "not called once by the forward")
+        reason = reason or _input_dtype_reason(structure, norm)
         if reason is None and type(norm) is not nn.LayerNorm and styles[norm_name] is None:
             reason = f"{type(norm).__name__}'s forward is none of remat's RMSNorm styles {RMS_NORM_STYLES} bitwise"
         if reason is None and "layernorm" in layers:
-            fused |= _hand_over(layer, norm_name, _norm_consumers(readers, mlps), layers, recompute, path, report,
-                                found)
+            rows = len(report)
+            taken = _hand_over(layer, norm_name, _norm_consumers(readers, mlps), layers, recompute, path, report,
+                               found)
+            fused |= taken
+            if not taken and len(report) > rows and type(norm) is not nn.LayerNorm:
+                handled.add(norm_name)  # its row says why the fusion failed: no generic RMSNorm row as well
         elif reason is not None and (type(norm) is not nn.LayerNorm or _is_block(layer)):
             report.add(join(path, norm_name), norm, "skipped", f"not fused into a projection: {reason}")
             if type(norm) is not nn.LayerNorm:  # a LayerNorm goes on to remat.nn.LayerNorm (a row of its own)
@@ -775,6 +749,16 @@ def _structural_rule(layer, structure, layers, recompute, path, report):
         if name not in handled and not is_converted(layer._modules[name]) and not _is_attention(layer._modules[name]):
             report.add(join(path, name), layer._modules[name], "skipped", f"not fused as an MLP: {reason}")
     return {h for h in handled if "." not in h}
+
+
+def _input_dtype_reason(structure, norm):
+    """Why a fused op cannot take the input the probe gave `norm`: another dtype than its weight (T5's
+    norms after a wo kept in fp32, which the residual stream then carries), or None."""
+    frame = structure.frame(norm)
+    x = frame.hidden_states() if frame is not None else None
+    if x is not None and x.dtype != norm.weight.dtype:
+        return f"its input is {x.dtype}, its weight {norm.weight.dtype} (remat's fused ops take one dtype)"
+    return None
 
 
 def _unruled(module):
@@ -805,12 +789,8 @@ def convert_children(parent, layers, recompute, path, report, structure=None):
             if reason:
                 report.add(join(path, name), child, "skipped", reason)
             handled.add(name)
-        elif stock_attention_reason(kind) and "attention" in layers:
-            report.add(join(path, name), child, "skipped", stock_attention_reason(kind))
-        elif stock_mlp_reason(child) and "mlp" in layers:  # its children are still converted one by one
-            report.add(join(path, name), child, "skipped", stock_mlp_reason(child))
         elif _is_attention(child) and "attention" in layers and not _has_layer_rule(kind) \
-                and not _holds_attention(child):  # T5LayerSelfAttention has its layer rule
+                and not _holds_attention(child):  # T5LayerSelfAttention: its SelfAttention has the row
             report.add(join(path, name), child, "skipped", f"no remat rule for {kind}: it runs as it is, "
                        f"{INTERFACE_ATTENTION}")
         elif _unruled_layer(child) and (structure is None or structure.reason):
@@ -822,7 +802,7 @@ def convert_children(parent, layers, recompute, path, report, structure=None):
 
 
 def _has_layer_rule(kind):
-    return bool(layer_rule(kind) or cross_attention(kind))
+    return bool(layer_rule(kind))
 
 
 def _is_attention(module):

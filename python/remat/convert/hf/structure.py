@@ -7,7 +7,8 @@ family rule covers are then fused where that dataflow says it is safe:
   residual, not a view, not a function) is fused into them: into a recognised MLP, or into each
   projection, x and its statistics kept once;
 - an MLP module whose forward is fc1 -> act -> fc2 (a dropout after fc2 allowed), down(act(gate(x))
-  * up(x)), or down(act(g) * u) with g, u = gate_up(x).chunk(2) becomes the fused MLP;
+  * up(x)) (a dropout before down allowed, fused while it does nothing), or down(act(g) * u) with
+  g, u = gate_up(x).chunk(2) becomes the fused MLP;
 - a layer handing its intermediate's output to its output module only (BERT-like FFNs split in two)
   gets the pair rule.
 
@@ -198,7 +199,8 @@ def example_inputs(model, batch, tokens, device, dtype, images=False):
     inputs = {main: make(config, batch, tokens)} if make is not None else {}
     if inputs.get(main) is None:
         return None, f"its input {main} is none made from its config ({', '.join(_MAKERS)})"
-    if getattr(config, "is_encoder_decoder", False):
+    decoder = "decoder_input_ids" in inspect.signature(model.forward).parameters  # not T5EncoderModel
+    if getattr(config, "is_encoder_decoder", False) and decoder:
         inputs["decoder_input_ids"] = _token_ids(config, batch, tokens)
     if images and main != "pixel_values":
         inputs["pixel_values"] = _pixels(config, batch, tokens)
@@ -374,7 +376,8 @@ def _reads(node, producer, index=0):
 
 def mlp_parts(structure, module):
     """(MLPParts of `module`'s forward, None) when the probe saw fc1 -> act -> fc2 [-> dropout],
-    down(act(gate(x)) * up(x)) or down(act(g) * u) with (g, u) = gate_up(x).chunk(2); else (None, why)."""
+    down([dropout](act(gate(x)) * up(x))) or down(act(g) * u) with (g, u) = gate_up(x).chunk(2); else
+    (None, why)."""
     frame = structure.frame(module)
     if frame is None or frame.hidden_states() is None:
         return None, "the probe did not call it with hidden states"
@@ -394,14 +397,16 @@ def mlp_parts(structure, module):
                 frame.outputs == last.outputs[:1]:
             return MLPParts(fc1.name, act.name, fc2.name, dropout.name if dropout else None), None
     by_kind = collections.Counter(kind for kind, _ in calls)
-    if by_kind["module"] == 4 and len(firsts) == 2 and by_kind["function"] == 1:
+    if by_kind["module"] in (4, 5) and len(firsts) == 2 and by_kind["function"] == 1:
         act = next((n for n in nodes if n.kind == "module" and not _linear(frame, n)), None)
         mul, down = next((n for n in nodes if n.kind == "function"), None), nodes[-1]
         gate = next((n for n in firsts if _reads(act, n)), None) if act is not None else None
         up = next((n for n in firsts if n is not gate), None)
+        dropout = _dropout_between(nodes, module, mul, down) if by_kind["module"] == 5 else None
         if gate is not None and mul.name in ("mul", "__mul__") and _reads(mul, act) and _reads(mul, up) and \
-                _linear(frame, down) and _reads(down, mul) and frame.outputs == down.outputs[:1]:
-            return MLPParts((gate.name, up.name), act.name, down.name, None, _RematGatedMLP), None
+                _linear(frame, down) and _reads(down, dropout or mul) and frame.outputs == down.outputs[:1] and \
+                (dropout is not None or by_kind["module"] == 4):
+            return MLPParts((gate.name, up.name), act.name, down.name, dropout and dropout.name, _RematGatedMLP), None
     if by_kind["module"] == 3 and len(firsts) == 1 and by_kind["function"] == 2:
         gate_up, chunk, act, mul, down = nodes if len(nodes) == 5 else (None,) * 5
         if chunk is not None and chunk.name == "chunk" and _reads(chunk, gate_up) and _reads(act, chunk, 0) and \
@@ -410,6 +415,17 @@ def mlp_parts(structure, module):
             return MLPParts(gate_up.name, act.name, down.name, None, _RematGatedMLP), None
     listed = ", ".join(name for _, name in calls)
     return None, f"its forward ({listed}) is none of fc1 -> act -> fc2, down(act(gate) * up), down(act(g) * u)"
+
+
+def _dropout_between(nodes, module, producer, consumer):
+    """The node of an nn.Dropout child of `module` reading `producer`'s output, called just before
+    `consumer` (T5's gated FFN: down(dropout(act(gate(x)) * up(x)))), or None; nodes: the calls of
+    `module`'s forward, metadata reads aside."""
+    index = nodes.index(consumer)
+    node = nodes[index - 1] if index > 0 else None
+    if node is None or node.kind != "module" or not _reads(node, producer):
+        return None
+    return node if type(module._modules.get(node.name)) is nn.Dropout else None
 
 
 def mlp_children(structure, layer):
