@@ -171,6 +171,18 @@ def test_a_norm_feeding_the_residual_stays_stock():
     assert len(reasons) == LAYERS and all("add() in Olmo2DecoderLayer's forward reads it" in r for r in reasons)
 
 
+def test_a_layer_norm_without_weights_stays_stock():
+    """A LayerNorm without affine parameters (elementwise_affine=False) is one remat's fused ops do
+    not take: its row says why, and the converted model computes as stock."""
+    stock, _ = build("gpt2")
+    for block in stock.transformer.h:
+        block.ln_1 = torch.nn.LayerNorm(block.ln_1.normalized_shape, elementwise_affine=False)
+    converted, report = convert_layers(stock, report=True)
+    reasons = _skipped(report, "ln_1")
+    assert len(reasons) == LAYERS and all("elementwise_affine=False" in r for r in reasons), str(report)
+    assert_same_step(stock, converted, family_inputs("gpt2", "cpu"))
+
+
 @pytest.mark.parametrize("config_name", ["GraniteConfig", "Olmo2Config", "GPTBigCodeConfig", "ElectraConfig",
                                          "Dinov2Config"])
 def test_a_model_on_the_meta_device_is_fused_as_on_the_cpu(config_name):

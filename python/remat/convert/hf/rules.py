@@ -754,10 +754,10 @@ def _structural_rule(layer, structure, layers, recompute, path, report):
 def _input_dtype_reason(structure, norm):
     """Why a fused op cannot take the input the probe gave `norm`: another dtype than its weight (T5's
     norms after a wo kept in fp32, which the residual stream then carries), or None."""
-    frame = structure.frame(norm)
+    frame, weight = structure.frame(norm), getattr(norm, "weight", None)
     x = frame.hidden_states() if frame is not None else None
-    if x is not None and x.dtype != norm.weight.dtype:
-        return f"its input is {x.dtype}, its weight {norm.weight.dtype} (remat's fused ops take one dtype)"
+    if x is not None and weight is not None and x.dtype != weight.dtype:  # a LayerNorm may have no weight
+        return f"its input is {x.dtype}, its weight {weight.dtype} (remat's fused ops take one dtype)"
     return None
 
 
