@@ -43,12 +43,13 @@ def _visible_entries(mask, seq):
     that only shows or hides (a float mask with other values biases the scores)."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or tuple(mask.shape[1:]) != (1, seq, seq):
         return None
+    entries = mask[:, 0]
     if mask.dtype == torch.bool:
-        return mask[:, 0]
+        return entries
     if not mask.is_floating_point():
         return None
-    visible = mask[:, 0] == 0
-    hidden = (mask[:, 0] == float("-inf")) | (mask[:, 0] == torch.finfo(mask.dtype).min)
+    visible = entries == 0
+    hidden = (entries == float("-inf")) | (entries == torch.finfo(mask.dtype).min)
     return visible if bool((visible | hidden).all()) else None
 
 
