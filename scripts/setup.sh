@@ -2,7 +2,7 @@
 # Sets up .venv for remat: torch, triton and the test/bench tools, then installs remat itself.
 # Sourced by bench.sh and test.sh; a few seconds when nothing changed.
 #   REMAT_VENV        the virtual environment (default .venv in the repository)
-#   REMAT_TORCH       the torch requirement (default torch==2.14.1)
+#   REMAT_TORCH       the torch requirement (default torch==2.15.0)
 #   REMAT_BUILD_CUDA  1: build the CUDA extension remat._C (needs nvcc and a CUDA build of torch;
 #                     tens of minutes on a few cores); 0: never. Default: only where torch sees a
 #                     GPU, the one place it can run. (`pip install .` itself builds it wherever nvcc
@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=${REMAT_VENV:-.venv}
 PYTHON="$VENV/bin/python"
-REQUIREMENTS=("${REMAT_TORCH:-torch==2.14.1}" "triton>=3.6" ninja "pytest>=7" "pytest-xdist>=3" "hypothesis>=6"
+REQUIREMENTS=("${REMAT_TORCH:-torch==2.15.0}" "triton>=3.6" ninja "pytest>=7" "pytest-xdist>=3" "hypothesis>=6"
               numpy matplotlib setuptools wheel "transformers>=5.25,<6" "peft>=0.21" "accelerate>=1.15" ruff==0.17.6)
 if [ ! -x "$PYTHON" ]; then
     echo "setup: creating $VENV"
