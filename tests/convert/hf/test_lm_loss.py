@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import remat
+from remat._guards import RematFallbackWarning, fallback_counts
 from remat.convert.hf.modules import _RematFusedNorm
 
 from hf_models import (
@@ -195,3 +196,86 @@ def test_compile_fullgraph():
     converted.forward = torch.compile(converted.forward, backend=record, fullgraph=True)
     assert_same_step(stock, converted, family_inputs("llama", "cpu"))
     assert len(graphs) == 1 and "remat.linear_cross_entropy_fwd" in graphs[0]
+
+
+def doubled_loss(logits, labels, vocab_size, **kwargs):
+    """A loss_function of a user's: twice transformers' causal LM loss."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return 2 * ForCausalLMLoss(logits, labels, vocab_size, **kwargs)
+
+
+def test_a_loss_function_set_before_convert_keeps_the_head_stock():
+    stock, _ = build("llama")
+    stock.loss_function = doubled_loss
+    converted, report = convert(stock)
+    assert head_row(report).action == "skipped" and "probe mismatch" in head_row(report).reason
+    assert_same_step(stock, converted, family_inputs("llama", "cpu"))
+
+
+def test_a_loss_function_set_after_convert_runs_the_stock_forward_and_says_why():
+    """The probe proved the fused loss equal to the loss_function the model had then: a new one is the
+    stock forward's to call (also on a deep copy of the model: its bound methods are new objects)."""
+    stock, _ = build("llama")
+    converted, report = convert(stock)
+    assert head_row(report).action == FUSED
+    with OpCounter() as counter:
+        copy.deepcopy(converted)(**family_inputs("llama", "cpu"))  # the loss_function kept: fused
+    assert counter.counts["remat::linear_cross_entropy_fwd"] == 1
+    stock.loss_function = converted.loss_function = doubled_loss
+    batch = family_inputs("llama", "cpu")
+    with pytest.warns(RematFallbackWarning, match="loss_function was replaced"), OpCounter() as counter:
+        assert_same_step(stock, converted, batch)
+    assert counter.counts["remat::linear_cross_entropy_fwd"] == 0
+    assert fallback_counts(converted)
+
+
+def tuple_loss_and_grads(model, batch, **kwargs):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch, **kwargs)
+    out[0].backward()
+    return out, {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("where", ["call", "config"])
+def test_return_dict_false_in_training_returns_the_stock_tuple(where):
+    """return_dict=False (passed, or the config's) asks for the stock tuple (loss, logits, cache): the
+    stock forward runs, with a warning, and gives the stock loss, logits and gradients (or stock's error:
+    transformers 5.25's LlamaForCausalLM fails on a config's return_dict=False)."""
+    stock, _ = build("llama")
+    converted, _ = convert(stock, layers={"loss"})  # the rest stock: the same numbers exactly
+    kwargs = {"return_dict": False} if where == "call" else {}
+    if where == "config":
+        stock.config.return_dict = converted.config.return_dict = False
+    batch = family_inputs("llama", "cpu")
+    try:
+        want, want_grads = tuple_loss_and_grads(stock, batch, **kwargs)
+    except AttributeError as error:  # transformers 5.25's base model answers the config with a tuple
+        with pytest.raises(type(error), match=str(error)), pytest.warns(RematFallbackWarning, match="return_dict"):
+            converted(**batch)
+        return
+    with pytest.warns(RematFallbackWarning, match="return_dict=False"):
+        got, got_grads = tuple_loss_and_grads(converted, batch, **kwargs)
+    assert isinstance(got, tuple) and [type(x) for x in got] == [type(x) for x in want]
+    torch.testing.assert_close(got[:2], want[:2], rtol=0, atol=0)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=0, atol=0, msg=name)
+    with OpCounter() as counter:  # asked for a ModelOutput after all: the fused loss
+        loss = converted(**batch, return_dict=True).loss
+    assert counter.counts["remat::linear_cross_entropy_fwd"] == 1
+    torch.testing.assert_close(loss, want[0], rtol=1e-5, atol=1e-6)
+
+
+def test_hidden_states_and_attentions_asked_for_pass_on_as_stock():
+    stock, _ = build("llama")
+    converted, _ = convert(stock, layers={"loss"})
+    batch = family_inputs("llama", "cpu")
+    asked = {"output_hidden_states": True, "output_attentions": True}
+    with OpCounter() as counter:
+        got = converted(**batch, **asked)
+    want = stock(**batch, **asked)
+    assert counter.counts["remat::linear_cross_entropy_fwd"] == 1 and got.logits is None
+    assert len(got.hidden_states) == len(want.hidden_states) == LAYERS + 1
+    torch.testing.assert_close(got.hidden_states, want.hidden_states)
+    torch.testing.assert_close(got.attentions, want.attentions)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)

@@ -9,7 +9,10 @@ writes the same architecture) whose forward, for a training call with labels, ru
 and `remat.linear_cross_entropy(hidden, lm_head.weight, shifted labels)` (with the config's
 final_logit_softcapping, the Trainer's num_items_in_batch, a caller's shift_labels) and returns the
 stock output with `logits=None`. Every other call (evaluation, generation, no labels, logits_to_keep,
-positional arguments beyond the first) runs the stock forward, logits and all.
+positional arguments beyond the first) runs the stock forward, logits and all. So does a training call
+that the fused loss would answer otherwise than stock, with a RematFallbackWarning saying why: one that
+asks for the output tuple (return_dict=False, or the config's), whose second entry is the logits, and
+one after `model.loss_function` was replaced (the probe proved the loss function the model had then).
 
 Whether the model computes that loss is proved once, at conversion, by a probe: a small batch through
 the stock forward and through the fused path must give the same loss. A model whose head or loss does
@@ -23,7 +26,7 @@ import sys
 import torch
 from torch import nn
 
-from ..._guards import hook_reason, tensor_reason
+from ..._guards import fallback, hook_reason, tensor_reason
 from ..._numerics import rel_error
 from ...ops.linear_cross_entropy import linear_cross_entropy
 from ..swap import strip
@@ -41,6 +44,7 @@ def convert_loss(model, path, report):
         stock_class = type(model)
         model.__class__ = _fused_class(stock_class)
         model.__dict__["remat_head"] = model.get_output_embeddings()
+        model.__dict__["remat_loss_function"] = model.loss_function  # the one the probe proves
         reason = _probe(model, stock_class)
         if reason is not None:
             _unfuse(model)
@@ -130,11 +134,15 @@ class _FusedLossLM:
     remat_fused = True
 
     def forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
-        if not self._remat_takes(args, labels, logits_to_keep, kwargs):
-            return self.remat_stock.forward(self, *args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
-        if args:
-            kwargs[self.remat_input] = args[0]
-        return self._remat_fused_forward(labels, kwargs)
+        if self._remat_takes(args, labels, logits_to_keep, kwargs):
+            reason = self._remat_refusal(kwargs)
+            if reason is None:
+                if args:
+                    kwargs[self.remat_input] = args[0]
+                kwargs.pop("return_dict", None)  # a ModelOutput: _remat_refusal made sure one is asked for
+                return self._remat_fused_forward(labels, kwargs)
+            fallback(self, reason, runs="its stock forward (the logits and transformers' loss)")
+        return self.remat_stock.forward(self, *args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
 
     def _remat_takes(self, args, labels, logits_to_keep, kwargs):
         """Whether this call runs the fused head and loss: training, labels, every position's logits (the
@@ -145,6 +153,17 @@ class _FusedLossLM:
                 and len(args) <= 1 and head is self.__dict__["remat_head"] and hook_reason(head) is None
                 and not _asks_router_logits(self.config, kwargs))
 
+    def _remat_refusal(self, kwargs):
+        """Why a call that _remat_takes must still run stock, as the fused loss would answer it otherwise
+        than the stock forward does; None for none."""
+        if _asks_tuple(self.config, kwargs):
+            return ("return_dict=False asks for the output tuple, whose second entry is the logits, which the fused "
+                    "loss does not compute (return_dict=True keeps the fused loss)")
+        if not _same_callable(self.loss_function, self.__dict__.get("remat_loss_function")):
+            return ("model.loss_function was replaced after remat.convert, whose probe proved the fused loss equal "
+                    "to the one it had then: the stock forward calls the new one")
+        return None
+
     def _remat_fused_forward(self, labels, kwargs):
         loss, outputs = self._remat_fused_loss(labels, kwargs)
         return _output_class(self)(loss=loss, logits=None, **_passed_on(outputs))
@@ -152,6 +171,8 @@ class _FusedLossLM:
     def _remat_fused_loss(self, labels, kwargs):
         """(the loss, the base model's outputs) of a call's keyword arguments."""
         shift_labels = kwargs.pop("shift_labels", None)
+        if getattr(self.config, "return_dict", True) is not True:  # else the base model returns a tuple
+            kwargs = {**kwargs, "return_dict": True}
         outputs = self.base_model(**kwargs)
         hidden = outputs[0]
         if shift_labels is None:  # tokens < n predict n, as transformers' ForCausalLMLoss shifts them
@@ -169,6 +190,20 @@ class _FusedLossLM:
 def _asks_router_logits(config, kwargs):
     """A mixture-of-experts model asked for its router's logits adds their auxiliary loss to the loss."""
     return bool(kwargs.get("output_router_logits", getattr(config, "output_router_logits", False)))
+
+
+def _asks_tuple(config, kwargs):
+    """Whether a call asks for the output tuple: return_dict=False, or no return_dict and the config's not
+    True, as transformers' can_return_tuple decides it for the stock forward."""
+    return_dict = getattr(config, "return_dict", True)
+    passed = kwargs.get("return_dict", return_dict)
+    return not (return_dict if passed is None else passed)
+
+
+def _same_callable(current, proved):
+    """Whether the loss function now is the one the probe proved: the same object, or an equal bound
+    method (a deep copy of the model makes a new one of the same function and model)."""
+    return current is proved or current == proved
 
 
 def _passed_on(outputs):
@@ -198,7 +233,7 @@ def _probe(model, stock_class):
         with torch.no_grad():
             for m, _ in training:
                 m.train(False)  # no dropout in either
-            want = stock_class.forward(model, input_ids=ids, labels=ids)
+            want = stock_class.forward(model, input_ids=ids, labels=ids, return_dict=True)
             loss, outputs = model._remat_fused_loss(ids, {"input_ids": ids})
     except Exception as error:  # noqa: BLE001 - a forward the fused path does not know how to call
         return f"probe failed ({type(error).__name__}: {error})"
