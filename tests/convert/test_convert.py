@@ -3,6 +3,7 @@ activation memory, the same state_dict keys, and what is (not) swapped and why."
 
 import copy
 import importlib
+import warnings
 from unittest import mock
 
 import pytest
@@ -292,11 +293,78 @@ def test_sequence_first_attention(target):
     assert rel_error(got, want) < GRAD_TOL
 
 
-def test_convert_twice_is_a_no_op():
+def report_rows(report):
+    return [(row.path, row.type, row.action, row.reason, row.saves and row.saves()) for row in report]
+
+
+def module_classes(model):
+    return [(path, type(m)) for path, m in model.named_modules()]
+
+
+def test_convert_twice_is_one_conversion():
     model = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 8))
-    once = conv.convert(model)
+    once, first = conv.convert(model, report=True)
     twice, report = conv.convert(once, report=True)
-    assert not report.swapped and list(twice.state_dict()) == list(model.state_dict())
+    assert report_rows(report) == report_rows(first) and report.swapped
+    assert module_classes(twice) == module_classes(once) and list(twice.state_dict()) == list(model.state_dict())
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_converting_a_converted_model_converts_its_stock_modules_afresh(inplace):
+    """convert(convert(model)) is convert(model): the same classes, report, loss and gradients; with
+    other options the second time, what those options give the stock model; revert gives stock back."""
+    stock = randomize(Block())
+    x, target_ = torch.randn(2, 11, 32), torch.randint(0, 10, (2, 11))
+    once, first = conv.convert(copy.deepcopy(stock), report=True)
+    for layers, want in [(conv.LAYERS, (once, first)), ({"mlp"}, conv.convert(stock, layers={"mlp"}, report=True))]:
+        model = copy.deepcopy(once)
+        twice, report = conv.convert(model, inplace=inplace, layers=layers, report=True)
+        assert (twice is model) == inplace
+        assert module_classes(twice) == module_classes(want[0]) and report_rows(report) == report_rows(want[1])
+        assert_same_training_step(want[0], twice, x, target_)
+        assert_same_training_step(stock, twice, x, target_)
+        assert module_classes(conv.revert(twice)) == module_classes(stock)
+    assert type(once.mlp[0]) is remat.nn.LayerNormMLP  # a copy converted again, not the model itself
+
+
+def test_a_planned_model_is_not_converted_over_its_plan():
+    from remat.planner.units import checkpoint_in_place
+
+    model = randomize(Block())
+    checkpoint_in_place(model.mlp, "full")
+    with pytest.raises(ValueError, match="carries a remat plan"):
+        conv.convert(model)
+
+
+@pytest.mark.parametrize("family, inplace", [("llama", True), ("bert", False), ("bert_model", True)])
+def test_converting_a_converted_hugging_face_model_again(family, inplace):
+    """A causal LM (its fused LM head and loss), BERT with its masked LM head, BertModel: converted
+    twice (also in place), it is converted once: the same classes, report, loss and gradients;
+    reverted, the stock classes."""
+    import hf_models
+
+    stock, _ = hf_models.build("bert" if family == "bert_model" else family)
+    batch = hf_models.family_inputs("bert" if family == "bert_model" else family, "cpu")
+    if family == "bert_model":  # no head: its loss is the mean square of the hidden states
+        stock, ids = stock.bert, batch["input_ids"]
+        batch = {"input_ids": ids}
+    with warnings.catch_warnings():  # BERT's pooler and the like: nothing to fuse, said at each conversion
+        warnings.simplefilter("ignore")
+        once, first = conv.convert(copy.deepcopy(stock), report=True)
+        model = copy.deepcopy(once)
+        twice, report = conv.convert(model, inplace=inplace, report=True)
+    assert (twice is model) == inplace and report.swapped
+    assert module_classes(twice) == module_classes(once) and report_rows(report) == report_rows(first)
+    if family == "bert_model":
+        for m in (once, twice):
+            m.zero_grad()
+            m(**batch).last_hidden_state.pow(2).mean().backward()
+        for (name, p), q in zip(once.named_parameters(), twice.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)
+    else:
+        torch.testing.assert_close(twice(**batch).loss, once(**batch).loss, rtol=0, atol=0)
+        hf_models.assert_same_step(stock, twice, batch)
+    assert module_classes(conv.revert(twice)) == module_classes(stock)
 
 
 def test_named_sequential_keeps_key_order():
@@ -405,7 +473,7 @@ def test_fx_state_dict_checkpoint_and_revert():
 def test_fx_convert_twice_and_deepcopy():
     once = conv.convert(AttrBlock())
     twice, report = conv.convert(once, report=True)
-    assert not report.swapped and [f[:2] for f in twice.remat_fx.fusions] == [f[:2] for f in once.remat_fx.fusions]
+    assert report.swapped and [f[:2] for f in twice.remat_fx.fusions] == [f[:2] for f in once.remat_fx.fusions]
     x = torch.randn(2, 5, 32)
     with mock.patch.object(conv_fx, "fused_mlp", wraps=conv_fx.fused_mlp) as spy:
         torch.testing.assert_close(twice(x), once(x), rtol=0, atol=0)

@@ -108,17 +108,24 @@ def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False):
     report: also return a ConversionReport (print it for a table, with the bytes each swap saves).
 
     Returns the converted model, or (model, report). state_dict keys are unchanged and the
-    original checkpoint loads into the result. Hugging Face models (transformers
-    PreTrainedModel, also inside a peft PeftModel) also get the family rules of remat.hf. Warns
-    (RematWarning) when the conversion saves no activation memory at all.
+    original checkpoint loads into the result. A model converted before is reverted first (the copy,
+    or with inplace=True the model itself) and its stock modules converted afresh: converting twice
+    gives what one conversion with the second call's options gives, report included. A model a
+    remat plan changed (checkpointed or offloaded layers) is refused: remat.revert(model) first.
+    Hugging Face models (transformers PreTrainedModel, also inside a peft PeftModel) also get the
+    family rules of remat.hf. Warns (RematWarning) when the conversion saves no activation memory
+    at all.
     """
     layers = _layer_set(layers)
     if not isinstance(recompute, bool):
         raise TypeError(f"recompute must be True or False, got {recompute!r}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    _refuse_a_planned_model(model)
     if not inplace:
         model = copy.deepcopy(model)
+    if _converted_before(model):  # remat's modules are not converted again: their stock ones are
+        model = revert(model)
     rows = ConversionReport()
     inner, inner_path = _peft_inner(model)
     hf_rules = None
@@ -152,6 +159,21 @@ def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False):
         warnings.warn(f"remat.convert saves no activation memory on this {type(inner).__name__}: {why}",
                       RematWarning, stacklevel=2)
     return (model, rows) if report else model
+
+
+def _converted_before(model):
+    """Whether remat.convert changed some module of `model`: a remat class (the fused LM head and loss
+    included), a forward rewritten by torch.fx, attention switched to remat's."""
+    return any(is_converted(m) or "remat_fx" in vars(m) or "remat_attention_implementation" in vars(m)
+               for m in model.modules())
+
+
+def _refuse_a_planned_model(model):
+    """A plan's checkpointed or offloaded layers are no conversion of convert's to redo: reverting them
+    would drop the plan, and converting over them would change what the plan chose."""
+    if any("remat_checkpoint" in vars(m) for m in model.modules()):
+        raise ValueError("model carries a remat plan (checkpointed or offloaded layers): remat.revert(model) "
+                         "first, then convert it, or apply the plan to the stock model")
 
 
 def _warn_broken_rules(rows):
