@@ -442,29 +442,63 @@ _TINY_AUDIO = dict(conv_dim=(16, 16), conv_kernel=(10, 3), conv_stride=(5, 2), n
 TINY_SAMPLES = 124
 
 
+def _tiny_config(config_name, extra):
+    """The config of class `config_name` with the tiny fields above, then those of `extra` it has."""
+    config_class = getattr(transformers, config_name)
+    default = config_class()
+    fields = {**_TINY_FIELDS, **(_TINY_VISION if hasattr(default, "image_size") else {}),
+              **(_TINY_AUDIO if isinstance(getattr(default, "conv_kernel", None), (tuple, list)) else {})}
+    config = config_class(**fields)  # a state-space model's conv_kernel is one width: no audio convolutions
+    for name, value in extra.items():
+        if hasattr(config, name):
+            setattr(config, name, value)
+    return config, default
+
+
+def _random_train(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model.train()
+
+
 def tiny_model(config_name):
     """(a tiny random model of the transformers config class `config_name` with a language-model head
     where it has one (causal, else masked), its kind: "causal", "masked" or "base"). Image and audio
     models (their main input pixel_values or input_values) are "base"."""
-    config_class = getattr(transformers, config_name)
-    default = config_class()
-    fields = {**_TINY_FIELDS, **(_TINY_VISION if hasattr(default, "image_size") else {}),
-              **(_TINY_AUDIO if hasattr(default, "conv_kernel") else {})}
-    config = config_class(**fields)
-    for name, value in _TINY_EXTRA.items():
-        if hasattr(config, name):
-            setattr(config, name, value)
+    config, _ = _tiny_config(config_name, _TINY_EXTRA)
     for kind, auto in (("causal", transformers.AutoModelForCausalLM), ("masked", transformers.AutoModelForMaskedLM),
                        ("base", transformers.AutoModel)):
         try:
             model = auto.from_config(config)
         except ValueError:  # no such head for this config
             continue
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.02)
-        return model.train(), kind
+        return _random_train(model), kind
     raise ValueError(f"no model class for {config_name}")
+
+
+# Fields of the tiny causal LMs of every family (tests/convert/hf/test_every_causal_lm.py) besides
+# tiny_model's: an encoder-decoder family's decoder layers, linear-attention (gated delta net) and
+# state-space heads small.
+_TINY_CAUSAL_EXTRA = dict(_TINY_EXTRA, encoder_layers=LAYERS, decoder_layers=LAYERS, linear_num_key_heads=2,
+                          linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+
+
+def _one_layer_of_each_type(config, default):
+    """A hybrid family's tiny config (layer_types: linear attention, sliding, full) with one layer of each
+    type its full-size default has, in its order, where the tiny layer count left one out (two layers of
+    linear attention only: no attention layer, which transformers' mask building needs)."""
+    kinds = list(dict.fromkeys(getattr(default, "layer_types", None) or ()))
+    if kinds and all(isinstance(k, str) for k in kinds) and set(config.layer_types or ()) != set(kinds):
+        config.layer_types, config.num_hidden_layers = kinds, len(kinds)
+
+
+def tiny_causal_lm(config_name):
+    """A tiny random causal LM (AutoModelForCausalLM) of the transformers config class `config_name`:
+    tiny_model's fields and _TINY_CAUSAL_EXTRA's, one layer of each type a hybrid family has."""
+    config, default = _tiny_config(config_name, _TINY_CAUSAL_EXTRA)
+    _one_layer_of_each_type(config, default)
+    return _random_train(transformers.AutoModelForCausalLM.from_config(config))
 
 
 def tiny_inputs(model, ids):

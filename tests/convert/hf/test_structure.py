@@ -32,6 +32,7 @@ from hf_models import (
     family_inputs,
     loss_and_grads,
     step_saved_bytes,
+    tiny_causal_lm,
     tiny_loss,
     tiny_model,
 )
@@ -160,6 +161,52 @@ def test_a_norm_that_rounds_as_none_of_remat_s_stays_stock(monkeypatch):
     converted, report = convert_layers(stock, report=True, layers=LAYER_FUSIONS)
     assert _kinds(converted)["norm"] == 0 and _kinds(converted)["mlp"] == LAYERS
     assert all("none of remat's RMSNorm styles" in r for r in _skipped(report, "input_layernorm")), str(report)
+    assert_same_step(stock, converted, family_inputs("llama", "cpu"))
+
+
+def test_a_gated_rms_norm_is_no_rms_norm_and_says_why():
+    """A gated RMSNorm (Qwen3-Next's, Qwen3.5's, OLMo-Hybrid's: forward(x, gate)) has a 1-D weight and a
+    float eps as an RMSNorm has, but its forward takes a gate: the style check says so, where it called
+    norm(x) and raised before, and the hybrid model converts and trains as stock."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
+
+    from remat.convert.hf import structure
+
+    assert structure.rms_style(Qwen3NextRMSNormGated(HIDDEN)) == (None, "its forward takes gate besides its input")
+    torch.manual_seed(0)
+    stock = tiny_causal_lm("Qwen3NextConfig")
+    assert stock.config.layer_types == ["linear_attention", "full_attention"]
+    ids = torch.randint(3, VOCAB, (2, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        converted, report = convert_layers(stock, report=True, layers=LAYER_FUSIONS)
+    assert _skipped(report, "linear_attn.norm") == ["not fused into a projection: reshape() in "
+                                                    "Qwen3NextGatedDeltaNet's forward reads it"], str(report)
+    assert _kinds(converted)["norm"] == LAYERS, str(report)  # each input_layernorm, into its layer's projections
+    assert_tiny_step_as_stock(stock, converted, "causal", ids)
+
+
+def test_an_mlp_calling_a_module_not_its_child_stays_stock(monkeypatch):
+    """An MLP whose forward calls a module held elsewhere in the model (not its child) first: the probe
+    names that call as such, the MLP and the norm before it stay stock with the reason (the probe
+    raised on the unnamed call before)."""
+    stock, _ = build_case("llama")
+    stock.model.shared_tap = torch.nn.Identity()
+    for layer in stock.model.layers:
+        layer.mlp.__dict__["tap"] = stock.model.shared_tap  # a plain attribute: not a child of the MLP
+
+    def forward(self, x):
+        x = self.tap(x)
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    monkeypatch.setattr(transformers.models.llama.modeling_llama.LlamaMLP, "forward", forward)
+    converted, report = convert_layers(stock, report=True, layers=LAYER_FUSIONS)
+    assert _kinds(converted) == {"norm": LAYERS, "projection": 3 * LAYERS, "mlp": 0, "ffn": 0}, str(report)
+    tap = "<Identity, not a child of LlamaMLP>"
+    assert _skipped(report, "post_attention_layernorm") == [
+        f"not fused into a projection: {tap} in LlamaMLP's forward reads it"] * LAYERS, str(report)
+    assert f"not fused as an MLP: its input goes to {tap}, gate_proj, up_proj, not projections only" in \
+        _skipped(report, "mlp"), str(report)
     assert_same_step(stock, converted, family_inputs("llama", "cpu"))
 
 

@@ -23,7 +23,6 @@ from ..._linears import (
 )
 from ..._numerics import rel_error
 from ...ops.attention import HEAD_DIMS
-from ...specs import RMS_NORM_STYLES
 from ..patterns import MLP, fusable, layer_norm_fusable
 from ..swap import is_converted, join, with_class
 from . import structure as structure_probe
@@ -458,11 +457,8 @@ def _rms_norm_reason(norm, width, style=None):
         return f"{type(norm).__name__} has no 1-D weight and float eps (or variance_epsilon)"
     if weight.shape[0] != width:
         return f"{type(norm).__name__} width {weight.shape[0]} != the Linear's in_features {width}"
-    dtype = structure_probe.rms_mismatch(norm, style) if not weight.is_meta else None
-    if dtype is not None:
-        return (f"{type(norm).__name__}'s forward does not round as remat's {style!r} RMSNorm on {dtype} input: "
-                "this transformers version's norm differs")
-    return None
+    reason = structure_probe.rms_mismatch(norm, style) if not weight.is_meta else None
+    return f"{type(norm).__name__}: {reason}" if reason else None
 
 
 def _norm_reason(layer, norm_name, consumers, layers, recompute, style=None):
@@ -715,7 +711,8 @@ def _structural_rule(layer, structure, layers, recompute, path, report):
     mlps, not_mlps = structure_probe.mlp_children(structure, layer) if "mlp" in layers else ({}, {})
     held, held_reason = structure_probe.layer_mlp(structure, layer) if "mlp" in layers else (None, None)
     norms = {n: c for n, c in layer._modules.items() if c is not None and structure_probe.is_norm(c)}
-    styles = {n: structure_probe.rms_style(c) for n, c in norms.items() if type(c) is not nn.LayerNorm}
+    rms = {n: structure_probe.rms_style(c) for n, c in norms.items() if type(c) is not nn.LayerNorm}
+    styles = {n: style for n, (style, _) in rms.items()}
     found = Found(styles, mlps, _replay(frame), held)
     if held is not None:  # asked before a norm's fusion into fc1 swaps it
         held_reason = _layer_mlp_consumer(layer, held, recompute, path)[1]
@@ -726,7 +723,7 @@ def _structural_rule(layer, structure, layers, recompute, path, report):
             (None, "not called once by the forward")
         reason = reason or _input_dtype_reason(structure, norm)
         if reason is None and type(norm) is not nn.LayerNorm and styles[norm_name] is None:
-            reason = f"{type(norm).__name__}'s forward is none of remat's RMSNorm styles {RMS_NORM_STYLES} bitwise"
+            reason = f"{type(norm).__name__}: {rms[norm_name][1]}"
         if reason is None and "layernorm" in layers:
             rows = len(report)
             taken = _hand_over(layer, norm_name, _norm_consumers(readers, mlps), layers, recompute, path, report,

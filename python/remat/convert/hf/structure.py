@@ -111,8 +111,8 @@ class _Recorder(TorchFunctionMode):
     def _enter(self, module, args, kwargs):
         parent = self._frame()
         if parent is not None:
-            name = next((n for n, c in parent.module._modules.items() if c is module), None)
-            parent.nodes.append(Node("module", name, [id(t) for t in _tensors((args, kwargs))], []))
+            parent.nodes.append(Node("module", _child_name(parent.module, module),
+                                     [id(t) for t in _tensors((args, kwargs))], []))
         if module not in self.frames:
             self.keep.append((args, kwargs))
             self.frames[module] = Frame(module, args, kwargs)
@@ -143,6 +143,14 @@ class _Recorder(TorchFunctionMode):
     def close(self):
         for handle in self.handles:
             handle.remove()
+
+
+def _child_name(parent, module):
+    """The name of `module` among `parent`'s children; for a module the forward of `parent` calls that
+    is none of its children (one held in a plain attribute, or a grandchild), a name no child has, which
+    says so: the dataflow through it is then none this probe fuses."""
+    name = next((n for n, c in parent._modules.items() if c is module), None)
+    return name if name is not None else f"<{type(module).__name__}, not a child of {type(parent).__name__}>"
 
 
 def _token_ids(config, batch, tokens):
@@ -292,8 +300,10 @@ def linear_readers(structure, frame, tensor_id, prefix=""):
     readers = []
     for node in nodes:
         child = frame.module._modules.get(node.name) if node.kind == "module" else None
-        if node.kind == "function" or child is None:
+        if node.kind == "function":
             return None, f"{node.name}() in {owner}'s forward reads it"
+        if child is None:
+            return None, f"{node.name} in {owner}'s forward reads it"
         if widths(child) is not None:
             readers.append(prefix + node.name)
             continue
@@ -327,9 +337,13 @@ def is_norm(module):
 
 
 def rms_mismatch(norm, style):
-    """The input dtype (its weight's, then bf16) on which the RMSNorm `norm`'s forward differs from
-    remat's `style` on a random input, bitwise; None when it equals it in both. A norm on meta is
-    checked as a copy on the CPU with random weights (its forward's rounding is what is compared)."""
+    """Why the RMSNorm candidate `norm`'s forward is not remat's `style`: it takes more than its input
+    (a gated RMSNorm's gate), fails on a random input, or differs from `style` bitwise on it in its
+    weight's dtype or in bf16; None when it equals it in both. A norm on meta is checked as a copy on
+    the CPU with random weights (its forward's rounding is what is compared)."""
+    extra = _inputs_besides_the_first(norm)
+    if extra:
+        return f"its forward takes {', '.join(extra)} besides its input"
     if norm.weight.is_meta:
         norm = _cpu_copy(norm)
     weight, eps = norm.weight, getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
@@ -337,11 +351,26 @@ def rms_mismatch(norm, style):
     for dtype in dict.fromkeys((weight.dtype, torch.bfloat16)):
         xi = x.to(weight.device, dtype)
         with torch.no_grad():
-            want = norm(xi)
+            try:
+                want = norm(xi)
+            except Exception as error:  # noqa: BLE001 - a forward this check cannot call: not remat's norm
+                return f"its forward fails on a {tuple(xi.shape)} {dtype} input ({type(error).__name__}: {error})"
             got = rms_norm_output_ref(xi, weight, rms_norm_rstd_ref(xi, eps), style)
-        if want.dtype != got.dtype or not torch.equal(want, got):
-            return dtype
+        if not isinstance(want, torch.Tensor) or want.dtype != got.dtype or not torch.equal(want, got):
+            return f"its forward does not round as remat's {style!r} RMSNorm on {dtype} input"
     return None
+
+
+def _inputs_besides_the_first(module):
+    """The names of the parameters `module`'s forward needs besides its first (no default), e.g. a
+    gated RMSNorm's gate: a forward called on its input alone would raise."""
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: the call itself says (rms_mismatch)
+        return []
+    needed = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+              inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in parameters[1:] if p.kind in needed and p.default is inspect.Parameter.empty]
 
 
 def _cpu_copy(module):
@@ -356,8 +385,17 @@ def _cpu_copy(module):
 
 
 def rms_style(norm):
-    """The style of remat's RMSNorm that `norm`'s forward computes bitwise (rms_mismatch), or None."""
-    return next((style for style in RMS_NORM_STYLES if rms_mismatch(norm, style) is None), None)
+    """(the style of remat's RMSNorm that `norm`'s forward computes bitwise, None), or (None, why none:
+    rms_mismatch's reasons, one per style where they differ)."""
+    reasons = {}
+    for style in RMS_NORM_STYLES:
+        reason = rms_mismatch(norm, style)
+        if reason is None:
+            return style, None
+        reasons.setdefault(reason, style)
+    if len(reasons) == 1:
+        return None, next(iter(reasons))
+    return None, f"its forward is none of remat's RMSNorm styles {RMS_NORM_STYLES} bitwise"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,9 +403,19 @@ def rms_style(norm):
 # ---------------------------------------------------------------------------------------------
 
 
+def _child(frame, node):
+    """The child module of frame's module a node called, or None (a function, or a module not its child)."""
+    return frame.module._modules.get(node.name) if node.kind == "module" else None
+
+
 def _linear(frame, node):
-    child = frame.module._modules.get(node.name) if node.kind == "module" else None
+    child = _child(frame, node)
     return child is not None and widths(child) is not None
+
+
+def _activation(frame, node):
+    """Whether the node called a child module that is not Linear-like (an MLP's activation)."""
+    return _child(frame, node) is not None and not _linear(frame, node)
 
 
 def _reads(node, producer, index=0):
@@ -388,17 +436,17 @@ def mlp_parts(structure, module):
     if not firsts or not all(_linear(frame, n) for n in firsts):
         return None, f"its input goes to {', '.join(n.name for n in firsts) or 'nothing'}, not projections only"
     if len(firsts) == 1 and len(nodes) >= 3 and all(n.kind == "module" for n in nodes[:3]) and \
-            not _linear(frame, nodes[1]) and _linear(frame, nodes[2]) and len(nodes) <= 4:
+            _activation(frame, nodes[1]) and _linear(frame, nodes[2]) and len(nodes) <= 4:
         fc1, act, fc2, *rest = nodes  # plain: fc1 -> act -> fc2, a dropout module after
         dropout = rest[0] if rest else None
         last = dropout or fc2
         if _reads(act, fc1) and _reads(fc2, act) and (dropout is None or (dropout.kind == "module" and _reads(
-                dropout, fc2) and isinstance(module._modules[dropout.name], nn.Dropout))) and \
+                dropout, fc2) and isinstance(module._modules.get(dropout.name), nn.Dropout))) and \
                 frame.outputs == last.outputs[:1]:
             return MLPParts(fc1.name, act.name, fc2.name, dropout.name if dropout else None), None
     by_kind = collections.Counter(kind for kind, _ in calls)
     if by_kind["module"] in (4, 5) and len(firsts) == 2 and by_kind["function"] == 1:
-        act = next((n for n in nodes if n.kind == "module" and not _linear(frame, n)), None)
+        act = next((n for n in nodes if _activation(frame, n)), None)
         mul, down = next((n for n in nodes if n.kind == "function"), None), nodes[-1]
         gate = next((n for n in firsts if _reads(act, n)), None) if act is not None else None
         up = next((n for n in firsts if n is not gate), None)
@@ -409,7 +457,8 @@ def mlp_parts(structure, module):
             return MLPParts((gate.name, up.name), act.name, down.name, dropout and dropout.name, _RematGatedMLP), None
     if by_kind["module"] == 3 and len(firsts) == 1 and by_kind["function"] == 2:
         gate_up, chunk, act, mul, down = nodes if len(nodes) == 5 else (None,) * 5
-        if chunk is not None and chunk.name == "chunk" and _reads(chunk, gate_up) and _reads(act, chunk, 0) and \
+        if chunk is not None and chunk.name == "chunk" and _reads(chunk, gate_up) and _activation(frame, act) and \
+                _reads(act, chunk, 0) and \
                 mul.name in ("mul", "__mul__") and _reads(mul, act) and _reads(mul, chunk, 1) and \
                 _linear(frame, down) and _reads(down, mul) and frame.outputs == down.outputs[:1]:
             return MLPParts(gate_up.name, act.name, down.name, None, _RematGatedMLP), None
@@ -471,7 +520,7 @@ def layer_mlp(structure, layer):
     frame = structure.frame(layer)
     for fc1 in [n for n in frame.nodes if _linear(frame, n)] if frame is not None else ():
         act, between = _next_call(frame, fc1)
-        if act is None or between is not None or act.kind != "module" or _linear(frame, act):
+        if act is None or between is not None or not _activation(frame, act):
             continue
         fc2, dropout = _next_call(frame, act)
         if fc2 is None or not _linear(frame, fc2):
