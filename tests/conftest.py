@@ -30,23 +30,24 @@ import pytest  # noqa: E402
 import remat  # noqa: E402
 from remat import _backend  # noqa: E402
 
-from numerics import make_interpreter_bf16_dots_exact, round_interpreter_bf16_casts_to_nearest  # noqa: E402
+from numerics import make_interpreter_dots_and_math_isa_independent, round_interpreter_bf16_casts_to_nearest  # noqa: E402
 
-# Under the interpreter, fp32 -> bf16 casts round to nearest even and bf16 tl.dot multiplies exactly
-# with fp32 sums, as on the GPU (see numerics.py). Before any test runs an op: remat asks once
-# whether the interpreter's bf16 dot is exact.
+# Under the interpreter, fp32 -> bf16 casts round to nearest even, as on the GPU, and tl.dot and the
+# fp32 math functions give the same bits on every CPU: tl.dot the exact product rounded once (a GPU's
+# exact products and fp32 sums, bf16 included), never the CPU's BLAS kernel (see numerics.py).
+# Before any test runs an op: remat asks once whether the interpreter's bf16 dot is exact.
 INTERPRETER = _backend.interpreter_enabled() and _backend.backends()["triton"][0]
 BF16_CASTS_PATCHED = INTERPRETER and round_interpreter_bf16_casts_to_nearest()
-BF16_DOTS_PATCHED = INTERPRETER and make_interpreter_bf16_dots_exact()
+DOTS_AND_MATH_PATCHED = INTERPRETER and make_interpreter_dots_and_math_isa_independent()
 
 
 def pytest_report_header(config):
     lines = []
     if BF16_CASTS_PATCHED:
         lines.append("Triton interpreter: fp32 -> bf16 casts truncate; patched to round to nearest even, as on a GPU")
-    if BF16_DOTS_PATCHED:
-        lines.append("Triton interpreter: bf16 tl.dot multiplies raw bits (triton#11584); patched to multiply "
-                     "exactly with fp32 sums, as on a GPU")
+    if DOTS_AND_MATH_PATCHED:
+        lines.append("Triton interpreter: tl.dot (numpy/BLAS sums, CPU-dependent; bf16 raw bits, triton#11584) "
+                     "patched to the exact product rounded once; fp32 exp/log/sin/cos computed in float64")
     return lines or None
 
 # Devices and backends every kernel test runs on: the interpreter on CPU everywhere, and on a

@@ -1,5 +1,6 @@
 """Cross-cutting robustness: autocast, NaN/Inf, huge tensors, random shapes, and a training run."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,6 +10,7 @@ from hypothesis import strategies as st
 import remat
 from remat.gpt import GPTConfig, remat_stack, torch_stack
 
+import numerics
 from numerics import REL_TOL, rel_error
 
 # --- autocast: the same output dtypes as PyTorch's own layers ----------------------------------
@@ -330,23 +332,123 @@ def test_attention_extreme_logits_as_pytorch(target, case, dtype):
     # delta = rowsum(dO * O) ~ dP, where both FlashAttention-style backwards round O to the dtype
     # first. Their error relative to the vanishing exact value is rounding noise times
     # softmax_scale (>> 1 at scale 1e3, for PyTorch's as for ours): a ratio of two noises is no
-    # measure, so dq and dk are held to PyTorch's finiteness only; o and dv to its accuracy.
-    # In fp32, dv's error is the algorithm's (see _pytorch_flash_attention): each probability
-    # recomputed as exp(s - lse) carries the fp32 roundings of s and lse, a few |s| 2^-24 each in
-    # its exponent. PyTorch's CPU flash backward is no oracle for it: on some CPUs it carries that
-    # error, on AVX-512 ones it does not. So fp32 dv is held to 4 |logit|max 2^-24 instead.
+    # measure, so dq and dk are held to PyTorch's finiteness only; o to its accuracy.
+    # dv guards the backward's recomputed probabilities. Its error, in fp16 as in fp32 (the scores
+    # and the lse are fp32 in both), is the algorithm's (see _pytorch_flash_attention): each
+    # probability recomputed as exp(s - lse) carries the fp32 roundings of s and lse, a few
+    # |s| 2^-24 each in its exponent (a few percent at scale 1e5, |s| ~ 2e6). PyTorch's CPU flash
+    # backward is no oracle for it: which error it carries depends on the CPU (fp16 dv at scale 1e5:
+    # 0.14 on an AVX2 CPU, 0.0003 on an AVX512-FP16 one), so dv is held to 4 |logit|max 2^-24, or
+    # the dtype's bound, on every CPU. Ours is the same on every CPU: under the interpreter tl.dot
+    # gives the exact product rounded once (conftest.py, numerics.py); with numpy's BLAS deciding
+    # the rounding of s, the same inputs gave 0.095 on one CPU kernel and 0.026 on another.
     scale = softmax_scale or q.shape[-1] ** -0.5
     logits = (q.double() @ k.double().transpose(-1, -2)) * scale
     if causal:
         logits = logits.masked_fill(torch.ones_like(logits, dtype=torch.bool).triu(1), float("-inf"))
-    fp32_dv = dtype == torch.float32
     for name, o, t, e in zip(("o", "dq", "dk", "dv"), ours, theirs, exact):
-        assert_like_pytorch(name, o, t, e, compare_error=name == "o" or (name == "dv" and not fp32_dv))
-    if fp32_dv:
-        bound = 4 * logits.abs().nan_to_num(posinf=0.0).max().item() * 2**-24
-        assert rel_error(ours[3], exact[3]) <= max(REL_TOL[dtype], bound)
+        assert_like_pytorch(name, o, t, e, compare_error=name == "o")
+    bound = max(REL_TOL[dtype], 4 * logits.abs().nan_to_num(posinf=0.0).max().item() * 2**-24)
+    dv_error = rel_error(ours[3], exact[3])
+    assert dv_error <= bound, (f"dv: error {dv_error:.3g} > {bound:.3g}: the backward's probabilities exp(s - lse) "
+                               "drift further from the forward's than fp32 rounding of the scores and lse allows")
     _, lse = remat.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
     assert rel_error(lse, torch.logsumexp(logits, dim=-1)) <= REL_TOL[torch.float32]
+
+
+# --- the interpreter's arithmetic is the same on every CPU ----------------------------------------
+# numpy dispatches its loops on the CPU it runs on (OpenBLAS's sgemm kernel for matmul, AVX-512 and
+# AVX512-FP16 variants of its math loops), so under the Triton interpreter a kernel's result could
+# depend on the CPU. conftest.py replaces the interpreter's tl.dot and fp32 math functions
+# (numerics.make_interpreter_dots_and_math_isa_independent); these tests hold them to results that
+# follow from the inputs alone, on operands where any CPU-dependent arithmetic gives other bits.
+
+
+def _interpreter_only(device):
+    if device != "cpu":
+        pytest.skip("the interpreter's arithmetic: CPU tensors only")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16], ids=["fp32-out", "fp16-out"])
+def test_interpreter_dot_is_the_exact_product_rounded_once(target, dtype, out_dtype):
+    """tl.dot gives bitwise the exact product rounded once, where numpy's fp32 matmul (the CPU's
+    BLAS kernel) and fp16 accumulation (numpy's half arithmetic) each give other bits."""
+    device, _ = target
+    _interpreter_only(device)
+    a, b = numerics.adversarial_dot_operands(dtype)
+    want = numerics.exact_dot_in(a, b, out_dtype)
+    blas_fp32 = torch.from_numpy(np.matmul(a.float().numpy(), b.float().numpy()))
+    half_sums = torch.from_numpy(_half_sums(a.half().numpy(), b.half().numpy()))
+    assert not torch.equal(blas_fp32.to(out_dtype), want) and not torch.equal(half_sums.to(out_dtype), want), (
+        "the operands must tell the exact product from fp32 and fp16 accumulation")
+    got = numerics.triton_dot(a, b, out_dtype)
+    assert torch.equal(got, want), (
+        f"the interpreter's {dtype} tl.dot is not the exact product rounded once: it depends on how the CPU sums")
+
+
+def _half_sums(a, b):
+    """a @ b (numpy fp16) summed in fp16 arithmetic, as native half-precision loops would."""
+    total = np.zeros((a.shape[0], b.shape[1]), dtype=np.float16)
+    with np.errstate(all="ignore"):
+        for k in range(a.shape[1]):
+            total = total + a[:, k, None] * b[None, k, :]
+    return total
+
+
+def _half_arithmetic_dot(builder, a, b, d, *rest, **kwargs):
+    """tl.dot as numpy's half-precision arithmetic would compute it on fp16 operands: fp16 sums."""
+    from triton.runtime import interpreter
+
+    product = _half_sums(a.data.astype(np.float16), b.data.astype(np.float16)).astype(d.data.dtype)
+    return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+
+@pytest.mark.parametrize("simulated", ["interpreters-own-blas-dot", "half-arithmetic-dot"])
+def test_the_dot_check_sees_cpu_dependent_sums(target, monkeypatch, simulated):
+    """The check conftest.py asserts after patching is no constant: with the interpreter's own dot
+    (numpy's fp32 BLAS matmul) or a dot summing in fp16, it reports the dot inexact."""
+    device, _ = target
+    _interpreter_only(device)
+    from triton.runtime import interpreter
+
+    assert numerics.interpreter_dots_are_exact()
+    own = interpreter.InterpreterBuilder.create_dot.__wrapped__
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot",
+                        own if simulated == "interpreters-own-blas-dot" else _half_arithmetic_dot)
+    assert not numerics.interpreter_dots_are_exact()
+
+
+def test_interpreter_fp32_math_is_float64_rounded_and_the_check_is_no_constant(target, monkeypatch):
+    """fp32 exp2 and friends are numpy's float64 functions rounded to fp32 (the same bits on every
+    CPU); a loop one ulp off, as a CPU's own vector loop may be, fails the check."""
+    device, _ = target
+    _interpreter_only(device)
+    from triton.runtime import interpreter
+
+    assert numerics.interpreter_fp32_math_is_widened()
+    patched = interpreter.InterpreterBuilder.create_exp2
+
+    def one_ulp_off(builder, arg):
+        exact = patched(builder, arg)
+        return interpreter.TensorHandle(np.nextafter(exact.data, np.float32(np.inf)), exact.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_exp2", one_ulp_off)
+    assert not numerics.interpreter_fp32_math_is_widened()
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # 1e30 -> inf: meant
+def test_interpreter_fp16_casts_round_to_nearest_even(target):
+    """An fp32 -> fp16 store rounds to nearest even, as a GPU's: halfway cases, subnormals and the
+    overflow boundary (65520 and up round to inf), bitwise as torch's conversion."""
+    device, _ = target
+    ulp = 2.0**-10
+    values = [1 + ulp / 2, 1 + 3 * ulp / 2, 1 + ulp / 2 + 2**-20, -(1 + ulp / 2), 2**-24 * 1.5, 2**-24 * 0.5,
+              2**-25 * 1.0001, 6.1e-5, 65504.0, 65519.99, 65520.0, -65520.0, 1e30, float("inf"), 0.1, -0.0]
+    x = torch.tensor(values, device=device)
+    stored = numerics.triton_store(x, torch.float16)
+    assert torch.equal(stored.view(torch.int16), x.to(torch.float16).view(torch.int16)), (
+        "the interpreter's fp32 -> fp16 cast does not round to nearest even")
 
 
 # --- multi-GPU callers: Triton launches on the current device, not the tensors' ----------------

@@ -79,20 +79,25 @@ def _bf16_store_kernel():
     import triton.language as tl
 
     @triton.jit
-    def store_as_bf16(X, Y, n, BLOCK: tl.constexpr):  # X: (n,) fp32; Y: (n,) bf16
+    def store_as_bf16(X, Y, n, BLOCK: tl.constexpr):  # X: (n,) fp32; Y: (n,) bf16 (or any dtype)
         offsets = tl.arange(0, BLOCK)
         tl.store(Y + offsets, tl.load(X + offsets, mask=offsets < n), mask=offsets < n)
 
     return store_as_bf16
 
 
-def triton_bf16_store(x):
-    """x (1-D fp32) as a Triton kernel stores it into a bf16 tensor: the cast every kernel's store does."""
+def triton_store(x, dtype):
+    """x (1-D fp32) as a Triton kernel stores it into a tensor of `dtype`: the cast every kernel's store does."""
     import triton
 
-    y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(x.shape, dtype=dtype, device=x.device)
     _bf16_store_kernel()[(1,)](x, y, x.numel(), BLOCK=triton.next_power_of_2(max(x.numel(), 1)))
     return y
+
+
+def triton_bf16_store(x):
+    """x (1-D fp32) as a Triton kernel stores it into a bf16 tensor."""
+    return triton_store(x, torch.bfloat16)
 
 
 def triton_rounds_bf16_to_nearest(device="cpu"):
@@ -136,48 +141,205 @@ def round_interpreter_bf16_casts_to_nearest():
     return True
 
 
-# --- bf16 matrix products under the Triton interpreter --------------------------------------------
-# The interpreter keeps bf16 values as their raw bits (numpy uint16) and its tl.dot hands those to
-# numpy's matmul as integers (triton issue 11584): every bf16 product is garbage, and remat refuses
-# bf16 attention under it (remat.triton_kernels._interpreter). A GPU's tensor cores multiply the bf16
-# inputs exactly and add in fp32. The test process makes the interpreter do the same (widening bf16
-# operands to fp32 before numpy's matmul, with the interpreter's own bf16 -> fp32 conversion), so
-# that every bf16 attention test runs on CPU, and asserts with remat's own check that it took.
+# --- matrix products and fp32 math under the Triton interpreter, as on a GPU and on every CPU -----
+# The interpreter computes tl.dot with numpy's matmul: fp16 and fp32 operands go to numpy's float32
+# matmul, which is OpenBLAS's sgemm, whose kernel (and with it the order of the fp32 sums) OpenBLAS
+# picks for the CPU it runs on (Haswell, SkylakeX, SapphireRapids, ...). So the fp32 rounding of
+# every product under the interpreter depends on the CPU, and a kernel that recomputes a score in
+# its backward (attention's exp(s - lse)) amplifies one ulp of |s| ~ 1e6 into a relative error of
+# tens of percent: tests passed on one CPU and failed on another (the same inputs give attention's
+# fp16 dv an error of 0.095 with OpenBLAS's Haswell kernel, 0.0263 with its Sandybridge one). bf16
+# operands were worse: the interpreter keeps bf16 values as their raw bits (numpy uint16) and hands
+# those to matmul as integers (triton issue 11584), so every bf16 product was garbage and remat
+# refuses bf16 attention under it (remat.triton_kernels._interpreter).
+# The test process replaces the interpreter's tl.dot by one that depends on its inputs alone: the
+# operands widened exactly to float64 (bf16 and fp8 with the interpreter's own conversions), their
+# products (exact in float64) and the accumulator summed in float64 by numpy's own (not BLAS's)
+# reduction, and the total rounded once to the accumulator's dtype. A GPU's tensor cores multiply
+# exactly and add in fp32; this is the same up to the order of the fp32 additions, the most
+# accurate of them, and the same bits on every CPU: numpy's float64 add is IEEE, and even a
+# different summation order would change float64 sums by far less than the fp32 rounding.
+# fp32 exp, exp2, log, log2, sin and cos have CPU-dispatched numpy loops too (an AVX-512 one and a
+# baseline one, each within an ulp or so, not the same ulp): they are computed in float64 and
+# rounded to fp32. Triton's math functions take no fp16/bf16 operand (tl.exp on fp16 raises), so
+# numpy's half-precision math loops, dispatched natively on AVX512-FP16 CPUs, are never reached;
+# fp16 add/multiply and fp32 <-> fp16 casts in numpy are the same code on every x86 CPU.
+
+# Operands that tell the exact dot from numpy's: in every output element two products of
+# ±65280² (~4.3e9, 8 significant bits: exact in fp16 and bf16), the second and the last of the
+# sum, cancel, and the small integer products between them survive only in an exact sum: an fp32
+# sum loses them to a big partial sum (fp32 spacing 512 there) in any order that does not add all
+# small ones first (sequential, blocked, one accumulator per SIMD lane), an fp16 one overflows to inf.
+_DOT_SIZE = 16  # tl.dot's smallest tile
+_BIG = 65280.0
 
 
-def make_interpreter_bf16_dots_exact():
-    """Makes the Triton interpreter's tl.dot on bf16 operands exact (fp32 accumulation), as a GPU's.
+def adversarial_dot_operands(dtype, device="cpu"):
+    """(a, b): _DOT_SIZE x _DOT_SIZE operands of `dtype` whose exact product no fp32 or fp16
+    accumulation gives: two cancelling products of ±65280² beside small integer ones."""
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randint(-16, 17, (_DOT_SIZE, _DOT_SIZE), generator=generator).double() for _ in range(2))
+    a[:, 1], a[:, -1], b[1, :], b[-1, :] = _BIG, -_BIG, _BIG, _BIG
+    return a.to(dtype).to(device), b.to(dtype).to(device)
 
-    Returns True when it had to patch, False when the interpreter's bf16 dot is exact already.
-    Raises if the patch does not take (a newer Triton changed the interpreter): then the patch needs
-    updating, rather than bf16 attention tests refused or silently measured on garbage.
-    """
-    from remat.triton_kernels._interpreter import bf16_dot_is_exact
 
-    if bf16_dot_is_exact():
-        return False
+def exact_dot_in(a, b, out_dtype):
+    """The exact product of a and b (integers: summed exactly in float64) rounded once to out_dtype."""
+    exact = a.double() @ b.double()
+    assert (exact == exact.round()).all() and exact.abs().max() < 2**53, "the operands must give exact sums"
+    return exact.to(out_dtype)
+
+
+@functools.cache
+def _dot_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dot(A, B, C, SIZE: tl.constexpr, IEEE: tl.constexpr):  # C = A @ B, (SIZE, SIZE) each
+        tiles = tl.arange(0, SIZE)[:, None] * SIZE + tl.arange(0, SIZE)[None, :]
+        a, b = tl.load(A + tiles), tl.load(B + tiles)
+        product = tl.dot(a, b, input_precision="ieee") if IEEE else tl.dot(a, b)
+        tl.store(C + tiles, product.to(C.dtype.element_ty))
+
+    return dot
+
+
+def triton_dot(a, b, out_dtype=torch.float32):
+    """a @ b as a Triton kernel's tl.dot (fp32 accumulation) computes it, stored as out_dtype."""
+    c = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+    _dot_kernel()[(1,)](a, b, c, SIZE=a.shape[0], IEEE=a.dtype == torch.float32)
+    return c
+
+
+def interpreter_dots_are_exact():
+    """True when the interpreter's tl.dot on fp16, bf16 and fp32 operands gives bitwise the exact
+    product rounded once to fp32: on the adversarial operands, where every fp32 or fp16
+    accumulation (whatever the CPU's BLAS) gives other bits."""
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        a, b = adversarial_dot_operands(dtype)
+        if not torch.equal(triton_dot(a, b), exact_dot_in(a, b, torch.float32)):
+            return False
+    return True
+
+
+_WIDENED_MATH = ("exp", "exp2", "log", "log2", "sin", "cos")
+# fp32 inputs where the dispatched loops can differ: large arguments, values near 1 (log), tiny ones.
+_MATH_PROBE = (-87.3, -20.5, -1e-3, -7e-8, 0.0, 3e-8, 0.37, 0.9999999, 1.0000001, 1.7, 33.3, 88.0, 1e4)
+
+
+@functools.cache
+def _math_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fp32_math(X, Y, n, BLOCK: tl.constexpr):  # Y: (6, n): exp, exp2, log, log2, sin, cos of X
+        offsets = tl.arange(0, BLOCK)
+        mask = offsets < n
+        x = tl.load(X + offsets, mask=mask, other=1.0)
+        tl.store(Y + offsets, tl.exp(x), mask=mask)
+        tl.store(Y + n + offsets, tl.exp2(x), mask=mask)
+        tl.store(Y + 2 * n + offsets, tl.log(x), mask=mask)
+        tl.store(Y + 3 * n + offsets, tl.log2(x), mask=mask)
+        tl.store(Y + 4 * n + offsets, tl.sin(x), mask=mask)
+        tl.store(Y + 5 * n + offsets, tl.cos(x), mask=mask)
+
+    return fp32_math
+
+
+def interpreter_fp32_math_is_widened():
+    """True when the interpreter's fp32 exp, exp2, log, log2, sin and cos give numpy's float64
+    function rounded to fp32 (the same bits on every CPU), NaN where it is NaN."""
+    import numpy as np
+    import triton
+
+    x = torch.tensor(_MATH_PROBE)
+    y = torch.empty(len(_WIDENED_MATH), len(_MATH_PROBE))
+    with np.errstate(all="ignore"):  # log of the negative probes is NaN, of 0 -inf: meant
+        _math_kernel()[(1,)](x, y, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+        want = [getattr(np, name)(x.numpy().astype(np.float64)).astype(np.float32) for name in _WIDENED_MATH]
+    return torch.equal(y.nan_to_num(1.5), torch.from_numpy(np.stack(want)).nan_to_num(1.5))
+
+
+def _widened_to_float64(handle):
+    """The values of an interpreter tensor of floating dtype as float64 numpy data (exact)."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
 
+    scalar = handle.dtype.scalar
+    if scalar == tl.bfloat16:  # kept as raw bits
+        values = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None).view(np.float32)
+    elif scalar.primitive_bitwidth == 8:  # fp8 formats, as the interpreter's own dot reads them
+        values = interpreter._convert_float(handle.data, scalar, tl.float16, None).view(np.float16)
+    else:
+        values = handle.data
+    return values.astype(np.float64)
+
+
+def _exact_dot(builder, a, b, d, *rest, **kwargs):
+    """tl.dot: exact float64 products summed with the accumulator d in float64, rounded once to d's dtype."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if not (a.dtype.scalar.is_floating() and b.dtype.scalar.is_floating() and d.dtype.scalar.is_floating()):
+        return _exact_dot.__wrapped__(builder, a, b, d, *rest, **kwargs)  # integer dots are exact already
+    products = _widened_to_float64(a)[..., :, :, None] * _widened_to_float64(b)[..., None, :, :]
+    total = np.add.reduce(products, axis=-2) + _widened_to_float64(d)
+    if d.dtype.scalar == tl.bfloat16:  # kept as raw bits
+        rounded = torch.from_numpy(total).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    else:
+        with np.errstate(over="ignore"):  # past the accumulator's range: inf, as on a GPU
+            rounded = total.astype(d.data.dtype)
+    return interpreter.TensorHandle(rounded, d.dtype.scalar)
+
+
+def _widened_math(name, original):
+    import numpy as np
+    from triton.runtime import interpreter
+
+    function = getattr(np, name)
+
+    def create(builder, arg):
+        if arg.data.dtype != np.float32:
+            return original(builder, arg)
+        with np.errstate(over="ignore"):  # past fp32's range: inf, as the fp32 function gives
+            values = function(arg.data.astype(np.float64)).astype(np.float32)
+        return interpreter.TensorHandle(values, arg.dtype.scalar)
+
+    create.__wrapped__ = original
+    return create
+
+
+def make_interpreter_dots_and_math_isa_independent():
+    """Makes the Triton interpreter's tl.dot exact (the exact product rounded once to the accumulator's
+    dtype, for fp16, bf16, fp8 and fp32 operands) and its fp32 exp/exp2/log/log2/sin/cos the float64
+    function rounded to fp32: results that depend on the inputs alone, not on the CPU (see above).
+
+    Returns True (it patched). Raises if the interpreter's methods it replaces are gone or the
+    self-checks fail after patching (a newer Triton changed the interpreter): then the patch needs
+    updating, rather than tests silently measured on the CPU's BLAS kernel or on garbage bf16 products.
+    """
+    from triton.runtime import interpreter
+
     builder = interpreter.InterpreterBuilder
-    original = builder.create_dot
-
-    def widened(handle):
-        if handle.dtype.scalar != tl.bfloat16:
-            return handle
-        data = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None).view(np.float32)
-        return interpreter.TensorHandle(data, tl.float32)
-
-    def create_dot(self, a, b, *rest, **kwargs):
-        return original(self, widened(a), widened(b), *rest, **kwargs)
-
-    create_dot.__wrapped__ = original
-    builder.create_dot = create_dot
-    if not bf16_dot_is_exact():
-        builder.create_dot = original
-        raise RuntimeError("patching triton.runtime.interpreter.InterpreterBuilder.create_dot did not make the "
-                           "interpreter's bf16 tl.dot exact")
+    methods = ["create_dot", *(f"create_{name}" for name in _WIDENED_MATH)]
+    missing = [name for name in methods if not hasattr(builder, name)]
+    if missing:
+        raise RuntimeError(f"triton.runtime.interpreter.InterpreterBuilder has no {', '.join(missing)}, which "
+                           "numerics.py replaces to make the interpreter's results independent of the CPU")
+    originals = {name: getattr(builder, name) for name in methods}
+    _exact_dot.__wrapped__ = originals["create_dot"]  # the interpreter's own, for the tests of the checks
+    builder.create_dot = _exact_dot
+    for name in _WIDENED_MATH:
+        setattr(builder, f"create_{name}", _widened_math(name, originals[f"create_{name}"]))
+    if not (interpreter_dots_are_exact() and interpreter_fp32_math_is_widened()):
+        for name, original in originals.items():
+            setattr(builder, name, original)
+        raise RuntimeError("patching triton.runtime.interpreter.InterpreterBuilder did not make the interpreter's "
+                           "tl.dot exact or its fp32 math functions the rounded float64 ones")
     return True
 
 
