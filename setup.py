@@ -45,7 +45,10 @@ def pip_cuda_include_dirs():
     """Headers of the pip-installed CUDA libraries torch depends on (nvidia/cu13/include, ...).
 
     A minimal CUDA toolkit lacks cusparse.h and the cuBLAS headers that torch's own headers
-    include; torch's CUDA wheels bring them as pip packages under site-packages/nvidia/.
+    include; torch's CUDA wheels bring them as pip packages under site-packages/nvidia/. They are
+    searched after the toolkit's own include folder (cuda_extension): the wheels may hold a newer
+    CUDA's runtime headers (torch 2.15's cu132 wheels hold CUDA 13.2's), which nvcc's own CCCL
+    headers refuse beside an older nvcc ("CUDA compiler and CUDA toolkit headers are incompatible").
     """
     try:
         import nvidia
@@ -85,7 +88,8 @@ def cuda_extension():
     extension = CUDAExtension(
         name="remat._C",
         sources=sources,
-        include_dirs=[os.path.join(HERE, "csrc")] + pip_cuda_include_dirs(),
+        # the toolkit's headers first, the pip packages' only for what it lacks (pip_cuda_include_dirs)
+        include_dirs=[os.path.join(HERE, "csrc"), os.path.join(cuda_home, "include")] + pip_cuda_include_dirs(),
         extra_compile_args={
             "cxx": ["-O3"],
             # --threads 0: nvcc compiles each TORCH_CUDA_ARCH_LIST target of a source file in parallel (one
