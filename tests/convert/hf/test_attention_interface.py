@@ -70,39 +70,110 @@ def test_padding_runs_on_the_tokens(name, side):
 def test_packed_sequences_run_on_the_tokens(how):
     """Sequences packed in a batch of one, as DataCollatorWithFlattening gives them: restarting
     position_ids, or with its cu_seq_lens_q/k and max_length_q/k too: each sequence attends to
-    itself only (stock builds the block-diagonal mask from the position ids)."""
+    itself only (stock builds the block-diagonal mask from the position ids). The cu_seq_lens are
+    not read, as sdpa does not read them: here they disagree with the position ids, which decide."""
     stock, _ = build("llama")
     converted = with_remat(stock)
     batch = packed_batch(family_inputs("llama", "cpu"))
     extra = {}
     if how == "flash_kwargs":
-        cu = torch.tensor([0, 3, SEQ], dtype=torch.int32)
-        extra = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": SEQ - 3, "max_length_k": SEQ - 3}
+        cu = torch.tensor([0, 5, SEQ], dtype=torch.int32)  # the position ids restart at 3
+        extra = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 5, "max_length_k": 5}
     want = stock(**batch).logits
     got, varlen, dense = varlen_attention_calls(lambda: converted(**batch, **extra).logits)
     assert (varlen, dense) == (stock.config.num_hidden_layers, 0)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_packed_position_ids_are_read_once_a_forward(monkeypatch):
-    """Every layer is handed the same position_ids: read on the device once (by the first layer), and
-    again for another tensor or after an in-place change; every forward runs the packing."""
+# Rows of a batch packed at different places, as transformers separates sequences: wherever a row's
+# position does not grow by 1 (a restart, a jump: [0, 1, 2, 3, 7, ...] is two sequences, and a row
+# starting at 5 is one). Row i of the batch of size n: PACKED_ROWS[i].
+PACKED_ROWS = [[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 7, 8, 9, 10], [5, 6, 7, 8, 9, 10, 11, 12]]
+
+
+def packed_rows(name, rows):
+    """A training batch of `rows` rows whose position_ids (PACKED_ROWS) pack sequences, no cache."""
+    ids = torch.randint(3, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(2))
+    return {"input_ids": ids, "labels": ids, "position_ids": torch.tensor(PACKED_ROWS[:rows]), "use_cache": False}
+
+
+def block_diagonal_mask(positions):
+    """(batch, 1, seq, seq) bool: causal within each packed sequence (a new one wherever a row's
+    position does not grow by 1), built here from the definition."""
+    new = torch.ones_like(positions, dtype=torch.bool)
+    new[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    sequence = new.cumsum(1)
+    index = torch.arange(positions.shape[1])
+    causal = index[None, :] <= index[:, None]
+    return (causal & (sequence[:, :, None] == sequence[:, None, :]))[:, None]
+
+
+@pytest.mark.parametrize("rows", [2, 3])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2"])
+def test_packed_rows_of_a_batch_attend_within_their_sequences(name, rows):
+    """position_ids packing sequences at different places in each row of a batch of 2 or 3 (no
+    attention_mask, no cache): every attention runs remat.attention_varlen over the whole batch's
+    tokens, with stock sdpa's loss and gradients, and the float64 stock model's logits with the
+    explicit block-diagonal mask."""
+    stock, _ = build(name)
+    converted = with_remat(stock)
+    batch = packed_rows(name, rows)
+    _, varlen, dense = varlen_attention_calls(lambda: assert_same_step(stock, converted, batch))
+    assert (varlen, dense) == (stock.config.num_hidden_layers, 0)
+    exact = copy.deepcopy(stock).double()
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+    want = exact(**inputs, attention_mask=block_diagonal_mask(batch["position_ids"])).logits
+    with torch.no_grad():
+        got = converted(**inputs).logits
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_packed_rows_with_a_cache_attend_across_as_stock():
+    """With a cache (the config's use_cache=True) transformers does not pack: stock attends across
+    the sequences, and so does remat (remat.attention on the rows)."""
+    stock, _ = build("llama", use_cache=True)
+    converted = with_remat(stock)
+    batch = {**packed_rows("llama", 2), "use_cache": True}
+    _, varlen, dense = varlen_attention_calls(lambda: assert_same_step(stock, converted, batch))
+    assert (varlen, dense) == (0, stock.config.num_hidden_layers)
+
+
+def test_the_packing_is_read_once_a_forward(monkeypatch):
+    """Every layer is handed the same mask: its sequences' bounds are read on the device once a
+    forward (when transformers builds the mask), not by every layer; every forward runs the packing."""
     stock, _ = build("llama")
     converted = with_remat(stock)
-    batch = packed_batch(family_inputs("llama", "cpu"))
+    batch = packed_rows("llama", 2)
     reads = []
-    original = interface._restarts
-    monkeypatch.setattr(interface, "_restarts", lambda positions: reads.append(1) or original(positions))
+    original = interface._cu_seqlens
+    monkeypatch.setattr(interface, "_cu_seqlens", lambda numbers: reads.append(1) or original(numbers))
     want = stock(**batch).logits
-    for change, expected_reads in (("none", 1), ("none", 0), ("in place", 1), ("new tensor", 1)):
-        if change == "in place":
-            batch["position_ids"].add_(0)  # a new version, the same values
-        if change == "new tensor":
-            batch["position_ids"] = batch["position_ids"].clone()
+    for _ in range(2):
         got, varlen, _ = varlen_attention_calls(lambda: converted(**batch).logits)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-        assert varlen == stock.config.num_hidden_layers and len(reads) == expected_reads, change
+        assert varlen == stock.config.num_hidden_layers and len(reads) == 1
         reads.clear()
+
+
+def test_padded_model_compiles_fullgraph_on_stock_attention():
+    """torch.compile(fullgraph=True) of a converted Llama on a padded batch: the mask is sdpa's while
+    compiling (the varlen kernels' sizes are the data's), one graph with stock sdpa in it, and stock's
+    loss and gradients. (Without padding, with the default cache, remat.attention is in the graph:
+    test_hf_rms_families.py's test_compile_fullgraph_with_the_default_cache.)"""
+    stock, _ = build("llama", use_cache=True)
+    converted = with_remat(stock)
+    batch = padded_batch(family_inputs("llama", "cpu"), "right", causal=True)
+    graphs = []
+
+    def record(graph_module, example_inputs):  # dynamo's graph, run as traced (no Inductor: fast)
+        graphs.append(str(graph_module.graph))
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    converted.forward = torch.compile(converted.forward, backend=record, fullgraph=True)
+    assert_same_step(stock, converted, batch)
+    assert len(graphs) == 1
+    assert "remat.attention" not in graphs[0] and graphs[0].count("scaled_dot_product_attention") == 2
 
 
 def test_dropout_in_training_is_remat_s_and_reproducible():

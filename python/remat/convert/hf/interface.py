@@ -8,28 +8,43 @@ there and in AttentionMaskInterface, so that `from_pretrained(..., attn_implemen
 remat.attention_varlen.
 
 The mask. "remat"'s mask function is the flash-attention one wherever remat's kernels compute the
-call: None when nothing is padded, else the 2-D (batch, keys) padding mask, never a (B, S, S) one.
-Where they cannot (a query length other than the key length: decoding with past keys, a static
-cache's padded buffer, cross-attention; a model's own overlay on the causal mask, such as image
-tokens attending both ways), it is the sdpa mask, and the attention function hands such a call to
-stock attention with that mask.
+call: None when nothing is padded or packed, the 2-D (batch, keys) bool padding mask when something
+is padded, and for packed sequences a 2-D (batch, seq) int32 tensor numbering each row's sequences
+from 1 (never a (B, S, S) mask). Packing is what transformers' own mask says: it packs (its
+find_packed_sequence_indices: a new sequence wherever a row's position_ids do not grow by 1, in
+any row of any batch size) only without an attention_mask and without a cache, and then builds
+its mask function from the sequences; remat's asks that mask function whether each token sees the
+one before it, so that its sequences are exactly those sdpa's and eager's masks separate. Where
+remat's kernels cannot compute the call (a query length other than the key length: decoding with
+past keys, a static cache's padded buffer, cross-attention; a model's own overlay on the causal
+mask, such as image tokens attending both ways), it is the sdpa mask, and the attention function
+hands such a call to stock attention with that mask.
+
+torch.compile: the varlen paths read sizes from the data (which tokens are kept, where sequences
+start), which a graph cannot. While compiling, a call that may be padded or packed (an
+attention_mask, or a mask transformers may have packed: no cache) gets sdpa's mask, and its
+attention runs stock attention (fallbacks are not recorded inside a graph); a call with neither (a
+cache made, as the config's default use_cache=True makes one, and no attention_mask) runs
+remat.attention in the graph.
 
 The attention function, per call:
-- packed sequences (the cu_seq_lens_q/k and max_length_q/k a DataCollatorWithFlattening passes, or
-  position_ids that restart in a batch of one), when no cache is made (with one, transformers
-  builds sdpa's and eager's masks without the packing: stock attends across the sequences, and so
-  does remat), and padding (unpad, remat.attention_varlen on the
-  tokens, pad, with O(batch x seq) indices) run on attention_varlen, every other call on
-  remat.attention; causal (or windowed) padding rows get zeros, as transformers' flash-attention
-  path gives them; bidirectional ones see the kept keys, as in stock attention;
+- packed sequences (the mask's sequence numbers, over the whole batch: cu_seqlens over the
+  flattened (batch x seq) tokens, a row's end always a sequence's end) and padding (unpad,
+  remat.attention_varlen on the tokens, pad, with O(batch x seq) indices) run on attention_varlen,
+  every other call on remat.attention; causal (or windowed) padding rows get zeros, as
+  transformers' flash-attention path gives them; bidirectional ones see the kept keys, as in stock
+  attention;
 - q, k or v copied out of a fused qkv projection's output where the others are no views of it (_own_views);
 - causal or not (the call's is_causal, else the module's), GQA/MQA, scaling, training dropout
   (remat's own Philox mask: the distribution of stock dropout, not its draws), a sliding window of
   W keys as FlashAttention takes it (W - 1 before, and after when not causal), softcap;
+- every keyword of the call is in KEYWORDS (implemented, refused or ignored, with why): one that is
+  refused (attention sinks, T5's position_bias, sparse indices) or that remat does not know (a newer
+  transformers') runs the call on stock attention, with the reason;
 - stock attention (sdpa; the model's own eager function where sdpa cannot: softcap, attention
-  sinks, attention weights), for a call with a 4-D mask, attention sinks (s_aux), attention
-  weights requested, or on a GPU a head dim remat's Triton kernels lack, with the reason recorded
-  (remat.convert's report, fallback_counts()).
+  sinks, attention weights, a keyword sdpa does not take), for a call with a 4-D mask, a refused or
+  unknown keyword, attention weights requested, or on a GPU a head dim remat's Triton kernels lack,
+  with the reason recorded (remat.convert's report, fallback_counts()).
 """
 
 import collections
@@ -134,7 +149,99 @@ def attention_mask(**kwargs):
 
     if kwargs.get("use_vmap") or kwargs["q_length"] != kwargs["kv_length"]:
         return sdpa_mask(**kwargs)
-    return flash_attention_mask(**kwargs)
+    padding = kwargs.get("attention_mask")
+    # transformers lets sdpa skip the mask (causal or bidirectional) unless its mask function holds
+    # more than the causal or bidirectional pattern and the window: packed sequences, an overlay
+    may_hold_more = not (kwargs.get("allow_is_causal_skip", True) or kwargs.get("allow_is_bidirectional_skip", False))
+    if torch.compiler.is_compiling():  # the varlen paths' sizes are the data's: stock with sdpa's mask
+        return None if padding is None and not may_hold_more else sdpa_mask(**kwargs)
+    if not may_hold_more:
+        return flash_attention_mask(**kwargs)
+    sequences = _sequence_numbers(kwargs)
+    if sequences is _OTHER_PATTERN or (sequences is not None and padding is not None):
+        return sdpa_mask(**kwargs)
+    return flash_attention_mask(**kwargs) if sequences is None else sequences
+
+
+_OTHER_PATTERN = object()  # a mask function that is no causal or bidirectional pattern cut into sequences
+
+
+def _sequence_numbers(kwargs):
+    """(batch, seq) int32 numbers (from 1, per row) of the sequences transformers' mask function
+    separates, None when it separates none, or _OTHER_PATTERN. A new sequence starts at each token
+    that does not see the token before it; the pattern must be causal (no token sees the next one)
+    or symmetric (each sees the next one exactly when the next sees it). The cu_seqlens of the
+    numbers are remembered for the attention calls of this forward (_packing)."""
+    batch, seq = kwargs["batch_size"], kwargs["q_length"]
+    if seq < 2:
+        return None
+    device = kwargs.get("device")
+    rows = torch.arange(batch, device=device)[:, None]
+    heads = torch.arange(1, device=device)  # as sdpa_mask evaluates it: the head does not matter
+    later = torch.arange(1, seq, device=device)[None, :]
+    q_offset, kv_offset = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)
+    mask_function = kwargs["mask_function"]
+    sees_previous = mask_function(rows, heads, later + q_offset, later - 1 + kv_offset).expand(batch, seq - 1)
+    sees_next = mask_function(rows, heads, later - 1 + q_offset, later + kv_offset).expand(batch, seq - 1)
+    if sees_next.any() and not torch.equal(sees_next, sees_previous):
+        return _OTHER_PATTERN
+    if sees_previous.all():
+        return None
+    starts = torch.nn.functional.pad(~sees_previous, (1, 0), value=True)
+    numbers = starts.cumsum(1, dtype=torch.int32)
+    _remember_packing(numbers, _cu_seqlens(numbers))
+    return numbers
+
+
+# ---------------------------------------------------------------------------------------------
+# The keywords of an attention call
+# ---------------------------------------------------------------------------------------------
+
+# Every keyword transformers' attention-interface calls pass (the model files' own, and the
+# TransformersKwargs their forwards hand down), and what remat does with it, in one place:
+# "implemented" (computed by remat's kernels), "refused" (the call runs stock attention: the reason,
+# and whether sdpa takes the keyword, else the model's eager function computes it), "ignored" (it
+# does not change the result: why). A keyword not here (a newer transformers') runs the call on
+# stock attention too. A keyword given as None asks for nothing (a layer's arguments a forward hands
+# down, as BERT's encoder_hidden_states in self-attention). tests/convert/hf/test_interface_keywords.py
+# fails on a keyword of the installed transformers' model files missing here.
+IMPLEMENTED = frozenset({"query", "key", "value", "attention_mask", "dropout", "scaling", "sliding_window", "softcap",
+                         "is_causal",
+                         "output_attentions"})  # weights requested: the model's eager attention (_weights_requested)
+REFUSED = {  # keyword: (reason, sdpa takes it)
+    "s_aux": ("attention sinks (s_aux)", False),
+    "sinks": ("attention sinks (sinks)", False),
+    "position_bias": ("an additive position bias (position_bias, as T5's relative attention)", True),
+    "indices": ("sparse attention over selected keys (indices)", False),
+    "block_indices": ("block-sparse attention (block_indices)", False),
+}
+IGNORED = {
+    "position_ids": "packing is read from the mask transformers builds from them, as sdpa's and eager's",
+    "cu_seq_lens_q": "sdpa and eager take packing from the mask (position_ids), not from these",
+    "cu_seq_lens_k": "sdpa and eager take packing from the mask (position_ids), not from these",
+    "max_length_q": "sdpa and eager take packing from the mask (position_ids), not from these",
+    "max_length_k": "sdpa and eager take packing from the mask (position_ids), not from these",
+    "seq_idx": "for state-space layers; attention takes packing from the mask",
+    "use_cache": "the cache is updated before the call",
+    "encoder_hidden_states": "a cross-attention's keys and values, which the call is handed, are made from it",
+    "deterministic": "FlashAttention's choice of a deterministic backward, the same result",
+    "num_items_in_batch": "for the loss",
+    "output_hidden_states": "for the model's outputs",
+    "output_router_logits": "for the model's outputs",
+    "return_dict": "for the model's outputs",
+}
+
+
+def _keyword_reason(kwargs):
+    """(why stock attention computes a call with these keywords, whether sdpa can), or None."""
+    for name, value in kwargs.items():
+        if value is None or name in IMPLEMENTED or name in IGNORED:
+            continue
+        if name in REFUSED:
+            return REFUSED[name]
+        return f"a keyword remat's attention does not know ({name}: a newer transformers'?)", False
+    return None
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,25 +250,25 @@ def attention_mask(**kwargs):
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
-                      softcap=None, is_causal=None, s_aux=None, **kwargs):
+                      softcap=None, is_causal=None, **kwargs):
     """(output (batch, seq, heads, head_dim), None) of one attention call, as transformers' attention
     functions return it; query (batch, heads, seq, head_dim), key and value (batch, kv_heads, ...)."""
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     window = _window(sliding_window, key.shape[2], causal)
-    packed = _packed_lengths(query, kwargs)
     reverted = module.__dict__.get("remat_attention_stock")  # its layer reverted alone: stock, asked for
-    reason = _stock_reason(module, query, key, value, attention_mask, s_aux, kwargs) if reverted is None else None
+    reason, sdpa_can = (None, True) if reverted is not None else _stock_reason(module, query, key, value,
+                                                                              attention_mask, kwargs)
     if reason is not None:
         path = module.__dict__.get("remat_attention_path")
         fallback(module, reason, where=f"{path} ({type(module).__name__})" if path else None, runs="stock attention")
     if reason is not None or reverted is not None:
-        return _stock_attention(module, query, key, value, attention_mask, (packed, causal, window), dropout=dropout,
+        return _stock_attention(module, query, key, value, attention_mask, (causal, window), dropout=dropout,
                                 scaling=scaling, sliding_window=sliding_window, softcap=softcap, is_causal=is_causal,
-                                s_aux=s_aux, eager=reverted == "eager", **kwargs)
+                                eager=reverted == "eager" or not sdpa_can, **kwargs)
     features = {"softmax_scale": scaling, "softcap": float(softcap or 0.0), "dropout_p": float(dropout),
                 "window_size": window}
-    if packed is not None:
-        return _packed_attention(query, key, value, packed, causal, features), None
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        return _packed_attention(query, key, value, _packing(attention_mask), causal, features), None
     if attention_mask is not None:
         return _padded_attention(query, key, value, attention_mask, causal, features), None
     query, key, value = _own_views(query, key, value)  # (the varlen paths above gather copies of their tokens)
@@ -186,24 +293,29 @@ def _own_views(query, key, value):
                  else t.clone(memory_format=torch.contiguous_format) for t in tensors)
 
 
-def _stock_reason(module, query, key, value, mask, s_aux, kwargs):
-    """Why stock attention computes this call, or None."""
+def _stock_reason(module, query, key, value, mask, kwargs):
+    """(why stock attention computes this call, or None; whether sdpa can compute it)."""
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
-        return "a mask remat's kernels do not take (past keys, a static cache, or the model's own pattern)"
+        if torch.compiler.is_compiling():
+            return "while torch.compile traces, a padded batch or one transformers may pack (no cache): the " \
+                   "varlen kernels' sizes depend on the data", True
+        return "a mask remat's kernels do not take (past keys, a static cache, or the model's own pattern)", True
+    keyword = _keyword_reason(kwargs)
+    if keyword is not None:  # sdpa where it was the model's: stock itself, whatever sdpa makes of the keyword
+        return keyword[0], keyword[1] or module.__dict__.get("remat_attention_previous") == "sdpa"
     if value.shape[-1] != query.shape[-1]:
-        return "v's head dim differs from q's (multi-head latent attention)"
+        return "v's head dim differs from q's (multi-head latent attention)", True
     reason = kernels_reason(query, key, value)  # on a GPU: a head dim the kernels lack, an older GPU
     if reason is not None:  # (remat.attention would run SDPA, or its reference where it has features)
-        return reason
+        return reason, True
     if mask is None and 1 < query.shape[2] != key.shape[2]:
         # sdpa aligns its causal mask top-left there (a static cache's prefill: the buffer's first
         # keys are the call's own); remat's kernels align it bottom-right, as FlashAttention
-        return "more queries than one but fewer than the keys, without a mask (a static cache's prefill)"
-    if s_aux is not None:
-        return "attention sinks (s_aux)"
+        return "more queries than one but fewer than the keys, without a mask (a static cache's prefill)", True
     if _weights_requested(module, kwargs):
-        return "attention weights requested (output_attentions)"
-    return None
+        return "attention weights requested (output_attentions)", True
+    return None, True
+
 
 
 def attention_weights_requested(module, kwargs, implementation):
@@ -227,33 +339,39 @@ def _weights_requested(module, kwargs):
     return attention_weights_requested(module, kwargs, module.__dict__.get("remat_attention_previous"))
 
 
-def _stock_attention(module, query, key, value, mask, pattern, softcap=None, s_aux=None, eager=False, **kwargs):
+def _stock_attention(module, query, key, value, mask, pattern, softcap=None, eager=False, **kwargs):
     """The call on transformers' sdpa attention, or on the model file's own eager attention function
-    where sdpa cannot (softcap, sinks, weights requested) or `eager` asks for it. A flash-style mask
-    (None or 2-D) and packed sequences are turned into the 4-D mask those take, where they need one:
-    sdpa reads no mask as causal or not by itself, eager as all keys visible."""
+    where sdpa cannot (softcap, weights requested, a keyword sdpa does not take) or `eager` asks for
+    it. A flash-style mask (None, 2-D padding or packed sequence numbers) is turned into the 4-D mask
+    those take, where they need one: sdpa reads no mask as causal or not by itself, eager as all keys
+    visible."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     eager_forward = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    use_eager = eager_forward is not None and (eager or softcap is not None or s_aux is not None
-                                               or _weights_requested(module, kwargs))
-    packed, causal, window = pattern
-    if (mask is None and (use_eager or packed is not None)) or (mask is not None and mask.dim() == 2):
-        mask = _dense_mask(query, key, mask, packed, causal, window)
+    use_eager = eager_forward is not None and (eager or softcap is not None or _weights_requested(module, kwargs))
+    if eager and eager_forward is None and _keyword_reason(kwargs) is not None:
+        raise NotImplementedError(f"{type(module).__name__}: {_keyword_reason(kwargs)[0]}, which sdpa does not take, "
+                                  "and its model file has no eager attention function")
+    causal, window = pattern
+    if (mask is None and use_eager) or (mask is not None and mask.dim() == 2):
+        mask = _dense_mask(query, key, mask, causal, window)
     if not use_eager:
         return sdpa_attention_forward(module, query, key, value, mask, softcap=softcap, **kwargs)
     if mask.dtype == torch.bool:  # eager attention adds its mask to the scores
         mask = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(~mask, torch.finfo(query.dtype).min)
-    extra = {name: value for name, value in (("softcap", softcap), ("s_aux", s_aux)) if value is not None}
+    extra = {"softcap": softcap} if softcap is not None else {}
     return eager_forward(module, query, key, value, mask, **extra, **kwargs)
 
 
-def _dense_mask(query, key, padding, packed, causal, window):
+def _dense_mask(query, key, flash_mask, causal, window):
     """(batch, 1, seq_q, seq_k) bool, True where a query sees a key, as stock attention reads a call
     without a 4-D mask: one query sees every key; more are causal aligned top-left, as sdpa's is_causal
     (a static cache's buffer holds the call's keys first; with as many keys as queries both alignments
-    agree), within the sliding window; within the query's packed sequence; on kept keys. Built for the
-    stock fallbacks only (they materialise the scores anyway)."""
+    agree), within the sliding window; within the query's packed sequence (`flash_mask` int32
+    sequence numbers); on kept keys (`flash_mask` bool). Built for the stock fallbacks only (they
+    materialise the scores anyway)."""
+    packed = flash_mask is not None and flash_mask.dtype != torch.bool
+    padding = None if packed else flash_mask
     if padding is not None and key.shape[2] > padding.shape[1]:  # a static cache's buffer: its tokens first
         padding = torch.nn.functional.pad(padding, (0, key.shape[2] - padding.shape[1]))
     seq_q, seq_k = query.shape[2], key.shape[2]
@@ -266,13 +384,12 @@ def _dense_mask(query, key, padding, packed, causal, window):
     if window[1] >= 0 and not causal:
         visible &= distance <= window[1]
     visible = visible.expand(query.shape[0], 1, seq_q, seq_k)
-    if packed is not None:  # a batch of one: the same sequence only
-        bounds = packed[0][1:].long()
-        sequence = torch.bucketize(torch.arange(seq_q, device=query.device), bounds, right=True)
-        visible = visible & (sequence[:, None] == sequence[None, :])
+    if packed:  # the same sequence of the same row only
+        visible = visible & (flash_mask[:, None, :, None] == flash_mask[:, None, None, :])
     if padding is not None:
         visible = visible & padding[:, -seq_k:].bool()[:, None, None, :]
     return visible
+
 
 
 def _window(sliding_window, key_length, causal):
@@ -288,49 +405,44 @@ def _window(sliding_window, key_length, causal):
 # ---------------------------------------------------------------------------------------------
 
 
-def _packed_lengths(query, kwargs):
-    """(cu_seqlens_q, cu_seqlens_k, max_q, max_k) of packed sequences in a batch of one, or None:
-    from the collator's cu_seq_lens_q/k and max_length_q/k, else from position_ids that restart
-    (read on the device: not while torch.compile traces, as transformers' flash path, nor on meta,
-    which holds no positions to read: counted as one sequence). None when the model made a cache
-    (use_cache): transformers then builds sdpa's and eager's mask without the packing, and their
-    queries attend across the sequences, as remat's do."""
-    if kwargs.get("use_cache"):
-        return None
-    names = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-    if all(kwargs.get(name) is not None for name in names):
-        cu_q, cu_k, max_q, max_k = (kwargs[name] for name in names)
-        return cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k)
-    positions = kwargs.get("position_ids")
-    if positions is None or positions.is_meta or query.shape[0] != 1 or query.shape[2] == 1 \
-            or torch.compiler.is_compiling() or positions.numel() != query.shape[2]:
-        return None
-    packed = _LAST_POSITIONS.get(positions)  # every layer gets the same position_ids: read them once a forward
-    if packed is MISSING:
-        packed = _restarts(positions.reshape(-1))
-        _LAST_POSITIONS.put(positions, packed)
-    return packed
+def _cu_seqlens(numbers):
+    """(int32 cu_seqlens over the flattened (batch x seq) tokens, the longest sequence) of (batch, seq)
+    sequence numbers: a sequence starts where a row's number changes, and at each row's start."""
+    starts = torch.nn.functional.pad(numbers[:, 1:] != numbers[:, :-1], (1, 0), value=True).flatten()
+    cu = torch.nn.functional.pad(starts.nonzero().flatten(), (0, 1), value=starts.numel()).to(torch.int32)
+    return cu, int(cu.diff().max())
 
 
-_LAST_POSITIONS = TensorMemo()  # _restarts of the last position_ids read
+# The packing of the last masks built (a forward may build two: its full and its sliding-window
+# layers' masks): every layer reads the same mask, whose cu_seqlens are read on the device once.
+_LAST_PACKINGS = (TensorMemo(), TensorMemo())
+_next_slot = [0]
 
 
-def _restarts(positions):
-    """(cu_seqlens, cu_seqlens, longest, longest) of the sequences 1-D `positions` restarts, or None."""
-    starts = (positions == positions.min()).nonzero().flatten()
-    if starts.numel() <= 1:
-        return None
-    cu = torch.cat([starts, starts.new_tensor([positions.numel()])]).to(torch.int32)
-    longest = int(cu.diff().max())
-    return cu, cu, longest, longest
+def _remember_packing(numbers, packing):
+    _LAST_PACKINGS[_next_slot[0]].put(numbers, packing)
+    _next_slot[0] ^= 1
 
 
-def _packed_attention(query, key, value, packed, causal, features):
-    """remat.attention_varlen on a batch of one holding packed sequences: (1, seq, heads, head_dim)."""
-    cu_q, cu_k, max_q, max_k = packed
-    o = attention_varlen(*(t[0].transpose(0, 1) for t in (query, key, value)), cu_q, cu_k, max_q, max_k,
+def _packing(numbers):
+    """The (cu_seqlens, longest) of a mask's sequence numbers, remembered or read now."""
+    for memo in _LAST_PACKINGS:
+        packing = memo.get(numbers)
+        if packing is not MISSING:
+            return packing
+    packing = _cu_seqlens(numbers)
+    _remember_packing(numbers, packing)
+    return packing
+
+
+def _packed_attention(query, key, value, packing, causal, features):
+    """remat.attention_varlen on packed sequences, over the tokens of every row: (batch, seq, heads, head_dim)."""
+    cu, longest = packing
+    batch, _, seq, _ = query.shape
+    o = attention_varlen(*(t.transpose(1, 2).flatten(0, 1) for t in (query, key, value)), cu, cu, longest, longest,
                          causal=causal, **features)
-    return o.unsqueeze(0)
+    return o.view(batch, seq, *o.shape[1:])
+
 
 
 def _padded_attention(query, key, value, mask, causal, features):
