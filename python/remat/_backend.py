@@ -178,8 +178,11 @@ def backends():
     cuda, cuda_why = _cuda_extension_status()
     if gpu:
         triton_here = cuda_here = f"runs CUDA tensors on {torch.cuda.get_device_name()}"
-    else:
+    elif on_cpu:
         triton_here = "no GPU here: runs only CPU tensors, through the interpreter (TRITON_INTERPRET=1)"
+        cuda_here = "no GPU here, so it runs nothing"
+    else:  # what "interpreter" says too: CPU tensors run the reference
+        triton_here = "no GPU here and TRITON_INTERPRET is not set, so it runs nothing (CPU tensors run the reference)"
         cuda_here = "no GPU here, so it runs nothing"
     return {
         "triton": (triton, f"{triton_why}; {triton_here}" if triton else triton_why),

@@ -24,6 +24,7 @@ DTYPES = ("bf16", "fp16", "fp32")
 MODEL_NAMES = ("gpt2-small", "gpt2-medium", "gpt2-large", "tiny", "hf-gpt2-small", "hf-gpt2-medium", "bert-base",
                "vit-base", "llama-3-8b", "qwen3-8b")
 GPUS = ("A100", "H100", "H200")  # remat.planner.DEVICES less "cpu"
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # remat.memory.HUB_ID: a Hugging Face model id, owner/name
 
 
 def config_fields(path):
@@ -39,12 +40,16 @@ def config_fields(path):
 
 
 def _model(name):
-    """--model: a known name or a config.json path; argparse turns a wrong one into a one-line error."""
-    if name in MODEL_NAMES:
+    """--model: a known name, a config.json path, a folder holding one, or a Hugging Face model id
+    (owner/name: only its config is fetched, when the model is built); argparse turns a wrong one into a
+    one-line error (remat.memory.check_model says the same)."""
+    hub_id = HUB_ID.fullmatch(name) and not name.endswith(".json") and not os.path.exists(name)
+    if name in MODEL_NAMES or os.path.isdir(name) or hub_id:
         return name
     if not os.path.isfile(name):
-        raise argparse.ArgumentTypeError(f"model must be one of {', '.join(MODEL_NAMES)}, or the path of a "
-                                         f"config.json; got {name!r}, which is neither a name nor a file")
+        raise argparse.ArgumentTypeError(f"model must be one of {', '.join(MODEL_NAMES)}, the path of a config.json "
+                                         "or of a folder holding one, or a Hugging Face model id (owner/name); got "
+                                         f"{name!r}, which is none of these")
     try:
         config_fields(name)
     except ValueError as error:
@@ -119,18 +124,23 @@ def _main_job_without_gpu(args):
 
 def _memory(args):
     from . import memory
+    from .planner.command import parse_bytes
 
     if args.device == "cuda" and not _gpu_in_use(None):
         sys.exit("remat memory: --device cuda: torch sees no GPU here (without --device, the counts run on meta)")
-    memory.run(args.model or None, batch=args.batch, seq=args.seq, budget_gb=args.budget, out_dir=args.out,
-               device=args.device, dtype=_dtype(args.dtype), gpu=args.gpu)
+    budget_gb = None if args.budget is None else parse_bytes(args.budget) / 2**30  # memory.run's "GB" is 2**30 B
+    try:
+        memory.run(args.model or None, batch=args.batch, seq=args.seq, budget_gb=budget_gb, out_dir=args.out,
+                   device=args.device, dtype=_dtype(args.dtype), gpu=args.gpu)
+    except ValueError as error:  # a seq beyond the model's positions, a Hub id not fetched: one line
+        sys.exit(f"remat memory: {error}")
 
 
 def _plan(args):
     from .planner import command
 
     try:
-        command.run(args.model, args.batch, args.seq, args.budget, device=args.device, json_path=args.json,
+        command.run(args.model, args.batch, args.seq, args.budget, device=args.gpu, json_path=args.json,
                     dtype=_dtype(args.dtype), budget_kind=args.budget_kind, optimizer=_optimizer(args.optimizer))
     except ValueError as error:  # a budget below the least the model can keep: one line, not a traceback
         sys.exit(f"remat plan: {error}")
@@ -146,10 +156,17 @@ def _optimizer(text):
 _BYTES = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*((?:[kKmMgGtT][iI]?)?[bB]|)\s*")
 
 
+_LEAST_PLAIN_BUDGET = 2**20  # a plain number below it is taken for a size without its unit (4 for 4GiB)
+
+
 def _budget(text):
-    """--budget: "12GiB", "500MB", "1.5GiB" or a plain number of bytes, as text for remat plan to read."""
-    if not _BYTES.fullmatch(text):
+    """--budget: "12GiB", "500MB", "1.5GiB" or a plain number of bytes, as text for remat to read."""
+    match = _BYTES.fullmatch(text)
+    if not match:
         raise argparse.ArgumentTypeError(f"budget must be bytes, as 12GiB, 500MB or 1000000, got {text!r}")
+    if not match.group(2) and float(match.group(1)) < _LEAST_PLAIN_BUDGET:
+        raise argparse.ArgumentTypeError(f"budget {text.strip()} without a unit is {text.strip()} bytes: give its "
+                                         f"unit, as {text.strip()}GiB or {text.strip()}MB")
     return text
 
 
@@ -159,9 +176,10 @@ def _calibrate(args):
     try:
         model = example = None
         if args.model is not None:  # its plan choices timed too, for `remat plan --model` on this GPU
+            args.batch, args.seq = command.model_shape(args.model, args.batch, args.seq, "remat calibrate")
             model, example = command.model_on_gpu(args.model, args.batch, args.seq, _dtype(args.dtype))
         constants = calibrate.calibrate(model, example)
-    except RuntimeError as error:
+    except (RuntimeError, ValueError) as error:
         sys.exit(f"remat calibrate: {error}")
     print(f"{constants.name}: matmul {constants.flops_per_s / 1e12:.0f} TFLOP/s, memory "
           f"{constants.bytes_per_s / 1e9:.0f} GB/s, host link {constants.host_bytes_per_s / 1e9:.1f} GB/s; "
@@ -186,6 +204,13 @@ def _suite_name(name):
         raise argparse.ArgumentTypeError(f"invalid choice: {name!r} (choose from "
                                          f"{', '.join([*SUITES, *NAMED_SUITES])}, all)")
     return name
+
+
+BATCH_HELP = "default 1 for llama-3-8b and qwen3-8b, else 8"
+SEQ_HELP = ("default 8192 for llama-3-8b and qwen3-8b, else 1024, or the model's max_position_embeddings where that is "
+            "less (bert-base: 512)")
+GPU_HELP = ("whose data-sheet constants predict the step times (default: the GPU here when it is one of these, "
+            "else H200)")
 
 
 def parser():
@@ -218,14 +243,15 @@ def parser():
     memory.add_argument("--model", nargs="+", type=_model, metavar="MODEL",
                         help="one or more of llama-3-8b, qwen3-8b, hf-gpt2-small, hf-gpt2-medium, bert-base, "
                              "vit-base (Hugging Face configurations, needs transformers), gpt2-small, gpt2-medium, "
-                             "gpt2-large, tiny (remat.gpt stacks of blocks), or config.json paths "
+                             "gpt2-large, tiny (remat.gpt stacks of blocks), config.json paths or their folders, or "
+                             "Hugging Face model ids as meta-llama/Llama-3.1-8B (only the config is fetched) "
                              "(default: llama-3-8b qwen3-8b hf-gpt2-small)")
-    memory.add_argument("--batch", type=int, help="default 1 for llama-3-8b and qwen3-8b, else 8")
-    memory.add_argument("--seq", type=int, help="default 8192 for llama-3-8b and qwen3-8b, else 1024")
+    memory.add_argument("--batch", type=int, help=BATCH_HELP)
+    memory.add_argument("--seq", type=int, help=SEQ_HELP)
     memory.add_argument("--dtype", default="bf16", choices=DTYPES)
-    memory.add_argument("--budget", type=float, help="device memory budget in GB: name the fastest policy that fits")
-    memory.add_argument("--gpu", choices=GPUS, help="whose data-sheet constants predict the step times "
-                        "(default: the GPU here when it is one of these, else H200)")
+    memory.add_argument("--budget", type=_budget, help="device memory budget, as 40GiB, 500MB or plain bytes: name "
+                        "the fastest policy that fits, and remat plan's mix for it")
+    memory.add_argument("--gpu", choices=GPUS, help=GPU_HELP)
     memory.add_argument("--out", default="bench/out/memory", help="folder for the CSV and the PNG of each model")
     memory.add_argument("--device", choices=["meta", "cpu", "cuda"],
                         help="meta: count at any size without memory; cpu: count on real CPU tensors; cuda: count "
@@ -234,26 +260,27 @@ def parser():
     plan = commands.add_parser("plan", help="the fastest per-layer mix of remat, checkpointing and offloading "
                                "that keeps at most --budget bytes for the backward")
     plan.add_argument("--model", default="gpt2-small", type=_model, help="as for remat memory")
-    plan.add_argument("--batch", type=int, default=8)
-    plan.add_argument("--seq", type=int, default=1024)
+    plan.add_argument("--batch", type=int, help=BATCH_HELP)
+    plan.add_argument("--seq", type=int, help=SEQ_HELP)
     plan.add_argument("--budget", type=_budget, required=True,
-                      help="bytes kept for the backward (or the step's peak, see --budget-kind): 12GiB, 500MB, ...")
+                      help="bytes kept for the backward (or the step's peak, see --budget-kind): 12GiB, 500MB or "
+                           "plain bytes")
     plan.add_argument("--budget-kind", default="saved", choices=["saved", "peak"],
                       help="saved: bytes kept for the backward; peak: a training step's peak on the device "
                            "(parameters, gradients, --optimizer state, activations, the backward's largest transient)")
     plan.add_argument("--optimizer", help="with --budget-kind peak: sgd, momentum, adam, adamw (states per parameter "
                       "element in its dtype) or bytes per parameter element (12: fp32 master weights and Adam)")
     plan.add_argument("--dtype", default="bf16", choices=DTYPES)
-    plan.add_argument("--device", default="H200", choices=[*GPUS, "cpu"],
-                      help="whose constants predict the time of each choice; for a GPU, offloading a layer's "
-                           "saved tensors to host memory is a choice too")
+    plan.add_argument("--gpu", choices=[*GPUS, "cpu"], help=GPU_HELP + "; for a GPU, offloading a layer's saved "
+                      "tensors to host memory is a choice too (cpu: the CPU's constants, no offloading)")
+    plan.add_argument("--device", dest="gpu", choices=[*GPUS, "cpu"], help=argparse.SUPPRESS)  # --gpu's old name
     plan.add_argument("--json", help="also write the plan here (remat.Plan.from_json reads it)")
     plan.set_defaults(run=_plan, package=True)
     calibrate = commands.add_parser("calibrate", help="measure this GPU's constants for remat plan and cache them; "
                                                       "with --model, time each plan choice of that model too")
     calibrate.add_argument("--model", type=_model, help="as for remat plan (random weights on this GPU)")
-    calibrate.add_argument("--batch", type=int, default=8)
-    calibrate.add_argument("--seq", type=int, default=1024)
+    calibrate.add_argument("--batch", type=int, help=BATCH_HELP)
+    calibrate.add_argument("--seq", type=int, help=SEQ_HELP)
     calibrate.add_argument("--dtype", default="bf16", choices=DTYPES)
     calibrate.set_defaults(run=_calibrate, package=True)
     info = commands.add_parser("info", help="which backends are available and why")

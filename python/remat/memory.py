@@ -1,8 +1,9 @@
 """`remat memory`: what a model keeps for the backward under each memory policy, and what that costs.
 
 Counted on meta tensors by default: the model is built on the meta device at its real size (from a
-name or a config.json) and remat.planner counts, for each policy applied to every layer, the bytes
-one training forward keeps for the backward, each storage once, SDPA counted as a GPU runs it.
+name, a config.json, or a Hugging Face model id or folder, of which only the config is read) and
+remat.planner counts, for each policy applied to every layer, the bytes one training forward keeps
+for the backward, each storage once, SDPA counted as a GPU runs it.
 Exact, on any machine, and without memory. `device="cpu"` counts on real CPU tensors instead (what
 CPU kernels keep; memory and time at the model's size).
 
@@ -34,10 +35,12 @@ import collections
 import copy
 import csv
 import dataclasses
+import functools
 import gc
 import math
 import os
 import re
+import sys
 import textwrap
 
 import torch
@@ -113,26 +116,66 @@ class Counted:
     vocab: int = 0  # its vocabulary
 
 
+# A Hugging Face Hub model id: owner/name (the Hub's ids all have an owner now; one without is taken
+# for a mistyped name of model_names()).
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
 def model_names():
-    """The models run() knows by name; any other model is the path of a config.json."""
+    """The models run() knows by name; any other model is a config.json, or a Hub id or folder."""
     return (*MODELS, *HF_MODELS)
 
 
 def check_model(model):
-    """model: one of model_names(), or the path of a Hugging Face config.json; else a ValueError
-    that lists the names."""
-    if model in model_names():
+    """model: one of model_names(), the path of a Hugging Face config.json, a folder holding one, or a
+    Hugging Face model id (owner/name, whose config is fetched when the model is built); else a
+    ValueError that lists the names."""
+    if model in model_names() or os.path.isdir(model) or is_hub_id(model):
         return model
     if not os.path.isfile(model):
-        raise ValueError(f"model must be one of {', '.join(model_names())}, or the path of a config.json; "
-                         f"got {model!r}, which is neither a name nor a file")
+        raise ValueError(f"model must be one of {', '.join(model_names())}, the path of a config.json or of a "
+                         f"folder holding one, or a Hugging Face model id (owner/name); got {model!r}, which is "
+                         "none of these")
     _config_fields(model)
     return model
+
+
+def is_hub_id(model):
+    """Whether `model` reads as a Hub model id (owner/name) and names no file here."""
+    return bool(HUB_ID.fullmatch(model)) and not model.endswith(".json") and not os.path.exists(model)
 
 
 def default_shape(model):
     """(batch, seq) a model is counted at unless told: a long context for the 8B models, else 8 x 1024."""
     return SHAPES.get(model, DEFAULT_SHAPE)
+
+
+def max_positions(model):
+    """The longest sequence `model` takes (its config's max_position_embeddings), or None: no such
+    limit (the remat.gpt stacks, image models, relative positions)."""
+    if model in MODELS:
+        return None
+    longest = getattr(_hf_config(model), "max_position_embeddings", None)
+    return longest if isinstance(longest, int) and longest > 0 else None
+
+
+def shape(model, batch=None, seq=None):
+    """(batch, seq, note): the shape `model` is counted at, batch and seq where given, else its
+    default_shape, the default seq cut to the model's max_positions (note says so; else None). A seq
+    asked for beyond them is a ValueError: the position embeddings have no row for it."""
+    default_batch, default_seq = default_shape(model)
+    longest = max_positions(model)
+    note = None
+    if seq is None:
+        seq = default_seq
+        if longest is not None and seq > longest:
+            note = (f"{model}: seq {longest}, the most its config's max_position_embeddings allows (the default "
+                    f"is {seq})")
+            seq = longest
+    elif longest is not None and seq > longest:
+        raise ValueError(f"seq {seq} is more than the {longest} positions of {model} (its config's "
+                         "max_position_embeddings)")
+    return batch or default_batch, seq, note
 
 
 def file_label(model):
@@ -141,8 +184,11 @@ def file_label(model):
     if model in model_names():
         return model
     path = os.path.abspath(model)
-    stem = os.path.splitext(os.path.basename(path))[0]
-    label = os.path.basename(os.path.dirname(path)) if stem == "config" else stem
+    if os.path.isfile(path):
+        stem = os.path.splitext(os.path.basename(path))[0]
+        label = os.path.basename(os.path.dirname(path)) if stem == "config" else stem
+    else:  # a folder, or a Hub id: its last part
+        label = os.path.basename(os.path.normpath(model))
     return re.sub(r"[^\w.-]+", "_", label) or "config"
 
 
@@ -152,8 +198,23 @@ def _hf_config(name):
     if name in HF_MODELS:
         model_type, fields = HF_MODELS[name]
         return transformers.AutoConfig.for_model(model_type, **fields)
-    fields = _config_fields(name)  # a config.json of the user's
-    return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    if os.path.isfile(name):
+        fields = _config_fields(name)  # a config.json of the user's
+        return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    return copy.deepcopy(_pretrained_config(name))  # a copy: a model built from it may change its config
+
+
+@functools.cache
+def _pretrained_config(name):
+    """The config of a Hub model id or a folder holding a config.json: the config alone is read."""
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(name)
+    except Exception as error:  # noqa: BLE001 - offline, no such model, gated, not a transformers config
+        raise ValueError(f"model {name!r}: its config could not be read as a Hugging Face model id or folder "
+                         f"({short_error(error)}); pass one of {', '.join(model_names())} or the path of a "
+                         "config.json") from None
 
 
 def _hf_input(model, batch, seq, device, dtype):
@@ -445,15 +506,18 @@ def run(model=None, batch=None, seq=None, budget_gb=None, out_dir="bench/out/mem
     models = DEFAULT_MODELS if model is None else (model,) if isinstance(model, str) else tuple(model)
     for name in models:
         check_model(name)
+    shapes = {name: shape(name, batch, seq) for name in models}  # every model's config read before any run
     on_gpu = device == "cuda" or (device is None and torch.cuda.is_available())
     counting = "cpu" if device == "cpu" else "meta"
     gpu = gpu or _gpu_here()
     os.makedirs(out_dir, exist_ok=True)
     found = {}
     for name in models:
-        shape = default_shape(name)
-        found[name], interrupted = _run_one(name, batch or shape[0], seq or shape[1], budget_gb, out_dir, counting,
-                                            on_gpu, dtype, gpu)
+        model_batch, model_seq, note = shapes[name]
+        if note:
+            print(f"remat memory: {note}", file=sys.stderr, flush=True)
+        found[name], interrupted = _run_one(name, model_batch, model_seq, budget_gb, out_dir, counting, on_gpu,
+                                            dtype, gpu)
         if interrupted:  # Ctrl-C: the models after this one are not run
             break
     return found[models[0]] if len(models) == 1 else found
@@ -527,15 +591,15 @@ def _row_text(r, eager_ms, on_gpu, width=None):
     width = width or POLICY_WIDTH
     if math.isnan(r.saved_bytes):
         return f"{r.policy:{width}s} {r.error}"
-    host = _size(r.host_bytes) if r.host_bytes else f"{'-':>10s}"
-    line = (f"{r.policy:{width}s} {_size(r.per_layer_bytes)} {_size(r.saved_bytes)} {host} "
+    host = size_text(r.host_bytes) if r.host_bytes else f"{'-':>10s}"
+    line = (f"{r.policy:{width}s} {size_text(r.per_layer_bytes)} {size_text(r.saved_bytes)} {host} "
             f"{r.predicted_ms:9.4g} {r.predicted_ms / eager_ms - 1:+8.0%}")
     if on_gpu:
         line += f" {r.step_ms:8.1f} {r.peak_gb:8.2f}"
     return line + (f"  error: {r.error}" if r.error else "")
 
 
-def _size(count):
+def size_text(count):
     """Bytes in binary units, 10 characters wide: "  1.43 GiB"."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if count >= scale:
@@ -547,9 +611,9 @@ def _print_notes(counted):
     head = ""
     if counted.head:
         stock, fused = counted.head
-        head = (f", and the LM head with transformers' loss ({_size(stock).strip()}: its input and the fp32 "
+        head = (f", and the LM head with transformers' loss ({size_text(stock).strip()}: its input and the fp32 "
                 f"log-softmax of the logits); \"remat + fused loss\" has remat.linear_cross_entropy's instead "
-                f"({_size(fused).strip()}), as remat.convert does to a causal LM")
+                f"({size_text(fused).strip()}), as remat.convert does to a causal LM")
     _print_note(f"per layer: the layers' bytes over the {counted.layers} layers; total: the layers, what the model "
                 f"keeps outside them{head}; host: offloaded to host memory")
     _print_note("pred. ms: the layers' forward and backward (twice the forward) at the GPU's data-sheet FLOP/s and "

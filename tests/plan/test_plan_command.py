@@ -5,6 +5,7 @@ import torch
 
 from remat.cli import main
 from remat.gpt import GPTConfig, torch_stack
+from remat.memory import size_text
 from remat.planner import Plan, measure
 from remat.planner.command import parse_bytes
 
@@ -46,7 +47,7 @@ def test_plan_command_prints_and_writes_the_plan(tmp_path, capsys):
     printed = capsys.readouterr().out
     plan = Plan.from_json(path.read_text())
     assert plan.saved_bytes <= 40 * 1024 and plan.device == "H200" and len(plan.choices) == 4
-    assert f"{plan.saved_bytes:14d}" in printed and "times predicted for H200" in printed
+    assert size_text(plan.saved_bytes).strip() in printed and "times predicted for H200" in printed
 
 
 def test_plan_command_with_too_small_a_budget_names_the_least(capsys):

@@ -132,3 +132,132 @@ def test_memory_timed_on_a_gpu_that_is_not_there_is_a_one_line_error():
     with pytest.raises(SystemExit) as stopped:
         main(["memory", "--model", "tiny", "--device", "cuda"])
     assert stopped.value.code.startswith("remat memory: --device cuda: torch sees no GPU here")
+
+
+# --- The same arguments in remat memory and remat plan --------------------------------------------
+
+
+def _tiny_bert(folder):
+    """A BERT config.json with 32 positions: remat memory's default seq (1024) is more."""
+    return _write_config(folder, model_type="bert", hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64, vocab_size=101, max_position_embeddings=32)
+
+
+def test_the_default_seq_is_cut_to_the_model_s_positions_and_said(tmp_path, capsys):
+    """bert-base has 512 positions: counted at 1024 by default, its position embeddings had no row for
+    most tokens. The default is cut to the model's maximum and stderr says so; a seq asked for beyond it
+    is a one-line error."""
+    from remat.memory import shape
+
+    pytest.importorskip("transformers", minversion="5.25")
+    batch, seq, note = shape("bert-base")
+    assert (batch, seq) == (8, 512) and "seq 512" in note and "1024" in note
+    assert shape("llama-3-8b") == (1, 8192, None) and shape("bert-base", 2, 128) == (2, 128, None)
+    config = str(_tiny_bert(tmp_path / "bert"))
+    main(["memory", "--model", config, "--batch", "2", "--device", "meta", "--out", str(tmp_path / "out")])
+    printed = capsys.readouterr()
+    assert "seq 32, the most its config's max_position_embeddings allows" in printed.err
+    assert "batch 2 x seq 32" in printed.out
+    main(["plan", "--model", config, "--batch", "2", "--budget", "1GiB"])
+    printed = capsys.readouterr()
+    assert "remat plan: " in printed.err and "batch 2, seq 32" in printed.out
+    with pytest.raises(SystemExit, match="seq 64 is more than the 32 positions"):
+        main(["plan", "--model", config, "--seq", "64", "--budget", "1GiB"])
+
+
+def test_both_commands_take_the_same_budget_gpu_and_shape_arguments():
+    from remat.cli import parser
+    from remat.planner.command import model_shape
+
+    for command in ("memory", "plan"):
+        for text in ("4GiB", "500MB", str(4 * 2**30)):
+            assert parser().parse_args([command, "--budget", text]).budget == text
+        with pytest.raises(SystemExit):  # 4 bytes: a size without its unit
+            parser().parse_args([command, "--budget", "4"])
+        assert parser().parse_args([command, "--budget", "1GiB", "--gpu", "H100"]).gpu == "H100"
+        args = parser().parse_args([command, "--budget", "1GiB"])
+        assert args.batch is None and args.seq is None  # remat memory's defaults, for each model
+    assert parser().parse_args(["plan", "--budget", "1GiB", "--device", "A100"]).gpu == "A100"  # the old name
+    assert "--device" not in parser()._subparsers._group_actions[0].choices["plan"].format_help()
+    assert model_shape("llama-3-8b") == (1, 8192) and model_shape("tiny", 2) == (2, 1024)
+
+
+def test_memory_budget_with_units_and_plain_bytes(tmp_path, capsys):
+    for text in ("1GiB", str(2**30)):
+        main(["memory", "--model", "tiny", "--batch", "2", "--seq", "16", "--budget", text, "--device", "meta",
+              "--out", str(tmp_path)])
+        assert "budget 1.0 GB: use 'eager'" in capsys.readouterr().out
+
+
+def test_plan_prints_binary_units():
+    from remat.planner import Plan
+    from remat.planner.command import plan_text
+
+    plan = Plan(units=["0", "1"], choices=["remat", "full"], unit_bytes=[3 * 2**20, 4096], unit_seconds=[1e-4, 2e-4],
+                base_bytes=512, budget=2**30, device="H200")
+    text = plan_text(plan)
+    assert "3.00 MiB" in text and "4.00 KiB" in text and "512 B" in text and "3.00 MiB" in text
+    assert "budget 1.00 GiB kept for the backward; times predicted for H200" in text
+    assert str(4096) not in text and str(plan.saved_bytes) not in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without a GPU runs")
+@pytest.mark.parametrize("interpret", ["0", "1"])
+def test_info_says_one_thing_about_the_interpreter(interpret, monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    main(["info"])
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    interpreter_on = lines["interpreter"].split()[1] == "yes"
+    assert interpreter_on == (interpret == "1")
+    assert ("through the interpreter" in lines["triton"]) == interpreter_on, lines["triton"]
+
+
+# --- A Hugging Face model id or folder: only its config is read ------------------------------------
+
+
+def _counted_as(tmp_path, capsys, model):
+    main(["memory", "--model", model, "--batch", "2", "--seq", "16", "--device", "meta", "--out", str(tmp_path)])
+    return capsys.readouterr().out
+
+
+def test_a_folder_holding_a_config_json(tmp_path, capsys):
+    pytest.importorskip("transformers", minversion="5.25")
+    _tiny_bert(tmp_path / "my-bert")
+    printed = _counted_as(tmp_path / "out", capsys, str(tmp_path / "my-bert"))
+    assert "BertModel, 2 layers, hidden 32" in printed
+    assert (tmp_path / "out" / "memory_my-bert.csv").exists()
+
+
+def test_a_hub_model_id_fetches_its_config_alone(tmp_path, capsys, monkeypatch):
+    transformers = pytest.importorskip("transformers", minversion="5.25")
+    from remat import memory
+
+    fetched = []
+
+    def from_pretrained(name, *args, **kwargs):
+        fetched.append(name)
+        return transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=101, n_positions=64)
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", from_pretrained)
+    memory._pretrained_config.cache_clear()
+    printed = _counted_as(tmp_path, capsys, "someone/tiny-gpt2")
+    assert fetched == ["someone/tiny-gpt2"] and "GPT2Model, 2 layers, hidden 32" in printed
+    assert "remat + fused loss" in printed  # a causal LM: its LM head and loss counted too
+    assert (tmp_path / "memory_tiny-gpt2.csv").exists()
+
+
+def test_a_hub_model_id_that_cannot_be_fetched_is_a_one_line_error(monkeypatch):
+    transformers = pytest.importorskip("transformers", minversion="5.25")
+    from remat import memory
+
+    def offline(name, *args, **kwargs):
+        raise OSError(f"We couldn't connect to 'https://huggingface.co' to load the files of {name}")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", offline)
+    memory._pretrained_config.cache_clear()
+    for command in (["memory"], ["plan", "--budget", "1GiB"]):
+        with pytest.raises(SystemExit) as stopped:
+            main([*command, "--model", "nobody/no-such-model"])
+        message = str(stopped.value.code)
+        assert message.startswith(f"remat {command[0]}: model 'nobody/no-such-model': its config could not be read")
+        assert "couldn't connect" in message

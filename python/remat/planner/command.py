@@ -7,6 +7,7 @@ kernel on meta than on a GPU, so a stock or selective unit's count there is meta
 """
 
 import re
+import sys
 
 import torch
 
@@ -21,6 +22,17 @@ def parse_bytes(text):
     if not match or unit not in _UNITS:
         raise ValueError(f"budget must be bytes, as 12GiB, 500MB or 1000000, got {text!r}")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+def model_shape(name, batch=None, seq=None, command="remat plan"):
+    """(batch, seq) the model `name` is planned at: remat memory's (remat.memory.shape), its default seq
+    cut to the model's positions with a note on stderr."""
+    from .. import memory
+
+    batch, seq, note = memory.shape(name, batch, seq)
+    if note:
+        print(f"{command}: {note}", file=sys.stderr, flush=True)
+    return batch, seq
 
 
 def model_on_gpu(name, batch, seq, dtype=torch.bfloat16):
@@ -49,17 +61,51 @@ def model_on_gpu(name, batch, seq, dtype=torch.bfloat16):
     return model, example
 
 
-def run(name, batch, seq, budget, device="H200", dtype=torch.bfloat16, json_path=None, budget_kind="saved",
-        optimizer=None):
+def run(name, batch=None, seq=None, budget=None, device=None, dtype=torch.bfloat16, json_path=None,
+        budget_kind="saved", optimizer=None):
+    """Plan model `name` (as remat memory builds it, at its shape: batch and seq where given, else remat
+    memory's defaults) for `budget` (bytes, or text as "12GiB"), its times predicted for `device` (a
+    name of remat.planner.DEVICES; default the GPU here where it is one, else H200, as remat memory);
+    print the plan in human units, write it as JSON to json_path. Returns the Plan."""
     from .. import memory
     from . import plan
 
+    memory.check_model(name)
+    batch, seq = model_shape(name, batch, seq)
     model, example = memory.meta_model(name, batch, seq, dtype)
     result = plan(model, example, parse_bytes(budget) if isinstance(budget, str) else budget,
-                  budget_kind=budget_kind, device=device, optimizer=optimizer)
+                  budget_kind=budget_kind, device=device or memory._gpu_here(), optimizer=optimizer)
     print(f"{name}: batch {batch}, seq {seq}, {str(dtype).replace('torch.', '')}")
-    print(result, flush=True)
+    print(plan_text(result), flush=True)
     if json_path:
         with open(json_path, "w") as handle:
             handle.write(result.to_json())
     return result
+
+
+def plan_text(result):
+    """The Plan `result` as a table, its bytes in binary units as remat memory prints them (str(result)
+    has the exact counts)."""
+    from ..memory import size_text
+
+    def row(label, choice="", count=None, seconds=None):
+        size = size_text(count).strip() if count is not None else ""
+        return f"{label:40s} {choice:10s} {size:>10s}" + (f" {seconds * 1e3:9.3f}" if seconds is not None else "")
+
+    lines = [f"{'unit':40s} {'choice':10s} {'saved':>10s} {'extra ms':>9s}"]
+    lines += [row(u, c, b, s) for u, c, b, s in zip(result.units, result.choices, result.unit_bytes,
+                                                     result.unit_seconds)]
+    if result.head is not None:
+        lines.append(row("(LM head + loss)", result.head, result.head_bytes, result.head_seconds))
+    lines.append(row("(outside the units)", count=result.base_bytes))
+    lines.append(row("total", count=result.saved_bytes, seconds=result.extra_seconds))
+    if result.host_bytes:
+        lines.append(row("(offloaded to host memory)", count=result.host_bytes))
+    if result.budget_kind == "peak":
+        lines.append(row("+ parameters, gradients, optimizer state", count=result.fixed_bytes))
+        lines.append(row("+ largest backward transient (a model)", count=result.transient_bytes))
+        lines.append(row("predicted peak", count=result.peak_bytes))
+    kind = "of the step's peak" if result.budget_kind == "peak" else "kept for the backward"
+    how = "measured on" if result.measured else "predicted for"
+    lines.append(f"budget {size_text(result.budget).strip()} {kind}; times {how} {result.device}")
+    return "\n".join(lines)
