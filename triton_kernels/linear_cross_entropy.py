@@ -36,7 +36,9 @@ Tensor contract:
   x's dtype; bias (V,) or None, x's dtype or fp32; target (M,) integer class indices (int64, int32
   or uint8), ignore_index marking tokens without a loss. Forward returns loss (M,) fp32, 0 for ignored
   tokens (NaN for a target outside [0, V) that is not ignore_index: never a silent wrong loss), and
-  lse (M,) fp32, natural log. Backward takes dloss (M,) fp32 of any stride (0 for a sum's expanded
+  lse (M,) fp32, natural log. Logits of -inf (a -inf bias) count as F.cross_entropy counts them:
+  nothing in the lse (a block of them adds 0), +inf loss where the target's is -inf, lse -inf and
+  a NaN loss where every logit is. Backward takes dloss (M,) fp32 of any stride (0 for a sum's expanded
   gradient) and returns dx (M, K) contiguous in x's dtype, dW (V, K) in weight's, db (V,) in bias's;
   each an empty (0,) tensor when not asked for. All arithmetic is fp32.
 """
@@ -216,12 +218,14 @@ def _lce_fwd_kernel(
         col_mask = cols < V
         z, _ = _logit_tile(X, W, B, rows, cols, row_mask, col_mask, K, stride_x, stride_w, softcap,
                            HAS_BIAS, SOFTCAP, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
-        # Every block holds at least one real column, so the new maximum is finite (for finite
-        # inputs) and exp(-inf - new_max) is 0 on the first step.
         z_real = tl.where(col_mask[None, :], z, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(z_real, axis=1))
-        rescale = tl.exp(running_max - new_max)
-        exp_sum = exp_sum * rescale + tl.sum(tl.exp(z_real - new_max[:, None]), axis=1)
+        # While every logit so far is -inf (a -inf bias, a mask added to it), the maximum stays -inf
+        # and exp(z - max) would be exp(-inf + inf) = NaN: shifting by 0 then makes every term
+        # exp(-inf) = 0, so such a block contributes nothing, as to F.cross_entropy's log-sum-exp.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = tl.exp(running_max - shift)
+        exp_sum = exp_sum * rescale + tl.sum(tl.exp(z_real - shift[:, None]), axis=1)
         running_max = new_max
         target_logit += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
         if SMOOTHING:
@@ -257,7 +261,11 @@ def _lce_fwd_combine_kernel(
     maxima = tl.load(Partials + offsets, mask=mask, other=float("-inf"))
     sums = tl.load(Partials + plane + offsets, mask=mask, other=0.0)
     row_max = tl.max(maxima, axis=1)
-    lse = row_max + tl.log(tl.sum(sums * tl.exp(maxima - row_max[:, None]), axis=1))
+    # Parts whose logits are all -inf have maximum -inf and sum 0: they add exp(-inf) * 0 = 0. A row
+    # whose every logit is -inf shifts by 0 (not -inf - -inf) and gets lse = log(0) = -inf, its loss
+    # -inf + inf = NaN, as F.cross_entropy's.
+    shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+    lse = shift + tl.log(tl.sum(sums * tl.exp(maxima - shift[:, None]), axis=1))
     target_logit = tl.sum(tl.load(Partials + 2 * plane + offsets, mask=mask, other=0.0), axis=1)
     loss = lse - (1.0 - label_smoothing) * target_logit + z_loss * lse * lse
     if SMOOTHING:

@@ -3,6 +3,7 @@ against float64 at awkward shapes in every dtype, within twice PyTorch's own err
 F.cross_entropy and of transformers' ForCausalLMLoss; what autograd keeps, exactly; deterministic
 gradients; the module; bad input."""
 
+import contextlib
 import functools
 import inspect
 import re
@@ -260,6 +261,96 @@ def test_a_target_outside_the_vocabulary_is_nan_where_it_is_not_checked(target):
     dx, _, _ = lce_ops.linear_cross_entropy_bwd(torch.ones(6, device=device), x.detach(), weight.detach(), None,
                                                 labels, lse, -100, 0.0, 0.0, None, True, False, False)
     assert torch.isnan(dx[3]).all() and torch.isfinite(dx[[0, 1, 2, 4, 5]]).all()
+
+
+# --- -inf logits: as F.cross_entropy takes them -----------------------------------------------------
+# A -inf bias entry (a vocabulary masked out, padding classes) makes those logits -inf. Where a
+# vocabulary block's logits are all -inf, the online log-sum-exp's running maximum is -inf: such a
+# block must add exp(-inf) = 0, not exp(-inf - -inf) = NaN. Cases: the forward's first vocabulary
+# block (64 columns, in every dtype; with 257 classes also a whole split) -inf, the targets elsewhere
+# (a finite loss); some targets' own logit -inf (loss +inf, finite gradients, as PyTorch's); every
+# logit -inf (NaN loss and gradients for the counted tokens, as F.cross_entropy). Plain, with label
+# smoothing and z-loss (which sum every logit: +inf where one is -inf), and softcapped (c tanh(-inf / c)
+# = -c: finite again). An ignored token gives 0 and zero gradients whatever its logits (remat's rule;
+# PyTorch's log_softmax backward makes an ignored row whose logits are all -inf NaN in dx).
+MINUS_INF_CASES = ["a-block", "the-target", "every-logit"]
+MINUS_INF_OPTIONS = {"plain": dict(), "smoothing-z-loss": dict(label_smoothing=0.1, z_loss=1e-3),
+                     "softcap": dict(softcap=5.0)}
+MINUS_INF_BLOCK = 64  # the forward's vocabulary block in every dtype
+REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # as numerics.REL_TOL
+
+
+def _minus_inf_case(case, dtype, device):
+    """x, weight, a bias with -inf entries and targets, for one of MINUS_INF_CASES (token 2 ignored)."""
+    x, weight, bias, labels = make_case(6, 29, 257, dtype, device, bias=True, ignored=(2,))
+    with torch.no_grad():
+        bias[: None if case == "every-logit" else MINUS_INF_BLOCK] = float("-inf")
+    in_block = (labels >= 0) & (labels < MINUS_INF_BLOCK)
+    if case == "a-block":
+        labels = torch.where(in_block, labels + MINUS_INF_BLOCK, labels)
+    elif case == "the-target":
+        labels[[0, 3]] = torch.tensor([5, MINUS_INF_BLOCK - 1], device=device)
+    return x, weight, bias, labels
+
+
+def _cross_entropy_float64(x, weight, bias, labels, label_smoothing=0.0, z_loss=0.0, softcap=None):
+    """Per-token F.cross_entropy in float64 (plus the z-loss of the counted tokens)."""
+    logits = F.linear(x, weight, bias)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    losses = F.cross_entropy(logits, labels, reduction="none", label_smoothing=label_smoothing)
+    if z_loss:
+        losses = losses + torch.where(labels != -100, z_loss * torch.logsumexp(logits, dim=1) ** 2, 0.0)
+    return losses
+
+
+def _assert_as_float64(name, ours, exact, dtype):
+    """NaN and ±inf exactly where the float64 result has them; elsewhere within the dtype's bound."""
+    assert torch.equal(ours.isnan(), exact.isnan()), f"{name}: NaN where float64 has none, or none where it has"
+    infinite = exact.isinf()
+    assert torch.equal(ours.isinf(), infinite) and torch.equal(ours[infinite], exact[infinite].to(ours.dtype)), (
+        f"{name}: ±inf differs from float64's")
+    finite = exact.isfinite()
+    error = rel_error(ours[finite], exact[finite])
+    assert error <= REL_TOL[dtype], f"{name}: error {error:.3g} > {REL_TOL[dtype]:.1g}"
+
+
+def _loss_and_grads(x, weight, bias, labels, cotangent, options, backend=None):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weight, bias)]
+    with remat.use_backend(backend) if backend else contextlib.nullcontext():
+        loss = remat.linear_cross_entropy(*leaves[:2], labels, leaves[2], reduction="none", **options)
+        return [loss.detach(), *torch.autograd.grad(loss, leaves, cotangent)]
+
+
+# The interpreter's numpy warns where the math is NaN or -inf (every-logit: -inf - -inf, log(0)): meant.
+@pytest.mark.filterwarnings("ignore:(invalid value|divide by zero) encountered:RuntimeWarning")
+@pytest.mark.parametrize("options", MINUS_INF_OPTIONS.values(), ids=MINUS_INF_OPTIONS.keys())
+@pytest.mark.parametrize("case", MINUS_INF_CASES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_minus_inf_logits_as_f_cross_entropy(target, dtype, case, options):
+    device, _ = target
+    x, weight, bias, labels = _minus_inf_case(case, dtype, device)
+    cotangent = torch.randn(labels.shape, device=device)
+    leaves64 = float64_leaves(x, weight, bias)
+    exact = _cross_entropy_float64(*leaves64, labels, **options)
+    exact = [exact.detach(), *torch.autograd.grad(exact, leaves64, cotangent.double())]
+    counted = labels != -100
+    exact[1] = torch.where(counted[:, None], exact[1], 0.0)  # remat's rule for an ignored token (above)
+    ours = _loss_and_grads(x, weight, bias, labels, cotangent, options)
+    reference = _loss_and_grads(x, weight, bias, labels, cotangent, options, backend="reference")
+    for name, mine, ref, want in zip(["loss", "dx", "dweight", "dbias"], ours, reference, exact):
+        _assert_as_float64(name, mine, want, dtype)
+        _assert_as_float64(f"{name} (reference)", ref, want, dtype)
+    if case == "a-block" and "label_smoothing" not in options:
+        assert torch.isfinite(ours[0]).all(), "a block of -inf logits must leave the loss finite"
+    # The saved log-sum-exp, from the per-split parts (with 257 classes the first split is all -inf):
+    # torch.logsumexp's, -inf for a row whose every logit is -inf (the log of an empty sum).
+    logits64 = F.linear(*(t.detach() for t in leaves64))
+    if options.get("softcap") is not None:
+        logits64 = options["softcap"] * torch.tanh(logits64 / options["softcap"])
+    settings = (-100, options.get("label_smoothing", 0.0), options.get("z_loss", 0.0), options.get("softcap"))
+    _, lse = lce_ops.linear_cross_entropy_fwd(x.detach(), weight.detach(), bias.detach(), labels, *settings)
+    _assert_as_float64("lse", lse, torch.logsumexp(logits64, dim=1), torch.float32)
 
 
 # --- what autograd keeps ---------------------------------------------------------------------------

@@ -304,8 +304,10 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100, red
     float64 inputs), as transformers' loss (which upcasts the logits) and torch's under autocast
     return it; under autocast x, weight and bias are cast to the autocast dtype first.
 
+    Logits of -inf (a -inf bias entry) are F.cross_entropy's too: they add nothing to the log-sum-exp,
+    a -inf target logit gives an inf loss, a token whose every logit is -inf a NaN loss.
     Difference from F.cross_entropy: a mean over no counted token (every target ignored) is 0 with
-    zero gradients, not NaN.
+    zero gradients, not NaN; an ignored token's gradient is 0 even where its logits are all -inf.
     Autograd keeps x, the target (flattened) and the fp32 log-sum-exp per token (plus, for the mean,
     its 4-byte count); the backward recomputes the logits (see remat.ops.linear_cross_entropy). Target
     values are checked once per call outside torch.compile (one synchronisation with the GPU).
