@@ -15,6 +15,7 @@ _EAGER = {
     "convert": ("convert", "convert"), "revert": ("convert", "revert"),
     "attention": ("ops.attention", "attention"), "attention_varlen": ("ops.attention_varlen", "attention_varlen"),
     "layer_norm_linear": ("ops.fused", "layer_norm_linear"), "mlp": ("ops.fused", "mlp"),
+    "experts": ("ops.experts", "experts"),
     "gated_activation": ("ops.gated", "gated_activation"), "gelu": ("ops.gelu", "gelu"),
     "layer_norm": ("ops.layer_norm", "layer_norm"),
     "linear_cross_entropy": ("ops.linear_cross_entropy", "linear_cross_entropy"),
@@ -74,7 +75,7 @@ if not _run_as_command():
     _load()
 
 __all__ = [
-    "attention", "attention_varlen", "backends", "calibrate", "convert", "gated_activation", "gelu", "get_backend",
-    "layer_norm", "layer_norm_linear", "linear_cross_entropy", "mlp", "nn", "ops", "Plan", "plan", "register_attention",
-    "revert", "rms_norm", "set_backend", "use_backend",
+    "attention", "attention_varlen", "backends", "calibrate", "convert", "experts", "gated_activation", "gelu",
+    "get_backend", "layer_norm", "layer_norm_linear", "linear_cross_entropy", "mlp", "nn", "ops", "Plan", "plan",
+    "register_attention", "revert", "rms_norm", "set_backend", "use_backend",
 ]

@@ -16,7 +16,8 @@ SUITES = {  # `remat bench` suite -> what its --shapes sizes are
     "layernorm": "widths N", "rms_norm": "widths N", "gelu": "row counts M", "gated": "row counts M",
     "attention": "sequence lengths s",
     "attention_varlen": "longest sequence lengths s (16 sequences, 16 heads of 128)",
-    "linear_cross_entropy": "token counts T", "mlp": "hidden sizes h", "block": "sequence length s (the first size)",
+    "linear_cross_entropy": "token counts T", "experts": "token counts T", "mlp": "hidden sizes h",
+    "block": "sequence length s (the first size)",
 }
 # Suites run only when named, not by `all`: reports of their own (remat.bench.NAMED_SUITES), not kernel timings.
 NAMED_SUITES = {"overhead": "sequence lengths s (batch 1)"}

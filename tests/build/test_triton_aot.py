@@ -92,10 +92,22 @@ def _linear_cross_entropy_ci_cases(kernels):
             if (case["dtype"], case["vocab"], case["options"]) in _LINEAR_CROSS_ENTROPY_SUBSET]
 
 
+# The routed experts' full list (bf16 and fp32, three production layers, both policies: six kernels a
+# case) is more than CI needs. CI compiles bf16 (training's dtype; fp16 is the same code): Qwen3-MoE's
+# concatenated SwiGLU with both policies, gpt-oss's transposed, interleaved clamped SwiGLU with biases
+# and Nemotron-H's non-gated squared ReLU, recomputing. fp32 compiles with REMAT_AOT_FULL=1.
+_EXPERTS_SUBSET = {"qwen3_moe_bf16_recompute", "qwen3_moe_bf16_keep", "gpt_oss_bf16_recompute",
+                   "nemotron_h_bf16_recompute"}
+
+
+def _experts_ci_cases(kernels):
+    return [case for case in kernels.aot_cases() if case["name"] in _EXPERTS_SUBSET]
+
+
 # The kernel modules whose CI run compiles a subset; the others (GELU's small kernels) compile
 # every case. REMAT_AOT_FULL=1 compiles every case of every module.
 CI_SUBSETS = {"layer_norm": _layer_norm_ci_cases, "attention": _attention_ci_cases,
-              "linear_cross_entropy": _linear_cross_entropy_ci_cases}
+              "linear_cross_entropy": _linear_cross_entropy_ci_cases, "experts": _experts_ci_cases}
 
 
 def selected_cases(name):

@@ -8,7 +8,7 @@ FAMILIES lists the declared families, name -> OpFamily, for the tooling that loo
 
 # Each module declares its family on import; this order is FAMILIES' order, and so the order of
 # the benchmark suites (the quick ones first).
-from . import layer_norm, rms_norm, gelu, gated, attention, attention_varlen, linear_cross_entropy  # noqa: F401, I001
+from . import layer_norm, rms_norm, gelu, gated, attention, attention_varlen, linear_cross_entropy, experts  # noqa: F401, I001
 from ._family import FAMILIES, registered_calls
 
 __all__ = ["FAMILIES", "registered_calls"]
