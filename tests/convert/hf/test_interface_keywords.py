@@ -87,12 +87,14 @@ def test_t5_through_the_public_path_is_sdpa():
     assert reasons == {interface.REFUSED["position_bias"][0]}
 
 
+@pytest.mark.parametrize("mask", ["none", "4-D"])
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
-def test_a_keyword_remat_does_not_know_runs_stock(monkeypatch, implementation):
+def test_a_keyword_remat_does_not_know_runs_stock(monkeypatch, implementation, mask):
     """An attention call with a keyword not in the table (a newer release's) runs stock attention and
     says so: the implementation the model had where remat.convert knows it (sdpa ignores what it does
     not take, as stock did), else the model's own eager attention function, which the model's
-    keywords are written for. The keyword here is passed on to it, and changes its result."""
+    keywords are written for. The keyword here is passed on to it, and changes its result; with a
+    4-D mask (stock attention for the mask's sake) as well."""
     stock, _ = tiny_model("Olmo2Config")  # a family without rules: its attention runs through the interface
     stock.set_attn_implementation(implementation)
     converted = remat.convert(copy.deepcopy(stock), layers={"attention"})
@@ -107,11 +109,15 @@ def test_a_keyword_remat_does_not_know_runs_stock(monkeypatch, implementation):
         return out * new_keyword, weights
 
     monkeypatch.setattr(model_file, "eager_attention_forward", eager_with_a_new_keyword)
-    q, k, v = (torch.randn(2, 2, 8, 32, dtype=torch.float64) for _ in range(3))
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 8, 32, dtype=torch.float64, generator=generator) for _ in range(3))
     k, v = k[:, :1], v[:, :1]  # GQA: one key and value head
-    with pytest.warns(RematFallbackWarning, match="does not know.*new_keyword"):
-        out, _ = interface.attention_forward(module, q, k, v, None, scaling=32 ** -0.5, new_keyword=2.0)
+    with pytest.warns(RematFallbackWarning, match="does not know.*new_keyword" if mask == "none" else "a mask"):
+        causal = torch.ones(8, 8, dtype=torch.bool).tril()[None, None].expand(2, 1, 8, 8)
+        out, _ = interface.attention_forward(module, q, k, v, causal if mask == "4-D" else None, scaling=32 ** -0.5,
+                                             new_keyword=2.0)
     want = torch.nn.functional.scaled_dot_product_attention(q, k.expand_as(q), v.expand_as(q), is_causal=True)
     factor = 1.0 if implementation == "sdpa" else 2.0  # sdpa ignores the keyword; eager takes it
-    torch.testing.assert_close(out, want.transpose(1, 2) * factor)
+    # (eager attention functions take their softmax in float32: float32's tolerance for the float64 inputs)
+    torch.testing.assert_close(out, want.transpose(1, 2) * factor, rtol=1e-5, atol=1e-6)
     assert received == ([] if implementation == "sdpa" else [2.0])

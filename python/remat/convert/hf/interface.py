@@ -294,28 +294,33 @@ def _own_views(query, key, value):
 
 
 def _stock_reason(module, query, key, value, mask, kwargs):
-    """(why stock attention computes this call, or None; whether sdpa can compute it)."""
+    """(why stock attention computes this call, or None; whether sdpa can compute it: not with a
+    keyword sdpa does not take, unless sdpa was the model's, which is then stock itself)."""
+    keyword = _keyword_reason(kwargs)
+    sdpa_can = keyword is None or keyword[1] or module.__dict__.get("remat_attention_previous") == "sdpa"
+    return _stock_reason_of_call(module, query, key, value, mask, kwargs, keyword), sdpa_can
+
+
+def _stock_reason_of_call(module, query, key, value, mask, kwargs, keyword):
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
         if torch.compiler.is_compiling():
             return "while torch.compile traces, a padded batch or one transformers may pack (no cache): the " \
-                   "varlen kernels' sizes depend on the data", True
-        return "a mask remat's kernels do not take (past keys, a static cache, or the model's own pattern)", True
-    keyword = _keyword_reason(kwargs)
-    if keyword is not None:  # sdpa where it was the model's: stock itself, whatever sdpa makes of the keyword
-        return keyword[0], keyword[1] or module.__dict__.get("remat_attention_previous") == "sdpa"
+                   "varlen kernels' sizes depend on the data"
+        return "a mask remat's kernels do not take (past keys, a static cache, or the model's own pattern)"
+    if keyword is not None:
+        return keyword[0]
     if value.shape[-1] != query.shape[-1]:
-        return "v's head dim differs from q's (multi-head latent attention)", True
+        return "v's head dim differs from q's (multi-head latent attention)"
     reason = kernels_reason(query, key, value)  # on a GPU: a head dim the kernels lack, an older GPU
     if reason is not None:  # (remat.attention would run SDPA, or its reference where it has features)
-        return reason, True
+        return reason
     if mask is None and 1 < query.shape[2] != key.shape[2]:
         # sdpa aligns its causal mask top-left there (a static cache's prefill: the buffer's first
         # keys are the call's own); remat's kernels align it bottom-right, as FlashAttention
-        return "more queries than one but fewer than the keys, without a mask (a static cache's prefill)", True
+        return "more queries than one but fewer than the keys, without a mask (a static cache's prefill)"
     if _weights_requested(module, kwargs):
-        return "attention weights requested (output_attentions)", True
-    return None, True
-
+        return "attention weights requested (output_attentions)"
+    return None
 
 
 def attention_weights_requested(module, kwargs, implementation):
