@@ -128,6 +128,16 @@ def test_packed_rows_of_a_batch_attend_within_their_sequences(name, rows):
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("name, window", [("mistral", 3), ("gemma2", 4)])
+def test_packed_rows_with_a_sliding_window(name, window):
+    """Packed rows under a sliding window shorter than the rows (Gemma2: its full and its sliding
+    layers, two masks a forward): the window applies within each sequence, as stock's."""
+    stock, _ = build(name, sliding_window=window)
+    converted = with_remat(stock)
+    _, varlen, dense = varlen_attention_calls(lambda: assert_same_step(stock, converted, packed_rows(name, 2)))
+    assert (varlen, dense) == (stock.config.num_hidden_layers, 0)
+
+
 def test_packed_rows_with_a_cache_attend_across_as_stock():
     """With a cache (the config's use_cache=True) transformers does not pack: stock attends across
     the sequences, and so does remat (remat.attention on the rows)."""
