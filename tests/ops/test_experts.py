@@ -43,7 +43,7 @@ class Layer:
 
 # Qwen3-MoE / Mixtral (concatenated SwiGLU), GeGLU, gpt-oss (transposed, interleaved, clamped SwiGLU
 # with biases; a limit near 1 so that the clamps act on these unit-scale values), Nemotron-H
-# (non-gated squared ReLU), a plain ReLU, one token, and top-8. The limit, 1.01, is no fp16 or bf16
+# (non-gated squared ReLU), the other non-gated activations, one token, and top-8. The limit, 1.01, is no fp16 or bf16
 # number: a pre-activation rounded to exactly the limit would take the clamp's gradient or not by
 # its rounding (one ulp of a matmul's summation order), not by the computation; the float64
 # reference never rounds there, so with a representable limit the test would measure coin flips.
@@ -55,7 +55,9 @@ LAYERS = {
     "geglu_tanh_one_token": Layer(1, 24, 36, 5, 2, "gelu_tanh"),
     "gpt_oss": GPT_OSS,
     "nemotron_relu2": Layer(7, 24, 36, 5, 1, "relu2", gated=False, biases=True),
-    "relu_silu_plain": Layer(7, 40, 20, 5, 2, "relu", gated=False),
+    "plain_relu": Layer(7, 40, 20, 5, 2, "relu", gated=False),
+    "plain_silu": Layer(7, 24, 20, 5, 2, "silu", gated=False),
+    "plain_gelu_tanh": Layer(7, 24, 20, 5, 2, "gelu_tanh", gated=False),
     "top_8": Layer(7, 24, 20, 10, 8),
 }
 

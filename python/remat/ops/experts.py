@@ -277,7 +277,7 @@ def _check_routing(x, top_k_index, top_k_weights):
 def _check_ids(top_k_index):
     """No negative expert id (ids >= num_experts are expert-parallel sentinels, skipped). Reads the
     values outside torch.compile and CUDA graphs (one synchronisation with the GPU); there a negative
-    id sorts first and is read as expert 0's row range start: the check is what keeps it out."""
+    id sorts before expert 0's pairs, outside every expert's range, and is skipped as a sentinel is."""
     if top_k_index.numel() and _readable(top_k_index) and bool((top_k_index < 0).any()):
         value = top_k_index[top_k_index < 0][0].item()
         raise ValueError(f"top_k_index must hold expert ids >= 0 (ids >= num_experts are skipped as expert-parallel "
