@@ -360,3 +360,15 @@ def test_a_layer_reverted_apart_from_the_model_runs_stock_attention(implementati
     remat.revert(converted)
     assert converted.config._attn_implementation == implementation
     assert not [name for m in converted.modules() for name in vars(m) if name.startswith("remat_")]
+
+
+def test_the_mask_on_meta_tensors_reads_no_values():
+    """On the meta device (remat memory's models at full size) the mask function reads no values: a
+    mask transformers may have packed (packed_sequence_mask_function over meta sequence numbers)
+    counts as one sequence, as transformers counts it there."""
+    from transformers.masking_utils import and_masks, causal_mask_function, packed_sequence_mask_function
+
+    sequences = torch.zeros(2, SEQ, dtype=torch.long, device="meta")
+    mask_function = and_masks(causal_mask_function, packed_sequence_mask_function(sequences))
+    assert interface.attention_mask(batch_size=2, q_length=SEQ, kv_length=SEQ, mask_function=mask_function,
+                                    attention_mask=None, allow_is_causal_skip=False, device="meta") is None

@@ -173,9 +173,9 @@ def _sequence_numbers(kwargs):
     or symmetric (each sees the next one exactly when the next sees it). The cu_seqlens of the
     numbers are remembered for the attention calls of this forward (_packing)."""
     batch, seq = kwargs["batch_size"], kwargs["q_length"]
-    if seq < 2:
-        return None
     device = kwargs.get("device")
+    if seq < 2 or (device is not None and torch.device(device).type == "meta"):
+        return None  # (meta tensors hold no values to read: counted as one sequence, as transformers does)
     rows = torch.arange(batch, device=device)[:, None]
     heads = torch.arange(1, device=device)  # as sdpa_mask evaluates it: the head does not matter
     later = torch.arange(1, seq, device=device)[None, :]
