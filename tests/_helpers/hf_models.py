@@ -450,9 +450,18 @@ def _tiny_config(config_name, extra):
               **(_TINY_AUDIO if isinstance(getattr(default, "conv_kernel", None), (tuple, list)) else {})}
     config = config_class(**fields)  # a state-space model's conv_kernel is one width: no audio convolutions
     for name, value in extra.items():
-        if hasattr(config, name):
+        if _has(config, name):
             setattr(config, name, value)
     return config, default
+
+
+def _has(config, name):
+    """hasattr, where a config with fields per layer raises more than AttributeError on a global read."""
+    try:
+        getattr(config, name)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError among them
+        return False
+    return True
 
 
 def _random_train(model):
@@ -481,16 +490,27 @@ def tiny_model(config_name):
 # tiny_model's: an encoder-decoder family's decoder layers, linear-attention (gated delta net) and
 # state-space heads small.
 _TINY_CAUSAL_EXTRA = dict(_TINY_EXTRA, encoder_layers=LAYERS, decoder_layers=LAYERS, linear_num_key_heads=2,
-                          linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+                          linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                          num_layers_per_stack=1, H_cycles=1, L_cycles=1,  # HRM: 2 stacks of 16 layers, 6 cycles
+                          rotary_dim=HEAD_DIM // 2,  # CodeGen's and GPT-J's 64 exceed the tiny heads
+                          # the second layer attention (Bamba's, Jamba's first is their eighth or none)
+                          attn_layer_indices=[1], attn_layer_period=2, attn_layer_offset=1)
 
 
 def _one_layer_of_each_type(config, default):
     """A hybrid family's tiny config (layer_types: linear attention, sliding, full) with one layer of each
-    type its full-size default has, in its order, where the tiny layer count left one out (two layers of
-    linear attention only: no attention layer, which transformers' mask building needs)."""
+    type its full-size default has (and a full attention one), in its order, where the tiny layer count
+    left one out (two layers of linear attention only: no attention layer, which transformers' mask
+    building needs)."""
     kinds = list(dict.fromkeys(getattr(default, "layer_types", None) or ()))
+    if kinds == ["linear_attention"]:  # GraniteMoeHybrid's default has no attention layer: one added
+        kinds.append("full_attention")
     if kinds and all(isinstance(k, str) for k in kinds) and set(config.layer_types or ()) != set(kinds):
-        config.layer_types, config.num_hidden_layers = kinds, len(kinds)
+        try:
+            config.layer_types = kinds
+        except AttributeError:  # derived from other fields (Jamba's, RecurrentGemma's): left as they are
+            return
+        config.num_hidden_layers = len(kinds)
 
 
 def tiny_causal_lm(config_name):
@@ -498,6 +518,8 @@ def tiny_causal_lm(config_name):
     tiny_model's fields and _TINY_CAUSAL_EXTRA's, one layer of each type a hybrid family has."""
     config, default = _tiny_config(config_name, _TINY_CAUSAL_EXTRA)
     _one_layer_of_each_type(config, default)
+    if _has(config, "kv_lora_rank"):  # latent attention (DeepSeek's MLA) has a key and value per head
+        config.num_key_value_heads = config.num_attention_heads
     return _random_train(transformers.AutoModelForCausalLM.from_config(config))
 
 
