@@ -286,8 +286,9 @@ def _exact_dot(builder, a, b, d, *rest, **kwargs):
 
     if not (a.dtype.scalar.is_floating() and b.dtype.scalar.is_floating() and d.dtype.scalar.is_floating()):
         return _exact_dot.__wrapped__(builder, a, b, d, *rest, **kwargs)  # integer dots are exact already
-    products = _widened_to_float64(a)[..., :, :, None] * _widened_to_float64(b)[..., None, :, :]
-    total = np.add.reduce(products, axis=-2) + _widened_to_float64(d)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf * 0 and inf - inf are NaN silently, as in a matmul
+        products = _widened_to_float64(a)[..., :, :, None] * _widened_to_float64(b)[..., None, :, :]
+        total = np.add.reduce(products, axis=-2) + _widened_to_float64(d)
     if d.dtype.scalar == tl.bfloat16:  # kept as raw bits
         rounded = torch.from_numpy(total).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     else:
