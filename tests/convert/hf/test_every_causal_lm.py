@@ -37,7 +37,7 @@ FAMILIES = _families()
 
 # A tiny model has a few hundred thousand parameters; a config with nested full-size parts (a vision
 # or speech tower, an image tokenizer) the tiny fields do not reach builds far more, in minutes.
-MAX_PARAMETERS = 5_000_000
+MAX_PARAMETERS = 6_000_000
 
 # model type -> the start of the error its tiny model's build or stock training step raises.
 _NOT_TINY = "ValueError: not tiny: "
@@ -45,7 +45,7 @@ _ROPE_WIDER = "RuntimeError: The size of tensor a (32) must match the size of te
 DO_NOT_BUILD = {
     # nested full-size parts (vision or audio towers, image tokenizers, per-layer embeddings) or sizes the
     # tiny fields do not name
-    **dict.fromkeys(["blt", "deepseek_v32", "emu3", "gemma3", "gemma4", "gemma4_text", "gemma4_unified",
+    **dict.fromkeys(["blt", "deepseek_v4", "deepseek_v32", "emu3", "gemma3", "gemma4", "gemma4_text", "gemma4_unified",
                      "gemma4_unified_assistant", "git", "glm_moe_dsa", "got_ocr2", "hy_v4", "inkling2_loop_text",
                      "inkling2_text", "llama4", "mllama", "moss_transcribe_diarize", "phi4_multimodal", "qwen3_5",
                      "qwen3_5_moe", "roc_bert"], _NOT_TINY),
@@ -63,7 +63,7 @@ DO_NOT_BUILD = {
     "prophetnet": "NotImplementedError: This model does not support the setting of `num_hidden_layers`",
     "falcon": "AttributeError: property 'head_dim' of 'FalconConfig' object has no setter",
     # configs of other shapes: fields the tiny ones leave unset, or nested configs
-    "cohere_compass_text": "KeyError: 'full_attention'",
+    **dict.fromkeys(["cohere_compass_text", "dory"], "KeyError: 'full_attention'"),  # rope per layer type
     "dbrx": "AttributeError: 'DbrxAttentionConfig' object has no attribute 'rope_theta'",
     "dots1": "TypeError: unsupported operand type(s) for *: 'int' and 'NoneType'",
     "gemma3n_text": "ValueError: The set of layer types producing a cache is different",
@@ -101,8 +101,9 @@ def build(model_type):
         return tiny_causal_lm(config_name)
 
 
-# The slowest families here (minutes on a loaded 2-core machine, where most take a few seconds alone):
-# their state-space or linear-attention scans run transformers' PyTorch reference implementations.
+# The slowest families here (8 to 22 s a test on a loaded 2-core CPU, where most take 2 to 5 s; the whole
+# file 9 minutes there on one worker): their state-space or linear-attention scans run transformers'
+# PyTorch reference implementations.
 SLOW = {"bamba": "Mamba-2 reference scan", "falcon_h1": "Mamba-2 reference scan",
         "granitemoehybrid": "Mamba-2 reference scan", "jamba": "Mamba reference scan",
         "kimi_linear": "KDA linear-attention reference", "bailing_hybrid": "linear-attention reference"}
@@ -123,7 +124,8 @@ def test_converts_and_trains_as_stock(model_type):
     if model_type in DO_NOT_BUILD:
         with pytest.raises(Exception) as failure:  # noqa: PT011 - transformers raises many kinds
             tiny_loss(build(model_type), "causal", ids)
-        assert f"{failure.type.__name__}: {failure.value}".startswith(DO_NOT_BUILD[model_type])
+        said = " ".join(f"{failure.type.__name__}: {failure.value}".split())  # transformers' may span lines
+        assert said.startswith(" ".join(DO_NOT_BUILD[model_type].split())), said
         return
     stock = build(model_type)
     with warnings.catch_warnings():
