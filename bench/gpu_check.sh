@@ -33,8 +33,8 @@
 #
 # Settings, for a targeted rerun (environment variables):
 #   GPU_CHECK_SUITES="attention block"   the benchmark suites (default: layernorm rms_norm gelu gated mlp
-#                                        attention block; attention_varlen and linear_cross_entropy run
-#                                        only when named here)
+#                                        attention block; attention_varlen, linear_cross_entropy and
+#                                        experts run only when named here)
 #   GPU_CHECK_SKIP_BUILD=1               no CUDA extension: the Triton kernels only
 #   GPU_CHECK_SKIP_SMOKE=1               no smoke check
 #   GPU_CHECK_SKIP_TESTS=1               no GPU tests and no memcheck
@@ -55,7 +55,7 @@ RESERVE=10
 WARM_WAIT=90  # the benchmarks wait for the warmers until at least this long after they started
 MAX_ARCHIVE_BYTES=$((15 * 1024 * 1024))  # what comes back: 16 MiB a file
 ALL_SUITES=(layernorm rms_norm gelu gated mlp attention block)
-KNOWN_SUITES=" ${ALL_SUITES[*]} attention_varlen linear_cross_entropy "  # the last two: only when asked for
+KNOWN_SUITES=" ${ALL_SUITES[*]} attention_varlen linear_cross_entropy experts "  # the last three: only when asked for
 PIP_INSTALL=(-m pip install --no-index --disable-pip-version-check --no-build-isolation --no-deps -e .)
 
 declare -A NAME LIMIT MODEL
@@ -82,6 +82,7 @@ set_step bench_block        44   35  "bench: block"              # 14 policies o
 # Only when asked for (GPU_CHECK_SUITES), not yet measured, not in the budget above.
 set_step bench_attention_varlen 25 18 "bench: attention_varlen"  # 6 cases, 2 FlexAttention graphs, its tuning
 set_step bench_linear_cross_entropy 40 30 "bench: linear_cross_entropy"  # 3 vocabularies at 8192 tokens: products of ~5e13 FLOP, their float64 references, a torch.compile peer
+set_step bench_experts      30   20  "bench: experts"            # 2 cases (fwd, fwd+bwd) of a Qwen3-30B-A3B-shaped layer, remat's two policies and the stock loop, a float64 check
 # In the background, niced (limit: the longest one may live; the wait before the benchmarks ends it earlier).
 set_step warm_triton       300   75  "warm Triton kernels"       # 44 (suite, dtype, case) items in 6 processes: ~160 kernels (every bf16 attention candidate of 7 variants, ~100) at ~2.5 s for sm_90
 set_step warm_compile      300  100  "warm torch.compile peers"  # 25 (suite, implementation, case) items in 8 processes: 8 FlexAttention graphs ~30 s each, 5 GPT-block policies ~45 s, 12 small graphs ~8 s: ~560 core-seconds
