@@ -58,6 +58,7 @@ from ...ops.attention import _fallback_reason as kernels_reason
 from ...ops.attention import attention
 from ...ops.attention_varlen import attention_varlen
 from ..swap import join
+from . import head_norm
 
 NAME = "remat"
 
@@ -77,30 +78,39 @@ def convert_attention(model, path, report):
     sdpa's or eager's calls, and some rework the mask), the config names another implementation than
     sdpa and eager, or the model does not take flash-attention-style masks (a forward that reworks the
     (B, 1, S, S) mask itself, as Doge's, or adds ALiBi to it, as Falcon's with alibi=True); the report
-    says which."""
+    says which.
+    The q/k norms fuse_qk_norms fused (head_norm.py) need remat's attention function: where the
+    model keeps another, they go back to stock, their rows saying why."""
+    if not _switch_attention(model, path, report):
+        head_norm.unfuse(model, report, f"the model's attention implementation stays "
+                                        f"{model.config._attn_implementation!r}")
+
+
+def _switch_attention(model, path, report):
+    """convert_attention's switch: True when "remat" is the model's attention implementation now."""
     from .registry import family_of
 
     previous = model.config._attn_implementation
     if any(family_of(m) is not None for m in model.modules()):
-        return  # a family with rules (some of its modules swapped, or kept stock by a rule) decides its attention
+        return False  # a family with rules (some of its modules swapped, or kept stock by a rule) decides its attention
     if previous not in ("sdpa", "eager"):
         report.add(path, model, "skipped", f"attention implementation {previous!r} kept (remat replaces sdpa "
                                            "and eager)")
-        return
+        return False
     if getattr(model.config, "alibi", False):  # Falcon's: added onto a materialised (B, 1, S, S) mask
         report.add(path, model, "skipped", f"attention implementation {previous!r} kept: alibi=True (the model adds "
                                            "its ALiBi bias to a (B, 1, S, S) mask, which remat's masks are not)")
-        return
+        return False
     if not getattr(model, "_supports_flash_attn", False):  # its forward may read the mask as sdpa's (B, 1, S, S)
         report.add(path, model, "skipped", f"attention implementation {previous!r} kept: the model does not take "
                                            "flash-attention-style masks (_supports_flash_attn), which remat's are")
-        return
+        return False
     register()
     try:
         model.set_attn_implementation(NAME)
     except (ValueError, ImportError, AttributeError) as error:  # the model does not call the interface
         report.add(path, model, "skipped", f"attention implementation {previous!r} kept: {error}")
-        return
+        return False
     model.__dict__["remat_attention_implementation"] = previous
     for name, module in model.named_modules():  # what each goes back to when reverted apart from the model
         module.__dict__["remat_attention_previous"] = previous  # (revert_attention)
@@ -109,6 +119,7 @@ def convert_attention(model, path, report):
     report.add(path, model, f"attention implementation {previous!r} -> {NAME!r}", "every attention calling "
                "transformers' attention interface runs remat.attention")
     _keep_attention_rows(report, previous)
+    return True
 
 
 def _keep_attention_rows(report, previous):
@@ -128,6 +139,7 @@ def revert_attention(module):
     module below such a model, reverted apart from it (remat.revert of one layer, as a plan does for
     the layers it keeps stock), keeps the model's "remat" implementation, which every layer reads
     from the shared config: its attention calls run the previous implementation's attention instead."""
+    head_norm.unhook(module)
     previous = module.__dict__.pop("remat_attention_implementation", None)
     if previous is not None:
         module.set_attn_implementation(previous)
@@ -267,10 +279,16 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                                 eager=reverted == "eager" or not sdpa_can, **kwargs)
     features = {"softmax_scale": scaling, "softcap": float(softcap or 0.0), "dropout_p": float(dropout),
                 "window_size": window}
+    if attention_mask is not None:
+        head_norm.not_fused_on_varlen(module)
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         return _packed_attention(query, key, value, _packing(attention_mask), causal, features), None
     if attention_mask is not None:
         return _padded_attention(query, key, value, attention_mask, causal, features), None
+    fused = head_norm.fused_attention(module, query, key, value, causal, scaling,
+                                      (*window, features["softcap"], features["dropout_p"]))
+    if fused is not None:  # its q/k norms fused: q and k rebuilt from the projections' outputs in the backward
+        return fused.transpose(1, 2), None
     query, key, value = _own_views(query, key, value)  # (the varlen paths above gather copies of their tokens)
     return attention(query, key, value, causal=causal, **features).transpose(1, 2), None
 

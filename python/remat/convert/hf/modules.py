@@ -225,10 +225,15 @@ def _records_outputs(hook):
 def _between_reason(module):
     """hook_reason of a module between a layer and a handoff's member, whose own forward runs (the
     attention holding q_proj): its input is the norm's input instead of its output then, which
-    transformers' output recorders do not read."""
-    hooks = module._forward_hooks
-    skip = ("_forward_hooks",) if hooks and all(map(_records_outputs, hooks.values())) else ()
+    transformers' output recorders do not read, nor the hooks of remat's fused q/k norms
+    (head_norm.py: they read the call's position_embeddings and cache, and change nothing)."""
+    skip = tuple(name for name in ("_forward_hooks", "_forward_pre_hooks")
+                 if getattr(module, name) and all(map(_reads_no_input, getattr(module, name).values())))
     return hook_reason(module, skip)
+
+
+def _reads_no_input(hook):
+    return _records_outputs(hook) or getattr(hook, "remat_reads_no_hidden_states", False)
 
 
 def link(layer, members, producers, consumers, dropout=()):

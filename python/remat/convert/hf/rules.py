@@ -25,6 +25,7 @@ from ..._numerics import rel_error
 from ...ops.attention import HEAD_DIMS
 from ..patterns import MLP, fusable, layer_norm_fusable
 from ..swap import is_converted, join, with_class
+from . import head_norm
 from . import structure as structure_probe
 from .modules import (
     RematFusedLayerNorm,
@@ -769,6 +770,8 @@ def convert_children(parent, layers, recompute, path, report, structure=None):
     handled = set()
     kind = type(parent).__name__
     if structure is not None and _unruled(parent):
+        verdicts = structure.__dict__.setdefault("qk_norm_verdicts", {})  # one replay per kind of attention
+        handled |= head_norm.fuse_qk_norms(parent, structure, layers, path, report, verdicts)
         handled |= _structural_rule(parent, structure, layers, recompute, path, report)
     if _has_layer_rule(kind) and from_transformers(type(parent)):
         handled |= _layer_rule(parent, layers, recompute, path, report)
