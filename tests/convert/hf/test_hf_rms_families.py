@@ -49,7 +49,9 @@ conv = importlib.import_module("remat.convert")
 
 TOKENS = BATCH * SEQ
 OUTPUT_NORMS = "in Gemma{}DecoderLayer's forward reads it"  # post_attention_layernorm, post_feedforward_layernorm
-HEAD_NORMS = "in {}Attention's forward reads it"  # q_norm and k_norm over each head, before the rotary embedding
+# Families whose attention normalises q and k over each head before the rotary embedding (q_norm,
+# k_norm): fused into remat's attention (convert/hf/head_norm.py, tests/convert/hf/test_qk_norm.py)
+HEAD_NORMED = ("qwen3", "gemma3")
 STOCK_ATTENTION = "runs stock attention"
 
 # family -> (its class prefix, the projections each input_layernorm is fused into, {reason substring:
@@ -60,12 +62,12 @@ CASES = {
     "llama": Case("Llama", 3, {}),
     "mistral": Case("Mistral", 3, {}),
     "qwen2": Case("Qwen2", 3, {}),
-    "qwen3": Case("Qwen3", 3, {HEAD_NORMS.format("Qwen3"): 2 * LAYERS}),
+    "qwen3": Case("Qwen3", 3, {}),
     "phi3": Case("Phi3", 1, {}),  # qkv_proj
     "gemma": Case("Gemma", 3, {}),
     # softcapped attention (the default 50.0) on remat.attention's softcap
     "gemma2": Case("Gemma2", 3, {OUTPUT_NORMS.format(2): 2 * LAYERS}),
-    "gemma3": Case("Gemma3", 3, {OUTPUT_NORMS.format(3): 2 * LAYERS, HEAD_NORMS.format("Gemma3"): 2 * LAYERS}),
+    "gemma3": Case("Gemma3", 3, {OUTPUT_NORMS.format(3): 2 * LAYERS}),
 }
 FINAL_NORM = "RMSNorm: no fusion"  # the generic rule's row for model.norm
 
@@ -80,8 +82,9 @@ def expected_skips(name):
 
 def expected_swaps(name):
     prefix = CASES[name].prefix
+    head_norms = {f"RematHead{prefix}RMSNorm": 2 * LAYERS} if name in HEAD_NORMED else {}
     return {f"Remat{prefix}MLP": LAYERS, f"RematFused{prefix}RMSNorm": 2 * LAYERS,
-            "RematNormedLinear": CASES[name].projections * LAYERS}
+            "RematNormedLinear": CASES[name].projections * LAYERS, **head_norms}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -144,12 +147,18 @@ def expected_saving(name, ffn, device, remat_attention=None):
     gemma GemmaRMSNorm's stock forward also keeps 1 + w in fp32 (hidden wide, once per norm, not per token)
     and, where remat.attention runs (remat_attention, default: it does), what the stock attention keeps
     more (stock_attention_extra); stock attention, run for a call remat's kernels do not take, keeps it too.
+    q/k norms (HEAD_NORMED), fused into remat's attention: each q and k element's normalised x (fp32) and
+    the post-rope q or k the stock attention keeps (its input, the projection output, is kept instead),
+    reported both; Gemma3's 1 + w per head norm (head_dim wide) too.
     """
     remat_attention = True if remat_attention is None else remat_attention
     mlp, norm = 2 * F32 * ffn, 2 * F32 * HIDDEN
-    per_layer = mlp + 2 * norm + (stock_attention_extra(name, device) if remat_attention else 0)
+    head_norms = 2 * F32 * (HEADS + KV_HEADS) * HEAD_DIM if name in HEAD_NORMED and remat_attention else 0
+    per_layer = mlp + 2 * norm + head_norms + (stock_attention_extra(name, device) if remat_attention else 0)
     constant = LAYERS * 2 * F32 * HIDDEN if name.startswith("gemma") else 0
-    return LAYERS * TOKENS * per_layer + constant, LAYERS * (mlp + 2 * F32 * HIDDEN)
+    if name == "gemma3" and remat_attention:
+        constant += LAYERS * 2 * F32 * HEAD_DIM
+    return LAYERS * TOKENS * per_layer + constant, LAYERS * (mlp + 2 * F32 * HIDDEN + head_norms)
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -673,12 +673,17 @@ def _projection_width(attention, role):
 
 
 def _stock_norm_bytes(norm, width, dtype):
-    """Bytes per row the stock module's forward saves beyond its input and one fp32 rstd, counted
-    (saved-tensor hooks) on a CPU copy."""
+    """Bytes per row the stock module's forward saves but one fp32 rstd, counted (saved-tensor hooks)
+    on a CPU copy: its input where it keeps that itself (fp32), an fp32 copy of it (else), its
+    normalised x. The fused attention keeps the input in place of the post-rope q or k, as many bytes."""
     twin = _cpu_twin(norm, dtype)
     twin.__class__ = norm.remat_stock
-    x = torch.randn(4, width, dtype=dtype, requires_grad=True)
-    return (saved_bytes(lambda: twin(x), exclude=[x, *twin.parameters()]) - 4 * 4) // 4
+
+    def kept(rows):
+        x = torch.randn(rows, width, dtype=dtype, requires_grad=True)
+        return saved_bytes(lambda: twin(x), exclude=list(twin.parameters()))
+
+    return (kept(8) - kept(4)) // 4 - 4  # per row (a per-call constant, Gemma's 1 + w, drops out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -708,7 +713,7 @@ def unfuse(model, report, why):
     from ..report import ReportRow
 
     paths = {}
-    for path, module in model.named_modules():
+    for module in model.modules():
         names = module.__dict__.get("remat_qk_norms")
         if names is None:
             continue
