@@ -71,11 +71,21 @@ def register_attention():
     register()
 
 
+def register_experts():
+    """Make "remat" an experts implementation of transformers: then
+    `AutoModelForCausalLM.from_pretrained(..., experts_implementation="remat")` or
+    `model.set_experts_implementation("remat")` run the experts of every mixture-of-experts family
+    that calls transformers' experts interface on remat.experts (remat.convert does this itself)."""
+    from .convert.hf.experts import register
+
+    register()
+
+
 if not _run_as_command():
     _load()
 
 __all__ = [
     "attention", "attention_varlen", "backends", "calibrate", "convert", "experts", "gated_activation", "gelu",
     "get_backend", "layer_norm", "layer_norm_linear", "linear_cross_entropy", "mlp", "nn", "ops", "Plan", "plan",
-    "register_attention", "revert", "rms_norm", "set_backend", "use_backend",
+    "register_attention", "register_experts", "revert", "rms_norm", "set_backend", "use_backend",
 ]

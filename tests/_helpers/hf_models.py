@@ -1,12 +1,16 @@
 """Tiny random Hugging Face models (no downloads) and the helpers the tests that convert them share."""
 
 import collections
+import contextlib
 import warnings
+from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from remat import _backend
 
 from numerics import rel_error, saved_bytes
 
@@ -565,3 +569,18 @@ def convert_layers(model, **kwargs):
 
     kwargs.setdefault("layers", LAYER_RULES)
     return remat.convert(model, **kwargs)
+
+
+@contextlib.contextmanager
+def experts_on_the_reference():
+    """remat.experts on its PyTorch reference, every other op as the session runs it (the Triton
+    interpreter): the experts kernels take 1 to 8 s of a tiny model's step in the interpreter (45
+    mixture-of-experts families in test_every_causal_lm.py), and are checked under it by
+    tests/ops/test_experts.py and, in a few families, test_experts_interface.py."""
+    choose = _backend.choose
+
+    def experts_reference(op, device, kernels=("triton", "cuda")):
+        return "reference" if op.startswith("experts") else choose(op, device, kernels)
+
+    with mock.patch.object(_backend, "choose", experts_reference):
+        yield

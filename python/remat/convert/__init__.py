@@ -28,7 +28,7 @@ from .sequential import RematSequential, revert_sequential, sequential_runs
 from .swap import is_converted, join
 from .torch_modules import RematMultiheadAttention, leaf_swap
 
-LAYERS = frozenset({"layernorm", "gelu", "attention", "mlp", "loss"})
+LAYERS = frozenset({"layernorm", "gelu", "attention", "mlp", "loss", "experts"})
 
 __all__ = ["ConversionReport", "RematMultiheadAttention", "RematSequential", "RematWarning", "ReportRow", "convert",
            "fused_module", "revert"]
@@ -103,8 +103,10 @@ def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False):
 
     inplace: convert `model` itself (its parameters stay the same objects) instead of a deep
     copy. layers: which rules to apply, one of or a subset of {"layernorm", "gelu", "attention",
-    "mlp"} ("layernorm" also fuses LayerNorm -> Linear; LayerNorm -> MLP needs "mlp" and
-    "layernorm"). recompute: the fused layers' switch (False keeps what eager keeps, to compare).
+    "mlp", "loss", "experts"} ("layernorm" also fuses LayerNorm -> Linear; LayerNorm -> MLP needs
+    "mlp" and "layernorm"; "loss": a causal LM's head and loss; "experts": a mixture of experts'
+    experts on remat.experts, through transformers' experts interface). recompute: the fused layers'
+    switch (False keeps what eager keeps, to compare; the experts then keep their pre-activation).
     report: also return a ConversionReport (print it for a table, with the bytes each swap saves).
 
     Returns the converted model, or (model, report). state_dict keys are unchanged and the
@@ -143,6 +145,8 @@ def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False):
         hf.convert_attention(inner, inner_path, rows)
     if hf.is_hf_model(inner) and "loss" in layers:
         hf.convert_loss(inner, inner_path, rows)
+    if hf.is_hf_model(inner) and "experts" in layers:
+        hf.convert_experts(inner, inner_path, rows, keep_hidden=not recompute)
     rows.sort(key=lambda row: order.get(row.path, len(order)))  # rows in the model's module order
     rows.model = weakref.ref(model)
     _warn_broken_rules(rows)
@@ -165,7 +169,7 @@ def _converted_before(model):
     """Whether remat.convert changed some module of `model`: a remat class (the fused LM head and loss
     included), a forward rewritten by torch.fx, attention switched to remat's."""
     return any(is_converted(m) or "remat_fx" in vars(m) or "remat_attention_implementation" in vars(m)
-               for m in model.modules())
+               or "remat_experts_implementation" in vars(m) for m in model.modules())
 
 
 def _refuse_a_planned_model(model):
@@ -219,4 +223,5 @@ def revert(model):
     for module in model.modules():
         hf.revert_attention(module)
         hf.revert_loss(module)
+        hf.revert_experts(module)
     return _revert_module(model)

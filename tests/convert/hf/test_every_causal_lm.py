@@ -16,8 +16,17 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import remat
+from remat._guards import fallback_counts
+from remat.convert.hf.experts import experts_modules
 
-from hf_models import VOCAB, assert_tiny_step_as_stock, tiny_causal_lm, tiny_loss, transformers
+from hf_models import (
+    VOCAB,
+    assert_tiny_step_as_stock,
+    experts_on_the_reference,
+    tiny_causal_lm,
+    tiny_loss,
+    transformers,
+)
 
 
 def _families():
@@ -131,7 +140,12 @@ def test_converts_and_trains_as_stock(model_type):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fallbacks with their reasons are fine
         converted = remat.convert(stock)
-    assert_tiny_step_as_stock(stock, converted, "causal", ids)
+    with experts_on_the_reference():
+        counter = assert_tiny_step_as_stock(stock, converted, "causal", ids)
+    experts = experts_modules(converted)  # a mixture of experts' experts all run remat.experts
+    assert counter.counts["remat::experts_fwd"] == len(experts)
+    assert not [path for path in fallback_counts(converted) if path.endswith(".experts")]
+
 
 
 def test_the_lists_name_families_of_the_mapping():

@@ -7,6 +7,7 @@ each module. The families, what each swap computes and when it runs stock: docs/
 import sys
 
 from . import bloom  # noqa: F401  (registers its family)
+from .experts import convert_experts, revert_experts
 from .interface import convert_attention, revert_attention
 from .loss import convert_loss, revert_loss
 from .modules import Handoff, RematFusedLayerNorm
@@ -16,8 +17,8 @@ from .structure import example_inputs
 from .structure import probe as probe_structure
 
 __all__ = ["FAMILIES", "PROBE_BROKEN", "Handoff", "RematFusedLayerNorm", "convert_attention", "convert_children",
-           "convert_loss", "example_inputs", "is_hf_model", "probe_structure",
-           "revert_attention", "revert_loss"]
+           "convert_experts", "convert_loss", "example_inputs", "is_hf_model", "probe_structure",
+           "revert_attention", "revert_experts", "revert_loss"]
 
 
 def is_hf_model(model):

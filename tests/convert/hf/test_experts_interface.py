@@ -1,0 +1,259 @@
+"""remat's experts as transformers' "remat" experts implementation (remat.convert.hf.experts): every
+mixture-of-experts family calling transformers' experts interface runs remat.experts after
+remat.convert, from_pretrained(..., experts_implementation="remat") or set_experts_implementation,
+trains as its stock experts, keeps the routing and tokens only, and never calls the router again.
+Every causal-LM family's tiny model is also checked to run remat.experts, with no fallback, in
+test_every_causal_lm.py."""
+
+import re
+import types
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import remat
+from remat._guards import RematFallbackWarning, fallback_counts
+from remat.convert.hf import experts as hf_experts
+
+from hf_models import (
+    VOCAB,
+    OpCounter,
+    assert_tiny_step_as_stock,
+    tiny_causal_lm,
+    tiny_loss,
+    transformers,
+)
+from numerics import saved_bytes
+
+
+@pytest.fixture(autouse=True)
+def _reference(request):
+    """remat's ops on their PyTorch references (the interpreter takes 5 to 15 s a tiny MoE model's step;
+    the integration is the subject here), but in the tests marked `kernels`, which run the Triton kernels
+    as the session does (the interpreter on CPU)."""
+    if request.node.get_closest_marker("kernels"):
+        yield
+    else:
+        with remat.use_backend("reference"):
+            yield
+
+
+IDS = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))  # 18 tokens: not a power of two
+
+
+def convert(model, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return remat.convert(model, **kwargs)
+
+
+def experts_calls(model):
+    """The remat.experts forward calls of one training step of `model` (asserting no experts module fell back)."""
+    with OpCounter() as counter:
+        tiny_loss(model, "causal", IDS).backward()
+    assert not {path: reasons for path, reasons in fallback_counts(model).items() if path.endswith(".experts")}
+    return counter.counts["remat::experts_fwd"]
+
+
+def moe_layers(model):
+    return len(hf_experts.experts_modules(model))
+
+
+# Families of every layout and activation transformers' experts use: concatenated gate/up (Qwen3-MoE,
+# Qwen2-MoE with a shared expert, Mixtral, GraniteMoE, OLMoE, DeepSeek-V2), gpt-oss (interleaved,
+# transposed, biases, clamped SwiGLU), MiniMax-M3 (the clamped SwiGLU concatenated), Nemotron-H
+# (non-gated squared ReLU). DeepSeek-V3 does not build from the tiny fields (test_every_causal_lm.py's
+# DO_NOT_BUILD); its experts class is DeepSeek-V2's and Sarvam-MLA's, tested there.
+FAMILIES = ["Qwen3MoeConfig", "Qwen2MoeConfig", "MixtralConfig", "GraniteMoeConfig", "OlmoeConfig",
+            "DeepseekV2Config", "GptOssConfig", "MiniMaxM3VLTextConfig", "NemotronHConfig"]
+
+
+@pytest.mark.parametrize("config_name", FAMILIES)
+def test_families_train_as_their_stock_experts_on_remat_experts_with_router_logits(config_name):
+    """Loss with the auxiliary load-balancing loss (output_router_logits; without it every family is in
+    test_every_causal_lm.py) and every gradient equal stock's (transformers' grouped_mm, its default),
+    every MoE layer on remat.experts."""
+    stock = tiny_causal_lm(config_name)
+    assert hasattr(stock.config, "output_router_logits")
+    stock.config.output_router_logits = True
+    converted = convert(stock)
+    assert converted.config._experts_implementation == "remat"
+    assert_tiny_step_as_stock(stock, converted, "causal", IDS)
+    converted.zero_grad()
+    assert experts_calls(converted) == moe_layers(converted) > 0
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("config_name", ["Qwen3MoeConfig", "GptOssConfig"])
+def test_the_kernels_train_two_families_as_stock_with_router_logits(config_name):
+    """As above, remat.experts on its Triton kernels: the concatenated layout and gpt-oss's (interleaved,
+    transposed, biases, clamped SwiGLU)."""
+    stock = tiny_causal_lm(config_name)
+    stock.config.output_router_logits = True
+    converted = convert(stock)
+    with OpCounter() as counter:
+        assert_tiny_step_as_stock(stock, converted, "causal", IDS)
+    assert counter.counts["remat::experts_fwd"] == moe_layers(converted) > 0
+
+
+def _qwen3_moe(experts, top_k):
+    config = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=64,
+                                         moe_intermediate_size=24, num_experts=experts, num_experts_per_tok=top_k,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                         head_dim=32, output_router_logits=True)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).train()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model
+
+
+def _never_route_to_the_last_expert(model, experts):
+    """Router outputs rewritten (in stock and converted alike) so that expert `experts - 1` gets no token."""
+    def hook(_router, _args, output):
+        logits, weights, index = output
+        return logits, weights, index % (experts - 1)
+
+    for layer in model.model.layers:
+        layer.mlp.gate.register_forward_hook(hook)
+
+
+def test_top_8_of_ten_experts_with_an_expert_that_gets_no_token():
+    stock = _qwen3_moe(experts=10, top_k=8)
+    _never_route_to_the_last_expert(stock, 10)
+    converted = convert(stock)
+    assert_tiny_step_as_stock(stock, converted, "causal", IDS)
+    converted.zero_grad()
+    assert experts_calls(converted) == 2
+    for layer in converted.model.layers:  # no token: a gradient of zeros, as the stock experts' own
+        assert layer.mlp.experts.gate_up_proj.grad[-1].abs().max() == 0
+
+
+def test_the_router_is_never_called_in_the_backward():
+    converted = convert(_qwen3_moe(experts=6, top_k=2))
+    calls = []
+    for layer in converted.model.layers:
+        layer.mlp.gate.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+    loss = tiny_loss(converted, "causal", IDS)
+    assert len(calls) == 2
+    loss.backward()
+    assert len(calls) == 2  # no forward of a router ran during the backward
+
+
+def _moe_block_bytes(model, tokens):
+    """Bytes autograd keeps for the first MoE block's call on `tokens` hidden states (its router
+    included), its parameters left out."""
+    block = model.model.layers[0].mlp
+    x = torch.randn(1, tokens, model.config.hidden_size, requires_grad=True)
+    return saved_bytes(lambda: block(x), exclude=list(block.parameters()))
+
+
+@pytest.mark.parametrize("keep_hidden", [False, True], ids=["recompute", "keep_hidden"])
+def test_the_bytes_saved_are_the_reports_formula_and_most_of_the_experts(keep_hidden):
+    """Counted with saved_tensors_hooks on the MoE block (router and experts), stock grouped_mm against
+    remat: the difference per token is docs/memory.md's formula (the report's figure), and the experts
+    keep at least 70 % fewer bytes than stock's."""
+    stock = _qwen3_moe(experts=6, top_k=3)
+    converted, report = convert(stock, report=True, recompute=not keep_hidden)
+    (row,) = [row for row in report if row.action.startswith("experts implementation")]
+    stock_per_token = (_moe_block_bytes(stock, 34) - _moe_block_bytes(stock, 17)) / 17
+    remat_per_token = (_moe_block_bytes(converted, 34) - _moe_block_bytes(converted, 17)) / 17
+    assert stock_per_token - remat_per_token == row.saves() / 2  # the row totals both MoE layers
+    router_per_token = _router_bytes_per_token(stock)
+    experts_stock, experts_remat = stock_per_token - router_per_token, remat_per_token - router_per_token
+    assert experts_remat <= (0.3 if not keep_hidden else 0.7) * experts_stock
+
+
+def _router_bytes_per_token(model):
+    router = model.model.layers[0].mlp.gate
+
+    def per(tokens):
+        x = torch.randn(tokens, model.config.hidden_size, requires_grad=True)
+        return saved_bytes(lambda: router(x), exclude=list(router.parameters()))
+
+    return (per(34) - per(17)) / 17
+
+
+def test_register_experts_serves_from_pretrained_and_set_experts_implementation(tmp_path):
+    stock = _qwen3_moe(experts=6, top_k=2)
+    stock.save_pretrained(tmp_path)
+    remat.register_experts()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="remat").train()
+    assert loaded.config._experts_implementation == "remat"
+    assert_tiny_step_as_stock(stock, loaded, "causal", IDS)
+    loaded.zero_grad()
+    assert experts_calls(loaded) == 2
+    other = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).train()
+    other.set_experts_implementation("remat")
+    other.zero_grad()
+    assert experts_calls(other) == 2
+
+
+def test_revert_gives_the_previous_implementation_back():
+    stock = _qwen3_moe(experts=6, top_k=2)
+    stock.set_experts_implementation("batched_mm")
+    converted = convert(stock)
+    assert converted.config._experts_implementation == "remat"
+    reverted = remat.revert(converted)
+    assert reverted.config._experts_implementation == "batched_mm"
+    assert not any(key.startswith("remat_experts") for m in reverted.modules() for key in vars(m))
+    with OpCounter() as counter:
+        tiny_loss(reverted, "causal", IDS)
+    assert counter.counts["remat::experts_fwd"] == 0
+
+
+def _clamped_silu_gate(self, gate_up):
+    """DeepSeek-V4's gate (SiLU of the clamped gate times the clamped up): an activation remat.experts lacks."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=7.0)) * up.clamp(-7.0, 7.0)
+
+
+def test_a_gate_remat_lacks_runs_stock_with_the_reason():
+    stock = _qwen3_moe(experts=6, top_k=2)
+    experts = stock.model.layers[1].mlp.experts
+    experts._apply_gate = types.MethodType(_clamped_silu_gate, experts)
+    converted, report = convert(stock, report=True)
+    (row,) = [row for row in report if row.path == "model.layers.1.mlp.experts"]
+    assert row.action == "skipped" and "its _apply_gate computes none of remat.experts' activations" in row.reason
+    assert_tiny_step_as_stock(stock, converted, "causal", IDS)
+    with OpCounter() as counter:
+        tiny_loss(converted, "causal", IDS)
+    assert counter.counts["remat::experts_fwd"] == 1  # layer 0's
+
+
+def test_weights_in_another_dtype_than_the_tokens_run_stock_with_a_warning():
+    """grouped_mm casts the tokens to the weights' dtype; remat.experts computes in one: the call runs stock."""
+    stock = _qwen3_moe(experts=6, top_k=2)
+    converted = convert(stock)
+    x = torch.randn(5, stock.config.hidden_size, dtype=torch.float64)
+    index, weights = torch.tensor([[0, 1]] * 5), torch.full((5, 2), 0.5, dtype=torch.float64)
+    reason = ("hidden_states are torch.float64 and the expert weights torch.float32 (remat.experts computes in one "
+              "dtype)")
+    with pytest.warns(RematFallbackWarning, match=re.escape(reason)):
+        out = converted.model.layers[0].mlp.experts(x, index, weights)
+    assert torch.equal(out, stock.model.layers[0].mlp.experts(x, index, weights))
+    assert fallback_counts(converted) == {"model.layers.0.mlp.experts": {reason: 1}}
+
+
+def test_peft_lora_on_the_experts_parameters_is_taken():
+    """peft's LoRA on the experts' 3-D parameters (target_parameters) runs through a parametrization that
+    remat.experts reads as the stock forward does: the adapters train as in the stock model."""
+    peft = pytest.importorskip("peft")
+    stock = _qwen3_moe(experts=6, top_k=2)
+    lora = peft.LoraConfig(r=4, target_modules=[], target_parameters=["mlp.experts.gate_up_proj",
+                                                                       "mlp.experts.down_proj"])
+    stock_peft = peft.get_peft_model(stock, lora)
+    with torch.no_grad():  # B starts at zero: make the adapters matter
+        for name, p in stock_peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    converted = convert(stock_peft)
+    assert_tiny_step_as_stock(stock_peft, converted, "causal", IDS)
+    converted.zero_grad()
+    with OpCounter() as counter:
+        tiny_loss(converted, "causal", IDS).backward()
+    assert counter.counts["remat::experts_fwd"] == 2
+    assert all(p.grad is not None and p.grad.abs().max() > 0 for n, p in converted.named_parameters() if "lora_" in n)
