@@ -170,3 +170,24 @@ def test_revert_gives_stock_back():
     assert type(attention.q_norm) is type(stock.model.layers[0].self_attn.q_norm)
     with torch.no_grad():
         assert torch.equal(tiny_loss(reverted, "causal", _ids()), tiny_loss(stock, "causal", _ids()))
+
+
+def test_each_layer_replayed_on_its_own_path():
+    """AFMoE applies the rotary embedding in its local layers only: each attention module is replayed
+    on its own, the global layer's norms stay stock with why (remat's rebuild applies the rope)."""
+    if not hasattr(transformers, "AfmoeConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no AFMoE")
+    stock = tiny_causal_lm("AfmoeConfig")
+    local = [layer.self_attn.is_local_attention for layer in stock.model.layers]
+    assert True in local and False in local
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, report = remat.convert(stock, report=True, layers=LAYER_RULES)
+    rows = {row.path: row for row in report if row.path.endswith(("q_norm", "k_norm"))}
+    for i, is_local in enumerate(local):
+        for name in ("q_norm", "k_norm"):
+            row = rows[f"model.layers.{i}.self_attn.{name}"]
+            if is_local:
+                assert row.action.startswith("swapped to RematHead"), row
+            else:
+                assert row.action == "skipped" and "not rope(norm(x))" in row.reason, row

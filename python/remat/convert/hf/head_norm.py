@@ -36,6 +36,7 @@ varlen path computes, autocast, a norm that ran stock) uses the q and k it is ha
 (remat.fallback_counts). Under torch.compile the norms run their stock forward and nothing is fused.
 """
 
+import collections
 import copy
 import dataclasses
 import inspect
@@ -209,8 +210,9 @@ class _RematHeadNorm(_RematModule):
         if torch.compiler.is_compiling():
             return self.remat_stock.forward(self, hidden_states)
         reason = decided(self, [self], lambda: hook_reason(self) or tensor_reason("weight", self.weight))
-        if reason is None and hidden_states.dtype not in (self.weight.dtype, torch.bfloat16):
-            reason = f"its input is {hidden_states.dtype}, which the convert-time check did not cover"
+        checked = self.__dict__.get("remat_qk_dtype")
+        if reason is None and hidden_states.dtype != checked:
+            reason = f"its input is {hidden_states.dtype}, not the {checked} its convert-time check ran in"
         if reason is not None:
             self._remat_fallback(reason)
             return self.remat_stock.forward(self, hidden_states)
@@ -402,12 +404,13 @@ def fuse_qk_norms(attention, structure, layers, path, report, verdicts):
     """Fuse the q/k norms of the transformers module `attention` (any module the probe saw whose
     forward feeds two RMSNorms from its projections and hands their outputs on through functions
     only) into its attention calls; the names of the norms handled (fused, or reported as not).
-    verdicts: {the module's kind: replay verdict}, shared over one conversion (a model's layers of
-    one kind are checked once)."""
+    Each module is replayed on its own weights (a layer's forward may take another path than the
+    next one's: AFMoE's global layers apply no rotary embedding); on meta, where nothing can be
+    computed, on a CPU copy once per kind of module (verdicts: {kind: verdict}, one conversion's)."""
     if "attention" not in layers or not from_transformers(type(attention)) or hook_reason(attention):
         return set()
     frame = structure.frame(attention)
-    if frame is None:
+    if frame is None or frame.hidden_states() is None:
         return set()
     candidates = _candidates(structure, frame, attention)
     if len(candidates) != 2:
@@ -417,16 +420,20 @@ def fuse_qk_norms(attention, structure, layers, path, report, verdicts):
         reason = "its forward is replaced on the instance"
     styles = {name: structure_probe.rms_style(attention._modules[name]) for name in candidates}
     reason = reason or next((f"{name}: {why}" for name, (style, why) in styles.items() if style is None), None)
-    kind = _kind(attention, candidates, frame)
+    styles = {n: s for n, (s, _) in styles.items()}
     if reason is None:
-        if kind not in verdicts:
-            verdicts[kind] = _replay_verdict(attention, frame, {n: s for n, (s, _) in styles.items()})
-        roles, reason = verdicts[kind]
+        if frame.hidden_states().is_meta:
+            kind = _kind(attention, candidates, frame)
+            if kind not in verdicts:
+                verdicts[kind] = _replay_verdict(attention, frame, styles)
+            roles, reason = verdicts[kind]
+        else:
+            roles, reason = _replay_verdict(attention, frame, styles)
     if reason is not None:
         for name in candidates:
             report.add(join(path, name), attention._modules[name], "skipped", f"q/k norm not fused: {reason}")
         return set(candidates)
-    _install(attention, roles, {n: s for n, (s, _) in styles.items()}, path, report)
+    _install(attention, roles, styles, frame.hidden_states().dtype, path, report)
     return set(candidates)
 
 
@@ -470,45 +477,42 @@ def _stock(module):
 
 
 def _kind(attention, candidates, frame):
-    """What a replay's verdict depends on: the classes, the norms' widths and styles' inputs, and the
-    shapes and dtypes of the arguments the probe called the module with."""
+    """What a replay's verdict on meta depends on: the classes, the norms' widths, the shapes and
+    dtypes of the arguments the probe called the module with, and the module's plain attributes
+    (AFMoE's is_local_attention, a sliding window) but its layer index (which picks its cache)."""
     norms = tuple((n, type(attention._modules[n]), tuple(attention._modules[n].weight.shape)) for n in candidates)
     args = tuple((tuple(t.shape), t.dtype) for t in structure_probe._tensors((frame.args, frame.kwargs)))
-    return type(attention), norms, args
+    plain = tuple(sorted((name, value) for name, value in vars(attention).items()
+                         if not name.startswith(("_", "remat_")) and name != "layer_idx"
+                         and isinstance(value, (bool, int, float, str, type(None)))))
+    return type(attention), norms, args, plain
 
 
 def _replay_verdict(attention, frame, styles):
-    """(roles {"q": name, "k": name} with each norm's layout, None) when a replay of `attention`
-    with its norms fused hands the attention interface exactly rebuild()'s q and k, in the
-    parameters' dtype and in bf16; else (None, why not)."""
-    roles = None
-    for dtype in dict.fromkeys((attention._modules[next(iter(styles))].weight.dtype, torch.bfloat16)):
-        try:
-            found, reason = _replay(attention, frame, styles, dtype)
-        except Exception as error:  # noqa: BLE001 - a forward this replay cannot call: not fused
-            return None, f"its convert-time replay failed ({type(error).__name__}: {error})"
-        if reason is not None:
-            return None, reason
-        if roles is not None and found != roles:
-            return None, "its replays in two dtypes disagree on which norm is q's and k's"
-        roles = found
-    return roles, None
+    """(roles {"q": (name, layout), "k": (name, layout)}, None) when a replay of `attention` with its
+    norms fused hands the attention interface exactly rebuild()'s q and k (bitwise, in the dtype of
+    the probe's hidden states: the norms fuse in that dtype only); else (None, why not)."""
+    try:
+        return _replay(attention, frame, styles)
+    except Exception as error:  # noqa: BLE001 - a forward this replay cannot call: not fused
+        return None, f"its convert-time replay failed ({type(error).__name__}: {error})"
 
 
-def _replay(attention, frame, styles, dtype):
-    """One replay (see _replay_verdict) on a CPU copy of `attention` with random weights in `dtype`."""
+def _replay(attention, frame, styles):
+    """One replay (see _replay_verdict): on the module's own weights and the probe's arguments, or on
+    meta on a CPU copy with random weights and arguments."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(_PROBE_NAME, _capture)
-    twin = _cpu_twin(attention, dtype)
+    dtype = frame.hidden_states().dtype
+    on_meta = frame.hidden_states().is_meta
+    twin = _cpu_twin(attention, dtype) if on_meta else _shallow_twin(attention)
     twin.config = copy.deepcopy(attention.config)
     twin.config._attn_implementation = _PROBE_NAME
-    layouts = dict.fromkeys(styles, "bhsd")  # the layout does not change what the forward computes
-    _swap_norms(twin, {name: (name, styles[name], layout) for name, layout in layouts.items()})
+    _swap_norms(twin, {name: (name, styles[name], "bhsd", dtype) for name in styles})  # (the layout: found below)
     _hook(twin, tuple(styles), _rotary_index(attention))
-    args, kwargs = _materialised((frame.args, frame.kwargs), dtype)
-    twin.eval()
-    with torch.no_grad():
+    args, kwargs = _materialised((frame.args, frame.kwargs), dtype) if on_meta else (frame.args, frame.kwargs)
+    with torch.no_grad(), structure_probe._eval(twin):
         twin(*args, **kwargs)
     captured = twin.__dict__.pop("remat_qk_captured", None)
     if captured is None:
@@ -522,10 +526,21 @@ def _replay(attention, frame, styles, dtype):
         match = next(((name, layout) for name in styles for layout in LAYOUTS
                       if name not in taken and _rebuilds(call, twin._modules[name], layout, handed)), None)
         if match is None:
-            return None, (f"the {role} the attention is handed is not rope(norm(x)) as remat rebuilds it (a rotary "
-                          f"embedding other than rotate_half's over the whole head, or another rounding)")
+            return None, (f"the {role} the attention is handed is not rope(norm(x)) as remat rebuilds it (no rotary "
+                          f"embedding, one other than rotate_half's over the whole head, or another rounding)")
         roles[role] = match
     return roles, None
+
+
+def _shallow_twin(module):
+    """`module` with its own children dict and hooks (the same children, parameters and buffers; a
+    converted child as its stock module), for a replay that changes neither."""
+    twin = copy.copy(module)
+    twin._modules = {name: _stock(child) if child is not None else None for name, child in module._modules.items()}
+    for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                 "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs"):
+        setattr(twin, name, collections.OrderedDict())
+    return twin
 
 
 def _rebuilds(call, norm, layout, handed):
@@ -604,11 +619,12 @@ def _rotary_index(attention):
 
 
 def _swap_norms(attention, fused):
-    """Swap the norms `fused` ({name: (role, style, layout)}) of `attention` to _RematHeadNorm."""
-    for name, (role, style, layout) in fused.items():
+    """Swap the norms `fused` ({name: (role, style, layout, the input dtype checked)}) of `attention`
+    to _RematHeadNorm."""
+    for name, (role, style, layout, dtype) in fused.items():
         norm = attention._modules[name]
         new = with_class(norm, remat_class(_RematHeadNorm, type(norm), remat_style=style))
-        new.__dict__["remat_qk_role"], new.__dict__["remat_qk_layout"] = role, layout
+        new.__dict__.update(remat_qk_role=role, remat_qk_layout=layout, remat_qk_dtype=dtype)
         attention._modules[name] = new
 
 
@@ -620,9 +636,10 @@ def _hook(attention, names, rotary_index):
     attention.register_forward_hook(_close_call, always_call=True)
 
 
-def _install(attention, roles, styles, path, report):
+def _install(attention, roles, styles, dtype, path, report):
     (q_name, q_layout), (k_name, k_layout) = roles["q"], roles["k"]
-    _swap_norms(attention, {q_name: ("q", styles[q_name], q_layout), k_name: ("k", styles[k_name], k_layout)})
+    _swap_norms(attention, {q_name: ("q", styles[q_name], q_layout, dtype),
+                            k_name: ("k", styles[k_name], k_layout, dtype)})
     for name in (q_name, k_name):
         attention._modules[name].__dict__["remat_path"] = join(path, name)
     _hook(attention, (q_name, k_name), _rotary_index(attention))

@@ -698,10 +698,10 @@ def _split_ffn(structure, layer):
     return None
 
 
-def _structural_rule(layer, structure, layers, recompute, path, report):
+def _structural_rule(layer, structure, layers, recompute, path, report, done=()):
     """Fuse what the structure probe shows safe in a transformers module no family rule covers:
     its norm children into the projections reading them, its MLP children, a split FFN; the names
-    of the children handled."""
+    of the children handled (`done`: those another rule handled, q/k norms, left alone)."""
     frame = structure.frame(layer)
     if frame is None or frame.layer_input() is None:
         return set()  # not called by the probe as a layer on the hidden states: its children go on their own
@@ -711,7 +711,7 @@ def _structural_rule(layer, structure, layers, recompute, path, report):
         handled |= _pair_rule(layer, recompute, path, report, pair) or set()
     mlps, not_mlps = structure_probe.mlp_children(structure, layer) if "mlp" in layers else ({}, {})
     held, held_reason = structure_probe.layer_mlp(structure, layer) if "mlp" in layers else (None, None)
-    norms = {n: c for n, c in layer._modules.items() if c is not None and structure_probe.is_norm(c)}
+    norms = {n: c for n, c in layer._modules.items() if c is not None and n not in done and structure_probe.is_norm(c)}
     rms = {n: structure_probe.rms_style(c) for n, c in norms.items() if type(c) is not nn.LayerNorm}
     styles = {n: style for n, (style, _) in rms.items()}
     found = Found(styles, mlps, _replay(frame), held)
@@ -772,7 +772,7 @@ def convert_children(parent, layers, recompute, path, report, structure=None):
     if structure is not None and _unruled(parent):
         verdicts = structure.__dict__.setdefault("qk_norm_verdicts", {})  # one replay per kind of attention
         handled |= head_norm.fuse_qk_norms(parent, structure, layers, path, report, verdicts)
-        handled |= _structural_rule(parent, structure, layers, recompute, path, report)
+        handled |= _structural_rule(parent, structure, layers, recompute, path, report, handled)
     if _has_layer_rule(kind) and from_transformers(type(parent)):
         handled |= _layer_rule(parent, layers, recompute, path, report)
     for name, child in list(parent._modules.items()):
