@@ -23,7 +23,7 @@ SUITES = {  # `remat bench` suite -> what its --shapes sizes are
 NAMED_SUITES = {"overhead": "sequence lengths s (batch 1)"}
 DTYPES = ("bf16", "fp16", "fp32")
 MODEL_NAMES = ("gpt2-small", "gpt2-medium", "gpt2-large", "tiny", "hf-gpt2-small", "hf-gpt2-medium", "bert-base",
-               "vit-base", "llama-3-8b", "qwen3-8b")
+               "vit-base", "llama-3-8b", "qwen3-8b", "qwen3-30b-a3b")
 GPUS = ("A100", "H100", "H200")  # remat.planner.DEVICES less "cpu"
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # remat.memory.HUB_ID: a Hugging Face model id, owner/name
 
@@ -207,9 +207,9 @@ def _suite_name(name):
     return name
 
 
-BATCH_HELP = "default 1 for llama-3-8b and qwen3-8b, else 8"
-SEQ_HELP = ("default 8192 for llama-3-8b and qwen3-8b, else 1024, or the model's max_position_embeddings where that is "
-            "less (bert-base: 512)")
+BATCH_HELP = "default 1 for llama-3-8b, qwen3-8b and qwen3-30b-a3b, else 8"
+SEQ_HELP = ("default 8192 for llama-3-8b and qwen3-8b, 4096 for qwen3-30b-a3b, else 1024, or the model's "
+            "max_position_embeddings where that is less (bert-base: 512)")
 GPU_HELP = ("whose data-sheet constants predict the step times (default: the GPU here when it is one of these, "
             "else H200)")
 
@@ -242,11 +242,12 @@ def parser():
     memory = commands.add_parser("memory", help="what a model keeps for the backward under each policy, counted "
                                  "exactly on meta tensors, its step time predicted for a GPU (and on a GPU measured)")
     memory.add_argument("--model", nargs="+", type=_model, metavar="MODEL",
-                        help="one or more of llama-3-8b, qwen3-8b, hf-gpt2-small, hf-gpt2-medium, bert-base, "
+                        help="one or more of llama-3-8b, qwen3-8b, qwen3-30b-a3b, hf-gpt2-small, hf-gpt2-medium, "
+                             "bert-base, "
                              "vit-base (Hugging Face configurations, needs transformers), gpt2-small, gpt2-medium, "
                              "gpt2-large, tiny (remat.gpt stacks of blocks), config.json paths or their folders, or "
                              "Hugging Face model ids as meta-llama/Llama-3.1-8B (only the config is fetched) "
-                             "(default: llama-3-8b qwen3-8b hf-gpt2-small)")
+                             "(default: llama-3-8b qwen3-8b qwen3-30b-a3b hf-gpt2-small)")
     memory.add_argument("--batch", type=int, help=BATCH_HELP)
     memory.add_argument("--seq", type=int, help=SEQ_HELP)
     memory.add_argument("--dtype", default="bf16", choices=DTYPES)

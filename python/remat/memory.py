@@ -70,9 +70,17 @@ HF_MODELS = {
     "qwen3-8b": ("qwen3", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                                num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                                rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    # a mixture of experts: 128 experts of FFN 768, 8 a token, in every layer; q/k norms per head
+    "qwen3-30b-a3b": ("qwen3_moe", dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                        num_experts=128, num_experts_per_tok=8, num_hidden_layers=48,
+                                        num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                        vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+                                        rms_norm_eps=1e-6, norm_topk_prob=True, tie_word_embeddings=False)),
 }
-DEFAULT_MODELS = ("llama-3-8b", "qwen3-8b", "hf-gpt2-small")  # `remat memory` without --model, and the main job
-SHAPES = {"llama-3-8b": (1, 8192), "qwen3-8b": (1, 8192)}  # (batch, seq) by default; (8, 1024) for the others
+# `remat memory` without --model, and the main job
+DEFAULT_MODELS = ("llama-3-8b", "qwen3-8b", "qwen3-30b-a3b", "hf-gpt2-small")
+# (batch, seq) by default; (8, 1024) for the others
+SHAPES = {"llama-3-8b": (1, 8192), "qwen3-8b": (1, 8192), "qwen3-30b-a3b": (1, 4096)}
 DEFAULT_SHAPE = (8, 1024)
 PLAN_FRACTIONS = (0.75, 0.5, 0.25)  # of what eager keeps: the budgets of the "plan" rows
 DEFAULT_GPU = "H200"

@@ -197,6 +197,13 @@ def test_revert_gives_the_previous_implementation_back():
     stock.set_experts_implementation("batched_mm")
     converted = convert(stock)
     assert converted.config._experts_implementation == "remat"
+    # one layer reverted apart from its model (as a plan's stock layers): its experts run stock, the
+    # other's remat.experts, though both read the model's config
+    converted.model.layers[0] = remat.revert(converted.model.layers[0])
+    assert converted.config._experts_implementation == "remat"
+    assert_tiny_step_as_stock(stock, converted, "causal", IDS)
+    converted.zero_grad()
+    assert experts_calls(converted) == 1
     reverted = remat.revert(converted)
     assert reverted.config._experts_implementation == "batched_mm"
     assert not any(key.startswith("remat_experts") for m in reverted.modules() for key in vars(m))

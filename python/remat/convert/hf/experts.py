@@ -55,6 +55,8 @@ def register():
 
 def experts_forward(module, hidden_states, top_k_index, top_k_weights):
     """The "remat" experts implementation: the routed experts' weighted sum on remat.experts."""
+    if module.__dict__.get("remat_experts_stock"):  # reverted apart from its model
+        return stock_forward(module)(module, hidden_states, top_k_index, top_k_weights)
     spec = module.__dict__.get("remat_experts_spec")
     if spec is None:
         spec = module.__dict__["remat_experts_spec"] = module_spec(module)
@@ -222,6 +224,7 @@ def convert_experts(model, path, report, keep_hidden=False):
         module_path = join(path, name)
         module.__dict__.update(remat_experts_previous=previous, remat_experts_path=module_path,
                                remat_experts_keep_hidden=keep_hidden)
+        module.__dict__.pop("remat_experts_stock", None)
         spec = module.__dict__["remat_experts_spec"] = module_spec(module)
         if isinstance(spec, str):
             report.add(module_path, module, "skipped", f"runs its stock experts ({previous!r}): {spec}")
@@ -235,16 +238,20 @@ def convert_experts(model, path, report, keep_hidden=False):
                lambda: sum(saves() for saves in saved))
 
 
-def revert_experts(model):
-    """Give the model back the experts implementation it had before convert_experts."""
-    previous = model.__dict__.pop("remat_experts_implementation", None)
-    if previous is None:
-        return
-    model.set_experts_implementation(previous)
-    for module in model.modules():
-        for key in ("remat_experts_previous", "remat_experts_path", "remat_experts_keep_hidden",
-                    "remat_experts_spec"):
-            module.__dict__.pop(key, None)
+def revert_experts(module):
+    """Give the model `module` back the experts implementation it had before convert_experts. An experts
+    module below such a model, reverted apart from it (remat.revert of one layer, as a plan does for
+    the layers it keeps stock), keeps the model's "remat" implementation, which every layer reads
+    from the shared config: it runs its stock experts instead."""
+    previous = module.__dict__.pop("remat_experts_implementation", None)
+    if previous is not None:
+        module.set_experts_implementation(previous)
+        for below in module.modules():
+            for key in ("remat_experts_previous", "remat_experts_path", "remat_experts_keep_hidden",
+                        "remat_experts_spec", "remat_experts_stock"):
+                below.__dict__.pop(key, None)
+    elif "remat_experts_previous" in module.__dict__:
+        module.__dict__["remat_experts_stock"] = True
 
 
 def saved_bytes_per_token(module, spec, keep_hidden):
