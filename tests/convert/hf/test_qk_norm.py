@@ -3,6 +3,7 @@ the projection viewed as heads), OLMo2 (norms over every head) and Gemma3 (per-h
 transposed view, Gemma's (1 + w) rounding) train as stock; the attention keeps the projections'
 outputs and fp32 rstds instead of q and k (counted exactly, on meta); the fallbacks and revert."""
 
+import contextlib
 import warnings
 
 import pytest
@@ -13,7 +14,7 @@ from remat._guards import RematFallbackWarning, fallback_counts
 from remat.convert import RematWarning
 from remat.convert.hf import head_norm
 
-from hf_models import LAYER_RULES, assert_tiny_step_as_stock, tiny_causal_lm, tiny_loss
+from hf_models import LAYER_RULES, OpCounter, assert_tiny_step_as_stock, tiny_causal_lm, tiny_loss
 
 transformers = pytest.importorskip("transformers", minversion="5.25")
 
@@ -44,20 +45,28 @@ def test_qk_norms_fused_train_as_stock(config_name):
     rows = _fused_rows(report)
     assert [row.path.rsplit(".", 1)[1] for row in rows] == ["q_norm", "k_norm"] * layers
     assert all(row.type == f"RematHead{FAMILIES[config_name]}" and row.saves() > 0 for row in rows)
-    counts = {"fused": 0}
+    with _fused_backwards() as fused:
+        assert_tiny_step_as_stock(stock, converted, "causal", _ids())
+    assert fused == [layers]  # every attention's backward rebuilt its q and k
+    assert fallback_counts(converted) == {}
+
+
+@contextlib.contextmanager
+def _fused_backwards():
+    """[the number of fused attention backwards (q and k rebuilt) run inside], filled on exit."""
+    counts, calls = [], [0]
     original = head_norm._NormRopeAttention.backward
 
     def counting(ctx, do):
-        counts["fused"] += 1
+        calls[0] += 1
         return original(ctx, do)
 
     head_norm._NormRopeAttention.backward = staticmethod(counting)
     try:
-        assert_tiny_step_as_stock(stock, converted, "causal", _ids())
+        yield counts
     finally:
         head_norm._NormRopeAttention.backward = staticmethod(original)
-    assert counts["fused"] == layers  # every attention's backward rebuilt its q and k
-    assert fallback_counts(converted) == {}
+        counts.append(calls[0])
 
 
 def _meta_base_model(config_name, **sizes):
@@ -117,26 +126,57 @@ def test_qwen3_shaped_layer_at_4096_tokens():
     assert per_layer <= 120 * 2**20, per_layer / 2**20
 
 
-def test_padded_batch_falls_back_as_stock_with_the_reason():
-    """A padded batch runs the varlen path on the q and k the model made: the norms' own Function and
-    the stock rope give the gradients, and the reason is recorded."""
+def _step(model, **batch):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss = model(**batch).loss
+    loss.backward()
+    return loss
+
+
+def _assert_same_step(stock, converted, **batch):
+    torch.testing.assert_close(_step(converted, **batch), _step(stock, **batch), rtol=1e-5, atol=0)
+    for (name, p), q in zip(stock.named_parameters(), converted.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("batch_kind", ["padded", "packed"])
+def test_padded_and_packed_batches_fuse_on_attention_varlen(batch_kind):
+    """A left-padded batch (the kept tokens) and packed sequences (position_ids restarting): the
+    fused path on remat.attention_varlen's kernels, q and k rebuilt as tokens in the backward."""
     stock = tiny_causal_lm("Qwen3Config")
     converted, _ = _convert(stock)
-    ids = _ids(batch=1)
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0  # left padding
-    losses = []
-    for model in (stock, converted):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
-        loss.backward()
-        losses.append(loss)
-    assert torch.allclose(losses[0], losses[1], rtol=1e-5)
-    for (name, p), q in zip(stock.named_parameters(), converted.parameters()):
-        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
-    reasons = {r for counts in fallback_counts(converted).values() for r in counts}
-    assert any(r.startswith("q/k norms not fused: a padded or packed batch") for r in reasons)
+    ids = _ids()
+    batch = {"input_ids": ids, "labels": ids, "use_cache": False}
+    if batch_kind == "padded":
+        mask = torch.ones_like(ids)
+        mask[0, :3] = 0
+        batch.update(attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    else:
+        batch["position_ids"] = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * ids.shape[0])
+    with OpCounter() as counter, _fused_backwards() as fused:
+        _assert_same_step(stock, converted, **batch)
+    layers = stock.config.num_hidden_layers
+    assert fused == [layers] and counter.counts["remat::attention_varlen_fwd"] == layers
+    assert counter.counts["remat::attention_fwd"] == 0
+    assert fallback_counts(converted) == {}
+
+
+def test_a_norm_running_stock_falls_back_with_the_reason():
+    """A hook on a q norm after convert: that norm runs its stock forward, its attention the q and k
+    it is handed (their graph gives the gradients), with the reasons recorded; the step as stock."""
+    stock = tiny_causal_lm("Qwen3Config")
+    converted, _ = _convert(stock)
+    converted.model.layers[0].self_attn.q_norm.register_forward_hook(lambda module, args, output: None)
+    ids = _ids()
+    with _fused_backwards() as fused:
+        _assert_same_step(stock, converted, input_ids=ids, labels=ids)
+    assert fused == [stock.config.num_hidden_layers - 1]
+    reasons = fallback_counts(converted)
+    assert "has forward/backward hooks" in reasons["model.layers.0.self_attn.q_norm"]
+    assert list(reasons["model.layers.0.self_attn"]) == [
+        "q/k norms not fused: its q norm did not run remat's forward in this call"]
+    assert "model.layers.1.self_attn" not in reasons
 
 
 def test_past_keys_run_as_stock():

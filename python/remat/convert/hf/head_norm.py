@@ -15,10 +15,13 @@ Convert time (fuse_qk_norms, for a transformers module the structure probe saw):
 - two children are RMSNorms rounding as one of remat's styles (checked bitwise), each reading a
   Linear-like child's output through views only, their outputs read by functions only (the
   transpose, the rotary embedding) and not returned;
-- a replay of the module (on a CPU copy with random weights, in its dtype and in bf16) checks
-  bitwise that rope(norm(x)) rebuilt here, with the position_embeddings the module was handed, is
-  the query and the key its forward hands the attention interface; that replay also tells which
-  norm is q's, which k's, and how each norm's output becomes (batch, heads, seq, head_dim);
+- a replay of each such module (on its own weights and the probe's arguments, in their dtype; on
+  meta, once per kind of module, on a CPU copy with random weights) checks bitwise that
+  rope(norm(x)) rebuilt here, with the position_embeddings the module was handed, is the query and
+  the key its forward hands the attention interface; that replay also tells which norm is q's,
+  which k's, and how each norm's output becomes (batch, heads, seq, head_dim). A layer whose forward
+  takes another path (AFMoE's global layers: no rope) fails it and keeps its norms stock, with why;
+  the norms fuse in the replay's dtype only (another runs them stock, with why);
 - the norms become _RematHeadNorm (their forward: the stock sequence of operations, bitwise, as an
   autograd Function keeping x and rstd only), and the module gets a forward pre-hook (capturing its
   position_embeddings and whether a cache holds past keys) and a forward hook (closing the call).
@@ -50,6 +53,7 @@ from ..._guards import decided, fallback, from_transformers, hook_reason, tensor
 from ..._linears import widths
 from ..._validate import autocast_dtype_for, rows_with_unit_stride
 from ...ops.attention import _attention_bwd_ref, _unit_last_stride, attention_bwd, attention_fwd, checked_call
+from ...ops.attention_varlen import _attention_varlen_bwd_ref, attention_varlen_bwd, attention_varlen_fwd
 from ...ops.rms_norm import output_dtype, rms_norm_bwd, rms_norm_bwd_ref, rms_norm_output_ref, rms_norm_rstd_ref
 from ...saved import saved_bytes
 from ..swap import is_converted, join, with_class
@@ -289,11 +293,12 @@ def _cache_reason(module, args, kwargs):
     return None
 
 
-def fused_attention(module, query, key, value, causal, scaling, features):
-    """o (batch, heads, seq, head_dim) of this attention call with its q/k norms fused
-    (_NormRopeAttention), or None where the caller runs remat.attention on the query and key it was
-    handed (no fused norms, no grad, or a reason, recorded). features: (window_left, window_right,
-    softcap, dropout_p)."""
+def fused_attention(module, query, key, value, causal, scaling, features, varlen=None):
+    """o of this attention call with its q/k norms fused (_NormRopeAttention): (batch, heads, seq,
+    head_dim), or with `varlen` (packed sequences or padding: VarlenTokens) the (tokens, heads,
+    head_dim) of remat.attention_varlen, `value` given as its tokens. None where the caller runs
+    remat's attention on the query and key it was handed (no fused norms, no grad, or a reason,
+    recorded). features: (window_left, window_right, softcap, dropout_p)."""
     call = module.__dict__.get("remat_qk_call")
     if call is None or call.used or not torch.is_grad_enabled():
         return None
@@ -301,7 +306,7 @@ def fused_attention(module, query, key, value, causal, scaling, features):
     reason = call.reason or _call_reason(module, call, query, key, value)
     if reason is not None:
         fallback(module, f"q/k norms not fused: {reason}", where=_where(module),
-                 runs="remat.attention on the q and k of its stock rope")
+                 runs="remat's attention on the q and k of its stock rope")
         return None
     from .interface import _own_views  # (interface imports this module)
 
@@ -312,9 +317,69 @@ def fused_attention(module, query, key, value, causal, scaling, features):
     window_left, window_right, softcap, dropout_p = features
     scale, op_features = checked_call(query, causal, False, scaling, window_left, window_right, softcap, None,
                                       dropout_p)
+    core = _DenseCore(causal, scale, op_features) if varlen is None else _VarlenCore(varlen, causal, scale,
+                                                                                      op_features)
     specs = (_spec(q_norm), _spec(k_norm))
     return _NormRopeAttention.apply(query.detach(), key.detach(), x_q, x_k, value, q_norm.weight, k_norm.weight,
-                                    rstd_q, rstd_k, cos, sin, specs, causal, scale, op_features)
+                                    rstd_q, rstd_k, cos, sin, specs, core)
+
+
+# The tokens remat.attention_varlen reads of a (batch, heads, seq, head_dim) q and k: the flat
+# (batch x seq) indices of the kept ones (None: all, packed sequences), the cu_seqlens and longest
+# sequence of the queries and keys.
+VarlenTokens = collections.namedtuple("VarlenTokens", "indices cu_q cu_k max_q max_k")
+
+
+class _DenseCore:
+    """remat.attention's kernels on (batch, heads, seq, head_dim) q, k and v."""
+
+    def __init__(self, causal, scale, features):
+        self.causal, self.scale, self.features = causal, scale, features
+
+    def tokens(self, t):
+        return t
+
+    def from_tokens(self, g, shape):
+        return g
+
+    def forward(self, q, k, v):
+        return attention_fwd(_unit_last_stride(q), _unit_last_stride(k), v, self.causal, self.scale, *self.features)
+
+    def backward(self, do, q, k, v, o, lse):
+        backward = _attention_bwd_ref if backward_is_differentiated() else attention_bwd
+        return backward(_unit_last_stride(do), _unit_last_stride(q), _unit_last_stride(k), v, o, lse, self.causal,
+                        self.scale, *self.features)
+
+
+class _VarlenCore(_DenseCore):
+    """remat.attention_varlen's kernels on the tokens of q and k (VarlenTokens); v given as tokens."""
+
+    def __init__(self, varlen, causal, scale, features):
+        super().__init__(causal, scale, features)
+        self.varlen = varlen
+
+    def tokens(self, t):
+        flat = t.transpose(1, 2).flatten(0, 1)
+        return flat if self.varlen.indices is None else flat.index_select(0, self.varlen.indices)
+
+    def from_tokens(self, g, shape):
+        batch, heads, seq, head_dim = shape
+        if self.varlen.indices is not None:  # the tokens left out (padding) get no gradient, as in stock
+            g = g.new_zeros(batch * seq, heads, head_dim).index_copy(0, self.varlen.indices, g)
+        return g.view(batch, seq, heads, head_dim).transpose(1, 2)
+
+    def forward(self, q, k, v):
+        t = self.varlen
+        return attention_varlen_fwd(_unit_last_stride(self.tokens(q)), _unit_last_stride(self.tokens(k)), v, t.cu_q,
+                                    t.cu_k, t.max_q, t.max_k, self.causal, self.scale, *self.features)
+
+    def backward(self, do, q, k, v, o, lse):
+        t = self.varlen
+        backward = _attention_varlen_bwd_ref if backward_is_differentiated() else attention_varlen_bwd
+        dq, dk, dv = backward(_unit_last_stride(do), _unit_last_stride(self.tokens(q)),
+                              _unit_last_stride(self.tokens(k)), v, o, lse, t.cu_q, t.cu_k, t.max_q, t.max_k,
+                              self.causal, self.scale, *self.features)
+        return self.from_tokens(dq, q.shape), self.from_tokens(dk, k.shape), dv
 
 
 def _spec(norm):
@@ -326,13 +391,13 @@ def _where(module):
     return f"{path} ({type(module).__name__})" if path else None
 
 
-def not_fused_on_varlen(module):
-    """Record, for a call with fused q/k norms that the varlen path computes, why they are not fused."""
+def not_fused(module, reason):
+    """Record, for a call with fused q/k norms that no fused path computes, why (grad enabled)."""
     call = module.__dict__.get("remat_qk_call")
     if call is not None and not call.used and torch.is_grad_enabled():
         call.used = True
-        fallback(module, "q/k norms not fused: a padded or packed batch (the varlen path keeps q and k)",
-                 where=_where(module), runs="remat.attention on the q and k of its stock rope")
+        fallback(module, f"q/k norms not fused: {reason}", where=_where(module),
+                 runs="remat's attention on the q and k of its stock rope")
 
 
 def _call_reason(module, call, query, key, value):
@@ -361,38 +426,34 @@ def _call_reason(module, call, query, key, value):
 
 
 class _NormRopeAttention(torch.autograd.Function):
-    """remat's attention over q = rope(q_norm(x_q)), k = rope(k_norm(x_k)), keeping x_q, x_k, v, o,
-    lse and the norms' rstds. The forward's kernel reads the q and k the model made (which the
-    backward's rebuild equals bitwise: checked at convert time); they are handed in detached, so
-    that their graph (the stock rope) is freed with them."""
+    """remat's attention (`core`: _DenseCore or _VarlenCore) over q = rope(q_norm(x_q)),
+    k = rope(k_norm(x_k)), keeping x_q, x_k, v, o, lse and the norms' rstds. The forward's kernel
+    reads the q and k the model made (which the backward's rebuild equals bitwise: checked at
+    convert time); they are handed in detached, so that their graph (the stock rope) is freed with
+    them. The core holds the few-byte rest (the cu_seqlens, a dropout seed)."""
 
     @staticmethod
-    def forward(ctx, query, key, x_q, x_k, value, w_q, w_k, rstd_q, rstd_k, cos, sin, specs, causal, scale,
-                features):
+    def forward(ctx, query, key, x_q, x_k, value, w_q, w_k, rstd_q, rstd_k, cos, sin, specs, core):
         value = _unit_last_stride(value)
-        o, lse = attention_fwd(_unit_last_stride(query), _unit_last_stride(key), value, causal, scale, *features)
-        seed = features[5] if len(features) > 5 else None
-        ctx.save_for_backward(x_q, x_k, value, o, lse, w_q, w_k, rstd_q, rstd_k, cos, sin, seed)
-        ctx.specs, ctx.causal, ctx.scale, ctx.features = specs, causal, scale, features[:5]
+        o, lse = core.forward(query, key, value)
+        ctx.save_for_backward(x_q, x_k, value, o, lse, w_q, w_k, rstd_q, rstd_k, cos, sin)
+        ctx.specs, ctx.core = specs, core
         ctx.heads, ctx.dtype = (query.shape[1], key.shape[1]), query.dtype
         return o
 
     @staticmethod
     @once_differentiable
     def backward(ctx, do):
-        x_q, x_k, value, o, lse, w_q, w_k, rstd_q, rstd_k, cos, sin, seed = ctx.saved_tensors
+        x_q, x_k, value, o, lse, w_q, w_k, rstd_q, rstd_k, cos, sin = ctx.saved_tensors
         (q_spec, k_spec), (heads, kv_heads) = ctx.specs, ctx.heads
         q = rebuild(x_q, w_q, rstd_q, q_spec, heads, cos, sin, ctx.dtype)
         k = rebuild(x_k, w_k, rstd_k, k_spec, kv_heads, cos, sin, ctx.dtype)
-        features = (*ctx.features, seed) if seed is not None else ctx.features[:4]
-        backward = _attention_bwd_ref if backward_is_differentiated() else attention_bwd
-        dq, dk, dv = backward(_unit_last_stride(do), _unit_last_stride(q), _unit_last_stride(k), value, o, lse,
-                              ctx.causal, ctx.scale, *features)
+        dq, dk, dv = ctx.core.backward(do, q, k, value, o, lse)
         dx_q, dw_q = _rebuilt_backward(dq, x_q, w_q, rstd_q, q_spec, cos, sin)
         dx_k, dw_k = _rebuilt_backward(dk, x_k, w_k, rstd_k, k_spec, cos, sin)
         needs = ctx.needs_input_grad
         return (None, None, dx_q if needs[2] else None, dx_k if needs[3] else None, dv if needs[4] else None,
-                dw_q if needs[5] else None, dw_k if needs[6] else None, *([None] * 8))
+                dw_q if needs[5] else None, dw_k if needs[6] else None, *([None] * 6))
 
 
 # ---------------------------------------------------------------------------------------------

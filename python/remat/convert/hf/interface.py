@@ -279,14 +279,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                                 eager=reverted == "eager" or not sdpa_can, **kwargs)
     features = {"softmax_scale": scaling, "softcap": float(softcap or 0.0), "dropout_p": float(dropout),
                 "window_size": window}
-    if attention_mask is not None:
-        head_norm.not_fused_on_varlen(module)
     if attention_mask is not None and attention_mask.dtype != torch.bool:
-        return _packed_attention(query, key, value, _packing(attention_mask), causal, features), None
+        return _packed_attention(module, query, key, value, _packing(attention_mask), causal, features), None
     if attention_mask is not None:
-        return _padded_attention(query, key, value, attention_mask, causal, features), None
-    fused = head_norm.fused_attention(module, query, key, value, causal, scaling,
-                                      (*window, features["softcap"], features["dropout_p"]))
+        return _padded_attention(module, query, key, value, attention_mask, causal, features), None
+    fused = _fused(module, query, key, value, causal, features)
     if fused is not None:  # its q/k norms fused: q and k rebuilt from the projections' outputs in the backward
         return fused.transpose(1, 2), None
     query, key, value = _own_views(query, key, value)  # (the varlen paths above gather copies of their tokens)
@@ -458,17 +455,28 @@ def _packing(numbers):
     return packing
 
 
-def _packed_attention(query, key, value, packing, causal, features):
+def _fused(module, query, key, value, causal, features, varlen=None):
+    """head_norm.fused_attention of this call (None: its q/k norms are not fused into it)."""
+    window = features["window_size"]
+    return head_norm.fused_attention(module, query, key, value, causal, features["softmax_scale"],
+                                     (*window, features["softcap"], features["dropout_p"]), varlen)
+
+
+def _packed_attention(module, query, key, value, packing, causal, features):
     """remat.attention_varlen on packed sequences, over the tokens of every row: (batch, seq, heads, head_dim)."""
     cu, longest = packing
     batch, _, seq, _ = query.shape
-    o = attention_varlen(*(t.transpose(1, 2).flatten(0, 1) for t in (query, key, value)), cu, cu, longest, longest,
-                         causal=causal, **features)
+    value_tokens = value.transpose(1, 2).flatten(0, 1)
+    o = _fused(module, query, key, value_tokens, causal, features, head_norm.VarlenTokens(None, cu, cu, longest,
+                                                                                          longest))
+    if o is None:
+        o = attention_varlen(query.transpose(1, 2).flatten(0, 1), key.transpose(1, 2).flatten(0, 1), value_tokens, cu,
+                             cu, longest, longest, causal=causal, **features)
     return o.view(batch, seq, *o.shape[1:])
 
 
 
-def _padded_attention(query, key, value, mask, causal, features):
+def _padded_attention(module, query, key, value, mask, causal, features):
     """remat.attention_varlen on the tokens the 2-D mask (batch, keys) keeps. A padding row gets zeros
     where it is causal (as in transformers' flash-attention path) or windowed; else (bidirectional,
     every key in reach) it sees the kept keys, as in stock attention."""
@@ -480,13 +488,22 @@ def _padded_attention(query, key, value, mask, causal, features):
     keys, cu_k, max_k = _kept_tokens(mask)
     if not causal and features["window_size"] == (-1, -1):
         # every row a query of its sequence (varlen aligns a window at the end of the keys: no window)
+        head_norm.not_fused(module, "a padded batch attending both ways (its queries are every row)")
         cu_q = torch.arange(0, (batch + 1) * seq_q, seq_q, dtype=torch.int32, device=query.device)
         o = attention_varlen(query.transpose(1, 2).flatten(0, 1), _gather(key, keys), _gather(value, keys), cu_q, cu_k,
                              seq_q, max_k, causal=False, **features)
         return o.view(batch, seq_q, *o.shape[1:])
-    queries, cu_q, max_q = (keys, cu_k, max_k) if seq_q == seq_k else _kept_tokens(mask[:, -seq_q:])
-    o = attention_varlen(_gather(query, queries), _gather(key, keys), _gather(value, keys), cu_q, cu_k, max_q, max_k,
-                         causal=causal, **features)
+    value_tokens = _gather(value, keys)
+    if seq_q != seq_k:
+        head_norm.not_fused(module, "fewer queries than keys")
+    o = _fused(module, query, key, value_tokens, causal, features,
+               head_norm.VarlenTokens(keys, cu_k, cu_k, max_k, max_k)) if seq_q == seq_k else None
+    if o is None:
+        queries, cu_q, max_q = (keys, cu_k, max_k) if seq_q == seq_k else _kept_tokens(mask[:, -seq_q:])
+        o = attention_varlen(_gather(query, queries), _gather(key, keys), value_tokens, cu_q, cu_k, max_q, max_k,
+                             causal=causal, **features)
+    else:
+        queries = keys
     out = o.new_zeros(batch * seq_q, *o.shape[1:]).index_copy(0, queries, o)
     return out.view(batch, seq_q, *o.shape[1:])
 
