@@ -29,14 +29,15 @@ Convert time (fuse_qk_norms, for a transformers module the structure probe saw):
 Call time: each norm records (x, its version, rstd) in the module's open call; remat's attention
 function (interface.attention_forward) asks fused_attention, which checks the call cheaply (both
 norms ran in this call, unchanged since, shapes and dtypes as the rebuild makes them, no past keys,
-grad enabled, no autocast) and runs _NormRopeAttention: its forward runs remat's attention kernel on
-the q and k the model made (bitwise what the backward rebuilds), keeps x_q, x_k, v, o, lse and the
-rstds; its backward rebuilds q and k (the norm and rope as PyTorch ops in the backward, not inside
-the kernel's loads), runs the attention backward, then the rope's transpose and the RMSNorm
-backward (dx, dweight). Any other call (a cache with past keys, a padded or packed batch, which the
-varlen path computes, autocast, a norm that ran stock) uses the q and k it is handed, whose graph
-(the norms' own Function, the stock rope) gives the gradients, with the reason recorded
-(remat.fallback_counts). Under torch.compile the norms run their stock forward and nothing is fused.
+grad enabled, no autocast) and runs _NormRopeAttention: its forward runs remat's attention kernel
+(remat.attention's, or remat.attention_varlen's on the tokens of a padded or packed batch) on the q
+and k the model made (bitwise what the backward rebuilds), keeps x_q, x_k, v, o, lse and the rstds;
+its backward rebuilds q and k (the norm and rope as PyTorch ops in the backward, not inside the
+kernel's loads), runs the attention backward, then the rope's transpose and the RMSNorm backward
+(dx, dweight). Any other call (a cache with past keys, a padded batch attending both ways,
+autocast, a norm that ran stock) uses the q and k it is handed, whose graph (the norms' own
+Function, the stock rope) gives the gradients, with the reason recorded (remat.fallback_counts).
+Under torch.compile the norms run their stock forward and nothing is fused.
 """
 
 import collections
