@@ -498,7 +498,8 @@ _TINY_CAUSAL_EXTRA = dict(_TINY_EXTRA, encoder_layers=LAYERS, decoder_layers=LAY
                           num_layers_per_stack=1, H_cycles=1, L_cycles=1,  # HRM: 2 stacks of 16 layers, 6 cycles
                           rotary_dim=HEAD_DIM // 2,  # CodeGen's and GPT-J's 64 exceed the tiny heads
                           # the second layer attention (Bamba's, Jamba's first is their eighth or none)
-                          attn_layer_indices=[1], attn_layer_period=2, attn_layer_offset=1)
+                          attn_layer_indices=[1], attn_layer_period=2, attn_layer_offset=1,
+                          n_group=1, topk_group=1)  # DeepSeek-V3's expert groups: the 4 tiny experts in one
 
 
 def _one_layer_of_each_type(config, default):
@@ -517,14 +518,27 @@ def _one_layer_of_each_type(config, default):
         config.num_hidden_layers = len(kinds)
 
 
-def tiny_causal_lm(config_name):
+def tiny_causal_lm(config_name, **fields):
     """A tiny random causal LM (AutoModelForCausalLM) of the transformers config class `config_name`:
-    tiny_model's fields and _TINY_CAUSAL_EXTRA's, one layer of each type a hybrid family has."""
-    config, default = _tiny_config(config_name, _TINY_CAUSAL_EXTRA)
+    tiny_model's fields and _TINY_CAUSAL_EXTRA's, one layer of each type a hybrid family has, then
+    `fields`."""
+    config, default = _tiny_config(config_name, {**_TINY_CAUSAL_EXTRA, **fields})
     _one_layer_of_each_type(config, default)
     if _has(config, "kv_lora_rank"):  # latent attention (DeepSeek's MLA) has a key and value per head
         config.num_key_value_heads = config.num_attention_heads
+        _rope_width_as_head_dim(config, default)
     return _random_train(transformers.AutoModelForCausalLM.from_config(config))
+
+
+def _rope_width_as_head_dim(config, default):
+    """Latent attention whose config derives head_dim from its rotary width (DeepSeek-V3's: head_dim =
+    qk_rope_head_dim, which its rotary embedding is built for): the rotary width the tiny head_dim,
+    and the query-key width (nope + rope) it derives with it."""
+    if getattr(default, "head_dim", None) != getattr(default, "qk_rope_head_dim", None):
+        return
+    config.qk_rope_head_dim = config.head_dim
+    if _has(config, "qk_head_dim") and _has(config, "qk_nope_head_dim"):
+        config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
 
 
 def tiny_inputs(model, ids):

@@ -50,7 +50,6 @@ MAX_PARAMETERS = 6_000_000
 
 # model type -> the start of the error its tiny model's build or stock training step raises.
 _NOT_TINY = "ValueError: not tiny: "
-_ROPE_WIDER = "RuntimeError: The size of tensor a (32) must match the size of tensor b (16)"
 DO_NOT_BUILD = {
     # nested full-size parts (vision or audio towers, image tokenizers, per-layer embeddings) or sizes the
     # tiny fields do not name
@@ -58,9 +57,6 @@ DO_NOT_BUILD = {
                      "gemma4_unified_assistant", "git", "glm_moe_dsa", "got_ocr2", "hy_v4", "inkling2_loop_text",
                      "inkling2_text", "llama4", "mllama", "moss_transcribe_diarize", "phi4_multimodal", "qwen3_5",
                      "qwen3_5_moe", "roc_bert"], _NOT_TINY),
-    # latent attention whose rotary and no-rotary head widths (qk_rope_head_dim, qk_nope_head_dim) the
-    # config derives at init from its full-size defaults, not from head_dim
-    **dict.fromkeys(["axk1", "deepseek_v3", "longcat_flash", "youtu"], _ROPE_WIDER),
     # the config's own checks refuse the tiny fields
     "diffllama": "ValueError: DiffLlama requires `num_key_value_heads` to be even",
     **dict.fromkeys(["dots3_note", "dots3_note_text", "gemma4_assistant", "gpt_neo", "kolibri1_1", "mamba2"],
