@@ -19,6 +19,8 @@ SUITES = {  # `remat bench` suite -> what its --shapes sizes are
     "linear_cross_entropy": "token counts T", "experts": "token counts T", "mlp": "hidden sizes h",
     "block": "sequence length s (the first size)",
 }
+# Other names of a suite (remat.bench.ALIASES): `remat bench moe` runs the experts suite.
+SUITE_ALIASES = {"moe": "experts"}
 # Suites run only when named, not by `all`: reports of their own (remat.bench.NAMED_SUITES), not kernel timings.
 NAMED_SUITES = {"overhead": "sequence lengths s (batch 1)"}
 DTYPES = ("bf16", "fp16", "fp32")
@@ -201,9 +203,11 @@ def _info(_args):
 
 
 def _suite_name(name):
+    """An OP: a suite's name (an alias gives the suite's own), a named suite, or all."""
+    name = SUITE_ALIASES.get(name, name)
     if name not in (*SUITES, *NAMED_SUITES, "all"):
         raise argparse.ArgumentTypeError(f"invalid choice: {name!r} (choose from "
-                                         f"{', '.join([*SUITES, *NAMED_SUITES])}, all)")
+                                         f"{', '.join([*SUITES, *SUITE_ALIASES, *NAMED_SUITES])}, all)")
     return name
 
 
@@ -222,7 +226,9 @@ def parser():
     # No `choices` here: argparse (3.11.7, 3.12.1) checks a list default of a nargs="*"
     # positional against them as a whole and rejects a bare `remat bench --quick`.
     bench.add_argument("ops", nargs="*", type=_suite_name, metavar="OP",
-                       help=f"one or more of {', '.join(SUITES)}, or all (default on a GPU). Without OP and "
+                       help=f"one or more of {', '.join(SUITES)}, or all (default on a GPU); "
+                            + ", ".join(f"{alias} is {name}" for alias, name in SUITE_ALIASES.items())
+                            + " (a mixture of experts' routed experts). Without OP and "
                             "without a GPU: remat memory's report of the default models and every kernel checked "
                             "against float64 at small shapes (name OPs, or all, to time them on the CPU anyway). "
                             "overhead (only when named, not in all): the host time a converted Hugging Face "

@@ -5,9 +5,9 @@ those are checked by the CLI run in tests/tools/test_cli.py and on the GPU)."""
 import pytest
 import torch
 
-from remat import bench
-from remat.bench import attention, attention_varlen, block, report
-from remat.bench.cases import Timer, measure_case
+from remat import bench, cli
+from remat.bench import attention, attention_varlen, block, experts, report
+from remat.bench.cases import Timer, check_case, measure_case
 from remat.gpt import RematGPTBlock
 
 CPU = torch.device("cpu")
@@ -37,11 +37,59 @@ def _measure(suite, dtype, sizes):
 
 @pytest.mark.parametrize("suite", [suite for suite in bench.SUITES if suite != "block"])  # block: below
 def test_every_implementation_passes_its_check(suite):
-    results = _measured(suite)
+    # A peer that cannot run here is a row that says why, not timed (the experts' Liger off a GPU: below).
+    results = {key: r for key, r in _measured(suite).items() if not r.error.startswith("Skipped: ")}
     # Cases without a Check (attention with dropout: each implementation draws its own mask) are timed only.
     checked = {key: r for key, r in results.items() if r.case.check is not None}
     assert checked and all(r.check.startswith("ok (") for r in checked.values()), checked
     assert all(r.p50_ms > 0 for r in results.values()), results
+
+
+def test_moe_runs_transformers_experts_and_counts_what_each_keeps():
+    """`remat bench moe` on CPU (fp32; T = 32 tokens, h = 40, I = 36, 5 experts, top-2): remat's two
+    policies, the stock loop and transformers' eager, batched_mm and grouped_mm experts (run by its
+    Qwen3MoeExperts) each pass the float64 check of the output and every gradient; Liger's row says why
+    it does not run. Bytes kept for the backward beyond x, the routing weights, the expert weights and
+    the output: remat the sorted order and the offsets (int32); keep-hidden the pre-activation too;
+    grouped_mm per pair docs/memory.md's table (the gathered token, the up projection's output, the
+    gate's activation, the activation's output, the down projection's output, three int64 indices),
+    plus the gathered routing weight and its int32 offsets; batched_mm each pair's expert weights."""
+    tokens, width, inter, experts_count, top_k = (experts.CPU_TOKENS, experts.CPU_WIDTH, experts.CPU_INTER,
+                                                  experts.CPU_EXPERTS, experts.CPU_TOP_K)
+    pairs, b = tokens * top_k, 4
+    assert bench.SUITES[cli.SUITE_ALIASES["moe"]] is experts and cli.parser().parse_args(["bench", "moe"]).ops == [
+        "experts"]
+    results = {name: r for (_, name), r in _measured("experts").items()}
+    remat_name = next(name for name in results if name.startswith("remat-") and not name.endswith("-keep-hidden"))
+    peers = ["torch", "transformers-eager", "transformers-batched_mm", "transformers-grouped_mm"]
+    assert list(results) == [remat_name, f"{remat_name}-keep-hidden", *peers, "liger"]
+    for name in [remat_name, f"{remat_name}-keep-hidden", *peers]:
+        assert results[name].check.startswith("ok (") and not results[name].error, (name, results[name])
+    liger = results["liger"]
+    assert liger.error == "Skipped: GPU only: Triton kernels for CUDA tensors, not cpu" and liger.saved_bytes is None
+    saved = {name: r.saved_bytes for name, r in results.items() if name != "liger"}
+    assert saved[remat_name] == 4 * pairs + 4 * (experts_count + 1)
+    assert saved[f"{remat_name}-keep-hidden"] == saved[remat_name] + pairs * 2 * inter * b
+    assert saved["transformers-grouped_mm"] == pairs * ((2 * width + 2 * inter + 2 * inter + 1) * b + 24) + 4 * (
+        experts_count)
+    assert saved["transformers-eager"] == saved["torch"] > saved["transformers-grouped_mm"]  # the same loop
+    assert saved["transformers-batched_mm"] > pairs * (2 * inter + inter) * width * b
+    assert all(r.saved_sbh_per_layer == r.saved_bytes / (tokens * width) for name, r in results.items()
+               if name != "liger")
+
+
+def test_moe_states_why_a_peer_does_not_run(monkeypatch):
+    """batched_mm over BATCHED_MM_MAX_BYTES of gathered weights is skipped with the bytes, before
+    it allocates; with LIGER_FUSED_MOE_AUTOTUNE=0 Liger's row says it runs untuned."""
+    monkeypatch.setattr(experts, "BATCHED_MM_MAX_BYTES", 10**6)
+    (case,) = [c for c in experts.cases(CPU, [torch.float32], quick=True) if c.mode == "fwd+bwd"]
+    case.implementations = [impl for impl in case.implementations if impl.name == "transformers-batched_mm"]
+    (result,) = check_case(case)
+    gathered = experts.CPU_TOKENS * experts.CPU_TOP_K * 3 * experts.CPU_INTER * experts.CPU_WIDTH * 4
+    assert result.error == (f"Skipped: each pair's weights gathered: {gathered / 1e9:.3g} GB > 0.001 GB (their "
+                            "gradients as much again)") and not result.check
+    monkeypatch.setenv("LIGER_FUSED_MOE_AUTOTUNE", "0")
+    assert experts.implementations(CPU)[-1].name == "liger (autotune off)"
 
 
 def test_mlp_memory_is_the_exact_saved_byte_count():

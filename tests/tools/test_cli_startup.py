@@ -65,6 +65,7 @@ def test_import_remat_leaves_torch_s_compiler_stack_alone_without_cuda():
 
 def test_the_commands_lists_are_the_packages():
     assert cli.SUITES == {name: suite.SIZES_MEAN for name, suite in bench.SUITES.items()}
+    assert cli.SUITE_ALIASES == bench.ALIASES and set(bench.ALIASES.values()) <= set(bench.SUITES)
     assert cli.MODEL_NAMES == memory.model_names()
     assert cli.HUB_ID.pattern == memory.HUB_ID.pattern  # what --model takes for a Hugging Face model id
     assert set(cli.GPUS) == set(DEVICES) - {"cpu"}

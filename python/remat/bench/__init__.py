@@ -15,6 +15,9 @@ SUITES = {
     "mlp": mlp,
     "block": block,
 }
+# Other names a suite answers to (the command line mirrors them: remat.cli.SUITE_ALIASES). "moe": the
+# experts family's suite (remat.ops.experts declares its suite "experts"), by the name of the layer it is.
+ALIASES = {"moe": "experts"}
 # Suites run only when named (`remat bench overhead`), not by `all`: each writes a report of its own
 # with run(out_dir, seqs, dtypes, reps, quick, progress), not the kernel cases' table.
 NAMED_SUITES = {"overhead": overhead}
