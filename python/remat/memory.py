@@ -364,7 +364,8 @@ def _plan_row(label, model, example, budget, counted, base_seconds, sbh):
                         choices=list(chosen.choices), head=chosen.head, sbh=sbh)
 
 
-UNIFORM = {"stock": "eager", "remat": "remat", "selective": "selective checkpoint", "full": "full checkpoint",
+UNIFORM = {"stock": "eager", "remat": "remat", "remat-keep": "remat, experts keep pre-activation",
+           "selective": "selective checkpoint", "full": "full checkpoint",
            "offload": "offload to host"}
 
 

@@ -31,12 +31,22 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..convert import revert
+from ..convert.hf.experts import keep_experts_hidden
 from .calibrate import measured_choices, model_signature
 from .cost import DEVICES, device_constants, extra_seconds, fused_loss_seconds
 from .counting import count_forward, saved_bytes_of, split_inputs
 from .peak import OPTIMIZER_STATES, fixed_bytes, transient_bytes
 from .solver import Option, fastest_fitting, fastest_under_peak, frontier
-from .units import CHOICES, HEAD_CHOICES, ON_ANY_DEVICE, apply_choices, find_units, fused_head, is_planned
+from .units import (
+    CHOICES,
+    HEAD_CHOICES,
+    ON_ANY_DEVICE,
+    REMAT_CHOICES,
+    apply_choices,
+    find_units,
+    fused_head,
+    is_planned,
+)
 
 __all__ = ["CHOICES", "DEVICES", "HEAD_CHOICES", "OPTIMIZER_STATES", "Plan", "fixed_bytes", "meta_copy",
            "offers_offload", "plan", "saved_bytes_of"]
@@ -163,7 +173,8 @@ def _to_meta(tree):
 def measure(model, example_inputs, choices=ON_ANY_DEVICE):
     """{choice: ForwardSaves of the model with every unit under that choice}, for each of
     `choices`; the unit paths; and, when "remat" is among them, whether remat.convert changes each
-    unit (the others get no "remat" choice)."""
+    unit (the others get no "remat" choice). "remat-keep" is measured only for a model whose experts
+    remat.experts computes (elsewhere it is "remat")."""
     args, kwargs = split_inputs(example_inputs)
     on_meta = _on_meta(model, args, kwargs)
     if on_meta:
@@ -173,6 +184,8 @@ def measure(model, example_inputs, choices=ON_ANY_DEVICE):
     for choice in choices:
         shell = _shell(model, on_meta).train(model.training)
         units = apply_choices(shell, paths, [choice] * len(paths))
+        if choice == "remat-keep" and not any(keep_experts_hidden(u, True) for u in units):
+            continue
         if choice == "remat":
             fusable = [is_planned(u) for u in units]
         saves[choice] = count_forward(shell, args, kwargs, units)
@@ -292,7 +305,7 @@ def _unit_options(saves, i, fusable, constants, measured=None):
     return [Option(c, saves[c].units[i].internal_bytes, frozenset(saves[c].units[i].shared_keys),
                    measured[c] if c in measured else extra_seconds(c, stock, saves[c].units[i], constants),
                    transient_bytes(c, stock, saves[c].units[i]))
-            for c in CHOICES if c in saves and (c != "remat" or fusable)]
+            for c in CHOICES if c in saves and (c not in REMAT_CHOICES or fusable)]
 
 
 def _same_outside(saves):

@@ -123,7 +123,9 @@ def measure_choices(model, example_inputs, timer=_cuda_seconds, choices=None):
     """{choice: extra seconds per unit over stock}: timer(choice, step) for a training step of a copy
     of `model` (sharing its parameters) with every unit under each choice; the differences to the
     stock step over the number of units, 0 at least. The parameters' .grad are left as they were.
-    choices: default every choice of units.CHOICES the inputs' device offers (offloading on CUDA)."""
+    choices: default every choice of units.CHOICES the inputs' device offers (offloading on CUDA;
+    "remat-keep" for a model with experts on remat.experts)."""
+    from ..convert.hf.experts import keep_experts_hidden
     from . import _shell
     from .counting import split_inputs
     from .units import CHOICES, ON_ANY_DEVICE, apply_choices, find_units
@@ -144,7 +146,9 @@ def measure_choices(model, example_inputs, timer=_cuda_seconds, choices=None):
     try:
         for choice in choices:
             shell = _shell(model, on_meta=False).train(model.training)
-            apply_choices(shell, paths, [choice] * len(paths))
+            units = apply_choices(shell, paths, [choice] * len(paths))
+            if choice == "remat-keep" and not any(keep_experts_hidden(u, True) for u in units):
+                continue  # no experts on remat.experts: the same as "remat"
             seconds[choice] = timer(choice, lambda shell=shell: step(shell))
     finally:
         for p, grad in zip(parameters, grads):

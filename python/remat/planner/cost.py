@@ -9,7 +9,9 @@ norms, copies): a forward costs its FLOPs at the FLOP rate plus twice the bytes 
 written once and read once) at the bandwidth.
 - stock: nothing extra.
 - remat: its fused kernels rebuild in the backward the bytes they do not keep: twice the bytes it
-  keeps less than stock.
+  keeps less than stock; and what they recompute with matmuls, at the FLOP rate: remat.experts'
+  up projection on every (token, expert) pair (Work.rebuilt_flops).
+- remat-keep: as remat, its experts keeping their pre-activation (no up projection rebuilt).
 - selective: the backward reruns the ops other than matmuls and attention.
 - full: the backward reruns the whole forward.
 - offload: the bytes copied to the host go out during the forward and come back during the
@@ -66,8 +68,9 @@ def extra_seconds(choice, stock, saves, device):
     work = stock.work
     if choice == "stock":
         return 0.0
-    if choice == "remat":
-        return 2 * max(0, stock.internal_bytes - saves.internal_bytes) / device.bytes_per_s
+    if choice in ("remat", "remat-keep"):
+        return (2 * max(0, stock.internal_bytes - saves.internal_bytes) / device.bytes_per_s
+                + saves.work.rebuilt_flops / device.flops_per_s)
     if choice == "selective":
         return _seconds(work.other_flops, work.other_bytes, device)
     forward = _seconds(work.kept_flops + work.other_flops, work.kept_bytes + work.other_bytes, device)

@@ -40,6 +40,7 @@ class Work:
     other_flops: float = 0.0
     other_bytes: float = 0.0
     largest_output: int = 0  # the most bytes one op made (its gradient is as large: the peak model's)
+    rebuilt_flops: float = 0.0  # matmul FLOPs remat's backward recomputes (rebuilt_flops())
 
 
 @dataclasses.dataclass
@@ -71,6 +72,16 @@ def _tensors(tree):
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
+def rebuilt_flops(func, args):
+    """The matmul FLOPs remat's backward of this op recomputes: remat.experts' up projection,
+    2 · pairs · h · N1, under its recompute policy (keep_hidden False, its last argument); 0 else.
+    Computed from the shapes, so on meta too; an expert-parallel sentinel pair counts as a pair."""
+    if func.name() != "remat::experts_fwd" or args[-1]:
+        return 0
+    x, top_k_index, gate_up = args[0], args[1], args[3]
+    return 2 * top_k_index.numel() * x.shape[1] * gate_up.shape[1]
+
+
 def _flops(func, args, kwargs, out):
     count = flop_registry.get(func._overloadpacket)
     return count(*args, **kwargs, out_val=out) if count is not None else 0
@@ -94,6 +105,7 @@ class _Recorder(TorchDispatchMode):
         work = counter.saves(scope).work
         work.largest_output = max(work.largest_output, new_bytes)
         if scope != OUTSIDE:
+            work.rebuilt_flops += rebuilt_flops(func, args)
             flops = _flops(func, args, kwargs, out)
             if kept:
                 work.kept_flops += flops

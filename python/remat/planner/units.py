@@ -1,6 +1,8 @@
 """The units a plan chooses for (a model's repeated blocks) and how each choice is applied to one.
 
-Choices: "stock" (the block as it is), "remat" (remat.convert's fused recompute), "selective"
+Choices: "stock" (the block as it is), "remat" (remat.convert's fused recompute), "remat-keep" (the
+same, but a mixture of experts' experts keep their pre-activation: no up projection rebuilt in the
+backward, more bytes; a choice for blocks with experts on remat.experts only), "selective"
 (torch's selective checkpointing: keep matmul and attention outputs, recompute the rest), "full"
 (full checkpointing of the block), "offload" (the block's saved tensors go to host memory and come
 back for its backward: offload.py; a choice for GPUs only). A checkpointed or offloaded block keeps
@@ -20,11 +22,13 @@ import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from ..convert import LAYERS, RematWarning, convert, revert
+from ..convert.hf.experts import keep_experts_hidden, runs_remat_experts
 from ..policies import save_matmuls_and_attention
 from .offload import HostOffload, offloaded_forward
 
-CHOICES = ("stock", "remat", "selective", "full", "offload")
-ON_ANY_DEVICE = CHOICES[:4]  # all but "offload", a choice on GPUs only
+CHOICES = ("stock", "remat", "remat-keep", "selective", "full", "offload")
+ON_ANY_DEVICE = tuple(c for c in CHOICES if c != "offload")  # "offload": a choice on GPUs only
+REMAT_CHOICES = ("remat", "remat-keep")  # remat.convert's, for the blocks it changes
 CHECKPOINT_POLICIES = {"selective": save_matmuls_and_attention, "full": None}
 HEAD_CHOICES = ("stock", "fused")  # a causal LM's LM head and loss
 
@@ -104,7 +108,7 @@ def checkpoint_policy(module):
 def is_planned(model):
     """True when remat.convert or a plan already changed some module of `model`."""
     return any(getattr(m, "remat_fused", False) or "remat_fx" in vars(m) or "remat_checkpoint" in vars(m)
-               for m in model.modules())
+               or runs_remat_experts(m) for m in model.modules())
 
 
 def fused_head(model):
@@ -127,9 +131,10 @@ def apply_choices(model, paths, choices, head="stock"):
     for path, choice in zip(paths, choices):
         parent, name = _parent_and_name(model, path)
         unit = parent._modules[name]
-        if choice != "remat":
+        if choice not in REMAT_CHOICES:
             unit = revert(unit)
             parent._modules[name] = unit
+        keep_experts_hidden(unit, choice == "remat-keep")
         if choice in CHECKPOINT_POLICIES:
             checkpoint_in_place(unit, choice)
         elif choice == "offload":

@@ -287,3 +287,39 @@ def test_a_qwen3_30b_a3b_layer_at_4096_tokens(policy):
         assert 762 < per_layer < 762.5, per_layer
     else:
         assert per_layer <= 160, per_layer
+
+
+def test_the_planner_offers_both_experts_policies_with_their_bytes_and_flops():
+    """remat.plan's per-layer choices for a MoE layer: "remat" (the experts rebuild the up projection:
+    2 · T · K · h · N1 FLOPs more in the backward, in the cost model) and "remat-keep" (the
+    pre-activation kept: T · K · N1 elements more); a dense model gets no "remat-keep"."""
+    from remat.planner import DEVICES, measure
+    from remat.planner.cost import extra_seconds
+
+    model = _qwen3_moe(experts=6, top_k=3)
+    tokens, width, n1, top_k = IDS.numel(), model.config.hidden_size, 2 * model.config.moe_intermediate_size, 3
+    saves, paths, fusable = measure(model, {"input_ids": IDS}, ("stock", "remat", "remat-keep"))
+    assert all(fusable) and len(paths) == 2
+    for i in range(2):
+        remat_unit, keep_unit = saves["remat"].units[i], saves["remat-keep"].units[i]
+        assert keep_unit.internal_bytes - remat_unit.internal_bytes == tokens * top_k * n1 * 4
+        assert remat_unit.work.rebuilt_flops == 2 * tokens * top_k * width * n1
+        assert keep_unit.work.rebuilt_flops == 0
+        h200, stock_unit = DEVICES["H200"], saves["stock"].units[i]
+        rebuild = extra_seconds("remat", stock_unit, remat_unit, h200) - 2 * (
+            stock_unit.internal_bytes - remat_unit.internal_bytes) / h200.bytes_per_s
+        assert rebuild == pytest.approx(remat_unit.work.rebuilt_flops / h200.flops_per_s)
+    dense = tiny_causal_lm("Qwen3Config")
+    saves, _, _ = measure(dense, {"input_ids": IDS}, ("stock", "remat", "remat-keep"))
+    assert "remat-keep" not in saves
+
+
+def test_a_plan_choosing_remat_keep_keeps_the_pre_activation_and_trains_as_stock():
+    from remat.planner.units import apply_choices, find_units
+
+    stock = _qwen3_moe(experts=6, top_k=2)
+    planned = _qwen3_moe(experts=6, top_k=2)
+    apply_choices(planned, find_units(planned), ["remat-keep", "remat"])
+    flags = [layer.mlp.experts.__dict__["remat_experts_keep_hidden"] for layer in planned.model.layers]
+    assert flags == [True, False]
+    assert_tiny_step_as_stock(stock, planned, "causal", IDS)

@@ -238,6 +238,21 @@ def convert_experts(model, path, report, keep_hidden=False):
                lambda: sum(saves() for saves in saved))
 
 
+def runs_remat_experts(module):
+    """Whether `module` is an experts module that remat.convert set to run remat.experts."""
+    found = module.__dict__
+    return isinstance(found.get("remat_experts_spec"), Spec) and not found.get("remat_experts_stock")
+
+
+def keep_experts_hidden(module, keep):
+    """Set the policy of the experts modules below `module` that run remat.experts (a plan's per-layer
+    choice): keep their pre-activation, or rebuild it in the backward. Returns how many there are."""
+    found = [m for m in module.modules() if runs_remat_experts(m)]
+    for m in found:
+        m.__dict__["remat_experts_keep_hidden"] = keep
+    return len(found)
+
+
 def revert_experts(module):
     """Give the model `module` back the experts implementation it had before convert_experts. An experts
     module below such a model, reverted apart from it (remat.revert of one layer, as a plan does for
