@@ -249,3 +249,20 @@ def test_each_layer_replayed_on_its_own_path():
                 assert row.action.startswith("swapped to RematHead"), row
             else:
                 assert row.action == "skipped" and "not rope(norm(x))" in row.reason, row
+
+
+def test_norms_stay_stock_where_the_attention_stays_the_models():
+    """The fusion needs remat's attention function: a model whose attention implementation convert
+    keeps (here: it says it takes no flash-attention-style masks) keeps its stock norms, and says why."""
+    stock = tiny_causal_lm("Qwen3Config")
+    stock._supports_flash_attn = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        converted, report = remat.convert(stock, report=True, layers=LAYER_RULES)
+    assert converted.config._attn_implementation != "remat"
+    assert not any(type(m).__name__.startswith("RematHead") for m in converted.modules())
+    assert not converted.model.layers[0].self_attn._forward_pre_hooks
+    rows = [row for row in report if row.path.endswith(("q_norm", "k_norm"))]
+    assert len(rows) == 2 * stock.config.num_hidden_layers
+    assert all(row.action == "skipped" and row.type == "Qwen3RMSNorm" and "attention implementation stays" in row.reason
+               for row in rows)
