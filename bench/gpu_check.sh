@@ -19,11 +19,11 @@
 # step. With the machine's start (1-3 minutes) a first run takes 7-9 minutes of a 15-minute
 # allocation, and leaves time for a targeted rerun (the settings below). The steps that always run
 # come first, cheapest first; their limits and their modelled times on the H200 machine are in the
-# table below, the reason for each model beside it. The rest (more tests, `remat memory`, the
-# exhaustive autotune test, racecheck) runs only with the time left. Each step gets SIGINT 5 s
-# before its limit (the Python steps then write what they have) and SIGKILL at it, and never more
-# than what is left of the budget. bench/dry_run_gpu_check.sh runs this script with stubs on any
-# machine, in seconds, on the modelled clock, and prints the modelled totals.
+# table below, the reason for each model beside it. The rest (`remat bench moe`, `remat memory`,
+# more tests, the exhaustive autotune test, racecheck) runs only with the time left. Each step gets
+# SIGINT 5 s before its limit (the Python steps then write what they have) and SIGKILL at it, and
+# never more than what is left of the budget. bench/dry_run_gpu_check.sh runs this script with
+# stubs on any machine, in seconds, on the modelled clock, and prints the modelled totals.
 # In the background from the install, and ended before the first benchmark (timings need a quiet
 # machine): the warmers, which compile what the smoke check and the benchmarks launch (remat's
 # Triton kernels at the benchmarks' shapes, every attention tuning candidate among them; the
@@ -34,12 +34,15 @@
 # Settings, for a targeted rerun (environment variables):
 #   GPU_CHECK_SUITES="attention block"   the benchmark suites (default: layernorm rms_norm gelu gated mlp
 #                                        attention block; attention_varlen, linear_cross_entropy and
-#                                        experts run only when named here)
+#                                        experts (or moe, its other name) run only when named here;
+#                                        experts also runs with the time left, as the extra moe)
 #   GPU_CHECK_SKIP_BUILD=1               no CUDA extension: the Triton kernels only
 #   GPU_CHECK_SKIP_SMOKE=1               no smoke check
 #   GPU_CHECK_SKIP_TESTS=1               no GPU tests and no memcheck
-#   GPU_CHECK_EXTRAS="memory rest"       what runs with the time left, in order (default: memory rest
-#                                        exhaustive; "" for none); GPU_CHECK_RACECHECK=1 adds racecheck
+#   GPU_CHECK_EXTRAS="memory rest"       what runs with the time left, in order (default: moe memory
+#                                        rest exhaustive; "" for none; moe: `remat bench moe`, the experts
+#                                        suite, unless GPU_CHECK_SUITES has it); GPU_CHECK_RACECHECK=1
+#                                        adds racecheck
 #   GPU_CHECK_LIMITS="bench_attention=150 build=120"   a step's limit in seconds, by its key below
 #   GPU_CHECK_BUDGET=380                 the whole run's seconds
 #   ARCHIVE_DIR=DIR                      where the archive, summary.txt and console.log go (default:
@@ -56,6 +59,8 @@ WARM_WAIT=90  # the benchmarks wait for the warmers until at least this long aft
 MAX_ARCHIVE_BYTES=$((15 * 1024 * 1024))  # what comes back: 16 MiB a file
 ALL_SUITES=(layernorm rms_norm gelu gated mlp attention block)
 KNOWN_SUITES=" ${ALL_SUITES[*]} attention_varlen linear_cross_entropy experts "  # the last three: only when asked for
+declare -A SUITE_ALIASES=([moe]=experts)  # remat.bench.ALIASES: GPU_CHECK_SUITES takes these names too
+EXTRA_SUITES=()  # suites run with the time left (the extra moe): warmed with the others, and in the summary
 PIP_INSTALL=(-m pip install --no-index --disable-pip-version-check --no-build-isolation --no-deps -e .)
 
 declare -A NAME LIMIT MODEL
@@ -82,14 +87,14 @@ set_step bench_block        44   35  "bench: block"              # 14 policies o
 # Only when asked for (GPU_CHECK_SUITES), not yet measured, not in the budget above.
 set_step bench_attention_varlen 25 18 "bench: attention_varlen"  # 6 cases, 2 FlexAttention graphs, its tuning
 set_step bench_linear_cross_entropy 40 30 "bench: linear_cross_entropy"  # 3 vocabularies at 8192 tokens: products of ~5e13 FLOP, their float64 references, a torch.compile peer
-set_step bench_experts      30   20  "bench: experts"            # 2 cases (fwd, fwd+bwd) of a Qwen3-30B-A3B-shaped layer, remat's two policies and the stock loop, a float64 check
 # In the background, niced (limit: the longest one may live; the wait before the benchmarks ends it earlier).
-set_step warm_triton       300   75  "warm Triton kernels"       # 44 (suite, dtype, case) items in 6 processes: ~160 kernels (every bf16 attention candidate of 7 variants, ~100) at ~2.5 s for sm_90
+set_step warm_triton       300   75  "warm Triton kernels"       # 44 (suite, dtype, case) items (46 with the extra moe's experts) in 6 processes: ~160 kernels (every bf16 attention candidate of 7 variants, ~100) at ~2.5 s for sm_90
 set_step warm_compile      300  100  "warm torch.compile peers"  # 25 (suite, implementation, case) items in 8 processes: 8 FlexAttention graphs ~30 s each, 5 GPT-block policies ~45 s, 12 small graphs ~8 s: ~560 core-seconds
 set_step tests_triton      300  120  "tests: triton"             # from the install: pytest, 4 workers; ~420 tests whose ragged shapes compile their own kernels (~300 at ~1.5 s)
 set_step tests_cuda        300   25  "tests: cuda"               # from the build's end: pytest, 8 workers, ~10 s to import and collect; ~400 tests of precompiled kernels ~0.1 s each
 set_step memcheck          300   50  "memcheck"                  # from the build's end: compute-sanitizer starting torch ~25 s, then every op's small calls ~25 s
 # With the time left.
+set_step bench_experts      60   35  "bench: experts"            # remat bench moe: ~4 s to start, transformers ~3 s to import; 2 cases (fwd, fwd+bwd) of Qwen3-30B-A3B's experts at 1024 tokens, each checked against float64; remat's two policies (Triton kernels warmed), two eager loops over 128 experts (~50 ms a call with a sync per expert) ~6 s, grouped_mm; batched_mm skipped (77 GB of gathered weights); Liger, when installed, untuned (LIGER_FUSED_MOE_AUTOTUNE=0): ~8 kernels to compile, ~20 s more
 set_step memory             40   25  "memory"                    # remat memory on gpt2-medium: each policy measured once
 set_step tests_rest        150  120  "tests: rest"               # the rest of the suite (Hugging Face models, planner, CLI), 8 workers
 set_step tests_exhaustive   90   60  "tests: exhaustive"         # every tuning candidate of 5 head dims x 3 dtypes: ~200 compiles, 8 workers
@@ -270,7 +275,7 @@ write_summary() {
     local summary="$OUT_DIR/summary.txt" modelled=()
     [ "$MODEL_TIME" = 1 ] && modelled=(--modelled)
     timeout 10 "$PYTHON" bench/summarize.py "$OUT_DIR" --budget "$BUDGET" --elapsed "$(now)" \
-        --suites "${SUITES[@]}" "${modelled[@]}" "$@" > "$summary.partial" 2>&1 || cat "$STEPS" >> "$summary.partial"
+        --suites "${SUITES[@]}" "${EXTRA_SUITES[@]}" "${modelled[@]}" "$@" > "$summary.partial" 2>&1 || cat "$STEPS" >> "$summary.partial"
     mv -f "$summary.partial" "$summary"
     if [ -n "${ARCHIVE_DIR:-}" ]; then
         cp "$summary" "$ARCHIVE_DIR/summary.txt.partial" && mv -f "$ARCHIVE_DIR/summary.txt.partial" "$ARCHIVE_DIR/summary.txt"
@@ -347,7 +352,7 @@ install_and_build() {
 }
 
 start_background_work() {
-    local warm_suites=("${SUITES[@]}")
+    local warm_suites=("${SUITES[@]}" "${EXTRA_SUITES[@]}")
     is_set GPU_CHECK_SKIP_SMOKE || warm_suites+=(layernorm rms_norm gelu gated mlp attention block)
     mapfile -t warm_suites < <(printf '%s\n' "${warm_suites[@]}" | awk '!seen[$0]++')
     WARM_STARTED=$(now)
@@ -390,12 +395,16 @@ correctness() {
     fi
 }
 
+bench_suite() {  # bench_suite SUITE: its benchmark as a step
+    run_step "bench_$1" "$OUT_DIR/bench_$1.log" "$PYTHON" -m remat bench "$1" \
+        --quick --dtype bf16 --no-progress --out "$OUT_DIR/bench/$1"
+    grep -E "^wrote" "$OUT_DIR/bench_$1.log"
+}
+
 benchmarks() {
     local suite
     for suite in "${SUITES[@]}"; do
-        run_step "bench_$suite" "$OUT_DIR/bench_$suite.log" "$PYTHON" -m remat bench "$suite" \
-            --quick --dtype bf16 --no-progress --out "$OUT_DIR/bench/$suite"
-        grep -E "^wrote" "$OUT_DIR/bench_$suite.log"
+        bench_suite "$suite"
     done
 }
 
@@ -403,6 +412,7 @@ extras() {  # with the time left, in the order asked for
     local extra
     for extra in "${EXTRAS[@]}"; do
         case $extra in
+            moe) [ ${#EXTRA_SUITES[@]} -gt 0 ] && bench_suite experts ;;
             memory) run_step memory "$OUT_DIR/memory.log" "$PYTHON" -m remat memory --model gpt2-medium --batch 8 \
                 --seq 1024 --budget 20 --out "$OUT_DIR/memory" ;;
             rest) [ "$HAVE_PYTEST" = 1 ] && pytest_group tests_rest 8 20 tests --ignore tests/build/test_cuda_compile.py \
@@ -481,17 +491,23 @@ on_signal() {
 
 # read_settings: the suites, the extras and the limits asked for; exits with a message when one is wrong.
 read_settings() {
-    local suite extra limit
+    local index suite extra limit
     read -r -a SUITES <<< "${GPU_CHECK_SUITES:-${ALL_SUITES[*]}}"
-    for suite in "${SUITES[@]}"; do
+    for index in "${!SUITES[@]}"; do
+        suite=${SUITE_ALIASES[${SUITES[$index]}]:-${SUITES[$index]}}
+        SUITES[index]=$suite
         [[ $KNOWN_SUITES == *" $suite "* ]] || { echo "error: GPU_CHECK_SUITES: no suite '$suite' (known:$KNOWN_SUITES)" >&2; exit 2; }
     done
-    read -r -a EXTRAS <<< "${GPU_CHECK_EXTRAS-memory rest exhaustive}"
+    read -r -a EXTRAS <<< "${GPU_CHECK_EXTRAS-moe memory rest exhaustive}"
     is_set GPU_CHECK_RACECHECK && EXTRAS+=(racecheck)
     for extra in "${EXTRAS[@]}"; do
-        [[ " memory rest exhaustive racecheck " == *" $extra "* ]] \
-            || { echo "error: GPU_CHECK_EXTRAS: no '$extra' (known: memory rest exhaustive racecheck)" >&2; exit 2; }
+        [[ " moe memory rest exhaustive racecheck " == *" $extra "* ]] \
+            || { echo "error: GPU_CHECK_EXTRAS: no '$extra' (known: moe memory rest exhaustive racecheck)" >&2; exit 2; }
     done
+    # The extra moe is the experts suite, run with the time left; not twice when GPU_CHECK_SUITES has it.
+    if [[ " ${EXTRAS[*]} " == *" moe "* ]] && [[ " ${SUITES[*]} " != *" experts "* ]]; then
+        EXTRA_SUITES=(experts)
+    fi
     for limit in ${GPU_CHECK_LIMITS:-}; do
         [[ $limit =~ ^([a-z_]+)=([0-9]+)$ ]] && [ -n "${LIMIT[${BASH_REMATCH[1]}]:-}" ] \
             || { echo "error: GPU_CHECK_LIMITS: '$limit' is not KEY=SECONDS with a key of bench/gpu_check.sh's table" >&2; exit 2; }
@@ -537,6 +553,9 @@ if [ "${BASH_SOURCE[0]}" = "$0" ]; then
     setup "${1:-bench/out/gpu_check}"
     START=$SECONDS
     export PYTHONUNBUFFERED=1  # logs written as they happen: a step killed at its limit keeps them
+    # Liger's fused MoE (a peer in the experts suite, when installed) autotunes ~130 kernel configurations
+    # on its first call, minutes: one configuration each here (its row says "autotune off").
+    export LIGER_FUSED_MOE_AUTOTUNE=${LIGER_FUSED_MOE_AUTOTUNE:-0}
     export REMAT_CACHE_DIR=${REMAT_CACHE_DIR:-$OUT_DIR/autotune}  # attention blocks tuned here, kept with the results
     export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/remat-gpu-check-inductor}
     # Before any step: what comes back says the run started, even if it is killed at once.

@@ -101,8 +101,12 @@ def test_the_always_run_part_fits_the_budget_on_the_modelled_clock(full_run):
     # The background jobs end, by their models, within what the smoke check and the wait leave.
     background = [row for row in steps.values() if row["part"] == "background"]
     assert len(background) == 5 and all(row["status"].startswith("ok;") for row in background)
-    # With the time left: `remat memory`; the rest of the tests is cut by the budget (no failure).
-    assert steps["memory"]["status"] == "ok" and steps["tests: rest"]["status"] == "timed out"
+    # With the time left: `remat bench moe` (the experts suite) and `remat memory`; the rest of the
+    # tests is cut by the budget (no failure).
+    extras = [name for name, row in steps.items() if row["part"] == "extra"]
+    assert extras == ["bench: experts", "memory", "tests: rest", "tests: exhaustive"]
+    assert steps["bench: experts"]["status"] == "ok" and steps["memory"]["status"] == "ok"
+    assert steps["tests: rest"]["status"] == "timed out"
     assert steps["tests: exhaustive"]["status"] == "skipped: no time left"
 
 
@@ -123,7 +127,7 @@ def test_three_files_come_back_with_every_table(full_run):
 def test_the_summary_has_a_row_for_everything(full_run):
     done, steps, out = full_run
     summary = _summary(done)
-    for suite in SUITES:
+    for suite in (*SUITES, "experts"):  # experts: the extra moe
         assert re.search(rf"^  {suite} +ok .* cases .* bench/{suite}/bench.md$", summary, re.M), summary
     assert "smoke (bf16, fp16; remat against float64, at most twice PyTorch's error): 2 of 2 ok" in summary
     assert re.search(r"^  triton +ok +116 passed, 0 failed, 4 skipped", summary, re.M)
@@ -147,6 +151,8 @@ def test_the_note_lists_each_steps_limit_and_modelled_time(full_run):
             assert f"| {name} | {limit} | {model} |" in note, name
         elif key == "reinstall":
             assert f"The reinstall ({limit} s, modelled {model})" in note
+        elif key in ("bench_experts", "memory", "tests_rest", "tests_exhaustive", "racecheck"):  # with the time left
+            assert re.search(rf"\((limit )?{limit}, (model )?{model}\)", note), key
     wait = steps["wait for the background work"]["seconds"]
     assert f"| wait for the background work | {_step_table()['wait'][0]} | {wait} |" in note
     limits = re.search(r"limits summing to (\d+) s", done.stdout)[1]
@@ -284,7 +290,8 @@ def _archived_steps(files):
     ("REMAT_SKIP_CUDA_BUILD=1", "environment"),  # in the install
     ("smoke_check", "build (CUDA extension)"),
     ("remat bench attention", "bench: mlp"),
-    ("remat memory", "bench: block"),
+    ("remat bench experts", "bench: block"),
+    ("remat memory", "bench: experts"),
 ])
 def test_killed_at_any_point_at_most_8_files_come_back(tmp_path, point, last_step):
     """SIGKILL of every process of the run in a step (the stubs kill at the command matching
@@ -503,6 +510,23 @@ def test_settings_for_a_targeted_rerun(tmp_path):
     assert len(warmers) == 2 and all("--suites attention --" in line or line.endswith("--suites attention")
                                      for line in warmers), warmers
     assert re.search(r"^  attention +ok", _summary(done), re.M) and "  block " not in _summary(done)
+
+
+def test_moe_names_the_experts_suite_which_runs_once(tmp_path):
+    """GPU_CHECK_SUITES takes moe for experts (remat.bench.ALIASES); asked for there, the extra moe
+    does not run it again. Liger's fused MoE, a peer of that suite, runs untuned within the budget."""
+    done, steps, out = _dry_run(tmp_path, GPU_CHECK_SUITES="moe", GPU_CHECK_SKIP_BUILD="1", GPU_CHECK_SKIP_SMOKE="1",
+                                GPU_CHECK_SKIP_TESTS="1", GPU_CHECK_EXTRAS="moe")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [(name, row["part"]) for name, row in steps.items() if name.startswith("bench: ")] == [
+        ("bench: experts", "always")]
+    calls = (tmp_path / "dry" / "stub_calls.tsv").read_text().splitlines()
+    assert [line for line in calls if line.startswith("python\t-m remat bench")] == [
+        "python\t-m remat bench experts --quick --dtype bf16 --no-progress --out "
+        f"{tmp_path}/dry/gpu_check/bench/experts"]
+    assert re.search(r"^  experts +ok", _summary(done), re.M)
+    script = (BENCH / "gpu_check.sh").read_text()
+    assert re.search(r"^ +export LIGER_FUSED_MOE_AUTOTUNE=\$\{LIGER_FUSED_MOE_AUTOTUNE:-0\}$", script, re.M)
 
 
 @pytest.mark.parametrize("setting, message", [
