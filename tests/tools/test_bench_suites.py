@@ -46,7 +46,7 @@ def test_every_implementation_passes_its_check(suite):
 
 
 def test_moe_runs_transformers_experts_and_counts_what_each_keeps():
-    """`remat bench moe` on CPU (fp32; T = 32 tokens, h = 40, I = 36, 5 experts, top-2): remat's two
+    """`remat bench moe` on CPU (fp32; T = 32 tokens, h = 40, I = 40, 5 experts, top-2): remat's two
     policies, the stock loop and transformers' eager, batched_mm and grouped_mm experts (run by its
     Qwen3MoeExperts) each pass the float64 check of the output and every gradient; Liger's row says why
     it does not run. Bytes kept for the backward beyond x, the routing weights, the expert weights and
@@ -76,6 +76,16 @@ def test_moe_runs_transformers_experts_and_counts_what_each_keeps():
     assert saved["transformers-batched_mm"] > pairs * (2 * inter + inter) * width * b
     assert all(r.saved_sbh_per_layer == r.saved_bytes / (tokens * width) for name, r in results.items()
                if name != "liger")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_moe_peers_run_in_half_precision_at_the_cpu_sizes(dtype):
+    """transformers' peers pass their check in fp16 and bf16 too (torch's grouped_mm wants rows of a
+    multiple of 16 bytes: the CPU sizes give it them), as `remat bench moe --device cpu` runs them."""
+    (case,) = [c for c in experts.cases(CPU, [dtype], quick=True) if c.mode == "fwd+bwd"]
+    case.implementations = [impl for impl in case.implementations if impl.name.startswith("transformers-")]
+    results = check_case(case)
+    assert len(results) == 3 and all(r.check.startswith("ok (") and not r.error for r in results), results
 
 
 def test_moe_states_why_a_peer_does_not_run(monkeypatch):

@@ -39,7 +39,9 @@ from .cases import Case, Variant, check_against, op_built, ours_by_backend
 # Qwen3-30B-A3B's experts: hidden 2048, expert intermediate 768, 128 experts, top-8.
 GPU_TOKENS, GPU_WIDTH, GPU_INTER, GPU_EXPERTS, GPU_TOP_K = 4096, 2048, 768, 128, 8
 QUICK_TOKENS = 1024
-CPU_TOKENS, CPU_WIDTH, CPU_INTER, CPU_EXPERTS, CPU_TOP_K = 32, 40, 36, 5, 2
+# On CPU: widths ragged against the kernels' tiles, and I·2 bytes a multiple of 16, as torch's grouped_mm
+# (transformers' grouped_mm peer) needs in fp16 and bf16.
+CPU_TOKENS, CPU_WIDTH, CPU_INTER, CPU_EXPERTS, CPU_TOP_K = 32, 40, 40, 5, 2
 SIZES_MEAN = "token counts T"  # what cases(sizes=...), `remat bench --shapes`, sets
 # transformers' experts implementations measured (transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS;
 # "eager" is the experts module's own forward)
