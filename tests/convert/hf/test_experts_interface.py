@@ -77,8 +77,11 @@ def test_families_train_as_their_stock_experts_on_remat_experts_with_router_logi
     stock = tiny_causal_lm(config_name, first_k_dense_replace=1)  # DeepSeek-V3: a dense layer, then MoE
     assert hasattr(stock.config, "output_router_logits")
     stock.config.output_router_logits = True
-    converted = convert(stock)
+    converted, report = convert(stock, report=True)
     assert converted.config._experts_implementation == "remat"
+    # transformers' output recorders, which output_router_logits installs on the layers, the attention
+    # and the router at the probe's forward, leave the layers' fusions as they are
+    assert not [row for row in report if "hooks" in row.reason]
     assert_tiny_step_as_stock(stock, converted, "causal", IDS)
     converted.zero_grad()
     assert experts_calls(converted) == moe_layers(converted) > 0

@@ -59,7 +59,7 @@ from ...ops.rms_norm import output_dtype, rms_norm_bwd, rms_norm_bwd_ref, rms_no
 from ...saved import saved_bytes
 from ..swap import is_converted, join, with_class
 from . import structure as structure_probe
-from .modules import _RematModule, remat_class
+from .modules import _between_reason, _RematModule, remat_class
 
 # How a norm's output y becomes the attention's (batch, heads, seq, head_dim) before the rope:
 # "bshd": y is (batch, seq, heads, head_dim) (Qwen3: the norm reads the projection viewed as heads);
@@ -469,7 +469,9 @@ def fuse_qk_norms(attention, structure, layers, path, report, verdicts):
     Each module is replayed on its own weights (a layer's forward may take another path than the
     next one's: AFMoE's global layers apply no rotary embedding); on meta, where nothing can be
     computed, on a CPU copy once per kind of module (verdicts: {kind: verdict}, one conversion's)."""
-    if "attention" not in layers or not from_transformers(type(attention)) or hook_reason(attention):
+    # transformers' output recorders (output_router_logits, output_attentions) read what the attention
+    # module returns, which the fusion leaves as it is
+    if "attention" not in layers or not from_transformers(type(attention)) or _between_reason(attention):
         return set()
     frame = structure.frame(attention)
     if frame is None or frame.hidden_states() is None:

@@ -29,6 +29,7 @@ from . import head_norm
 from . import structure as structure_probe
 from .modules import (
     RematFusedLayerNorm,
+    _between_reason,
     _RematFused,
     _RematFusedNorm,
     _RematIntermediate,
@@ -446,7 +447,7 @@ def _fusable_norm(layer, norm_name, layers, style=None):
         return None, "layers excludes layernorm"
     if type(norm) is not nn.LayerNorm and not (style and from_transformers(type(norm))):
         return None, f"{norm_name} is {type(norm).__name__}, not exactly nn.LayerNorm nor an RMSNorm remat matches"
-    return norm, _instance_reason(norm) or hook_reason(layer)
+    return norm, _instance_reason(norm) or _layer_hook_reason(layer)
 
 
 def _rms_norm_reason(norm, width, style=None):
@@ -589,12 +590,20 @@ def _alone(layer, consumer_path, layers, recompute, path, report):
     return set()  # an MLP module goes by the plain MLP rule; a Linear alone saves nothing
 
 
+def _layer_hook_reason(layer):
+    """hook_reason of a layer whose children are fused, but for transformers' output recorders (which
+    its first forward with output_router_logits, output_attentions or output_hidden_states installs,
+    the convert probe's included): they read the layer's input and outputs, which fusions inside it
+    leave as they are (modules._between_reason)."""
+    return _between_reason(layer)
+
+
 def _layer_rule(layer, layers, recompute, path, report):
     """Hand each LayerNorm of a layer over to the modules it feeds, and convert what remains of them
     on its own; the names of the children handled (a Linear fused inside a child that stays stock,
     BLOOM's self_attention.query_key_value, leaves that child to the other rules)."""
-    if hook_reason(layer):
-        report.add(path, layer, "skipped", f"{hook_reason(layer)}: no fusion across its children")
+    if _layer_hook_reason(layer):
+        report.add(path, layer, "skipped", f"{_layer_hook_reason(layer)}: no fusion across its children")
         return set()
     family = family_of(layer)
     wiring = _wiring(layer)
@@ -621,7 +630,7 @@ def _pair_rule(layer, recompute, path, report, pair):
     row_path = join(path, inter_name)
     fc1, act = getattr(inter, "dense", None), getattr(inter, "intermediate_act_fn", None)
     fc2, dropout, norm = (getattr(out, n, None) for n in ("dense", "dropout", "LayerNorm"))
-    reason = _instance_reason(inter) or _instance_reason(out) or hook_reason(layer)
+    reason = _instance_reason(inter) or _instance_reason(out) or _layer_hook_reason(layer)
     if reason is None and not callable(getattr(layer, "feed_forward_chunk", None)):
         reason = f"{type(layer).__name__} has no feed_forward_chunk to check the FFN wiring against"
     if reason is None:
