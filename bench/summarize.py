@@ -120,16 +120,18 @@ def _cases(rows):
 
 
 def suite_row(out_dir, suite, steps):
-    """One line for the suite: its step's status, cases measured of planned, wrong and failed rows."""
+    """One line for the suite: its step's status, cases measured of planned, wrong, failed and skipped
+    rows (a peer that cannot run a case says why in an error "Skipped: ...": not a failure)."""
     step = steps.get(f"bench: {suite}")
     rows = read_csv(os.path.join(out_dir, "bench", suite, "bench.csv"))
     status = step["status"] if step else "not run"
     planned = rows[0].get("cases_planned", "?") if rows else "?"
     wrong = sum(r["check"] == "wrong" for r in rows)
-    failed = sum(bool(r["error"]) and r["check"] != "wrong" and r["p50_ms"] == "-" for r in rows)
+    untimed = [r for r in rows if r["error"] and r["check"] != "wrong" and r["p50_ms"] == "-"]
+    skipped = sum(r["error"].startswith("Skipped:") for r in untimed)
     file = f"bench/{suite}/bench.md" if rows else f"bench/{suite}.log"
     return (f"  {suite:<10} {status:<30} {len(_cases(rows)):>3} of {planned:<3} cases {len(rows):>4} rows "
-            f"{wrong:>3} wrong {failed:>3} failed   {file}")
+            f"{wrong:>3} wrong {len(untimed) - skipped:>3} failed {skipped:>3} skipped   {file}")
 
 
 def _number(text):

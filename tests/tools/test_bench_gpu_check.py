@@ -366,7 +366,12 @@ def test_summary_reads_a_real_bench_csv(tmp_path):
     report.write_tables(report.rows([results]), env, str(tmp_path / "bench" / "layernorm"))
     summarize = _load("summarize")
     row = summarize.suite_row(str(tmp_path), "layernorm", {"bench: layernorm": {"status": "timed out"}})
-    assert re.search(r"layernorm +timed out +1 of 3 +cases +2 rows +1 wrong +0 failed", row), row
+    assert re.search(r"layernorm +timed out +1 of 3 +cases +2 rows +1 wrong +0 failed +0 skipped", row), row
+    # a peer that cannot run the case (the moe suite's Liger off a GPU) is skipped, not failed
+    results[1].check, results[1].error = "-", "Skipped: GPU only: Triton kernels for CUDA tensors, not cpu"
+    report.write_tables(report.rows([results]), env, str(tmp_path / "bench" / "layernorm"))
+    row = summarize.suite_row(str(tmp_path), "layernorm", {"bench: layernorm": {"status": "ok"}})
+    assert re.search(r"2 rows +0 wrong +0 failed +1 skipped", row), row
     (headline,) = summarize.headline_lines(str(tmp_path), ["layernorm"])[1:]
     assert "remat-triton" in headline and "GB/s" in headline and "no peer timed" in headline
 
