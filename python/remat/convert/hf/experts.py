@@ -229,7 +229,7 @@ def convert_experts(model, path, report, keep_hidden=False):
         if isinstance(spec, str):
             report.add(module_path, module, "skipped", f"runs its stock experts ({previous!r}): {spec}")
             continue
-        saved.append(functools.partial(saved_bytes_per_token, module, spec, keep_hidden))
+        saved.append(functools.partial(saved_bytes_per_token, module, spec))
         report.add(module_path, module, "kept", f"runs remat.experts ({spec.activation}"
                    f"{', gated' if spec.gated else ''}; the tokens and routing kept, "
                    f"{'the pre-activation kept' if keep_hidden else 'each expert rebuilt in the backward'})")
@@ -269,9 +269,11 @@ def revert_experts(module):
         module.__dict__["remat_experts_stock"] = True
 
 
-def saved_bytes_per_token(module, spec, keep_hidden):
+def saved_bytes_per_token(module, spec):
     """The activation bytes per token one experts module keeps less under remat.experts than under
-    transformers' grouped_mm experts (docs/memory.md, "Experts"), at the weights' current dtype."""
+    transformers' grouped_mm experts (docs/memory.md, "Experts"), at the weights' current dtype and
+    the module's current policy (a plan may change it per layer), its weights taken as trained."""
+    keep_hidden = module.__dict__.get("remat_experts_keep_hidden", False)
     gate_up = getattr(module, spec.gate_up)
     n1 = gate_up.shape[2 if spec.transposed else 1]
     width = module.down_proj.shape[2 if spec.transposed else 1]
