@@ -38,8 +38,8 @@ NAME = "remat"
 
 # What remat.experts needs of an experts module besides its call's tensors, decided once per module.
 # gate_up: the name of the up projection's weight ("gate_up_proj", or "up_proj" without a gate);
-# gate_up_bias: its bias's name, or None; down_bias: whether down_proj_bias is read.
-Spec = collections.namedtuple("Spec", "gate_up gate_up_bias down_bias activation gated interleaved transposed "
+# gate_up_bias: its bias's name, or None (then down_proj has none either: the decorator's has_bias).
+Spec = collections.namedtuple("Spec", "gate_up gate_up_bias activation gated interleaved transposed "
                                       "alpha limit")
 
 _PROBE_ROWS, _PROBE_WIDTH = 8, 12  # the activation probe: (rows, 2 x width) pre-activations
@@ -69,7 +69,7 @@ def experts_forward(module, hidden_states, top_k_index, top_k_weights):
     return experts_op.experts(
         hidden_states, top_k_index, top_k_weights, getattr(module, spec.gate_up), module.down_proj,
         getattr(module, spec.gate_up_bias) if spec.gate_up_bias else None,
-        module.down_proj_bias if spec.down_bias else None, activation=spec.activation, gated=spec.gated,
+        module.down_proj_bias if spec.gate_up_bias else None, activation=spec.activation, gated=spec.gated,
         interleaved=spec.interleaved, transposed=spec.transposed, alpha=spec.alpha, limit=spec.limit,
         keep_hidden=module.__dict__.get("remat_experts_keep_hidden", False))
 
@@ -106,7 +106,7 @@ def module_spec(module):
     if isinstance(found, str):
         return found
     activation, alpha, limit = found
-    return Spec(gate_up, gate_up + "_bias" if has_bias else None, has_bias, activation, gated,
+    return Spec(gate_up, gate_up + "_bias" if has_bias else None, activation, gated,
                 interleaved, bool(getattr(module, "is_transposed", False)), alpha, limit)
 
 
@@ -158,7 +158,7 @@ def _agrees(own, ours):
 def _call_reason(module, spec, x, top_k_index):
     """Why this call runs stock, or None: what a call can change since the spec was decided."""
     weights = [(spec.gate_up, getattr(module, spec.gate_up)), ("down_proj", module.down_proj)]
-    if spec.down_bias:
+    if spec.gate_up_bias:
         weights += [(spec.gate_up_bias, getattr(module, spec.gate_up_bias)), ("down_proj_bias", module.down_proj_bias)]
     for name, w in weights:
         reason = tensor_reason(name, w)
@@ -185,16 +185,19 @@ def _call_reason(module, spec, x, top_k_index):
 
 def experts_modules(model):
     """(name, module) of every experts module in `model` that calls transformers' experts interface."""
-    return [(name, m) for name, m in model.named_modules() if _calls_the_interface(type(m))]
+    return [(name, m) for name, m in model.named_modules() if _calls_the_interface(m)]
 
 
-@functools.cache
-def _calls_the_interface(cls):
-    """Whether the class's forward is the one `@use_experts_implementation` installs (it wraps the class's
-    own forward, and its __init__ sets has_gate)."""
-    forward = cls.__dict__.get("forward") or getattr(cls, "forward", None)
-    return getattr(forward, "__wrapped__", None) is not None and "experts_interface" in \
-        getattr(getattr(forward, "__code__", None), "co_freevars", ())
+# What `@use_experts_implementation`'s __init__ sets on every instance (module attributes, its public shape).
+_DECORATOR_ATTRIBUTES = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
+
+
+def _calls_the_interface(module):
+    """Whether the module is a `@use_experts_implementation` class: its instance carries the decorator's
+    attributes and its forward wraps the class's own (functools.wraps), which it dispatches from."""
+    forward = getattr(type(module), "forward", None)
+    return getattr(forward, "__wrapped__", None) is not None and all(
+        isinstance(module.__dict__.get(name), bool) for name in _DECORATOR_ATTRIBUTES)
 
 
 def convert_experts(model, path, report, keep_hidden=False):
