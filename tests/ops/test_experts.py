@@ -10,6 +10,7 @@ import torch
 
 import remat
 from remat.ops.experts import route, sample_routing, stock_experts
+from remat.specs import Norm
 
 from numerics import COMPILE_BACKEND, REL_TOL, assert_raises_naming, rel_error, saved_bytes
 
@@ -232,21 +233,88 @@ def test_saved_bytes_are_x_the_routing_and_with_keep_hidden_the_pre_activation(t
     assert got < stock
 
 
+# --- a norm in front: the post-attention norm fused in --------------------------------------------
+
+
+def _llama_rms_norm(x, weight, eps=1e-6):
+    """transformers' LlamaRMSNorm (Qwen3-MoE's, Mixtral's, gpt-oss's post-attention norm), in x's dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+NORMS = {
+    "rms_llama": lambda w, b: (Norm(w, None, 1e-6, "rms_norm", "llama"), lambda x: _llama_rms_norm(x, w)),
+    "layer_norm": lambda w, b: (Norm(w, b, 1e-5), lambda x: torch.nn.functional.layer_norm(
+        x, x.shape[-1:], w, b, 1e-5)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layer_name", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("norm_name", list(NORMS))
+def test_a_norm_in_front_matches_float64_as_well_as_stock(target, norm_name, layer_name, dtype):
+    """experts(x, ..., norm=...) is the stock norm followed by the stock experts: output and every gradient,
+    the norm's parameters' included, within twice the stock computation's own error against float64."""
+    device, _ = target
+    layer = LAYERS[layer_name]
+    tensors = _inputs(layer, dtype, device)
+    norm_params = [1 + 0.3 * torch.randn(layer.width, device=device), 0.1 * torch.randn(layer.width, device=device)]
+    if norm_name.startswith("rms"):
+        norm_params = norm_params[:1]
+    dy = torch.randn(layer.tokens, layer.width, device=device)
+
+    def run(dtype, ours):
+        ts, ns = _leaves(tensors, dtype), _leaves(norm_params, dtype)
+        norm, stock_norm = NORMS[norm_name](*ns, *([None] * (2 - len(ns))))
+        if ours:
+            out = remat.experts(*ts, **layer.options(), norm=norm)
+        else:
+            out = stock_experts(stock_norm(ts[0]), *ts[1:], **layer.options())
+        floats = [t for t in ts if t is not None and t.is_floating_point()] + ns
+        return [out, *torch.autograd.grad(out, floats, dy.to(out.dtype))]
+
+    ref, stock, ours = run(torch.float64, False), run(dtype, False), run(dtype, True)
+    floor = REL_TOL[dtype] / 10 if dtype == torch.float32 else 0.0  # as _check_against_float64
+    for i, (o, s, r) in enumerate(zip(ours, stock, ref)):
+        assert o.dtype == s.dtype and o.shape == r.shape, i
+        bound = max(2 * rel_error(s, r), floor)
+        assert rel_error(o, r) <= bound, f"output {i}: {rel_error(o, r):.3g} > {bound:.3g} ({dtype})"
+
+
+def test_a_norm_in_front_keeps_x_and_its_statistics_never_the_normed_tokens(target):
+    """The bytes of the plain op (x, the weights of the routing, order, offsets) and an fp32 rstd a token:
+    norm(x) is rebuilt in the backward."""
+    device, _ = target
+    layer, dtype = QWEN, torch.bfloat16
+    x, index, weights, gate_up, down, *_ = _leaves(_inputs(layer, dtype, device), dtype)
+    norm_weight = _leaves([torch.ones(layer.width, device=device)], dtype)[0]
+    params = [gate_up, down, norm_weight]
+    norm = Norm(norm_weight, None, 1e-6, "rms_norm", "llama")
+    got = saved_bytes(lambda: remat.experts(x, index, weights, gate_up, down, **layer.options(), norm=norm),
+                      exclude=params)
+    plain = saved_bytes(lambda: remat.experts(x, index, weights, gate_up, down, **layer.options()), exclude=params)
+    assert got == plain + 4 * layer.tokens
+
+
 # --- torch.compile --------------------------------------------------------------------------------
 
 
-def test_torch_compile_fullgraph_matches_eager_with_biases_and_the_transposed_layout(target):
+@pytest.mark.parametrize("with_norm", [False, True], ids=["plain", "norm-in-front"])
+def test_torch_compile_fullgraph_matches_eager_with_biases_and_the_transposed_layout(target, with_norm):
     device, _ = target
     layer = GPT_OSS
     tensors = _leaves(_inputs(layer, torch.float32, device), torch.float32)
-    floats = [t for t in tensors if t is not None and t.is_floating_point()]
+    norm_weight = _leaves([1 + 0.3 * torch.randn(layer.width, device=device)], torch.float32)[0]
+    norm = Norm(norm_weight, None, 1e-6, "rms_norm", "llama") if with_norm else None
+    floats = [t for t in tensors if t is not None and t.is_floating_point()] + ([norm_weight] if with_norm else [])
     torch._dynamo.reset()
-    compiled = torch.compile(lambda *ts: remat.experts(*ts, **layer.options()), fullgraph=True,
+    compiled = torch.compile(lambda *ts: remat.experts(*ts, **layer.options(), norm=norm), fullgraph=True,
                              backend=COMPILE_BACKEND)
     out = compiled(*tensors)
     dy = torch.randn_like(out)
     compiled_grads = torch.autograd.grad(out, floats, dy)
-    expected = remat.experts(*tensors, **layer.options())
+    expected = remat.experts(*tensors, **layer.options(), norm=norm)
     expected_grads = torch.autograd.grad(expected, floats, dy)
     assert rel_error(out, expected) < 1e-6
     for got, want in zip(compiled_grads, expected_grads):
@@ -293,6 +361,9 @@ BAD_INPUT = [
     ("gated-bool", _call(gated=1), TypeError, "gated", "bool"),
     ("limit", _call(activation="swiglu_clamped", limit=0.0), ValueError, "limit", "positive"),
     ("alpha", _call(activation="swiglu_clamped", alpha=float("nan")), ValueError, "alpha", "finite"),
+    ("norm-spec", _call(norm=(torch.ones(8), None, 1e-6)), ValueError, "norm", "Norm"),
+    ("norm-width", _call(norm=Norm(torch.ones(9), None, 1e-6, "rms_norm", "llama")), ValueError, "norm_weight",
+     "shape"),
 ]
 
 

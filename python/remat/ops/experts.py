@@ -23,6 +23,11 @@ What autograd keeps (policy keep_hidden=False, "recompute"): x, top_k_weights, o
 and the weights. The backward rebuilds the gathered inputs, gate_up · x and the activation tile by
 tile (triton_kernels/experts.py). keep_hidden=True also keeps the pre-activation H (S, N1) in x's
 dtype: no repeated up projection in the backward, S·N1 more elements kept.
+
+With a norm in front (`norm`: the post-attention RMSNorm or LayerNorm that feeds the router and the
+experts), the experts read norm(x) but keep x and the norm's fp32 row statistics instead: the
+backward rebuilds norm(x) with the norm's own forward kernel (bit for bit what the forward read),
+runs the experts' backward on it, and carries the gradient through the norm's backward.
 """
 
 import math
@@ -35,7 +40,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 from .. import _backend
 from .._numerics import math_dtype
 from .._validate import autocast_dtype_for, cast_for_autocast, check_choice, check_float_tensor, check_same_device
+from ..specs import check_norm
 from ._family import OpFamily, OpSamples, PublicCall, grad_leaves
+from .fused import exchange, norm_backward, norm_forward, norm_layout, norm_params, sharing
 from .gelu import gelu_and_derivative
 
 GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swiglu_clamped")
@@ -326,7 +333,7 @@ def _check_options(activation, gated, alpha, limit):
 
 def experts(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias=None, down_bias=None, *, activation="silu",
             gated=True, interleaved=False, transposed=False, alpha=GPT_OSS_ALPHA, limit=GPT_OSS_LIMIT,
-            keep_hidden=False):
+            keep_hidden=False, norm=None, shared=None):
     """The routed experts' output sum_k top_k_weights[t, k] · expert_{top_k_index[t, k]}(x[t]), as
     transformers' experts implementations compute it (see remat.ops.experts for the formula).
 
@@ -339,6 +346,10 @@ def experts(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias=None, dow
     of gate_up (`is_concatenated=False`). activation: see the module docstring; alpha and limit
     are "swiglu_clamped"'s (gpt-oss's swiglu_alpha and swiglu_limit).
     keep_hidden: keep the pre-activation (T·K·N1 elements) for the backward instead of recomputing it.
+    norm: a remat.specs.Norm applied to x first (the norm before the router and the experts): the
+    experts read norm(x), and x with the norm's fp32 statistics is kept instead of norm(x). shared: a
+    remat.ops.fused.SharedStatistics of that norm, when other fused ops apply it to the same x (the
+    router's projection): the statistics are then kept once.
     Returns (T, h) in x's dtype. Under autocast x and the weights are cast to the autocast dtype and
     the result back to x's dtype, as the stock experts accumulate into zeros_like(x).
     """
@@ -349,7 +360,7 @@ def experts(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias=None, dow
             cast = cast_for_autocast(amp, x, gate_up, down, gate_up_bias, down_bias)
             out = experts(cast[0], top_k_index, top_k_weights, *cast[1:], activation=activation, gated=gated,
                           interleaved=interleaved, transposed=transposed, alpha=alpha, limit=limit,
-                          keep_hidden=keep_hidden)
+                          keep_hidden=keep_hidden, norm=norm, shared=shared)
             return out.to(x.dtype)
     _check_routing(x, top_k_index, top_k_weights)
     _check_options(activation, gated, alpha, limit)
@@ -361,10 +372,60 @@ def experts(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias=None, dow
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     _check_weights(x, gate_up, down, gate_up_bias, down_bias, gated)
     _check_ids(top_k_index)
+    options = (activation, gated, bool(interleaved and gated), float(alpha), float(limit), bool(keep_hidden))
+    if norm is not None:
+        return _normed(x, norm, shared, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, options)
     out, _order, _offsets, _hidden = experts_fwd(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias,
-                                                 down_bias, activation, gated, bool(interleaved and gated),
-                                                 float(alpha), float(limit), bool(keep_hidden))
+                                                 down_bias, *options)
     return out
+
+
+def _normed(x, norm, shared, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, options):
+    """experts(norm(x), ...) on _NormedExperts, norm checked against x."""
+    norm, norm_weight, norm_bias = norm_params(check_norm(norm), x)
+    layout = norm_layout(norm)
+    return sharing(shared, x, lambda slot: _NormedExperts.apply(
+        x.contiguous(), norm_weight, norm_bias, layout, slot, top_k_index, top_k_weights, gate_up, down,
+        gate_up_bias, down_bias, options))
+
+
+class _NormedExperts(torch.autograd.Function):
+    """experts(norm(x)) keeping x and the norm's fp32 statistics, not norm(x): the backward rebuilds
+    norm(x) with the norm's forward kernel (the same kernel on the same x: what the forward read, bit
+    for bit), runs the experts' backward on it and hands d norm(x) to the norm's backward.
+    The router's index is not kept, as in the plain op: the order and offsets say all it said."""
+
+    @staticmethod
+    def forward(ctx, x, norm_weight, norm_bias, layout, slot, top_k_index, top_k_weights, gate_up, down,
+                gate_up_bias, down_bias, options):
+        _backend.remember_backend(ctx)
+        normed, stats = norm_forward(layout, x, norm_weight, norm_bias)
+        stats = exchange(slot, stats)
+        out, order, offsets, hidden = experts_fwd(normed, top_k_index, top_k_weights, gate_up, down, gate_up_bias,
+                                                  down_bias, *options)
+        ctx.save_for_backward(x, norm_weight, norm_bias, top_k_weights, gate_up, down, gate_up_bias, down_bias,
+                              order, offsets, hidden, *stats)
+        ctx.layout, ctx.options = layout, options[:-1]
+        return out
+
+    @staticmethod
+    @_backend.on_forward_backend
+    def backward(ctx, dout):
+        x, norm_weight, norm_bias, top_k_weights, gate_up, down, gate_up_bias, down_bias, order, offsets, hidden, \
+            *stats = ctx.saved_tensors
+        normed, _ = norm_forward(ctx.layout, x, norm_weight, norm_bias)
+        d_normed, dweights, dgate_up, ddown, dgate_up_bias, ddown_bias = experts_bwd(
+            dout.contiguous(), normed, top_k_weights, gate_up, down, gate_up_bias, down_bias, order, offsets, hidden,
+            *ctx.options)
+        del normed
+        dx, d_norm_weight, d_norm_bias, _ = norm_backward(ctx.layout, d_normed, x, norm_weight, norm_bias, stats,
+                                                          False)
+        need = ctx.needs_input_grad
+        return (dx if need[0] else None, d_norm_weight if need[1] else None,
+                d_norm_bias if need[2] and norm_bias is not None else None, None, None, None,
+                dweights if need[6] else None, dgate_up if need[7] else None, ddown if need[8] else None,
+                dgate_up_bias if need[9] and gate_up_bias is not None else None,
+                ddown_bias if need[10] and down_bias is not None else None, None)
 
 
 # ---------------------------------------------------------------------------------------------

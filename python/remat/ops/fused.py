@@ -115,11 +115,11 @@ def _finish_adapter_grads(grads, adapters, d_ts, inp, needs):
 _NormLayout = collections.namedtuple("_NormLayout", "kind eps style")
 
 
-def _norm_layout(norm):
+def norm_layout(norm):
     return _NormLayout(norm.kind, float(norm.eps), norm.style)
 
 
-def _norm_forward(layout, x, weight, bias):
+def norm_forward(layout, x, weight, bias):
     """(norm(x), its fp32 row statistics: (mean, rstd) for a LayerNorm, (rstd,) for an RMSNorm)."""
     if layout.kind == "rms_norm":
         # Llama's and T5's styles give a float32 weight's dtype: the Linears read x's, as autocast casts it
@@ -129,7 +129,7 @@ def _norm_forward(layout, x, weight, bias):
     return y, (mean, rstd)
 
 
-def _norm_backward(layout, dy, x, weight, bias, stats, rebuild):
+def norm_backward(layout, dy, x, weight, bias, stats, rebuild):
     """(dx, d weight, d bias, norm(x) rebuilt when `rebuild`, else None) from x and its statistics."""
     if layout.kind == "rms_norm":
         dx, d_weight, rebuilt = rms_norm_bwd(dy, x, weight, *stats, layout.style, rebuild)
@@ -189,11 +189,11 @@ class _StatisticsSlot:
         return self.kept
 
 
-def _exchange(slot, stats):
+def exchange(slot, stats):
     return stats if slot is None else slot.exchange(stats)
 
 
-def _sharing(shared, x, call):
+def sharing(shared, x, call):
     """call(slot): the fused op with the statistics `shared` holds for `x`, storing those it kept."""
     if shared is None or torch.compiler.is_compiling():
         return call(None)
@@ -222,8 +222,8 @@ class _LayerNormLinears(torch.autograd.Function):
         # Rebuilding LN(x) pays only where x is kept anyway, for the LayerNorm's own backward;
         # otherwise LN(x) is kept as eager keeps it (it is smaller than x and its statistics).
         rebuild = recompute and need_norm_grad
-        normed, stats = _norm_forward(norm_layout, x, norm_weight, norm_bias)
-        stats = _exchange(slot, stats)
+        normed, stats = norm_forward(norm_layout, x, norm_weight, norm_bias)
+        stats = exchange(slot, stats)
         outs, intermediates = [], []
         for linear in linears:
             out, ts = _add_adapters(F.linear(normed, linear.weight, linear.bias), normed, linear.adapters)
@@ -255,7 +255,7 @@ class _LayerNormLinears(torch.autograd.Function):
         dx = d_norm_weight = d_norm_bias = None
         if ctx.need_norm_grad:
             rebuild = ctx.need_normed and normed is None
-            dx, d_norm_weight, d_norm_bias, rebuilt = _norm_backward(
+            dx, d_norm_weight, d_norm_bias, rebuilt = norm_backward(
                 ctx.norm_layout, d_normed, x, norm_weight, norm_bias, stats, rebuild)
             normed = rebuilt if rebuild else normed
         flat = []
@@ -354,8 +354,8 @@ class _MLP(torch.autograd.Function):
                    or any(n.bias or any(a[1] or a[2] for a in n.adapters) for n in up_needs))
         need_activation = down_needs.weight or any(a[0] for a in down_needs.adapters)  # for dW2 and down's dA
         if has_norm:
-            up_input, stats = _norm_forward(layout.norm, x, norm_weight, norm_bias)
-            stats = _exchange(slot, stats)
+            up_input, stats = norm_forward(layout.norm, x, norm_weight, norm_bias)
+            stats = exchange(slot, stats)
         else:
             up_input, stats = x, ()
         kernel_bias = _bias_in_kernel(layout.act, ups)
@@ -435,7 +435,7 @@ class _MLP(torch.autograd.Function):
                 dx, up_input = d_up_input, x
             elif ctx.need_norm_grad:
                 rebuild = ctx.need_up_input and up_input is None
-                dx, d_norm_weight, d_norm_bias, rebuilt = _norm_backward(
+                dx, d_norm_weight, d_norm_bias, rebuilt = norm_backward(
                     layout.norm, d_up_input, x, norm_weight, norm_bias, stats, rebuild)
                 up_input = rebuilt if rebuild else up_input
             flat_ups = []
@@ -530,6 +530,13 @@ def _check_norm_params(norm, width, x):
     return norm
 
 
+def norm_params(norm, x):
+    """(norm checked against x, its weight and bias as the kernels take them): what a fused op
+    applying `norm` to x's rows reads."""
+    norm = _check_norm_params(norm, x.shape[-1], x)
+    return norm, *_contiguous(norm.weight, norm.bias)
+
+
 def _contiguous(*params):
     """Parameters as the kernels take them: the CUDA extension refuses a strided weight or bias,
     and autograd carries the gradient back through the copy to the caller's view."""
@@ -568,7 +575,7 @@ def norm_linears(x, norm, linears, recompute=True, shared=None):
     rank-r A(norm(x))), and rebuilds norm(x) for every dW and dA. shared: a SharedStatistics of
     this norm, when other fused ops apply it to the same x: the statistics are then kept once.
     """
-    return _sharing(shared, x, lambda slot: _norm_linears(x, norm, linears, recompute, slot))
+    return sharing(shared, x, lambda slot: _norm_linears(x, norm, linears, recompute, slot))
 
 
 def _norm_linears(x, norm, linears, recompute, slot):
@@ -593,7 +600,7 @@ def _norm_linears(x, norm, linears, recompute, slot):
         tensors += [linear.weight, linear.bias, *flat]
         layout.append(scales)
     norm_weight, norm_bias = _contiguous(norm.weight, norm.bias)
-    outs = _LayerNormLinears.apply(rows, norm_weight, norm_bias, _norm_layout(norm), bool(recompute), tuple(layout),
+    outs = _LayerNormLinears.apply(rows, norm_weight, norm_bias, norm_layout(norm), bool(recompute), tuple(layout),
                                    slot, *tensors)
     return [out.view(*x.shape[:-1], linear.weight.shape[0]) for out, linear in zip(outs, linears)]
 
@@ -634,7 +641,7 @@ def fused_mlp(x, fc1, act, fc2, norm=None, recompute=True, shared=None):
     norm, and each adapter's rank-r intermediate), and rebuilds act(h) (and norm(x)) in the backward.
     shared: a SharedStatistics of the norm, as for norm_linears.
     """
-    return _sharing(shared, x, lambda slot: _fused_mlp(x, fc1, act, fc2, norm, recompute, slot))
+    return sharing(shared, x, lambda slot: _fused_mlp(x, fc1, act, fc2, norm, recompute, slot))
 
 
 def _fused_mlp(x, fc1, act, fc2, norm, recompute, slot):
@@ -667,7 +674,7 @@ def _fused_mlp(x, fc1, act, fc2, norm, recompute, slot):
         flat, linear_scales = _flatten(linear.adapters)
         tensors += [linear.weight, *_contiguous(linear.bias), *flat]  # a bias may go to the GELU kernel
         scales.append(linear_scales)
-    layout = _MLPLayout(_norm_layout(norm) if norm is not None else None, act, bool(recompute), tuple(scales))
+    layout = _MLPLayout(norm_layout(norm) if norm is not None else None, act, bool(recompute), tuple(scales))
     out = _MLP.apply(layout, rows, norm_weight, norm_bias, slot, *tensors)
     return out.view(*x.shape[:-1], fc2.weight.shape[0])
 
