@@ -136,6 +136,8 @@ def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False):
     elif hf.is_hf_model(inner):
         hf_rules = hf.convert_children
     order = {path or "(root)": i for i, (path, _) in enumerate(model.named_modules())}
+    if hf.is_hf_model(inner) and "experts" in layers:  # first: a norm before the experts is fused into them
+        hf.convert_experts(inner, inner_path, rows, keep_hidden=not recompute)
     root = leaf_swap(model, layers, "", rows) if inner is model else None
     if root is not None:
         model = root
@@ -145,8 +147,6 @@ def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False):
         hf.convert_attention(inner, inner_path, rows)
     if hf.is_hf_model(inner) and "loss" in layers:
         hf.convert_loss(inner, inner_path, rows)
-    if hf.is_hf_model(inner) and "experts" in layers:
-        hf.convert_experts(inner, inner_path, rows, keep_hidden=not recompute)
     rows.sort(key=lambda row: order.get(row.path, len(order)))  # rows in the model's module order
     rows.model = weakref.ref(model)
     _warn_broken_rules(rows)

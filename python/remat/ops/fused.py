@@ -168,14 +168,25 @@ class SharedStatistics:
 
     def lookup(self, x):
         """The statistics stored for `x`, if still alive, else None."""
-        refs = self._stored.get(x)
+        refs = self._stored.get(_rows_of(x))
         if refs is MISSING:
             return None
         stats = tuple(s() for s in refs)
         return None if any(s is None for s in stats) else stats
 
     def store(self, x, stats):
-        self._stored.put(x, tuple(weakref.ref(s) for s in stats))
+        self._stored.put(_rows_of(x), tuple(weakref.ref(s) for s in stats))
+
+
+def _rows_of(x):
+    """The tensor whose rows x's rows are: x's base where x is a reshape of all of it keeping its last
+    dimension (a mixture of experts' block and its router flatten the tokens, each in its own view),
+    else x. Their row statistics are the same tensors."""
+    base = x._base
+    if base is not None and base.numel() == x.numel() and base.dim() and x.dim() and base.shape[-1] == x.shape[-1] \
+            and base.is_contiguous() and x.is_contiguous() and base.data_ptr() == x.data_ptr():
+        return base
+    return x
 
 
 class _StatisticsSlot:

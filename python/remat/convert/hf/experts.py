@@ -30,9 +30,10 @@ import functools
 
 import torch
 
-from ..._guards import fallback, tensor_reason
+from ..._guards import decided, fallback, tensor_reason
 from ..._validate import autocast_dtype
 from ...ops import experts as experts_op
+from .modules import _layer_norm_reason, _shared_statistics, fed_norm, norm_spec, stock_norm
 
 NAME = "remat"
 
@@ -55,23 +56,40 @@ def register():
 
 def experts_forward(module, hidden_states, top_k_index, top_k_weights):
     """The "remat" experts implementation: the routed experts' weighted sum on remat.experts."""
+    norm, broken = fed_norm(module, hidden_states)  # the norm before the experts, fused in (rules.py)
     if module.__dict__.get("remat_experts_stock"):  # reverted apart from its model
-        return stock_forward(module)(module, hidden_states, top_k_index, top_k_weights)
-    spec = module.__dict__.get("remat_experts_spec")
-    if spec is None:
-        spec = module.__dict__["remat_experts_spec"] = module_spec(module)
-    reason = spec if isinstance(spec, str) else _call_reason(module, spec, hidden_states, top_k_index)
+        reason = "reverted"
+    else:
+        spec = module.__dict__.get("remat_experts_spec")
+        if spec is None:
+            spec = module.__dict__["remat_experts_spec"] = module_spec(module)
+        reason = spec if isinstance(spec, str) else _call_reason(module, spec, hidden_states, top_k_index)
+        if reason is None and norm is not None:
+            reason = decided(module, [norm], lambda: _layer_norm_reason(norm))
+        _trace(module, reason or broken)
     if reason is not None:
-        path = module.__dict__.get("remat_experts_path")
-        fallback(module, reason, where=f"{path} ({type(module).__name__})" if path else None,
-                 runs="its stock experts")
+        if norm is not None:  # the norm handed its input over: apply it, as stock
+            hidden_states = stock_norm(norm, hidden_states)
         return stock_forward(module)(module, hidden_states, top_k_index, top_k_weights)
     return experts_op.experts(
         hidden_states, top_k_index, top_k_weights, getattr(module, spec.gate_up), module.down_proj,
         getattr(module, spec.gate_up_bias) if spec.gate_up_bias else None,
         module.down_proj_bias if spec.gate_up_bias else None, activation=spec.activation, gated=spec.gated,
         interleaved=spec.interleaved, transposed=spec.transposed, alpha=spec.alpha, limit=spec.limit,
-        keep_hidden=module.__dict__.get("remat_experts_keep_hidden", False))
+        keep_hidden=module.__dict__.get("remat_experts_keep_hidden", False),
+        norm=norm_spec(norm) if norm is not None else None, shared=_shared_statistics(module) if norm else None)
+
+
+def _trace(module, reason):
+    """Record why this call runs stock (None: remat.experts computes it): a RematFallbackWarning, or the
+    convert probe's trace of the call while it probes a norm fused into the experts."""
+    trace = module.__dict__.get("remat_trace")
+    if trace is not None:
+        trace.append(reason)
+    elif reason is not None:
+        path = module.__dict__.get("remat_experts_path")
+        fallback(module, reason, where=f"{path} ({type(module).__name__})" if path else None,
+                 runs="its stock experts")
 
 
 def stock_forward(module):
@@ -185,14 +203,14 @@ def _call_reason(module, spec, x, top_k_index):
 
 def experts_modules(model):
     """(name, module) of every experts module in `model` that calls transformers' experts interface."""
-    return [(name, m) for name, m in model.named_modules() if _calls_the_interface(m)]
+    return [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
 
 
 # What `@use_experts_implementation`'s __init__ sets on every instance (module attributes, its public shape).
 _DECORATOR_ATTRIBUTES = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
 
 
-def _calls_the_interface(module):
+def is_experts_module(module):
     """Whether the module is a `@use_experts_implementation` class: its instance carries the decorator's
     attributes and its forward wraps the class's own (functools.wraps), which it dispatches from."""
     forward = getattr(type(module), "forward", None)
@@ -270,6 +288,9 @@ def revert_experts(module):
                 below.__dict__.pop(key, None)
     elif "remat_experts_previous" in module.__dict__:
         module.__dict__["remat_experts_stock"] = True
+    if is_experts_module(module):  # a norm fused into it (rules.py) is reverted with its layer
+        for key in ("remat_handoff", "remat_decided"):
+            module.__dict__.pop(key, None)
 
 
 def saved_bytes_per_token(module, spec):

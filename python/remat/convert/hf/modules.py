@@ -11,13 +11,17 @@ import sys
 import weakref
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
-from ..._guards import decided, fallback, hook_reason, plain_reason
+from ..._guards import decided, fallback, hook_reason, plain_reason, tensor_reason
 from ..._linears import decided_projections, fused_saved_bytes, plain_linear, projection, projections, widths
 from ..._tensor_memo import MISSING, TensorMemo
 from ...ops.fused import SharedStatistics, fused_mlp, norm_linears
-from ...specs import Activation, gelu, norm_of
+from ...ops.layer_norm import layer_norm
+from ...ops.rms_norm import rms_norm
+from ...specs import Activation, Linear, gelu, norm_of
 from ..patterns import (
     MLP,
     activation_reason,
@@ -100,6 +104,7 @@ class Handoff:
         self.statistics = SharedStatistics() if len(self.consumers) > 1 else None
         self.outputs = SiblingOutputs() if len(self.consumers) > 1 else None
         self._given = TensorMemo()  # the verdict for the tensor a producer handed over
+        self._fed = TensorMemo()  # that tensor, until the next hand-over (reaches)
 
     def reason(self):
         """None while the handoff holds, else why not: decided again only when the modules along its
@@ -118,7 +123,17 @@ class Handoff:
         reason = self.reason()
         if not torch.compiler.is_compiling():
             self._given.put(x, reason)
+            self._fed.put(x, None)
         return reason
+
+    def reaches(self, x):
+        """Whether `x` is the tensor a producer handed over at its last call, or a view of it (a mixture of
+        experts' block flattens its tokens before routing them): the consumer is fed by the layer, not
+        called apart from it, when it computes stock. Taken as so while torch.compile traces (no memo
+        there: the graph was traced from the layer's call)."""
+        if torch.compiler.is_compiling():
+            return True
+        return self._fed.get(x) is not MISSING or (x._base is not None and self._fed.get(x._base) is not MISSING)
 
     def received(self, x):
         """The verdict given for `x` (taken: once), else reason()."""
@@ -137,7 +152,7 @@ class Handoff:
                     return (f"{path} was wrapped by {type(modules[-1]).__name__} after convert (remat.revert, then "
                             "remat.convert the model to fuse it)")
                 return f"{path} is no longer the module converted"
-            reason = next(filter(None, [*map(_between_reason, modules[:-1]), hook_reason(modules[-1])]), None)
+            reason = next(filter(None, map(_between_reason, modules)), None)
             if reason:
                 return f"{path} {reason}"
         dropping = [name for name in self.dropout if getattr(layer, name, 0) > 0] if layer.training else []
@@ -185,7 +200,7 @@ class Handoff:
         new.producers, new.consumers, new.dropout = dict(self.producers), self.consumers, self.dropout
         new.statistics = SharedStatistics() if self.statistics is not None else None
         new.outputs = SiblingOutputs() if self.outputs is not None else None
-        new._given = TensorMemo()
+        new._given, new._fed = TensorMemo(), TensorMemo()
         return new
 
     def __reduce__(self):  # pickling a model: the layer itself, which pickle keeps once
@@ -252,6 +267,17 @@ def _handed_over(module, x, role="norm"):
         return None, None
     reason = handoff.received(x)
     return (None, _not_fused(handoff, reason)) if reason else (handoff.source(role), None)
+
+
+def fed_norm(module, x):
+    """(the norm the producer of `module`'s handoff handed `x` over for, or None: x is the norm's input, or
+    a view of it; why the handoff no longer holds, or None). None, None where `module` is called apart
+    from its layer (x is not what the norm handed over): x is then what it reads, as stock."""
+    handoff = module.__dict__.get("remat_handoff")
+    if handoff is None or not handoff.reaches(x):
+        return None, None
+    reason = handoff.reason()
+    return (None, _not_fused(handoff, reason)) if reason else (handoff.source("norm"), None)
 
 
 def _shared_statistics(module):
@@ -587,6 +613,104 @@ class _RematNormedLoraLinear(_RematNormedLinear):
 
     def _remat_linear(self):
         return projection(self, self.remat_path)[0]
+
+
+def router_reason(router, label):
+    """Why the norm before the router `label` cannot be fused into its projection, or None: hooks that
+    would see the norm's input (transformers' recorders of its logits see the same outputs), or weights
+    that are no plain tensors. Its own forward runs, hooks and all."""
+    if "forward" in vars(router):
+        return f"{label}'s forward is replaced on the instance"
+    reason = _between_reason(router)
+    if reason:
+        return f"{label} {reason}"
+    return next(filter(None, (tensor_reason(f"{label}.{n}", p) for n, p in router.named_parameters(recurse=False))),
+                None)
+
+
+# Functions that read a tensor's metadata only (shape, dtype, device, ...): not a use of its values.
+METADATA = frozenset({"__get__", "size", "dim", "ndimension", "numel", "nelement", "__len__", "stride",
+                      "is_floating_point", "is_complex", "is_contiguous", "get_device", "element_size"})
+
+# Tensor methods that give the same rows of their input: a router's reshape of the tokens, followed.
+_RESHAPES = frozenset({torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.flatten})
+
+
+class _RouterProjection(TorchFunctionMode):
+    """Inside a router's stock forward, called on the norm's input x instead of norm(x): its projection
+    F.linear(tokens, weight[, bias]) of x (or of a reshape of it) is computed by `project(tokens, bias)`
+    with the norm fused in; anything else that reads x or a reshape of it (a cast before an fp32
+    projection, DeepSeek-V3's) reads norm(x), computed once by `normed(x)`: never x itself."""
+
+    def __init__(self, x, weight, project, normed):
+        super().__init__()
+        self.weight, self.project, self.normed = weight, project, normed
+        self.tokens = {id(x): x}  # x and its reshapes (held: ids stay theirs while the forward runs)
+        self.materialised = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        if id(first) in self.tokens and self.tokens[id(first)] is first:
+            if func in _RESHAPES:
+                out = func(*args, **kwargs)
+                self.tokens[id(out)] = out
+                return out
+            if func is F.linear and len(args) > 1 and args[1] is self.weight:
+                return self.project(first, args[2] if len(args) > 2 else kwargs.get("bias"))
+        if getattr(func, "__name__", None) in METADATA:  # x's shape, dtype, ...: norm(x)'s too
+            out = func(*args, **kwargs)
+            if not isinstance(out, torch.Tensor):
+                return out
+        args = tuple(self._normed(a) for a in args)
+        kwargs = {k: self._normed(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+    def _normed(self, value):
+        """norm(value) for x or a reshape of it, else value."""
+        if not isinstance(value, torch.Tensor) or self.tokens.get(id(value)) is not value:
+            return value
+        if id(value) not in self.materialised:
+            self.materialised[id(value)] = self.normed(value)
+        return self.materialised[id(value)]
+
+
+def remat_norm(spec, x):
+    """spec (a remat.specs.Norm) applied to x on remat's own norm ops, rounded as the stock norm: autograd
+    keeps x and the fp32 statistics, never the output."""
+    if spec.kind == "rms_norm":
+        return rms_norm(x, x.shape[-1:], spec.weight, spec.eps, spec.style)
+    return layer_norm(x, x.shape[-1:], spec.weight, spec.bias, spec.eps)
+
+
+class _RematNormedRouter(_RematModule):
+    """A mixture of experts' router (a module projecting the tokens with its own weight into the experts'
+    logits, then choosing: structure.routes) with the norm before it fused into that projection: its
+    stock forward runs on the norm's input x, and its F.linear with its weight computes weight · norm(x)
+    on norm_linears, which keeps x and the norm's fp32 statistics, never norm(x). A router that casts
+    the tokens first (to project in fp32) reads norm(x) from remat's norm op instead (x and the
+    statistics kept, not the norm's fp32 copies), and its projection keeps what stock's keeps. The
+    choices are made once, in the forward: nothing of the router runs in the backward."""
+
+    remat_prefix = "RematNormed"
+
+    def forward(self, hidden_states, *args, **kwargs):
+        norm, reason = fed_norm(self, hidden_states)
+        if norm is None:  # the norm computed itself, or a call apart from the layer: hidden_states are norm(x)
+            self._remat_fallback(reason)
+            return self.remat_stock.forward(self, hidden_states, *args, **kwargs)
+        reason = decided(self, [self, norm], lambda: router_reason(self, self.remat_path) or _layer_norm_reason(norm))
+        if reason:
+            self._remat_fallback(reason)
+            return self.remat_stock.forward(self, stock_norm(norm, hidden_states), *args, **kwargs)
+        self._remat_fallback(None)
+        spec, shared = norm_spec(norm), _shared_statistics(self)
+
+        def project(tokens, bias):
+            return norm_linears(tokens, spec, [Linear(self.weight, bias)], self.remat_recompute, shared)[0]
+
+        with _RouterProjection(hidden_states, self.weight, project, lambda tokens: remat_norm(spec, tokens)):
+            return self.remat_stock.forward(self, hidden_states, *args, **kwargs)
 
 
 class _RematLayerMLP(_RematModule):

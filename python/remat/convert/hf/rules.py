@@ -18,6 +18,7 @@ from ..._linears import (
     is_conv1d,
     is_falcon_linear,
     is_lora_linear,
+    needs_input,
     projection,
     widths,
 )
@@ -25,6 +26,7 @@ from ..._numerics import rel_error
 from ...ops.attention import HEAD_DIMS
 from ..patterns import MLP, fusable, layer_norm_fusable
 from ..swap import is_converted, join, with_class
+from . import experts as hf_experts
 from . import head_norm
 from . import structure as structure_probe
 from .modules import (
@@ -37,10 +39,12 @@ from .modules import (
     _RematMLP,
     _RematNormedLinear,
     _RematNormedLoraLinear,
+    _RematNormedRouter,
     _RematOutput,
     fc1_names,
     link,
     remat_class,
+    router_reason,
     submodule,
 )
 from .registry import (
@@ -184,6 +188,10 @@ def _traced_probe(before, after, traced, width, param, modules):
         return None  # nothing to run on: not probed, as _probe
     traces = []
 
+    def traced_before(x):  # a consumer that stays in place (an experts module) sees the stock call too
+        with _tracing(traced):
+            return before(x)
+
     def traced_after(x):
         with _tracing(traced) as calls:
             try:
@@ -191,7 +199,7 @@ def _traced_probe(before, after, traced, width, param, modules):
             finally:
                 traces.extend(calls)
 
-    reason = _probe(before, traced_after, width, param, modules)
+    reason = _probe(traced_before, traced_after, width, param, modules)
     for trace in traces if reason is None else ():
         if trace != [None]:
             return f"the probe call did not take the remat path ({trace[0] if trace else 'not called'})"
@@ -330,6 +338,7 @@ class _Consumer:
     producers: dict = dataclasses.field(default_factory=dict)
     need_bias: bool = False  # remat.mlp takes LayerNorms with a bias only
     dropout: tuple = ()  # the layer's attributes holding the dropout between its producers and it (LayerMLP)
+    trains: Callable = None  # a consumer with no Linear-like reader (experts, router): whether stock keeps norm(x)
 
 
 def _attention_consumer(layer, name, recompute, path):
@@ -345,7 +354,7 @@ def _attention_consumer(layer, name, recompute, path):
 
 
 def _mlp_consumer(layer, name, recompute, path, parts=None):
-    module = layer._modules[name]
+    module = submodule(layer, name)
     new, reason = _mlp_candidate(module, recompute, join(path, name), parts)
     if reason:
         return None, reason
@@ -414,6 +423,39 @@ def _linear_consumer(layer, linear_path, recompute, path):
                      base_layer(module).weight, rows), None
 
 
+def _experts_consumer(layer, consumer_path, layers):
+    """The experts module at `consumer_path` applying the norm inside remat.experts (the module stays,
+    running "remat": experts.py reads the handoff); or (None, why not)."""
+    module = submodule(layer, consumer_path)
+    if "experts" not in layers:  # a reason of its own (not "layers excludes ..."): the norm's row says it
+        return None, f"{consumer_path} runs transformers' experts, not remat's (layers excludes experts)"
+    if not hf_experts.runs_remat_experts(module):
+        spec = module.__dict__.get("remat_experts_spec")
+        return None, f"{consumer_path} does not run remat.experts" + (f" ({spec})" if isinstance(spec, str) else "")
+    spec = module.__dict__["remat_experts_spec"]
+    weight = getattr(module, spec.gate_up)
+    width = weight.shape[1 if spec.transposed else 2]
+    return _Consumer(consumer_path, {consumer_path: module}, (), consumer_path, width, weight, lambda *_: None,
+                     trains=lambda: any(p.requires_grad for p in module.parameters())), None
+
+
+def _router_consumer(layer, consumer_path, recompute, path):
+    """The router at `consumer_path` (structure.routes) with the norm fused into its projection."""
+    module = submodule(layer, consumer_path)
+    reason = router_reason(module, consumer_path)
+    if reason:
+        return None, reason
+    new = _swapped(module, _RematNormedRouter, recompute, join(path, consumer_path))
+
+    def rows(report, norm_name):
+        report.add(join(path, consumer_path), module, f"swapped to {type(new).__name__}",
+                   f"{norm_name} applied inside its projection, fused (x and its fp32 statistics kept, never "
+                   f"{norm_name}'s output); its choices made once, in the forward", lambda: 0)
+
+    return _Consumer(consumer_path, {consumer_path: new}, (), consumer_path, module.weight.shape[1], module.weight,
+                     rows, trains=lambda: module.weight.requires_grad), None
+
+
 def _consumer(layer, consumer_path, layers, recompute, path, found=None):
     """(_Consumer, None) for the module at `consumer_path` of `layer` taking over a LayerNorm's work,
     or (None, why not). found: what the structure probe found of an unruled layer (its MLPs)."""
@@ -436,6 +478,10 @@ def _consumer(layer, consumer_path, layers, recompute, path, found=None):
         consumer, reason = _layer_mlp_consumer(layer, held, recompute, path)
         if consumer is not None:
             return consumer, None  # else the LayerNorm fuses into fc1 alone (OPT's ReLU MLP)
+    if hf_experts.is_experts_module(module):
+        return _experts_consumer(layer, consumer_path, layers)
+    if widths(module) is None and isinstance(getattr(module, "weight", None), nn.Parameter):  # found routing
+        return _router_consumer(layer, consumer_path, recompute, path)
     return _linear_consumer(layer, consumer_path, recompute, path)
 
 
@@ -486,7 +532,10 @@ def _norm_row(report, path, layer, norm_name, norm, new_norm, consumers):
     def saves():
         if not new_norm.__dict__.get("remat_recompute", True):
             return 0
-        return fused_saved_bytes(new_norm, [submodule(layer, r) for r in readers])
+        linears = [submodule(layer, r) for r in readers]
+        if any(c.trains() for c in consumers if c.trains) and not any(map(needs_input, linears)):
+            return new_norm.weight.shape[0] * new_norm.weight.element_size()  # norm(x), as the experts read it
+        return fused_saved_bytes(new_norm, linears)
 
     note = "; its x and fp32 statistics are kept once" if len(consumers) > 1 else ""
     report.add(join(path, norm_name), norm, f"swapped to {type(new_norm).__name__}",
@@ -528,6 +577,10 @@ def _hand_over(layer, norm_name, consumer_paths, layers, recompute, path, report
             consumer.rows(report, norm_name)
         _norm_row(report, path, layer, norm_name, norm, fused_norm, consumers)
         return set(consumer_paths)
+    for consumer in consumers:  # a consumer that stays in place (an experts module) forgets the handoff
+        for module in consumer.swaps.values():
+            if not is_converted(module):
+                module.__dict__.pop("remat_handoff", None)
     if norm is not None and not reason.startswith("layers excludes"):
         report.add(join(path, norm_name), norm, "skipped", f"fusion into {' and '.join(consumer_paths)}: {reason}")
     return set()
@@ -723,7 +776,7 @@ def _structural_rule(layer, structure, layers, recompute, path, report, done=())
     norms = {n: c for n, c in layer._modules.items() if c is not None and n not in done and structure_probe.is_norm(c)}
     rms = {n: structure_probe.rms_style(c) for n, c in norms.items() if type(c) is not nn.LayerNorm}
     styles = {n: style for n, (style, _) in rms.items()}
-    found = Found(styles, mlps, _replay(frame), held)
+    found = Found(styles, {**mlps, **_nested_mlps(structure, layer, norms)}, _replay(frame), held)
     if held is not None:  # asked before a norm's fusion into fc1 swaps it
         held_reason = _layer_mlp_consumer(layer, held, recompute, path)[1]
     fused = set()
@@ -731,13 +784,13 @@ def _structural_rule(layer, structure, layers, recompute, path, report, done=())
         node = structure_probe.norm_node(frame, norm_name)
         readers, reason = structure_probe.linear_readers(structure, frame, node.outputs[0]) if node else \
             (None, "not called once by the forward")
-        reason = reason or _input_dtype_reason(structure, norm)
+        reason = reason or _input_dtype_reason(structure, norm) or _routing_reason(structure, layer, readers)
         if reason is None and type(norm) is not nn.LayerNorm and styles[norm_name] is None:
             reason = f"{type(norm).__name__}: {rms[norm_name][1]}"
         if reason is None and "layernorm" in layers:
             rows = len(report)
-            taken = _hand_over(layer, norm_name, _norm_consumers(readers, mlps), layers, recompute, path, report,
-                               found)
+            taken = _hand_over(layer, norm_name, _norm_consumers(readers, found.mlps), layers, recompute, path,
+                               report, found)
             fused |= taken
             if not taken and len(report) > rows and type(norm) is not nn.LayerNorm:
                 handled.add(norm_name)  # its row says why the fusion failed: no generic RMSNorm row as well
@@ -756,6 +809,29 @@ def _structural_rule(layer, structure, layers, recompute, path, report, done=())
         if name not in handled and not is_converted(layer._modules[name]) and not _is_attention(layer._modules[name]):
             report.add(join(path, name), layer._modules[name], "skipped", f"not fused as an MLP: {reason}")
     return {h for h in handled if "." not in h}
+
+
+def _nested_mlps(structure, layer, norms):
+    """{dotted path: MLPParts} of the MLP modules below the children of `layer` (a mixture of experts'
+    shared expert, inside its block), where a norm's readers may lie."""
+    found = {}
+    for name, child in layer._modules.items():
+        if child is not None and name not in norms and not is_converted(child) and list(child.children()):
+            below, _ = structure_probe.mlp_children(structure, child)
+            found.update({f"{name}.{n}": parts for n, parts in below.items()})
+    return found
+
+
+def _routing_reason(structure, layer, readers):
+    """Why a norm cannot be handed to a mixture of experts' block whose experts or router read it: the
+    block's forward in training mode differs from what the probe saw (Mixtral's router jitter scales
+    the block's input in place, which would be the norm's input, the residual stream), or None."""
+    blocks = {r.split(".")[0] for r in readers or () if "." in r and not widths(submodule(layer, r))}
+    for name in sorted(blocks):
+        reason = structure_probe.training_differs(structure, layer._modules[name])
+        if reason:
+            return f"{name}: {reason}"
+    return None
 
 
 def _input_dtype_reason(structure, norm):

@@ -31,6 +31,8 @@ from ..._guards import from_transformers
 from ..._linears import widths
 from ...ops.rms_norm import rms_norm_output_ref, rms_norm_rstd_ref
 from ...specs import RMS_NORM_STYLES
+from .experts import is_experts_module
+from .modules import METADATA as _METADATA
 from .modules import MLPParts, _RematGatedMLP
 
 # A call recorded in a module's forward: a child module ("module", its name) or a torch function
@@ -43,9 +45,6 @@ Node = collections.namedtuple("Node", "kind name inputs outputs p", defaults=(No
 # the activation and fc2 (every attribute whose value it was: empty where there is none).
 LayerMLP = collections.namedtuple("LayerMLP", "fc1 act fc2 dropout")
 
-# Functions that read a tensor's metadata only (shape, dtype, device, ...): not a use of its values.
-_METADATA = frozenset({"__get__", "size", "dim", "ndimension", "numel", "nelement", "__len__", "stride",
-                       "is_floating_point", "is_complex", "is_contiguous", "get_device", "element_size"})
 
 # The probe's batch: every hidden state it records is (PROBE_BATCH, tokens, width), the shape of a
 # layer's input; token ids are (PROBE_BATCH, PROBE_TOKENS).
@@ -290,22 +289,40 @@ def _record(model, param, inputs):
 # ---------------------------------------------------------------------------------------------
 
 
+# Functions whose output holds the tensor's rows unchanged (a mixture of experts' block flattens its
+# tokens before routing them): the output is followed as the tensor itself.
+_RESHAPES = frozenset({"view", "reshape", "flatten"})
+
+
+def _reshape(node):
+    return node.kind == "function" and node.name in _RESHAPES and len(node.outputs) == 1
+
+
 def linear_readers(structure, frame, tensor_id, prefix=""):
-    """(paths below frame's module of the Linear-like modules reading the tensor, None), following it
-    into child modules that pass it on; or (None, why something else reads it)."""
+    """(paths below frame's module of the modules reading the tensor, None), following it through
+    reshapes and into child modules that pass it on; or (None, why something else reads it). A
+    reader is a Linear-like module, an experts module (transformers' experts interface) or a router
+    (a module projecting the tensor with its own weight: routes)."""
     nodes, returned = frame.uses(tensor_id)
     owner = type(frame.module).__name__
     if returned:
         return None, f"{owner}'s forward returns it"
     readers = []
     for node in nodes:
+        if _reshape(node):
+            found, reason = linear_readers(structure, frame, node.outputs[0], prefix)
+            if reason:
+                return None, reason
+            readers += [r for r in found if r not in readers]
+            continue
         child = frame.module._modules.get(node.name) if node.kind == "module" else None
         if node.kind == "function":
             return None, f"{node.name}() in {owner}'s forward reads it"
         if child is None:
             return None, f"{node.name} in {owner}'s forward reads it"
-        if widths(child) is not None:
-            readers.append(prefix + node.name)
+        if widths(child) is not None or is_experts_module(child) or routes(structure, child, tensor_id):
+            if prefix + node.name not in readers:
+                readers.append(prefix + node.name)
             continue
         inner = structure.frame(child)
         if inner is None or tensor_id not in inner.inputs:
@@ -317,6 +334,65 @@ def linear_readers(structure, frame, tensor_id, prefix=""):
     if not readers:
         return None, "no projection reads it"
     return readers, None
+
+
+# Functions a router may apply to the tokens before its projection: casts (DeepSeek-V3's and Nemotron-H's
+# routers project in fp32); and type_as(t, tokens), which reads the tokens' dtype only.
+_CASTS = frozenset({"type", "to", "float"})
+
+
+def routes(structure, module, tensor_id):
+    """Whether `module` is a router of the tensor: its forward reads it only through reshapes and casts
+    into one linear() with the module's own 2-D weight (or the weight cast), the router's logits,
+    whatever it then does with them (softmax, top-k, grouped choices)."""
+    weight = getattr(module, "weight", None)
+    frame = structure.frame(module)
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 2 or frame is None or tensor_id not in frame.inputs:
+        return False
+    ids, weights, projections = {tensor_id}, {id(weight)}, 0
+    for node in frame.nodes:
+        read = ids.intersection(node.inputs)
+        if node.kind == "function" and node.name in _CASTS and node.inputs[:1] == [id(weight)]:
+            weights.update(node.outputs)
+        if not read or _metadata(node) or (node.name == "type_as" and node.inputs[0] not in ids):
+            continue
+        if _reshape(node) or (node.kind == "function" and node.name in _CASTS and node.inputs[0] in ids):
+            ids.update(node.outputs)
+        elif node.kind == "function" and node.name == "linear" and len(read) == 1 and node.inputs[0] in ids \
+                and len(node.inputs) > 1 and node.inputs[1] in weights:
+            projections += 1
+        else:
+            return False
+    return projections == 1 and not ids.intersection(frame.outputs)
+
+
+def training_differs(structure, module):
+    """Why `module`'s forward in training mode is not the one the probe recorded in eval mode (it calls
+    other functions or children: a step only training takes, such as Mixtral's router jitter, which
+    scales its input in place), or None. Runs it once more, in training mode, without gradients, on the
+    arguments the probe gave it."""
+    frame = structure.frame(module)
+    param = next(module.parameters(), None)
+    if frame is None or param is None:
+        return None
+    flags = [(m, m.training) for m in module.modules()]
+    recorder = _Recorder(module)
+    try:
+        for m, _ in flags:
+            m.training = True
+        with torch.no_grad(), _MetaReads() if param.is_meta else contextlib.nullcontext(), recorder:
+            module(*frame.args, **frame.kwargs)
+    except Exception as error:  # noqa: BLE001 - a forward the probe cannot call in training: not fused
+        return f"its forward in training mode failed on the probe's input ({type(error).__name__}: {error})"
+    finally:
+        recorder.close()
+        for m, training in flags:
+            m.training = training
+    trained = recorder.frames.get(module)
+    if trained is None or [n[:2] for n in trained.nodes] != [n[:2] for n in frame.nodes]:
+        return (f"{type(module).__name__}'s forward in training mode calls other functions than in eval mode (a "
+                "step only training takes, such as a router's jitter)")
+    return None
 
 
 def norm_node(frame, name):
