@@ -111,6 +111,25 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def assert_trainer_trains_as_stock(stock, converted, data, output_dir, op):
+    """Two HF Trainer steps of each model on `data` (it passes num_items_in_batch) train the converted one
+    to the stock one's weights (plain SGD: Adam's normalised steps would turn rounding noise in a
+    near-zero gradient into a full step); returns how many times the remat op `op` ran in the
+    converted model's steps (none in the stock one's)."""
+    trained = []
+    for model in (stock, converted):
+        args = transformers.TrainingArguments(output_dir=str(output_dir), max_steps=2, per_device_train_batch_size=1,
+                                              report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
+                                              disable_tqdm=True, optim="sgd", learning_rate=0.1)
+        with OpCounter() as counter:
+            transformers.Trainer(model=model, args=args, train_dataset=data).train()
+        trained.append((counter.counts[op], model.state_dict()))
+    assert trained[0][0] == 0
+    for key, value in trained[0][1].items():
+        torch.testing.assert_close(trained[1][1][key], value, rtol=1e-4, atol=1e-5, msg=key)
+    return trained[1][0]
+
+
 def cache_view_bytes(family):
     """Bytes per token (fp32) GPT-2's stock attention keeps more than remat's through its KV cache:
     transformers makes an empty DynamicCache in training too (use_cache=True), which copies k and v,

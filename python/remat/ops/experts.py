@@ -241,9 +241,10 @@ def _backward(ctx, dout, _dorder, _doffsets, _dhidden):
         backward, hidden = experts_bwd_ref, hidden.new_empty((0,))
     else:
         backward = experts_bwd
-    dx, dweights, dgate_up, ddown, dgate_up_bias, ddown_bias = backward(
-        dout.contiguous(), x, top_k_weights, gate_up, down, gate_up_bias, down_bias, order, offsets, hidden,
-        *ctx.options)
+    with torch.autocast(x.device.type, enabled=False):  # a backward called inside an autocast block: the
+        dx, dweights, dgate_up, ddown, dgate_up_bias, ddown_bias = backward(  # forward's dtypes, not autocast's
+            dout.contiguous(), x, top_k_weights, gate_up, down, gate_up_bias, down_bias, order, offsets, hidden,
+            *ctx.options)
     need = ctx.needs_input_grad
     return (dx if need[0] else None, None, dweights if need[2] else None, dgate_up if need[3] else None,
             ddown if need[4] else None, dgate_up_bias if need[5] and gate_up_bias is not None else None,
@@ -413,13 +414,14 @@ class _NormedExperts(torch.autograd.Function):
     def backward(ctx, dout):
         x, norm_weight, norm_bias, top_k_weights, gate_up, down, gate_up_bias, down_bias, order, offsets, hidden, \
             *stats = ctx.saved_tensors
-        normed, _ = norm_forward(ctx.layout, x, norm_weight, norm_bias)
-        d_normed, dweights, dgate_up, ddown, dgate_up_bias, ddown_bias = experts_bwd(
-            dout.contiguous(), normed, top_k_weights, gate_up, down, gate_up_bias, down_bias, order, offsets, hidden,
-            *ctx.options)
-        del normed
-        dx, d_norm_weight, d_norm_bias, _ = norm_backward(ctx.layout, d_normed, x, norm_weight, norm_bias, stats,
-                                                          False)
+        with torch.autocast(x.device.type, enabled=False):  # called inside an autocast block: the forward's dtypes
+            normed, _ = norm_forward(ctx.layout, x, norm_weight, norm_bias)
+            d_normed, dweights, dgate_up, ddown, dgate_up_bias, ddown_bias = experts_bwd(
+                dout.contiguous(), normed, top_k_weights, gate_up, down, gate_up_bias, down_bias, order, offsets,
+                hidden, *ctx.options)
+            del normed
+            dx, d_norm_weight, d_norm_bias, _ = norm_backward(ctx.layout, d_normed, x, norm_weight, norm_bias, stats,
+                                                              False)
         need = ctx.needs_input_grad
         return (dx if need[0] else None, d_norm_weight if need[1] else None,
                 d_norm_bias if need[2] and norm_bias is not None else None, None, None, None,

@@ -5,6 +5,7 @@ trains as its stock experts, keeps the routing and tokens only, and never calls 
 Every causal-LM family's tiny model is also checked to run remat.experts, with no fallback, in
 test_every_causal_lm.py."""
 
+import copy
 import re
 import types
 import warnings
@@ -21,12 +22,14 @@ from remat.convert.hf import experts as hf_experts
 from hf_models import (
     VOCAB,
     OpCounter,
+    assert_autocast_step_as_accurate_as_stock,
     assert_tiny_step_as_stock,
+    assert_trainer_trains_as_stock,
     tiny_causal_lm,
     tiny_loss,
     transformers,
 )
-from numerics import saved_bytes
+from numerics import COMPILE_BACKEND, saved_bytes
 
 
 @pytest.fixture(autouse=True)
@@ -387,3 +390,51 @@ def test_a_plan_choosing_remat_keep_keeps_the_pre_activation_and_trains_as_stock
     flags = [layer.mlp.experts.__dict__["remat_experts_keep_hidden"] for layer in planned.model.layers]
     assert flags == [True, False]
     assert_tiny_step_as_stock(stock, planned, "causal", IDS)
+
+
+# --- the workflows a converted mixture of experts goes through ----------------------------------------
+
+
+def test_the_trainer_trains_a_converted_moe_model_as_stock(tmp_path):
+    """Two HF Trainer steps with the router's auxiliary loss (plain SGD, as test_lm_loss.py's Trainer test):
+    every experts module on remat.experts at every step, the norm before it fused in, the trained weights
+    the stock model's."""
+    stock = _qwen3_moe(experts=6, top_k=2)
+    converted = convert(copy.deepcopy(stock))
+    data = [{"input_ids": IDS[0], "labels": IDS[0]} for _ in range(2)]
+    calls = assert_trainer_trains_as_stock(stock, converted, data, tmp_path, "remat::experts_fwd")
+    assert calls == 2 * moe_layers(converted)
+    assert not fallback_counts(converted)
+
+
+def test_a_bf16_autocast_step_is_as_accurate_as_stocks():
+    """Under bf16 autocast (fp32 weights) the converted model's loss and gradients are within twice the
+    stock model's error against the fp32 step: the experts and the norm fused before them cast as stock's
+    products do."""
+    stock = _qwen3_moe(experts=6, top_k=2)
+    stock.set_experts_implementation("eager")  # the float64 reference: grouped_mm takes no float64
+    converted = convert(stock)
+    assert_autocast_step_as_accurate_as_stock(stock, converted, {"input_ids": IDS, "labels": IDS})
+
+
+def test_torch_compile_of_the_norm_and_block_matches_eager():
+    """torch.compile of a layer's post-attention norm and MoE block, as the layer calls them (the router's
+    projection computed inside its traced forward, the experts applying the norm): eager's output and
+    gradients."""
+    layer = convert(_qwen3_moe(experts=6, top_k=2)).model.layers[0]
+    x = torch.randn(2, 9, layer.post_attention_layernorm.weight.shape[0], requires_grad=True)
+    leaves = [x, *layer.parameters()]
+
+    def norm_and_block(x):
+        return layer.mlp(layer.post_attention_layernorm(x))
+
+    out = norm_and_block(x)
+    dy = torch.randn_like(out)
+    eager = torch.autograd.grad(out, leaves, dy, allow_unused=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(norm_and_block, backend=COMPILE_BACKEND, fullgraph=True)(x)
+    torch.testing.assert_close(compiled, out, rtol=1e-6, atol=1e-6)
+    for got, want in zip(torch.autograd.grad(compiled, leaves, dy, allow_unused=True), eager):
+        assert (got is None) == (want is None)
+        if got is not None:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

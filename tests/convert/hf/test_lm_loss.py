@@ -19,6 +19,7 @@ from hf_models import (
     VOCAB,
     OpCounter,
     assert_same_step,
+    assert_trainer_trains_as_stock,
     build,
     family_inputs,
     loss_and_grads,
@@ -168,17 +169,7 @@ def test_the_trainer_trains_on_the_fused_loss(tmp_path):
     converted, _ = convert(copy.deepcopy(stock))
     assert sum(isinstance(m, _RematFusedNorm) for m in converted.modules()) == 2 * LAYERS
     data = [{k: v[0] for k, v in family_inputs("llama", "cpu").items()} for _ in range(2)]
-    trained = []
-    for model in (stock, converted):
-        args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=1,
-                                              report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
-                                              disable_tqdm=True, optim="sgd", learning_rate=0.1)
-        with OpCounter() as counter:
-            transformers.Trainer(model=model, args=args, train_dataset=data).train()
-        trained.append((counter.counts["remat::linear_cross_entropy_fwd"], model.state_dict()))
-    assert trained[0][0] == 0 and trained[1][0] == 2
-    for key, value in trained[0][1].items():
-        torch.testing.assert_close(trained[1][1][key], value, rtol=1e-4, atol=1e-5, msg=key)
+    assert assert_trainer_trains_as_stock(stock, converted, data, tmp_path, "remat::linear_cross_entropy_fwd") == 2
 
 
 def test_compile_fullgraph():

@@ -450,7 +450,8 @@ def _router_consumer(layer, consumer_path, recompute, path):
     def rows(report, norm_name):
         report.add(join(path, consumer_path), module, f"swapped to {type(new).__name__}",
                    f"{norm_name} applied inside its projection, fused (x and its fp32 statistics kept, never "
-                   f"{norm_name}'s output); its choices made once, in the forward", lambda: 0)
+                   f"{norm_name}'s output; a projection of the tokens cast first keeps the cast, as stock); its "
+                   "choices made once, in the forward", lambda: 0)
 
     return _Consumer(consumer_path, {consumer_path: new}, (), consumer_path, module.weight.shape[1], module.weight,
                      rows, trains=lambda: module.weight.requires_grad), None
