@@ -4,10 +4,11 @@ under each policy), `remat plan` (the fastest per-layer mix of policies for a bu
 calibrate` (the planner's constants measured on this GPU) and `remat info` (the available backends)."""
 
 import argparse
-import json
 import os
 import re
 import sys
+
+from ._config_json import config_fields
 
 # What the parser needs to know, written here so that it parses (and `--help` and a mistyped
 # argument answer) before torch is imported; tests/tools/test_cli_startup.py holds them to the
@@ -28,18 +29,6 @@ MODEL_NAMES = ("gpt2-small", "gpt2-medium", "gpt2-large", "tiny", "hf-gpt2-small
                "vit-base", "llama-3-8b", "qwen3-8b", "qwen3-30b-a3b")
 GPUS = ("A100", "H100", "H200")  # remat.planner.DEVICES less "cpu"
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # remat.memory.HUB_ID: a Hugging Face model id, owner/name
-
-
-def config_fields(path):
-    """The fields of a user's config.json; a ValueError naming the model if it is none."""
-    try:
-        with open(path) as handle:
-            fields = json.load(handle)
-    except (OSError, ValueError) as error:  # unreadable, or not JSON (json's error is a ValueError)
-        raise ValueError(f"model {path!r} is not a readable config.json: {error}") from None
-    if not isinstance(fields, dict) or "model_type" not in fields:
-        raise ValueError(f"model {path!r} has no \"model_type\": it must be a Hugging Face config.json")
-    return fields
 
 
 def _model(name):

@@ -45,9 +45,9 @@ import textwrap
 
 import torch
 
+from ._config_json import config_fields as _config_fields
 from .bench.cases import short_error
 from .bench.timing import Timer, quantiles
-from .cli import config_fields as _config_fields
 from .convert.hf import example_inputs
 from .gpt import GPTConfig, torch_stack
 

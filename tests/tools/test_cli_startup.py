@@ -53,6 +53,15 @@ def test_import_remat_leaves_the_planner_until_it_is_used():
     assert out.split() == ["False", "True", "plan", "Plan", "calibrate", "convert"]
 
 
+def test_the_library_never_imports_the_command_line():
+    """The command line imports the library, never the reverse: remat, its memory counts, its planner
+    and its benchmarks import without remat.cli."""
+    code = ("import sys, remat, remat.memory, remat.planner.command, remat.bench.without_gpu; "
+            "print('remat.cli' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.split() == ["False"]
+
+
 def test_import_remat_leaves_torch_s_compiler_stack_alone_without_cuda():
     """torch._dynamo alone takes seconds to import: `import remat` (its ops, nn and convert) pays for
     it only where CUDA is available, for the capability check torch.compile must see as a constant."""
