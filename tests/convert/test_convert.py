@@ -336,6 +336,17 @@ def test_a_planned_model_is_not_converted_over_its_plan():
         conv.convert(model)
 
 
+def test_a_model_with_zero3_partitioned_parameters_is_refused_before_its_probe():
+    """DeepSpeed ZeRO-3 partitions each parameter in place (size 0 outside its module's gather) and tags it
+    (ds_id, among others): convert's probe would read those empty weights, so convert refuses at once.
+    (The other engines, wrapped on two gloo ranks: tests/convert/test_distributed.py.)"""
+    model = randomize(Block())
+    model.mlp[0].weight.ds_id = 0  # as deepspeed.zero.Init leaves every parameter it partitions
+    with pytest.raises(ValueError, match=r"has DeepSpeed ZeRO-3 partitioned parameters \(mlp.0.weight\): "
+                                         "remat.convert the model before"):
+        conv.convert(model)
+
+
 @pytest.mark.parametrize("family, inplace", [("llama", True), ("bert", False), ("bert_model", True)])
 def test_converting_a_converted_hugging_face_model_again(family, inplace):
     """A causal LM (its fused LM head and loss), BERT with its masked LM head, BertModel: converted

@@ -70,7 +70,37 @@ def _worker(rank):
         results["fsdp"] = full_grads(model)
     except Exception as error:  # noqa: BLE001 - reported as the skip reason
         results["fsdp_error"] = f"{type(error).__name__}: {error}"
+    results["refusals"] = _converted_after_wrapping()
     return results
+
+
+def _converted_after_wrapping():
+    """{engine: what remat.convert of a model it already wraps or shards said} (each call's error, or
+    "converted"): asked on every rank, so that a collective one rank entered alone would hang the test."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from remat.convert import convert
+
+    def sharded():
+        model = _model()
+        fully_shard(model[0])
+        return fully_shard(model)
+
+    def parallel():
+        mesh = init_device_mesh("cpu", (WORLD,))
+        return parallelize_module(_model(), mesh, {"1": ColwiseParallel(), "3": RowwiseParallel()})
+
+    said = {}
+    for engine, wrapped in (("ddp", lambda: torch.nn.parallel.DistributedDataParallel(_model())),
+                            ("fsdp2", sharded), ("tensor parallel", parallel)):
+        try:
+            convert(wrapped())
+            said[engine] = "converted"
+        except ValueError as error:
+            said[engine] = str(error)
+    return said
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +144,14 @@ def test_fsdp2_matches_single_process(distributed_results, single_process_grads)
         pytest.skip(f"FSDP2 (fully_shard) on CPU/gloo failed with this torch: {distributed_results[0]['fsdp_error']}")
     for results in distributed_results:
         _assert_close(results["fsdp"], single_process_grads)
+
+
+@pytest.mark.parametrize("engine, says", [("ddp", "is wrapped in DistributedDataParallel"),
+                                          ("fsdp2", "is sharded by FSDP2's fully_shard"),
+                                          ("tensor parallel", "has DTensor parameters (1.weight")])
+def test_a_model_an_engine_already_wraps_is_refused_at_once(distributed_results, engine, says):
+    """Converted after wrapping, a model is refused before convert calls it (no probe forward outside the
+    engine: no hang in a collective, no root left unsharded), with what wraps it and the order to use."""
+    for results in distributed_results:
+        said = results["refusals"][engine]
+        assert said.startswith(f"model {says}") and "remat.convert the model before handing it" in said, said

@@ -17,6 +17,7 @@ import functools
 import warnings
 import weakref
 
+import torch
 from torch import nn
 
 from .._guards import hook_reason
@@ -124,6 +125,7 @@ def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False):
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     _refuse_a_planned_model(model)
+    _refuse_a_wrapped_model(model)
     if not inplace:
         model = copy.deepcopy(model)
     if _converted_before(model):  # remat's modules are not converted again: their stock ones are
@@ -178,6 +180,43 @@ def _refuse_a_planned_model(model):
     if any("remat_checkpoint" in vars(m) for m in model.modules()):
         raise ValueError("model carries a remat plan (checkpointed or offloaded layers): remat.revert(model) "
                          "first, then convert it, or apply the plan to the stock model")
+
+
+def _refuse_a_wrapped_model(model):
+    """A model a distributed engine already wraps or shards is refused before anything runs: convert's
+    probe calls the model outside the engine (a collective only one rank enters hangs, a partitioned
+    weight reads as size 0, a sharded root is left unsharded for an optimizer), and a deep copy of the
+    wrapper fails. Converted first, the model is handed to the engine as any model is."""
+    reason = _wrapped_reason(model)
+    if reason:
+        raise ValueError(f"model {reason}: remat.convert the model before handing it to the engine (convert, then "
+                         "DistributedDataParallel, fully_shard, parallelize_module or deepspeed.initialize, or the "
+                         "Trainer that calls them), which then wraps the converted modules")
+
+
+def _wrapped_reason(model):
+    """What wraps or shards `model` (DDP, FSDP, FSDP2, tensor parallel's DTensors, DeepSpeed), or None."""
+    if type(model).__module__.startswith("deepspeed."):
+        return f"is a DeepSpeed {type(model).__name__}"
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    for name, module in model.named_modules():
+        where = f" ({name})" if name else ""
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            return f"is wrapped in DistributedDataParallel{where}"
+        if isinstance(module, FullyShardedDataParallel):
+            return f"is wrapped in FullyShardedDataParallel{where}"
+        if isinstance(module, FSDPModule):
+            return f"is sharded by FSDP2's fully_shard{where}"
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            return f"has DTensor parameters ({name}: tensor parallel or another DTensor sharding)"
+        if hasattr(param, "ds_id"):  # what deepspeed.zero.Init and ZeRO-3 set on the parameters they partition
+            return f"has DeepSpeed ZeRO-3 partitioned parameters ({name})"
+    return None
 
 
 def _warn_broken_rules(rows):
