@@ -221,6 +221,18 @@ def test_a_loss_function_set_after_convert_runs_the_stock_forward_and_says_why()
     assert fallback_counts(converted)
 
 
+def test_a_head_with_hooks_after_convert_runs_stock_and_says_why():
+    """A hook on the head after convert (FSDP2's fully_shard of the head in its own group registers its
+    own): the head must run as a module, so the training step runs the stock head and loss, with a
+    warning naming the head, never silently."""
+    stock, _ = build("llama")
+    converted, _ = convert(stock)
+    converted.get_output_embeddings().register_forward_pre_hook(lambda module, args: None)
+    with pytest.warns(RematFallbackWarning, match="the LM head: has forward/backward hooks"), OpCounter() as counter:
+        assert_same_step(stock, converted, family_inputs("llama", "cpu"))
+    assert counter.counts["remat::linear_cross_entropy_fwd"] == 0
+
+
 def tuple_loss_and_grads(model, batch, **kwargs):
     model.zero_grad(set_to_none=True)
     out = model(**batch, **kwargs)

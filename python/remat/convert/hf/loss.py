@@ -138,8 +138,8 @@ class _FusedLossLM:
     remat_fused = True
 
     def forward(self, *args, labels=None, logits_to_keep=0, **kwargs):
-        if self._remat_takes(args, labels, logits_to_keep, kwargs):
-            reason = self._remat_refusal(kwargs)
+        if self.training and labels is not None:  # a training step's loss: fused, or a warning saying why not
+            reason = self._remat_refusal(args, logits_to_keep, kwargs)
             if reason is None:
                 if args:
                     kwargs[self.remat_input] = args[0]
@@ -148,18 +148,22 @@ class _FusedLossLM:
             fallback(self, reason, runs="its stock forward (the logits and transformers' loss)")
         return self.remat_stock.forward(self, *args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
 
-    def _remat_takes(self, args, labels, logits_to_keep, kwargs):
-        """Whether this call runs the fused head and loss: training, labels, every position's logits (the
-        default logits_to_keep), at most input_ids positional, the head the converted one, without hooks,
-        no router logits asked for (their auxiliary loss)."""
+    def _remat_refusal(self, args, logits_to_keep, kwargs):
+        """Why a training call with labels must run stock (the fused loss would answer it otherwise than the
+        stock forward does, or cannot read the head as it is now); None for none."""
         head = self.get_output_embeddings()
-        return (self.training and labels is not None and isinstance(logits_to_keep, int) and logits_to_keep == 0
-                and len(args) <= 1 and head is self.__dict__["remat_head"] and hook_reason(head) is None
-                and not _asks_router_logits(self.config, kwargs))
-
-    def _remat_refusal(self, kwargs):
-        """Why a call that _remat_takes must still run stock, as the fused loss would answer it otherwise
-        than the stock forward does; None for none."""
+        if not isinstance(logits_to_keep, int) or logits_to_keep != 0:
+            return "logits_to_keep asks for some positions' logits, which the fused loss does not compute"
+        if len(args) > 1:
+            return "more than input_ids passed positionally"
+        if head is not self.__dict__["remat_head"]:
+            return "the output embeddings were replaced after remat.convert"
+        reason = hook_reason(head) or next(filter(None, (tensor_reason(f"lm_head.{n}", p) for n, p in
+                                                           head.named_parameters(recurse=False))), None)
+        if reason:  # FSDP2's fully_shard of the head alone, a tensor-parallel plan on it, ZeRO-3
+            return f"the LM head: {reason}"
+        if _asks_router_logits(self.config, kwargs):
+            return "the router's logits are asked for (output_router_logits): their auxiliary loss is added"
         if _asks_tuple(self.config, kwargs):
             return ("return_dict=False asks for the output tuple, whose second entry is the logits, which the fused "
                     "loss does not compute (return_dict=True keeps the fused loss)")
