@@ -30,6 +30,7 @@ backward rebuilds norm(x) with the norm's own forward kernel (bit for bit what t
 runs the experts' backward on it, and carries the gradient through the norm's backward.
 """
 
+import contextlib
 import math
 
 import torch
@@ -224,6 +225,14 @@ def _bwd_fake(dout, x, top_k_weights, gate_up, down, gate_up_bias, down_bias, or
             down_bias.new_empty(down_bias.shape) if down_bias is not None else _absent(x))
 
 
+def _without_autocast(x):
+    """Autocast off for a backward called inside an autocast block: it computes in the forward's dtypes,
+    not autocast's (on devices autocast knows; meta tensors have none)."""
+    if torch.amp.is_autocast_available(x.device.type):
+        return torch.autocast(x.device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def _setup_context(ctx, inputs, output):
     x, _index, top_k_weights, gate_up, down, gate_up_bias, down_bias, *options, _keep_hidden = inputs
     _out, order, offsets, hidden = output
@@ -241,8 +250,8 @@ def _backward(ctx, dout, _dorder, _doffsets, _dhidden):
         backward, hidden = experts_bwd_ref, hidden.new_empty((0,))
     else:
         backward = experts_bwd
-    with torch.autocast(x.device.type, enabled=False):  # a backward called inside an autocast block: the
-        dx, dweights, dgate_up, ddown, dgate_up_bias, ddown_bias = backward(  # forward's dtypes, not autocast's
+    with _without_autocast(x):
+        dx, dweights, dgate_up, ddown, dgate_up_bias, ddown_bias = backward(
             dout.contiguous(), x, top_k_weights, gate_up, down, gate_up_bias, down_bias, order, offsets, hidden,
             *ctx.options)
     need = ctx.needs_input_grad
@@ -414,7 +423,7 @@ class _NormedExperts(torch.autograd.Function):
     def backward(ctx, dout):
         x, norm_weight, norm_bias, top_k_weights, gate_up, down, gate_up_bias, down_bias, order, offsets, hidden, \
             *stats = ctx.saved_tensors
-        with torch.autocast(x.device.type, enabled=False):  # called inside an autocast block: the forward's dtypes
+        with _without_autocast(x):
             normed, _ = norm_forward(ctx.layout, x, norm_weight, norm_bias)
             d_normed, dweights, dgate_up, ddown, dgate_up_bias, ddown_bias = experts_bwd(
                 dout.contiguous(), normed, top_k_weights, gate_up, down, gate_up_bias, down_bias, order, offsets,
