@@ -529,8 +529,10 @@ def _check_width_against_norm(x, norm_weight, weight):
         check_input_width(x, width, "the width of the LayerNorm and of the Linear after it")
 
 
-def _check_norm_params(norm, width, x):
-    """`norm` checked against x, with an RMSNorm's eps=None resolved as torch resolves it."""
+def norm_params(norm, x):
+    """(`norm` checked against x's rows, with an RMSNorm's eps=None resolved as torch resolves it; its
+    weight and bias as the kernels take them): what a fused op applying `norm` to x reads."""
+    width = x.shape[-1]
     check_optional_param("norm_weight", norm.weight, (width,), "x", x)
     check_optional_param("norm_bias", norm.bias, (width,), "x", x)
     if norm.kind == "rms_norm" and norm.eps is None:  # torch.nn.RMSNorm's default
@@ -538,13 +540,6 @@ def _check_norm_params(norm, width, x):
     check_eps(norm.eps)
     if norm.kind == "rms_norm":
         check_style(norm.style, norm.weight)
-    return norm
-
-
-def norm_params(norm, x):
-    """(norm checked against x, its weight and bias as the kernels take them): what a fused op
-    applying `norm` to x's rows reads."""
-    norm = _check_norm_params(norm, x.shape[-1], x)
     return norm, *_contiguous(norm.weight, norm.bias)
 
 
@@ -602,7 +597,7 @@ def _norm_linears(x, norm, linears, recompute, slot):
     names = _linear_names(len(linears))
     rows = _rows(x)
     _check_width_against_norm(x, norm.weight, linears[0].weight)
-    norm = _check_norm_params(norm, x.shape[-1], x)
+    norm, norm_weight, norm_bias = norm_params(norm, x)
     tensors, layout = [], []
     for linear, (weight_name, bias_name, adapters_name) in zip(linears, names):
         _check_linear(weight_name, linear.weight, bias_name, linear.bias, x.shape[-1], x)
@@ -610,7 +605,6 @@ def _norm_linears(x, norm, linears, recompute, slot):
         flat, scales = _flatten(linear.adapters)
         tensors += [linear.weight, linear.bias, *flat]
         layout.append(scales)
-    norm_weight, norm_bias = _contiguous(norm.weight, norm.bias)
     outs = _LayerNormLinears.apply(rows, norm_weight, norm_bias, norm_layout(norm), bool(recompute), tuple(layout),
                                    slot, *tensors)
     return [out.view(*x.shape[:-1], linear.weight.shape[0]) for out, linear in zip(outs, linears)]
@@ -670,16 +664,16 @@ def _fused_mlp(x, fc1, act, fc2, norm, recompute, slot):
             return _fused_mlp(cast_for_autocast(dtype, x)[0], ups if len(ups) == 2 else ups[0], act, fc2, norm,
                               recompute, slot)
     rows = _rows(x)
+    norm_weight = norm_bias = None
     if norm is not None:
         _check_width_against_norm(x, norm.weight, ups[0].weight)
-        norm = _check_norm_params(norm, x.shape[-1], x)
+        norm, norm_weight, norm_bias = norm_params(norm, x)
     for up, (weight_name, bias_name, adapters_name) in zip(ups, names):
         _check_linear(weight_name, up.weight, bias_name, up.bias, x.shape[-1], x)
         _check_adapters(adapters_name, up.adapters, up.weight, x)
     hidden = _activation_width(act, ups)
     _check_linear("w2", fc2.weight, "b2", fc2.bias, hidden, x)
     _check_adapters("fc2_adapters", fc2.adapters, fc2.weight, x)
-    norm_weight, norm_bias = _contiguous(norm.weight if norm else None, norm.bias if norm else None)
     tensors, scales = [], []
     for linear in (*ups, fc2):
         flat, linear_scales = _flatten(linear.adapters)

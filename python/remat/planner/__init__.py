@@ -31,7 +31,6 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..convert import revert
-from ..convert.hf.experts import runs_remat_experts
 from .calibrate import measured_choices, model_signature
 from .cost import DEVICES, device_constants, extra_seconds, fused_loss_seconds
 from .counting import count_forward, saved_bytes_of, split_inputs
@@ -46,6 +45,7 @@ from .units import (
     find_units,
     fused_head,
     is_planned,
+    run_remat_experts,
 )
 
 __all__ = ["CHOICES", "DEVICES", "HEAD_CHOICES", "OPTIMIZER_STATES", "Plan", "fixed_bytes", "meta_copy",
@@ -184,7 +184,7 @@ def measure(model, example_inputs, choices=ON_ANY_DEVICE):
     for choice in choices:
         shell = _shell(model, on_meta).train(model.training)
         units = apply_choices(shell, paths, [choice] * len(paths))
-        if choice == "remat-keep" and not any(runs_remat_experts(m) for u in units for m in u.modules()):
+        if choice == "remat-keep" and not run_remat_experts(units):
             continue
         if choice == "remat":
             fusable = [is_planned(u) for u in units]

@@ -125,10 +125,9 @@ def measure_choices(model, example_inputs, timer=_cuda_seconds, choices=None):
     stock step over the number of units, 0 at least. The parameters' .grad are left as they were.
     choices: default every choice of units.CHOICES the inputs' device offers (offloading on CUDA;
     "remat-keep" for a model with experts on remat.experts)."""
-    from ..convert.hf.experts import runs_remat_experts
     from . import _shell
     from .counting import split_inputs
-    from .units import CHOICES, ON_ANY_DEVICE, apply_choices, find_units
+    from .units import CHOICES, ON_ANY_DEVICE, apply_choices, find_units, run_remat_experts
 
     args, kwargs = split_inputs(example_inputs)
     paths = find_units(model)
@@ -147,7 +146,7 @@ def measure_choices(model, example_inputs, timer=_cuda_seconds, choices=None):
         for choice in choices:
             shell = _shell(model, on_meta=False).train(model.training)
             units = apply_choices(shell, paths, [choice] * len(paths))
-            if choice == "remat-keep" and not any(runs_remat_experts(m) for u in units for m in u.modules()):
+            if choice == "remat-keep" and not run_remat_experts(units):
                 continue  # no experts on remat.experts: the same as "remat"
             seconds[choice] = timer(choice, lambda shell=shell: step(shell))
     finally:

@@ -111,6 +111,11 @@ def is_planned(model):
                or runs_remat_experts(m) for m in model.modules())
 
 
+def run_remat_experts(units):
+    """Whether some unit holds experts running remat.experts: where "remat-keep" differs from "remat"."""
+    return any(runs_remat_experts(m) for unit in units for m in unit.modules())
+
+
 def fused_head(model):
     """The module of `model` whose LM head and loss remat.convert fused (convert/hf/loss.py), or None."""
     return next((m for m in model.modules() if "remat_head" in vars(m)), None)

@@ -30,10 +30,10 @@ import functools
 
 import torch
 
-from ..._guards import decided, fallback, tensor_reason
+from ..._guards import decided, tensor_reason
 from ..._validate import autocast_dtype
 from ...ops import experts as experts_op
-from .modules import _layer_norm_reason, _shared_statistics, fed_norm, norm_spec, stock_norm
+from .modules import _layer_norm_reason, _shared_statistics, fed_norm, norm_spec, record_call, stock_norm
 
 NAME = "remat"
 
@@ -77,19 +77,15 @@ def experts_forward(module, hidden_states, top_k_index, top_k_weights):
         module.down_proj_bias if spec.gate_up_bias else None, activation=spec.activation, gated=spec.gated,
         interleaved=spec.interleaved, transposed=spec.transposed, alpha=spec.alpha, limit=spec.limit,
         keep_hidden=module.__dict__.get("remat_experts_keep_hidden", False),
-        norm=norm_spec(norm) if norm is not None else None, shared=_shared_statistics(module) if norm else None)
+        norm=norm_spec(norm) if norm is not None else None,
+        shared=_shared_statistics(module) if norm is not None else None)
 
 
 def _trace(module, reason):
-    """Record why this call runs stock (None: remat.experts computes it): a RematFallbackWarning, or the
-    convert probe's trace of the call while it probes a norm fused into the experts."""
-    trace = module.__dict__.get("remat_trace")
-    if trace is not None:
-        trace.append(reason)
-    elif reason is not None:
-        path = module.__dict__.get("remat_experts_path")
-        fallback(module, reason, where=f"{path} ({type(module).__name__})" if path else None,
-                 runs="its stock experts")
+    """Record why this call runs stock (None: remat.experts computes it): modules.record_call, named by
+    the path convert_experts gave the module."""
+    path = module.__dict__.get("remat_experts_path") if reason is not None else None
+    record_call(module, reason, where=f"{path} ({type(module).__name__})" if path else None, runs="its stock experts")
 
 
 def stock_forward(module):

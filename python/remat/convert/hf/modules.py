@@ -308,6 +308,17 @@ def remat_class(mixin, stock_class, **attributes):
     return cls
 
 
+def record_call(module, reason, **where):
+    """Record why a call of a converted module ran stock (None: its remat path ran): in the convert
+    probe's trace while the probe runs, else as a fallback (a RematFallbackWarning; `where`: fallback's
+    where and runs)."""
+    trace = module.__dict__.get("remat_trace")
+    if trace is not None:  # set by the conversion probe only
+        trace.append(reason)
+    elif reason is not None:
+        fallback(module, reason, **where)
+
+
 class _RematModule:
     """What every swapped transformers module shares: the probe's trace, fallbacks, revert."""
 
@@ -317,11 +328,7 @@ class _RematModule:
 
     def _remat_fallback(self, reason):
         """Record a call that runs stock (or the probe's trace of it)."""
-        trace = self.__dict__.get("remat_trace")
-        if trace is not None:  # set by the conversion probe only
-            trace.append(reason)
-        elif reason is not None:
-            fallback(self, reason)
+        record_call(self, reason)
 
     def remat_revert(self):
         return strip(self, self.remat_stock)
@@ -632,8 +639,9 @@ def router_reason(router, label):
 METADATA = frozenset({"__get__", "size", "dim", "ndimension", "numel", "nelement", "__len__", "stride",
                       "is_floating_point", "is_complex", "is_contiguous", "get_device", "element_size"})
 
-# Tensor methods that give the same rows of their input: a router's reshape of the tokens, followed.
-_RESHAPES = frozenset({torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.flatten})
+# Functions whose output holds their input's rows unchanged (a mixture of experts' block and its router
+# flatten the tokens): followed as the input itself, by the structure probe and by _RouterProjection.
+RESHAPES = frozenset({"view", "reshape", "flatten"})
 
 
 class _RouterProjection(TorchFunctionMode):
@@ -652,7 +660,7 @@ class _RouterProjection(TorchFunctionMode):
         kwargs = kwargs or {}
         first = args[0] if args else None
         if id(first) in self.tokens and self.tokens[id(first)] is first:
-            if func in _RESHAPES:
+            if getattr(func, "__name__", None) in RESHAPES:
                 out = func(*args, **kwargs)
                 self.tokens[id(out)] = out
                 return out

@@ -656,8 +656,9 @@ def _layer_rule(layer, layers, recompute, path, report):
     """Hand each LayerNorm of a layer over to the modules it feeds, and convert what remains of them
     on its own; the names of the children handled (a Linear fused inside a child that stays stock,
     BLOOM's self_attention.query_key_value, leaves that child to the other rules)."""
-    if _layer_hook_reason(layer):
-        report.add(path, layer, "skipped", f"{_layer_hook_reason(layer)}: no fusion across its children")
+    hooked = _layer_hook_reason(layer)
+    if hooked:
+        report.add(path, layer, "skipped", f"{hooked}: no fusion across its children")
         return set()
     family = family_of(layer)
     wiring = _wiring(layer)

@@ -33,7 +33,7 @@ from ...ops.rms_norm import rms_norm_output_ref, rms_norm_rstd_ref
 from ...specs import RMS_NORM_STYLES
 from .experts import is_experts_module
 from .modules import METADATA as _METADATA
-from .modules import MLPParts, _RematGatedMLP
+from .modules import RESHAPES, MLPParts, _RematGatedMLP
 
 # A call recorded in a module's forward: a child module ("module", its name) or a torch function
 # ("function", its name), with the ids of the tensors it read and returned, and the probability a
@@ -289,13 +289,8 @@ def _record(model, param, inputs):
 # ---------------------------------------------------------------------------------------------
 
 
-# Functions whose output holds the tensor's rows unchanged (a mixture of experts' block flattens its
-# tokens before routing them): the output is followed as the tensor itself.
-_RESHAPES = frozenset({"view", "reshape", "flatten"})
-
-
 def _reshape(node):
-    return node.kind == "function" and node.name in _RESHAPES and len(node.outputs) == 1
+    return node.kind == "function" and node.name in RESHAPES and len(node.outputs) == 1
 
 
 def linear_readers(structure, frame, tensor_id, prefix=""):
