@@ -4,12 +4,16 @@ torch and triton imports, costs once), each rank's results saved to a file and r
 import os
 import socket
 import sys
+import time
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 WORLD = 2
+# How long the ranks may take together: a collective that only one rank enters hangs, and a hang fails
+# the test after this long instead of holding the whole run (a spawn alone takes about a minute here).
+TIMEOUT_S = 900
 
 
 def run_ranks(worker, out_dir):
@@ -19,7 +23,14 @@ def run_ranks(worker, out_dir):
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with the gloo backend is not available")
-    mp.spawn(_rank, args=(worker, _free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    ranks = mp.spawn(_rank, args=(worker, _free_port(), str(out_dir)), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ranks.join(timeout=max(deadline - time.monotonic(), 0)):  # raises where a rank failed
+        if time.monotonic() >= deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail(f"the {WORLD} ranks did not finish in {TIMEOUT_S} s: a hang (a collective one rank "
+                        "entered alone?)")
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(WORLD)]
 
 
