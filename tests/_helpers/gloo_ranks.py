@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 WORLD = 2
 # How long the ranks may take together: a collective that only one rank enters hangs, and a hang fails
-# the test after this long instead of holding the whole run (a spawn alone takes about a minute here).
+# the test after this long instead of holding the whole run (the ranks' work takes well under a minute).
 TIMEOUT_S = 900
 
 
