@@ -31,13 +31,23 @@ class RematFallbackWarning(UserWarning):
     """A converted module ran its stock forward for a call (shown once per module and reason)."""
 
 
+# Set by remat.convert, for the conversion's duration, on the modules its filter_fn rejects (and those below
+# them): every rule asks hook_reason before it swaps, fuses or reads a module's parameters, so one mark
+# keeps each such module stock, its own forward running, as a hook would.
+EXCLUDED = "remat_excluded"
+
+
 def hook_reason(module, skip=()):
     """Why `module` must run its own forward because of hooks or parametrizations, or None; the hook
     dicts named in `skip` ("_forward_hooks") not counted.
 
     Global module hooks (torch.nn.modules.module.register_module_forward_hook and the like) count
-    too: they run on every module call, which a fused path would skip.
+    too: they run on every module call, which a fused path would skip. A module remat.convert's
+    filter_fn rejects is refused as a hooked one is, while the conversion runs.
     """
+    excluded = getattr(module, "__dict__", {}).get(EXCLUDED)
+    if excluded:
+        return excluded
     if any(getattr(module, name, None) for name in _MODULE_HOOKS if name not in skip):
         return "has forward/backward hooks"
     if any(getattr(_module_globals, name, None) for name in _GLOBAL_HOOKS):

@@ -12,6 +12,7 @@ and inside any other module's forward), hf (Hugging Face families, one file each
 walks the model.
 """
 
+import contextlib
 import copy
 import functools
 import warnings
@@ -20,7 +21,7 @@ import weakref
 import torch
 from torch import nn
 
-from .._guards import hook_reason
+from .._guards import EXCLUDED, hook_reason
 from . import hf
 from .fx import fx_candidate, fx_consumed, fx_convert, fx_revert
 from .patterns import fused_module
@@ -58,6 +59,9 @@ def _convert_children(parent, layers, recompute, path, report, hf_rules, consume
             continue
         child_path = join(path, name)
         if is_converted(child):
+            continue
+        if EXCLUDED in vars(child):
+            report.add(child_path, child, "skipped", f"{EXCLUDED_BY_FILTER}: it and the modules below it stay stock")
             continue
         new = leaf_swap(child, layers, child_path, report)
         if new is not None:
@@ -99,7 +103,7 @@ def _layer_set(layers):
     return layers
 
 
-def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False):
+def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False, *, filter_fn=None, dry_run=False):
     """Swap `model`'s layers for remat's where that is provably the same computation.
 
     inplace: convert `model` itself (its parameters stay the same objects) instead of a deep
@@ -109,8 +113,14 @@ def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False):
     experts on remat.experts, through transformers' experts interface). recompute: the fused layers'
     switch (False keeps what eager keeps, to compare; the experts then keep their pre-activation).
     report: also return a ConversionReport (print it for a table, with the bytes each swap saves).
+    filter_fn(module, fqn) -> bool: asked of every module, top down, the model itself included (fqn
+    "", names as model.named_modules() gives them); a module it rejects stays stock with every module
+    below it, and no fusion reads it (a norm outside it is not fused into a projection inside it; its
+    attention and experts calls run the model's previous implementation). dry_run: convert nothing;
+    return the report the conversion would give (the same rows; `model` is left as it is: classes,
+    attention and experts implementations, parameters).
 
-    Returns the converted model, or (model, report). state_dict keys are unchanged and the
+    Returns the converted model, or (model, report); with dry_run, the report. state_dict keys are unchanged and the
     original checkpoint loads into the result. A model converted before is reverted first (the copy,
     or with inplace=True the model itself) and its stock modules converted afresh: converting twice
     gives what one conversion with the second call's options gives, report included. A model a
@@ -124,13 +134,41 @@ def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False):
         raise TypeError(f"recompute must be True or False, got {recompute!r}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"filter_fn must be a function (module, fqn) -> bool, got {type(filter_fn).__name__}")
+    if dry_run and inplace:
+        raise ValueError("dry_run=True leaves the model as it is; inplace=True asks to convert it: pass one")
     _refuse_a_planned_model(model)
     _refuse_a_wrapped_model(model)
-    if not inplace:
+    # the filter sees the caller's own modules (a filter on identities works), a converted model's once reverted
+    excluded = None if _converted_before(model) else _excluded_paths(model, filter_fn)
+    if dry_run:
+        model = _shadow(model)
+    elif not inplace:
         model = copy.deepcopy(model)
     if _converted_before(model):  # remat's modules are not converted again: their stock ones are
         model = revert(model)
+    if excluded is None:
+        excluded = _excluded_paths(model, filter_fn)
+    with _excluding(model, excluded):
+        model, rows = _convert(model, layers, recompute, excluded)
+    if dry_run:
+        return rows
+    _warn_broken_rules(rows)
+    if rows.saved_bytes_per_token() == 0:
+        warnings.warn(f"remat.convert saves no activation memory on this {type(_peft_inner(model)[0]).__name__}: "
+                      f"{_why_nothing_saved(rows, excluded)}", RematWarning, stacklevel=2)
+    return (model, rows) if report else model
+
+
+def _convert(model, layers, recompute, excluded):
+    """(the model, its report): `model` converted in place, its modules at the paths `excluded` left
+    stock (a new module where `model` itself is one remat swaps, a LayerNorm)."""
     rows = ConversionReport()
+    rows.model = weakref.ref(model)
+    if "" in excluded:
+        rows.add("", model, "skipped", f"{EXCLUDED_BY_FILTER}: nothing is converted")
+        return model, rows
     inner, inner_path = _peft_inner(model)
     hf_rules = None
     if hf.is_hf_model(inner) and layers & {"layernorm", "mlp"}:  # one probe call, before any module changes
@@ -151,20 +189,105 @@ def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False):
         hf.convert_loss(inner, inner_path, rows)
     rows.sort(key=lambda row: order.get(row.path, len(order)))  # rows in the model's module order
     rows.model = weakref.ref(model)
-    _warn_broken_rules(rows)
-    if rows.saved_bytes_per_token() == 0:
-        if not rows:  # not one module was a candidate: the report would be an empty table
-            why = ("it found none of the modules remat fuses (an nn.LayerNorm feeding an nn.Linear, an nn.Linear -> "
-                   "GELU -> nn.Linear MLP, in an nn.Sequential or a module's own forward; nn.MultiheadAttention; the "
-                   "norms, MLPs, attention and loss of the Hugging Face families of docs/huggingface.md); "
-                   "convolutions, ReLU MLPs and other layers stay as they are")
-        else:
-            why = ("no fusion applies" if not rows.swapped else
-                   f"{len(rows.swapped)} modules swapped, none of them keeping less than stock") + \
-                " (convert(model, report=True) says why for each module)"
-        warnings.warn(f"remat.convert saves no activation memory on this {type(inner).__name__}: {why}",
-                      RematWarning, stacklevel=2)
-    return (model, rows) if report else model
+    return model, rows
+
+
+def _why_nothing_saved(rows, excluded):
+    if "" in excluded:
+        return "filter_fn rejects the model itself (fqn ''), and a module it rejects stays stock with all below it"
+    if not rows:  # not one module was a candidate: the report would be an empty table
+        return ("it found none of the modules remat fuses (an nn.LayerNorm feeding an nn.Linear, an nn.Linear -> "
+                "GELU -> nn.Linear MLP, in an nn.Sequential or a module's own forward; nn.MultiheadAttention; the "
+                "norms, MLPs, attention and loss of the Hugging Face families of docs/huggingface.md); "
+                "convolutions, ReLU MLPs and other layers stay as they are")
+    return ("no fusion applies" if not rows.swapped else
+            f"{len(rows.swapped)} modules swapped, none of them keeping less than stock") + \
+        " (convert(model, report=True) says why for each module)"
+
+
+# ---------------------------------------------------------------------------------------------
+# filter_fn and dry_run
+# ---------------------------------------------------------------------------------------------
+
+EXCLUDED_BY_FILTER = "excluded by convert's filter_fn"
+# What a module filter_fn rejects may gain: the model-wide attention and experts implementations reach
+# every module, and these say it runs the previous one (hf/interface.py, hf/experts.py).
+_STOCK_MARKS = frozenset({"remat_attention_previous", "remat_attention_path", "remat_attention_stock",
+                          "remat_experts_previous", "remat_experts_path", "remat_experts_stock"})
+
+
+def _excluded_paths(model, filter_fn):
+    """The fqns of the modules of `model` filter_fn rejects, or that lie below one it rejects."""
+    if filter_fn is None:
+        return frozenset()
+    excluded = set()
+    for fqn, module in model.named_modules():  # parents before their children
+        parent = fqn.rpartition(".")[0] if fqn else None
+        if (parent is not None and parent in excluded) or not filter_fn(module, fqn):
+            excluded.add(fqn)
+    return frozenset(excluded)
+
+
+@contextlib.contextmanager
+def _excluding(model, paths):
+    """While converting: the modules of `model` at `paths` marked for every rule's hook_reason to refuse
+    (_guards.EXCLUDED); afterwards each is checked to be as it was, and the marks are gone."""
+    if not paths:
+        yield
+        return
+    modules = dict(model.named_modules())
+    before = {fqn: (m, type(m)) for fqn, m in modules.items()}
+    kept = {fqn: _stock_state(modules[fqn]) for fqn in paths}
+    for fqn in paths:
+        modules[fqn].__dict__[EXCLUDED] = EXCLUDED_BY_FILTER
+    try:
+        yield
+    finally:
+        for fqn in paths:
+            modules[fqn].__dict__.pop(EXCLUDED, None)
+    for fqn in sorted(paths):
+        reason = _touched_reason(model, fqn, kept[fqn], before)
+        if reason:
+            raise RuntimeError(f"remat.convert changed {fqn}, which filter_fn excludes: {reason}. This is a bug of "
+                               "remat's; convert with a filter that accepts it, or with layers= excluding the rule")
+
+
+def _stock_state(module):
+    return (type(module), dict(module._modules), set(vars(module)) - _STOCK_MARKS,
+            [len(getattr(module, name)) for name in _HOOK_DICTS])
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _touched_reason(model, fqn, kept, before):
+    """Why the module excluded at `fqn` no longer computes as stock after conversion, or None: it was
+    replaced or changed, or a module above it now computes in its place (swapped, a forward rewritten)."""
+    module = before[fqn][0]
+    try:
+        placed = model.get_submodule(fqn) if fqn else model
+    except AttributeError:
+        placed = None
+    if placed is not module:
+        return "it was replaced"
+    if _stock_state(module) != kept:
+        return "its class, children, attributes or hooks changed"
+    parts = fqn.split(".")
+    for above_path in (".".join(parts[:i]) for i in range(len(parts))):
+        above = model.get_submodule(above_path) if above_path else model
+        if "remat_head" in vars(above):  # the fused LM head and loss computes its head's work only
+            if vars(above)["remat_head"] is module:
+                return "the fused LM head and loss reads it"
+        elif type(above) is not before[above_path][1] or "remat_fx" in vars(above):
+            return f"{above_path or 'the model'} above it computes in its place"
+    return None
+
+
+def _shadow(model):
+    """A copy of `model`'s modules holding its very parameters and buffers (no tensor is copied): what a
+    dry run converts, leaving `model` as it is."""
+    memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo)
 
 
 def _converted_before(model):

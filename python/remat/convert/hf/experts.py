@@ -30,7 +30,7 @@ import functools
 
 import torch
 
-from ..._guards import decided, tensor_reason
+from ..._guards import EXCLUDED, decided, tensor_reason
 from ..._validate import autocast_dtype
 from ...ops import experts as experts_op
 from .modules import _layer_norm_reason, _shared_statistics, fed_norm, norm_spec, record_call, stock_norm
@@ -242,6 +242,12 @@ def convert_experts(model, path, report, keep_hidden=False):
         module.__dict__.update(remat_experts_previous=previous, remat_experts_path=module_path,
                                remat_experts_keep_hidden=keep_hidden)
         module.__dict__.pop("remat_experts_stock", None)
+        if EXCLUDED in vars(module):  # its hooks see the module's call either way: only convert's filter_fn counts
+            module.__dict__.pop("remat_experts_keep_hidden")
+            module.__dict__["remat_experts_stock"] = True
+            report.add(module_path, module, "skipped",
+                       f"runs its stock experts ({previous!r}): {vars(module)[EXCLUDED]}")
+            continue
         spec = module.__dict__["remat_experts_spec"] = module_spec(module)
         if isinstance(spec, str):
             report.add(module_path, module, "skipped", f"runs its stock experts ({previous!r}): {spec}")

@@ -52,7 +52,7 @@ import sys
 
 import torch
 
-from ..._guards import fallback
+from ..._guards import EXCLUDED, fallback
 from ..._tensor_memo import MISSING, TensorMemo
 from ...ops.attention import _fallback_reason as kernels_reason
 from ...ops.attention import attention
@@ -116,6 +116,8 @@ def _switch_attention(model, path, report):
         module.__dict__["remat_attention_previous"] = previous  # (revert_attention)
         module.__dict__["remat_attention_path"] = join(path, name) if name else path  # what its warnings name
         module.__dict__.pop("remat_attention_stock", None)
+        if EXCLUDED in vars(module):  # convert's filter_fn keeps it stock: its calls run the previous implementation
+            module.__dict__["remat_attention_stock"] = previous
     report.add(path, model, f"attention implementation {previous!r} -> {NAME!r}", "every attention calling "
                "transformers' attention interface runs remat.attention")
     _keep_attention_rows(report, previous)

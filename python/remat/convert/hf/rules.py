@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..._guards import from_transformers, hook_reason
+from ..._guards import EXCLUDED, from_transformers, hook_reason
 from ..._linears import (
     base_layer,
     fused_saved_bytes,
@@ -103,10 +103,12 @@ def _probe(before, after, width, param, modules):
 
 
 def _instance_reason(module):
-    """Why a stock module must keep its class: hooks, or a forward replaced on the instance."""
+    """Why a stock module must keep its class: hooks, a forward replaced on the instance, or a module
+    below it that convert's filter_fn keeps stock (a swapped module computes its children's work)."""
     if "forward" in vars(module):
         return "its forward is replaced on the instance"
-    return hook_reason(module)
+    return hook_reason(module) or next((f"its {name} is {vars(below)[EXCLUDED]}" for name, below
+                                        in module.named_modules() if name and EXCLUDED in vars(below)), None)
 
 
 def _swapped(module, mixin, recompute, path, **attributes):
