@@ -57,6 +57,13 @@ def hook_reason(module, skip=()):
     return None
 
 
+def excluded_below(module):
+    """Why a module convert would swap must stay stock for remat.convert's filter_fn: a module below it
+    that the filter rejects (a swapped module computes its children's work), or None."""
+    return next((f"its {name} is {vars(below)[EXCLUDED]}" for name, below in module.named_modules()
+                 if name and EXCLUDED in vars(below)), None)
+
+
 def tensor_reason(name, tensor):
     """Why the parameter `tensor` cannot be read as a plain dense tensor, or None."""
     if tensor is None:

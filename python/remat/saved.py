@@ -28,6 +28,14 @@ def policy_saves(policy, func, args, kwargs, out):
     return decision is True or decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 
 
+def _local(tensor):
+    """A DTensor's local shard (what this rank holds: tensor parallel, FSDP2), any other tensor itself."""
+    if hasattr(tensor, "to_local") and hasattr(tensor, "device_mesh"):
+        with torch.no_grad():
+            return tensor.to_local()
+    return tensor
+
+
 class SavedStorages:
     """The storages a forward saves for the backward, each counted once, those of `exclude` (the
     parameters) left out.
@@ -38,12 +46,12 @@ class SavedStorages:
     """
 
     def __init__(self, exclude=()):
-        self._parameters = {t.untyped_storage().data_ptr() for t in exclude}
+        self._parameters = {_local(t).untyped_storage().data_ptr() for t in exclude}
         self._saved = {}  # address -> (weak reference to the storage, bytes)
         self._freed_bytes = 0  # saved, then freed on the device: their host copies still count
 
     def add(self, tensor):
-        storage = tensor.untyped_storage()
+        storage = _local(tensor).untyped_storage()
         address = storage.data_ptr()
         if address in self._parameters:
             return
@@ -54,7 +62,7 @@ class SavedStorages:
 
     def total_bytes(self, *excluded):
         """All the bytes saved, but the storages of `excluded` (the caller's input, the output)."""
-        skip = {tensor.untyped_storage().data_ptr() for tensor in excluded}
+        skip = {_local(tensor).untyped_storage().data_ptr() for tensor in excluded}
         return self._freed_bytes + sum(size for address, (ref, size) in self._saved.items()
                                        if address not in skip or ref.expired())
 

@@ -236,8 +236,7 @@ def _excluding(model, paths):
         yield
         return
     modules = dict(model.named_modules())
-    before = {fqn: (m, type(m)) for fqn, m in modules.items()}
-    kept = {fqn: _stock_state(modules[fqn]) for fqn in paths}
+    kept = {fqn: (modules[fqn], _stock_state(modules[fqn])) for fqn in paths}
     for fqn in paths:
         modules[fqn].__dict__[EXCLUDED] = EXCLUDED_BY_FILTER
     try:
@@ -246,41 +245,52 @@ def _excluding(model, paths):
         for fqn in paths:
             modules[fqn].__dict__.pop(EXCLUDED, None)
     for fqn in sorted(paths):
-        reason = _touched_reason(model, fqn, kept[fqn], before)
+        reason = _touched_reason(model, fqn, kept[fqn])
         if reason:
             raise RuntimeError(f"remat.convert changed {fqn}, which filter_fn excludes: {reason}. This is a bug of "
                                "remat's; convert with a filter that accepts it, or with layers= excluding the rule")
 
 
 def _stock_state(module):
-    return (type(module), dict(module._modules), set(vars(module)) - _STOCK_MARKS,
+    """What remat may not change of a module filter_fn rejects: its class, its children that are remat's
+    (a model may replace its own children in its forward: BigBird's attention), its remat_ entries but
+    the stock marks, its hooks."""
+    return (type(module), {name: child for name, child in module._modules.items() if is_converted(child)},
+            {key for key in vars(module) if key.startswith("remat_")} - _STOCK_MARKS,
             [len(getattr(module, name)) for name in _HOOK_DICTS])
 
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
-def _touched_reason(model, fqn, kept, before):
-    """Why the module excluded at `fqn` no longer computes as stock after conversion, or None: it was
-    replaced or changed, or a module above it now computes in its place (swapped, a forward rewritten)."""
-    module = before[fqn][0]
-    try:
-        placed = model.get_submodule(fqn) if fqn else model
-    except AttributeError:
-        placed = None
+def _touched_reason(model, fqn, kept):
+    """Why the module excluded at `fqn` no longer computes as stock after conversion, or None: remat
+    replaced or changed it, or a module of remat's above it computes in its place (swapped, a forward
+    rewritten). A model may replace its own modules in its forward, which the probe calls (BigBird
+    swaps its block-sparse attention for full attention on short inputs): stock modules in their place
+    are the model's doing."""
+    module = kept[0]
+    placed = _at(model, fqn)
     if placed is not module:
-        return "it was replaced"
-    if _stock_state(module) != kept:
+        return "remat replaced it" if placed is None or is_converted(placed) else None
+    if _stock_state(module) != kept[1]:
         return "its class, children, attributes or hooks changed"
     parts = fqn.split(".")
     for above_path in (".".join(parts[:i]) for i in range(len(parts))):
-        above = model.get_submodule(above_path) if above_path else model
+        above = _at(model, above_path)
         if "remat_head" in vars(above):  # the fused LM head and loss computes its head's work only
             if vars(above)["remat_head"] is module:
                 return "the fused LM head and loss reads it"
-        elif type(above) is not before[above_path][1] or "remat_fx" in vars(above):
+        elif is_converted(above) or "remat_fx" in vars(above):
             return f"{above_path or 'the model'} above it computes in its place"
     return None
+
+
+def _at(model, fqn):
+    try:
+        return model.get_submodule(fqn) if fqn else model
+    except AttributeError:
+        return None
 
 
 def _shadow(model):

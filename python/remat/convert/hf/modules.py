@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..._guards import decided, fallback, hook_reason, plain_reason, tensor_reason
+from ... import _tensor_parallel as tensor_parallel
+from ..._guards import decided, excluded_below, fallback, hook_reason, plain_reason, tensor_reason
 from ..._linears import decided_projections, fused_saved_bytes, plain_linear, projection, projections, widths
 from ..._tensor_memo import MISSING, TensorMemo
 from ...ops.fused import SharedStatistics, fused_mlp, norm_linears
@@ -248,7 +249,12 @@ def _between_reason(module):
 
 
 def _reads_no_input(hook):
-    return _records_outputs(hook) or getattr(hook, "remat_reads_no_hidden_states", False)
+    """Whether a hook may see a norm's input in place of its output: transformers' output recorders and
+    the hooks of remat's fused q/k norms do not read it; tensor parallel's layout hooks (parallelize_module)
+    only place it on the ranks, by tokens or whole, and the member a handoff reaches through them checks the
+    placement its input arrives in (_tensor_parallel.column_input)."""
+    return _records_outputs(hook) or getattr(hook, "remat_reads_no_hidden_states", False) or \
+        tensor_parallel.is_layout_hook(hook)
 
 
 def link(layer, members, producers, consumers, dropout=()):
@@ -486,21 +492,47 @@ class _RematGatedMLP(_RematModule):
         names = (*fc1_names(parts), parts.fc2)
         norm, norm_reason = _handed_over(self, hidden_states)
         activation = self._modules[parts.act]
+        modules = [self._modules[n] for n in names]
+        if tensor_parallel.is_sharded(modules[-1]):
+            return self._remat_tensor_parallel(hidden_states, norm, norm_reason, modules, names)
         linears, reason = decided_projections(
-            self, [self._modules[n] for n in names], list(names), [activation, norm],
+            self, modules, list(names), [activation, norm],
             lambda: gated_activation_reason(activation, parts.act) or _layer_norm_reason(norm))
         reason = reason or self.remat_call_reason()
         if reason:
-            self._remat_fallback(reason)
-            if norm is not None:
-                hidden_states = stock_norm(norm, hidden_states)
-            return self.remat_stock.forward(self, hidden_states)
+            return self._remat_stock_call(reason, hidden_states, norm)
         self._remat_fallback(norm_reason)
         *ups, down = linears
-        act = Activation(gated_activation_name(activation), gated=True)
-        return fused_mlp(hidden_states, tuple(ups) if len(ups) == 2 else ups[0], act, down,
+        return fused_mlp(hidden_states, tuple(ups) if len(ups) == 2 else ups[0], self._remat_activation(), down,
                          norm_spec(norm) if norm is not None else None, self.remat_recompute,
                          _shared_statistics(self))
+
+    def _remat_activation(self):
+        return Activation(gated_activation_name(self._modules[self.remat_parts.act]), gated=True)
+
+    def _remat_stock_call(self, reason, hidden_states, norm):
+        self._remat_fallback(reason)
+        if norm is not None:
+            hidden_states = stock_norm(norm, hidden_states)
+        return self.remat_stock.forward(self, hidden_states)
+
+    def _remat_tensor_parallel(self, hidden_states, norm, norm_reason, modules, names):
+        """The call where parallelize_module sharded the projections (_tensor_parallel.py): the fused MLP
+        on this rank's shards, torch's layout hooks and reductions around it; else the stock forward."""
+        activation = self._modules[self.remat_parts.act]
+        *ups, down = modules
+        reason = decided(self, [*modules, activation, norm], lambda: tensor_parallel.mlp_reason(ups, down, names) or
+                         gated_activation_reason(activation, self.remat_parts.act) or _layer_norm_reason(norm))
+        reason = reason or self.remat_call_reason()
+        x, layout_reason = (None, None) if reason else tensor_parallel.column_input(ups, hidden_states, names)
+        if reason or layout_reason:
+            return self._remat_stock_call(reason or layout_reason, hidden_states, norm)
+        self._remat_fallback(norm_reason)
+        spec = tensor_parallel.norm_of_replicated(norm_spec(norm), down.weight.device_mesh) if norm else None
+        linears = [tensor_parallel.local_linear(m) for m in ups]
+        partial = fused_mlp(x, tuple(linears) if len(linears) == 2 else linears[0], self._remat_activation(),
+                            tensor_parallel.local_linear(down), spec, self.remat_recompute, _shared_statistics(self))
+        return tensor_parallel.row_output(down, partial)
 
     def remat_call_reason(self):
         """Why this module's stock forward computes something else than down(act(gate(x)) * up(x)) now
@@ -567,6 +599,8 @@ class _RematNormedLinear(_RematModule):
         return plain_linear(self)  # read at every call: weights replaced in place stay seen
 
     def forward(self, input):
+        if tensor_parallel.is_sharded(self):
+            return self._remat_tensor_parallel(input)
         outputs = self.remat_handoff.outputs
         out = outputs.take(self, input) if outputs is not None else None
         if out is not None:  # computed a moment ago by a sibling, which checked this module then
@@ -586,6 +620,27 @@ class _RematNormedLinear(_RematModule):
         if siblings:
             self.remat_handoff.outputs.store(input, {id(m): o for m, o in zip(siblings, outs[1:])})
         return outs[0]
+
+    def _remat_tensor_parallel(self, input):
+        """The call where parallelize_module made this a column-parallel projection (_tensor_parallel.py):
+        its layout hook handed over the norm's input, the whole of it on every rank; the norm and this
+        rank's columns in one fused op (each projection its own: the siblings' inputs are other DTensors);
+        else the stock forward on the norm's output, placed as the hook placed its input."""
+        norm, reason = _handed_over(self, input)
+        if norm is None:
+            self._remat_fallback(reason)
+            return self.remat_stock.forward(self, input)
+        reason = decided(self, [self, norm], lambda: tensor_parallel.column_reason(self, self.remat_path) or
+                         _layer_norm_reason(norm))
+        x, layout_reason = (None, None) if reason else tensor_parallel.column_input([self], input, [self.remat_path])
+        if reason or layout_reason:
+            self._remat_fallback(reason or layout_reason)
+            return self.remat_stock.forward(self, tensor_parallel.apply_local(stock_norm, norm, input))
+        self._remat_fallback(None)
+        spec = tensor_parallel.norm_of_replicated(norm_spec(norm), self.weight.device_mesh)
+        out = norm_linears(x, spec, [tensor_parallel.local_linear(self)], self.remat_recompute,
+                           _shared_statistics(self))[0]
+        return tensor_parallel.column_output(out, self.weight.device_mesh)
 
     def _remat_decided(self, norm):
         """(why this Linear or its norm cannot be read by the fused op, or None; the other projections
@@ -628,7 +683,7 @@ def router_reason(router, label):
     that are no plain tensors. Its own forward runs, hooks and all."""
     if "forward" in vars(router):
         return f"{label}'s forward is replaced on the instance"
-    reason = _between_reason(router)
+    reason = _between_reason(router) or excluded_below(router)
     if reason:
         return f"{label} {reason}"
     return next(filter(None, (tensor_reason(f"{label}.{n}", p) for n, p in router.named_parameters(recurse=False))),

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..._guards import EXCLUDED, from_transformers, hook_reason
+from ..._guards import excluded_below, from_transformers, hook_reason
 from ..._linears import (
     base_layer,
     fused_saved_bytes,
@@ -107,8 +107,7 @@ def _instance_reason(module):
     below it that convert's filter_fn keeps stock (a swapped module computes its children's work)."""
     if "forward" in vars(module):
         return "its forward is replaced on the instance"
-    return hook_reason(module) or next((f"its {name} is {vars(below)[EXCLUDED]}" for name, below
-                                        in module.named_modules() if name and EXCLUDED in vars(below)), None)
+    return hook_reason(module) or excluded_below(module)
 
 
 def _swapped(module, mixin, recompute, path, **attributes):
