@@ -37,6 +37,13 @@ def run_ranks(worker, out_dir):
 def _rank(rank, worker, port, out_dir):
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton, as conftest does
+        from remat import _backend
+
+        if _backend.interpreter_enabled() and _backend.backends()["triton"][0]:  # conftest's patches, per process
+            from numerics import make_interpreter_dots_and_math_isa_independent, round_interpreter_bf16_casts_to_nearest
+
+            round_interpreter_bf16_casts_to_nearest()
+            make_interpreter_dots_and_math_isa_independent()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch.distributed as dist
 

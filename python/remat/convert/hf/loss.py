@@ -13,6 +13,7 @@ positional arguments beyond the first) runs the stock forward, logits and all. S
 that the fused loss would answer otherwise than stock, with a RematFallbackWarning saying why: one that
 asks for the output tuple (return_dict=False, or the config's), whose second entry is the logits, and
 one after `model.loss_function` was replaced (the probe proved the loss function the model had then).
+A head FSDP2 shards in a group of its own computes the fused loss inside its own call (fsdp_head).
 
 Whether the model computes that loss is proved once, at conversion, by a probe: a small batch through
 the stock forward and through the fused path must give the same loss. A model whose head or loss does
@@ -20,11 +21,13 @@ more (a logit scale, a mixture-of-experts auxiliary loss, another loss_type) fai
 with the reason in the report.
 """
 
+import functools
 import inspect
 import sys
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..._guards import fallback, hook_reason, tensor_reason
 from ..._numerics import rel_error
@@ -158,9 +161,9 @@ class _FusedLossLM:
             return "more than input_ids passed positionally"
         if head is not self.__dict__["remat_head"]:
             return "the output embeddings were replaced after remat.convert"
-        reason = hook_reason(head) or next(filter(None, (tensor_reason(f"lm_head.{n}", p) for n, p in
-                                                           head.named_parameters(recurse=False))), None)
-        if reason:  # FSDP2's fully_shard of the head alone, a tensor-parallel plan on it, ZeRO-3
+        reason = None if fsdp_head(head) else hook_reason(head) or next(filter(None, (
+            tensor_reason(f"lm_head.{n}", p) for n, p in head.named_parameters(recurse=False))), None)
+        if reason:  # a tensor-parallel plan on the head, ZeRO-3
             return f"the LM head: {reason}"
         if _asks_router_logits(self.config, kwargs):
             return "the router's logits are asked for (output_router_logits): their auxiliary loss is added"
@@ -186,13 +189,49 @@ class _FusedLossLM:
         if shift_labels is None:  # tokens < n predict n, as transformers' ForCausalLMLoss shifts them
             shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
         head = self.get_output_embeddings()
-        softcap = getattr(self.config, "final_logit_softcapping", None)
-        loss = linear_cross_entropy(hidden.flatten(0, -2), head.weight, shift_labels.flatten().to(hidden.device),
-                                    head.bias, softcap=softcap, num_items_in_batch=kwargs.get("num_items_in_batch"))
-        return loss, outputs
+        loss = functools.partial(linear_cross_entropy, target=shift_labels.flatten().to(hidden.device),
+                                 softcap=getattr(self.config, "final_logit_softcapping", None),
+                                 num_items_in_batch=kwargs.get("num_items_in_batch"))
+        if fsdp_head(head):  # computed inside the head's own call: FSDP2 gathers its weight there
+            with _LinearAsLoss(loss):
+                return head(hidden.flatten(0, -2)), outputs
+        return loss(hidden.flatten(0, -2), head.weight, bias=head.bias), outputs
 
     def remat_revert(self):
         return strip(self, self.remat_stock)
+
+
+def fsdp_head(head):
+    """Whether FSDP2 shards the nn.Linear `head` in a group of its own (fully_shard(model.lm_head)) and
+    nothing else hooks it: the fused loss is then computed inside the head's own call (_LinearAsLoss),
+    where FSDP2's pre-forward gathers its weight and its post-forward sets up the gradient's
+    reduce-scatter and reshards, as for the logits stock computes there."""
+    if not torch.distributed.is_available() or type(head).forward is not nn.Linear.forward:
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    hooks = [*head._forward_pre_hooks.values(), *head._forward_hooks.values()]
+    return isinstance(head, FSDPModule) and not head._backward_hooks and not head._backward_pre_hooks and \
+        hook_reason(head, skip=("_forward_hooks", "_forward_pre_hooks")) is None and \
+        all(type(getattr(hook, "__self__", None)).__module__.startswith("torch.distributed.fsdp.") for hook in hooks)
+
+
+class _LinearAsLoss(TorchFunctionMode):
+    """Inside a head module's call: its F.linear(x, weight, bias) computes loss(x, weight, bias=bias) instead,
+    the loss the module's call then returns (its hooks see the loss as its output)."""
+
+    def __init__(self, loss):
+        super().__init__()
+        self.loss = loss
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is not nn.functional.linear:
+            return func(*args, **(kwargs or {}))
+        x, weight, bias = (*args, *(kwargs or {}).values(), None)[:3]
+        reason = tensor_reason("lm_head.weight", weight) or tensor_reason("lm_head.bias", bias)
+        if reason:  # FSDP2 gathers a plain tensor; one sharded otherwise too (FSDP2 with tensor parallel) is not
+            raise RuntimeError(f"remat's fused LM loss inside the head's FSDP2 call: {reason}")
+        return self.loss(x, weight, bias=bias)
 
 
 def _asks_router_logits(config, kwargs):
