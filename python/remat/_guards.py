@@ -37,9 +37,10 @@ class RematFallbackWarning(UserWarning):
 EXCLUDED = "remat_excluded"
 
 
-def hook_reason(module, skip=()):
+def hook_reason(module, skip=(), allow=None):
     """Why `module` must run its own forward because of hooks or parametrizations, or None; the hook
-    dicts named in `skip` ("_forward_hooks") not counted.
+    dicts named in `skip` ("_forward_hooks") not counted, nor hooks for which allow(hook) is true (an
+    engine's hooks a fused path takes over: _zero3.is_hook).
 
     Global module hooks (torch.nn.modules.module.register_module_forward_hook and the like) count
     too: they run on every module call, which a fused path would skip. A module remat.convert's
@@ -48,7 +49,8 @@ def hook_reason(module, skip=()):
     excluded = getattr(module, "__dict__", {}).get(EXCLUDED)
     if excluded:
         return excluded
-    if any(getattr(module, name, None) for name in _MODULE_HOOKS if name not in skip):
+    if any(hook for name in _MODULE_HOOKS if name not in skip
+           for hook in (getattr(module, name, None) or {}).values() if allow is None or not allow(hook)):
         return "has forward/backward hooks"
     if any(getattr(_module_globals, name, None) for name in _GLOBAL_HOOKS):
         return "global module hooks are registered"
@@ -113,14 +115,14 @@ def from_transformers(kind):
     return kind.__module__.startswith("transformers.")
 
 
-def plain_reason(module, classes, label=None):
-    """None when `module` is exactly one of `classes`, without hooks or parametrizations, its own
-    parameters plain floating tensors; else why not (naming `label`, or the class)."""
+def plain_reason(module, classes, label=None, allow=None):
+    """None when `module` is exactly one of `classes`, without hooks (but those allow(hook) takes) or
+    parametrizations, its own parameters plain floating tensors; else why not (naming `label`, or the class)."""
     label = label or type(module).__name__
     if type(module) not in classes:
         names = " or ".join(c.__name__ for c in classes)
         return f"{label} is {type(module).__name__}, not exactly {names}"
-    reason = hook_reason(module)
+    reason = hook_reason(module, allow=allow)
     if reason:
         return f"{label} {reason}"
     for name, param in module.named_parameters(recurse=False):

@@ -62,10 +62,11 @@ def base_layer(module):
     return module.base_layer if is_lora_linear(module) else module
 
 
-def _plain_base(module, label):
-    """(Linear without adapters, None) for a plain nn.Linear, FalconLinear or Conv1D, or (None, why not)."""
+def _plain_base(module, label, allow=None):
+    """(Linear without adapters, None) for a plain nn.Linear, FalconLinear or Conv1D, or (None, why not);
+    hooks allow(hook) takes not counted."""
     kinds = (type(module),) if is_conv1d(module) or is_falcon_linear(module) else (nn.Linear,)
-    reason = plain_reason(module, kinds, label)
+    reason = plain_reason(module, kinds, label, allow)
     return (None, reason) if reason else (plain_linear(module), None)
 
 
@@ -74,11 +75,12 @@ def plain_linear(module):
     return Linear(module.weight.t(), module.bias) if is_conv1d(module) else Linear(module.weight, module.bias)
 
 
-def projection(module, label="projection"):
+def projection(module, label="projection", allow=None):
     """(remat.ops.fused.Linear, None) when a fused op can compute `module` exactly at this call, else
-    (None, why not)."""
+    (None, why not); hooks allow(hook) takes (an engine's the fused op takes over) not counted, but on
+    a LoRA layer."""
     if not is_lora_linear(module):
-        return _plain_base(module, label)
+        return _plain_base(module, label, allow)
     reason = _lora_reason(module, label)
     if reason:
         return None, reason
@@ -94,23 +96,24 @@ def projection(module, label="projection"):
     return Linear(base.weight, base.bias, adapters), None
 
 
-def projections(modules, labels):
+def projections(modules, labels, allow=None):
     """([remat.ops.fused.Linear] for each of the Linear-like `modules`, None), or (None, the first
     reason one of them cannot be computed at this call; `labels` name them)."""
     linears = []
     for module, label in zip(modules, labels, strict=True):
-        linear, reason = projection(module, label)
+        linear, reason = projection(module, label, allow)
         if reason:
             return None, reason
         linears.append(linear)
     return linears, None
 
 
-def decided_projections(owner, modules, labels, others=(), other_reason=None):
+def decided_projections(owner, modules, labels, others=(), other_reason=None, allow=None):
     """projections(modules, labels), then `other_reason()` (the check of `others`, further modules the
     fused op reads: its norm, its activation), both decided once on `owner` (_guards.decided) while no
     module is a peft LoRA layer, whose adapters the fingerprint does not cover: those are checked at
-    every call. The Linears are read at every call (weights replaced in place stay seen)."""
+    every call. The Linears are read at every call (weights replaced in place stay seen). allow: as
+    projection's."""
     def others_reason():
         return other_reason() if other_reason is not None else None
 
@@ -118,7 +121,7 @@ def decided_projections(owner, modules, labels, others=(), other_reason=None):
         linears, why = projections(modules, labels)
         why = why or others_reason()
         return (None, why) if why else (linears, None)
-    why = decided(owner, [*modules, *others], lambda: projections(modules, labels)[1] or others_reason())
+    why = decided(owner, [*modules, *others], lambda: projections(modules, labels, allow)[1] or others_reason())
     return (None, why) if why else ([plain_linear(m) for m in modules], None)
 
 

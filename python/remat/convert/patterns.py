@@ -77,13 +77,14 @@ def gated_activation_name(module, kind=None):
     return {"none": "gelu", "tanh": "gelu_tanh"}.get(gelu_approximate(module, kind))
 
 
-def gated_activation_reason(act, label=None, kind=None):
-    """Why `act` cannot be the activation of a gated MLP remat fuses, or None."""
+def gated_activation_reason(act, label=None, kind=None, allow=None):
+    """Why `act` cannot be the activation of a gated MLP remat fuses, or None (hooks allow(hook) takes not
+    counted)."""
     label = label or "activation"
     if not isinstance(act, nn.Module) or gated_activation_name(act, kind) is None:
         return f"{label} {(kind or type(act)).__name__} is not an activation remat's gated MLP computes " \
                "(SiLU, exact or tanh GELU)"
-    reason = hook_reason(act)
+    reason = hook_reason(act, allow=allow)
     return f"{type(act).__name__} {reason}" if reason else None
 
 

@@ -13,7 +13,8 @@ positional arguments beyond the first) runs the stock forward, logits and all. S
 that the fused loss would answer otherwise than stock, with a RematFallbackWarning saying why: one that
 asks for the output tuple (return_dict=False, or the config's), whose second entry is the logits, and
 one after `model.loss_function` was replaced (the probe proved the loss function the model had then).
-A head FSDP2 shards in a group of its own computes the fused loss inside its own call (fsdp_head).
+A head FSDP2 shards in a group of its own, or ZeRO-3 partitions, computes the fused loss inside its own
+call (engine_head).
 
 Whether the model computes that loss is proved once, at conversion, by a probe: a small batch through
 the stock forward and through the fused path must give the same loss. A model whose head or loss does
@@ -21,14 +22,15 @@ more (a logit scale, a mixture-of-experts auxiliary loss, another loss_type) fai
 with the reason in the report.
 """
 
+import contextlib
 import functools
 import inspect
 import sys
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
+from ... import _zero3 as zero3
 from ..._guards import fallback, hook_reason, tensor_reason
 from ..._numerics import rel_error
 from ...ops.linear_cross_entropy import linear_cross_entropy
@@ -161,7 +163,7 @@ class _FusedLossLM:
             return "more than input_ids passed positionally"
         if head is not self.__dict__["remat_head"]:
             return "the output embeddings were replaced after remat.convert"
-        reason = None if fsdp_head(head) else hook_reason(head) or next(filter(None, (
+        reason = None if engine_head(head) else hook_reason(head) or next(filter(None, (
             tensor_reason(f"lm_head.{n}", p) for n, p in head.named_parameters(recurse=False))), None)
         if reason:  # a tensor-parallel plan on the head, ZeRO-3
             return f"the LM head: {reason}"
@@ -192,8 +194,8 @@ class _FusedLossLM:
         loss = functools.partial(linear_cross_entropy, target=shift_labels.flatten().to(hidden.device),
                                  softcap=getattr(self.config, "final_logit_softcapping", None),
                                  num_items_in_batch=kwargs.get("num_items_in_batch"))
-        if fsdp_head(head):  # computed inside the head's own call: FSDP2 gathers its weight there
-            with _LinearAsLoss(loss):
+        if engine_head(head):  # computed inside the head's own call: FSDP2 or ZeRO-3 gathers its weight there
+            with _computing(head, loss):
                 return head(hidden.flatten(0, -2)), outputs
         return loss(hidden.flatten(0, -2), head.weight, bias=head.bias), outputs
 
@@ -201,37 +203,39 @@ class _FusedLossLM:
         return strip(self, self.remat_stock)
 
 
-def fsdp_head(head):
-    """Whether FSDP2 shards the nn.Linear `head` in a group of its own (fully_shard(model.lm_head)) and
-    nothing else hooks it: the fused loss is then computed inside the head's own call (_LinearAsLoss),
-    where FSDP2's pre-forward gathers its weight and its post-forward sets up the gradient's
-    reduce-scatter and reshards, as for the logits stock computes there."""
+def engine_head(head):
+    """Whether an engine that gathers parameters in a module's own call shards the nn.Linear `head`, and
+    nothing else hooks it: FSDP2 with the head in a group of its own (fully_shard(model.lm_head)), or
+    DeepSpeed ZeRO-3. The fused loss is then computed inside the head's own call (_computing), where
+    the engine's hooks gather its weight and set up its gradient's reduction, as for the logits stock
+    computes there."""
     if not torch.distributed.is_available() or type(head).forward is not nn.Linear.forward:
         return False
     from torch.distributed.fsdp import FSDPModule
 
+    if zero3.partitioned(head):
+        return hook_reason(head, allow=zero3.is_hook) is None
     hooks = [*head._forward_pre_hooks.values(), *head._forward_hooks.values()]
     return isinstance(head, FSDPModule) and not head._backward_hooks and not head._backward_pre_hooks and \
         hook_reason(head, skip=("_forward_hooks", "_forward_pre_hooks")) is None and \
         all(type(getattr(hook, "__self__", None)).__module__.startswith("torch.distributed.fsdp.") for hook in hooks)
 
 
-class _LinearAsLoss(TorchFunctionMode):
-    """Inside a head module's call: its F.linear(x, weight, bias) computes loss(x, weight, bias=bias) instead,
-    the loss the module's call then returns (its hooks see the loss as its output)."""
+@contextlib.contextmanager
+def _computing(head, loss):
+    """While inside, a call of `head` (its hooks and all) returns loss(x, weight, bias=bias) of its input x
+    and its weight and bias as they are in the call (gathered by the engine's hooks), not the logits."""
+    def forward(x):
+        reason = tensor_reason("lm_head.weight", head.weight) or tensor_reason("lm_head.bias", head.bias)
+        if reason:  # FSDP2 and ZeRO-3 gather plain tensors; one sharded otherwise too (with tensor parallel) is not
+            raise RuntimeError(f"remat's fused LM loss inside the head's own call: {reason}")
+        return loss(x, head.weight, bias=head.bias)
 
-    def __init__(self, loss):
-        super().__init__()
-        self.loss = loss
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is not nn.functional.linear:
-            return func(*args, **(kwargs or {}))
-        x, weight, bias = (*args, *(kwargs or {}).values(), None)[:3]
-        reason = tensor_reason("lm_head.weight", weight) or tensor_reason("lm_head.bias", bias)
-        if reason:  # FSDP2 gathers a plain tensor; one sharded otherwise too (FSDP2 with tensor parallel) is not
-            raise RuntimeError(f"remat's fused LM loss inside the head's FSDP2 call: {reason}")
-        return self.loss(x, weight, bias=bias)
+    head.__dict__["forward"] = forward
+    try:
+        yield
+    finally:
+        del head.__dict__["forward"]
 
 
 def _asks_router_logits(config, kwargs):

@@ -16,6 +16,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ... import _tensor_parallel as tensor_parallel
+from ... import _zero3 as zero3
 from ..._guards import decided, excluded_below, fallback, hook_reason, plain_reason, tensor_reason
 from ..._linears import decided_projections, fused_saved_bytes, plain_linear, projection, projections, widths
 from ..._tensor_memo import MISSING, TensorMemo
@@ -122,10 +123,19 @@ class Handoff:
         that very tensor acts on the same verdict (received) without deciding again. Not while
         torch.compile traces (the graph's guards stand for the checks)."""
         reason = self.reason()
+        if reason is None:
+            self._lend()
         if not torch.compiler.is_compiling():
             self._given.put(x, reason)
             self._fed.put(x, None)
         return reason
+
+    def _lend(self):
+        """ZeRO-3: the producers' parameters gathered with each consumer's, which reads them (_zero3.py)."""
+        layer = self._layer()
+        producers = [submodule(layer, path) for path in self.producers.values()]
+        if any(map(zero3.partitioned, producers)):
+            zero3.lend(producers, self.consumer_modules())
 
     def reaches(self, x):
         """Whether `x` is the tensor a producer handed over at its last call, or a view of it (a mixture of
@@ -252,9 +262,10 @@ def _reads_no_input(hook):
     """Whether a hook may see a norm's input in place of its output: transformers' output recorders and
     the hooks of remat's fused q/k norms do not read it; tensor parallel's layout hooks (parallelize_module)
     only place it on the ranks, by tokens or whole, and the member a handoff reaches through them checks the
-    placement its input arrives in (_tensor_parallel.column_input)."""
+    placement its input arrives in (_tensor_parallel.column_input); ZeRO-3's gather the module's parameters
+    and set up its backward, and those a producer hands over are lent to its consumers (Handoff.give)."""
     return _records_outputs(hook) or getattr(hook, "remat_reads_no_hidden_states", False) or \
-        tensor_parallel.is_layout_hook(hook)
+        tensor_parallel.is_layout_hook(hook) or zero3.is_hook(hook)
 
 
 def link(layer, members, producers, consumers, dropout=()):
@@ -381,7 +392,7 @@ def norm_spec(norm):
 
 def _layer_norm_reason(norm):
     """Why a fused norm's parameters cannot be read by a fused op at this call, or None (also when there is none)."""
-    return plain_reason(norm, (type(norm),), "the fused norm") if norm is not None else None
+    return plain_reason(norm, (type(norm),), "the fused norm", zero3.is_hook) if norm is not None else None
 
 
 def _normed_outputs(x, owner, norm, modules, recompute, labels, shared=None):
@@ -491,13 +502,19 @@ class _RematGatedMLP(_RematModule):
         parts = self.remat_parts
         names = (*fc1_names(parts), parts.fc2)
         norm, norm_reason = _handed_over(self, hidden_states)
-        activation = self._modules[parts.act]
         modules = [self._modules[n] for n in names]
         if tensor_parallel.is_sharded(modules[-1]):
             return self._remat_tensor_parallel(hidden_states, norm, norm_reason, modules, names)
+        with zero3.gathered(self, modules):  # it reads its projections' parameters without calling them
+            return self._remat_forward(hidden_states, norm, norm_reason, modules, names)
+
+    def _remat_forward(self, hidden_states, norm, norm_reason, modules, names):
+        parts = self.remat_parts
+        activation = self._modules[parts.act]
         linears, reason = decided_projections(
             self, modules, list(names), [activation, norm],
-            lambda: gated_activation_reason(activation, parts.act) or _layer_norm_reason(norm))
+            lambda: gated_activation_reason(activation, parts.act, allow=zero3.is_hook) or _layer_norm_reason(norm),
+            zero3.is_hook)
         reason = reason or self.remat_call_reason()
         if reason:
             return self._remat_stock_call(reason, hidden_states, norm)
@@ -576,9 +593,10 @@ class _RematFused(_RematPassThrough):
     remat_prefix = "RematFused"
 
 
-def _own_reason(module, label):
-    """Why the weights of a swapped nn.Linear, FalconLinear or Conv1D cannot be read by a fused op, or None."""
-    return plain_reason(module, (type(module),), label)
+def _own_reason(module, label, allow=None):
+    """Why the weights of a swapped nn.Linear, FalconLinear or Conv1D cannot be read by a fused op, or None
+    (hooks allow(hook) takes not counted)."""
+    return plain_reason(module, (type(module),), label, allow)
 
 
 class _RematNormedLinear(_RematModule):
@@ -590,9 +608,10 @@ class _RematNormedLinear(_RematModule):
     remat_prefix = "RematNormed"
     remat_lora = False  # a peft LoRA layer (_RematNormedLoraLinear): its adapters are checked at every call
 
-    def _remat_reason(self):
-        """Why the fused op cannot compute this module, or None."""
-        return _own_reason(self, self.remat_path)
+    def _remat_reason(self, allow=None):
+        """Why the fused op cannot compute this module, or None (hooks allow(hook) takes not counted: ZeRO-3's
+        where the fused op runs in this module's own call, which gathers its parameters)."""
+        return _own_reason(self, self.remat_path, allow)
 
     def _remat_linear(self):
         """The remat.specs.Linear the fused op computes for this module (call where _remat_reason() is None)."""
@@ -652,8 +671,8 @@ class _RematNormedLinear(_RematModule):
             [m for m in handoff.consumer_modules() if m is not self and isinstance(m, _RematNormedLinear)
              and m.__dict__.get("remat_handoff") is handoff]
 
-        def check():
-            reason = self._remat_reason() or _layer_norm_reason(norm)
+        def check():  # its own call gathers its ZeRO-3 parameters; a sibling's does not (no siblings then)
+            reason = self._remat_reason(zero3.is_hook) or _layer_norm_reason(norm)
             siblings = () if reason else tuple(m for m in others if m._remat_reason() is None)
             return reason, siblings
 
@@ -670,7 +689,7 @@ class _RematNormedLoraLinear(_RematNormedLinear):
     remat_prefix = "RematNormedLora"
     remat_lora = True
 
-    def _remat_reason(self):
+    def _remat_reason(self, allow=None):
         return projection(self, self.remat_path)[1]
 
     def _remat_linear(self):
