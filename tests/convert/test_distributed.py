@@ -81,22 +81,61 @@ def _worker(rank):
     results["ddp llama"] = {run: _train(torch.nn.parallel.DistributedDataParallel(
         convert(_tiny_llama()) if run == "remat" else _tiny_llama())) for run in ("stock", "remat")}
     results["zero3 llama"] = {run: _zero3_training(run == "remat") for run in ("stock", "remat")}
+    results["trainer zero3"] = {run: _trainer_zero3(run == "remat") for run in ("stock", "remat")}
     return results
+
+
+def _trainer_zero3(convert_first):
+    """Two SGD steps of the HF Trainer with a DeepSpeed ZeRO-3 config on the tiny Llama, converted first or
+    not (convert, then hand the model to the Trainer): its parameters after them (whole) and its fallbacks."""
+    import tempfile
+
+    deepspeed = _deepspeed()
+    if isinstance(deepspeed, str):
+        return {"error": deepspeed}
+    import transformers
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from remat._guards import fallback_counts
+    from remat.convert import convert
+
+    model = _tiny_llama()
+    if convert_first:
+        model = convert(model)
+    ids = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(1))
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 3}}
+    args = transformers.TrainingArguments(
+        output_dir=tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=2, report_to=[], use_cpu=True,
+        save_strategy="no", logging_strategy="no", disable_tqdm=True, optim="sgd", learning_rate=0.1, deepspeed=config)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=[{"input_ids": row, "labels": row}
+                                                                          for row in ids])
+    trainer.train()
+    assert isinstance(trainer.model_wrapped, deepspeed.DeepSpeedEngine)  # ZeRO-3 ran, not a fallback to DDP
+    return {"params": {name: safe_get_full_fp32_param(p).clone() for name, p in model.named_parameters()},
+            "fallbacks": repr(fallback_counts(model))}
+
+
+def _deepspeed():
+    """deepspeed, on its CPU accelerator, told this rank's place in the gloo group (what its launcher sets);
+    or why it is not there (an optional test dependency the test setup installs)."""
+    import os
+
+    rank = str(torch.distributed.get_rank())
+    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=rank, RANK=rank, WORLD_SIZE=str(WORLD))
+    try:
+        import deepspeed
+    except ImportError as error:
+        return f"deepspeed is not installed ({error})"
+    return deepspeed
 
 
 def _zero3_training(convert_first):
     """The tiny Llama under DeepSpeed ZeRO-3 (its CPU accelerator, on this gloo group), converted first or
     not: as _train, the gradients and parameters gathered whole with deepspeed's own accessors; or the
     reason deepspeed is not there (an optional test dependency the test setup installs)."""
-    import os
-
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    rank = str(torch.distributed.get_rank())
-    os.environ.update(LOCAL_RANK=rank, RANK=rank, WORLD_SIZE=str(WORLD))
-    try:
-        import deepspeed
-    except ImportError as error:
-        return {"error": f"deepspeed is not installed ({error})"}
+    deepspeed = _deepspeed()
+    if isinstance(deepspeed, str):
+        return {"error": deepspeed}
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     from remat._guards import fallback_counts
@@ -378,3 +417,16 @@ def test_zero3_fuses_and_trains_as_stock(distributed_results):
         for key, param in stock["params"].items():
             assert _rel(remat["params"][key], param) <= 1e-4, key
         assert remat["saved"] <= 0.75 * stock["saved"], (remat["saved"], stock["saved"])
+
+
+def test_the_trainer_with_zero3_trains_a_converted_model_as_stock(distributed_results):
+    """The HF Trainer with a DeepSpeed ZeRO-3 config (on CPU: DS_ACCELERATOR=cpu, gloo) trains the converted
+    tiny Llama to the stock one's parameters, every fusion running. (The Trainer's fsdp= runs DDP on CPU:
+    accelerate enables FSDP on accelerators only; FSDP2 itself is tested above through fully_shard.)"""
+    for results in distributed_results:
+        stock, remat = results["trainer zero3"]["stock"], results["trainer zero3"]["remat"]
+        if "error" in stock:
+            pytest.skip(stock["error"])
+        assert remat["fallbacks"] == "{}"
+        for key, param in stock["params"].items():
+            assert _rel(remat["params"][key], param) <= 1e-5, key
