@@ -11,6 +11,8 @@ projection's hook makes of the partial sum (reduced, or reduce-scattered to a se
 reductions DTensor's redistributions of the same placements stock computes with.
 """
 
+import functools
+
 import torch
 
 from ._guards import _GLOBAL_HOOK_DICTS
@@ -21,7 +23,9 @@ from .specs import Linear
 _LAYOUT_HOOKS_MODULE = "torch.distributed.tensor._api"
 
 
+@functools.cache
 def _dtensor():
+    """DTensor's class, or None where torch has no torch.distributed (asked at every fused MLP call: kept)."""
     if not torch.distributed.is_available():
         return None
     from torch.distributed.tensor import DTensor

@@ -21,7 +21,7 @@ import weakref
 import torch
 from torch import nn
 
-from .._guards import EXCLUDED, hook_reason
+from .._guards import _MODULE_HOOKS, EXCLUDED, hook_reason
 from . import hf
 from .fx import fx_candidate, fx_consumed, fx_convert, fx_revert
 from .patterns import fused_module
@@ -257,10 +257,7 @@ def _stock_state(module):
     the stock marks, its hooks."""
     return (type(module), {name: child for name, child in module._modules.items() if is_converted(child)},
             {key for key in vars(module) if key.startswith("remat_")} - _STOCK_MARKS,
-            [len(getattr(module, name)) for name in _HOOK_DICTS])
-
-
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+            [len(getattr(module, name)) for name in _MODULE_HOOKS])
 
 
 def _touched_reason(model, fqn, kept):
