@@ -81,8 +81,44 @@ def _worker(rank):
     results["ddp llama"] = {run: _train(torch.nn.parallel.DistributedDataParallel(_tiny_llama(run == "remat")))
                             for run in ("stock", "remat")}
     results["zero3 llama"] = {run: _zero3_training(run == "remat") for run in ("stock", "remat")}
+    results["zero3 families"] = {family: {run: _zero3_family_step(family, run == "remat") for run in ("stock", "remat")}
+                                 for family in ZERO3_FAMILIES}
+    # last: while its TrainingArguments live, transformers builds models partitioned (deepspeed.zero.Init)
     results["trainer zero3"] = {run: _trainer_zero3(run == "remat") for run in ("stock", "remat")}
     return results
+
+
+# Under ZeRO-3, the fusions beyond the Llama's: Qwen3-MoE's q/k norms (the attention's backward rebuilds q and k
+# with their weights), the norm fused into its router, experts and shared expert; GPT-2's Conv1D projections and
+# GELU MLP.
+ZERO3_FAMILIES = ("Qwen3MoeConfig", "GPT2Config")
+ZERO3 = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}  # deepspeed's config: ZeRO-3
+
+
+def _zero3_family_step(config_name, convert_first):
+    """One ZeRO-3 step of a tiny model of `config_name` (hf_models.tiny_causal_lm; its experts on their reference,
+    as the single-process tests run them): loss, whole gradients, fallbacks."""
+    deepspeed = _deepspeed()
+    if isinstance(deepspeed, str):
+        return {"error": deepspeed}
+    from deepspeed.utils import safe_get_full_grad
+
+    from remat._guards import fallback_counts
+    from remat.convert import convert
+
+    from hf_models import experts_on_the_reference, tiny_causal_lm
+
+    torch.manual_seed(0)  # the same weights in both runs
+    model = tiny_causal_lm(config_name)
+    with experts_on_the_reference():
+        model = convert(model) if convert_first else model
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=ZERO3)
+        ids = torch.randint(2, 90, (2, 16), generator=torch.Generator().manual_seed(1))
+        torch.manual_seed(0)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+    grads = {name: safe_get_full_grad(p).clone() for name, p in model.named_parameters()}
+    return {"loss": loss.detach(), "grads": grads, "fallbacks": repr(fallback_counts(model))}
 
 
 def _trainer_zero3(convert_first):
@@ -138,9 +174,8 @@ def _zero3_training(convert_first):
     from remat._guards import fallback_counts
 
     model = _tiny_llama(convert_first)
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                      config=config)
+                                      config=ZERO3)
     ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
     loss, held = _held_after_forward(model, lambda: engine(input_ids=ids, labels=ids).loss)
     engine.backward(loss)
@@ -415,3 +450,20 @@ def test_the_trainer_with_zero3_trains_a_converted_model_as_stock(distributed_re
         assert remat["fallbacks"] == "{}"
         for key, param in stock["params"].items():
             assert _rel(remat["params"][key], param) <= 1e-5, key
+
+
+@pytest.mark.parametrize("family", ZERO3_FAMILIES)
+def test_zero3_runs_every_fusion_of_other_families(distributed_results, family):
+    """Under ZeRO-3 the q/k norms, the norm fused into a router and experts, and GPT-2's MLP run fused, the loss and
+    every gradient stock ZeRO-3's (gradients with hf_models' floor: a key bias's is rounding noise only)."""
+    from hf_models import grad_error
+
+    for results in distributed_results:
+        stock, remat = (results["zero3 families"][family][run] for run in ("stock", "remat"))
+        if "error" in stock:
+            pytest.skip(stock["error"])
+        assert remat["fallbacks"] == "{}"
+        assert _rel(remat["loss"], stock["loss"]) <= 1e-5
+        total = sum(g.double().norm() ** 2 for g in stock["grads"].values()) ** 0.5
+        for key, grad in stock["grads"].items():
+            assert grad_error(remat["grads"][key], grad, total) <= 1e-4, key

@@ -345,7 +345,9 @@ def _wrapped_reason(model):
         if isinstance(param, DTensor):
             return f"has DTensor parameters ({name}: tensor parallel or another DTensor sharding)"
         if hasattr(param, "ds_id"):  # what deepspeed.zero.Init and ZeRO-3 set on the parameters they partition
-            return f"has DeepSpeed ZeRO-3 partitioned parameters ({name})"
+            return (f"has DeepSpeed ZeRO-3 partitioned parameters ({name}; with transformers, a model loaded while "
+                    "TrainingArguments(deepspeed=<a ZeRO-3 config>) exist is partitioned as it loads: load and "
+                    "convert it first)")
     return None
 
 

@@ -55,12 +55,13 @@ def gelu_approximate(module, kind=None):
     return None
 
 
-def activation_reason(act, label=None, kind=None):
-    """Why `act` (judged as a `kind`, default its own class) cannot play the activation role, or None."""
+def activation_reason(act, label=None, kind=None, allow=None):
+    """Why `act` (judged as a `kind`, default its own class) cannot play the activation role, or None (hooks
+    allow(hook) takes not counted)."""
     label = label or "activation"
     if not isinstance(act, nn.Module) or gelu_approximate(act, kind) is None:
         return f"{label} {(kind or type(act)).__name__} is not a GELU remat computes (exact, tanh or quick)"
-    reason = hook_reason(act)
+    reason = hook_reason(act, allow=allow)
     return f"{type(act).__name__} {reason}" if reason else None
 
 

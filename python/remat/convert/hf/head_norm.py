@@ -49,6 +49,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ... import _zero3 as zero3
 from ..._backend import backward_is_differentiated
 from ..._guards import decided, fallback, from_transformers, hook_reason, tensor_reason
 from ..._linears import widths
@@ -214,7 +215,8 @@ class _RematHeadNorm(_RematModule):
     def forward(self, hidden_states):
         if torch.compiler.is_compiling():
             return self.remat_stock.forward(self, hidden_states)
-        reason = decided(self, [self], lambda: hook_reason(self) or tensor_reason("weight", self.weight))
+        reason = decided(self, [self], lambda: hook_reason(self, allow=zero3.is_hook) or
+                         tensor_reason("weight", self.weight))
         checked = self.__dict__.get("remat_qk_dtype")
         if reason is None and hidden_states.dtype != checked:
             reason = f"its input is {hidden_states.dtype}, not the {checked} its convert-time check ran in"
@@ -260,10 +262,12 @@ def _open_call(module, args, kwargs):
         rotary = args[index]
     call = _Call(rotary, _cache_reason(module, args, kwargs))
     module.__dict__["remat_qk_call"] = call
-    for name in module.__dict__.get("remat_qk_norms", ()):
-        norm = module._modules.get(name)
-        if norm is not None:
-            norm.__dict__["remat_qk_call"] = call
+    norms = [module._modules.get(name) for name in module.__dict__.get("remat_qk_norms", ())]
+    for norm in filter(None, norms):
+        norm.__dict__["remat_qk_call"] = call
+    # ZeRO-3: the attention's backward rebuilds q and k with the norms' weights; lent to it before its own
+    # pre-forward hook (registered later than this one) gathers its parameters, then in its backward
+    zero3.lend(list(filter(None, norms)), [module])
     return None
 
 

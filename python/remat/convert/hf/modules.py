@@ -432,12 +432,18 @@ class _RematMLP(_RematModule):
                        labels=["fc1", "activation", "fc2"])
 
     def forward(self, hidden_states, *args, **kwargs):
+        projections = [self._modules[self.remat_parts.fc1], self._modules[self.remat_parts.fc2]]
+        with zero3.gathered(self, projections):  # it reads their parameters without calling them
+            return self._remat_forward(hidden_states, projections, *args, **kwargs)
+
+    def _remat_forward(self, hidden_states, projections, *args, **kwargs):
         parts = self.remat_parts
         norm, norm_reason = _handed_over(self, hidden_states)
         activation = self._modules[parts.act]
         linears, reason = decided_projections(
-            self, [self._modules[parts.fc1], self._modules[parts.fc2]], [parts.fc1, parts.fc2], [activation, norm],
-            lambda: activation_reason(activation, parts.act) or _layer_norm_reason(norm))
+            self, projections, [parts.fc1, parts.fc2], [activation, norm],
+            lambda: activation_reason(activation, parts.act, allow=zero3.is_hook) or _layer_norm_reason(norm),
+            zero3.is_hook)
         reason = reason or self.remat_call_reason()
         if reason:
             self._remat_fallback(reason)
