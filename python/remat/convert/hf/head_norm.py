@@ -313,10 +313,8 @@ def fused_attention(module, query, key, value, causal, scaling, features, varlen
         fallback(module, f"q/k norms not fused: {reason}", where=_where(module),
                  runs="remat's attention on the q and k of its stock rope")
         return None
-    from .interface import _own_views  # (interface imports this module)
-
     (x_q, _, rstd_q), (x_k, _, rstd_k) = call.records["q"], call.records["k"]
-    x_q, x_k, value = _own_views(x_q, x_k, value)  # each keeps its own part of a fused projection's output
+    x_q, x_k, value = own_views(x_q, x_k, value)  # each keeps its own part of a fused projection's output
     q_norm, k_norm = (module._modules[name] for name in module.__dict__["remat_qk_norms"])
     cos, sin = call.rotary
     window_left, window_right, softcap, dropout_p = features
@@ -333,6 +331,24 @@ def fused_attention(module, query, key, value, causal, scaling, features, varlen
 # (batch x seq) indices of the kept ones (None: all, packed sequences), the cu_seqlens and longest
 # sequence of the queries and keys.
 VarlenTokens = collections.namedtuple("VarlenTokens", "indices cu_q cu_k max_q max_k")
+
+
+def own_views(query, key, value):
+    """q, k and v, each a copy of itself where it is a view of a larger tensor that the three views of
+    it do not cover: a fused qkv projection's output whose other parts were copied (the rotary
+    embedding copies q and k: Phi-3, GPT-NeoX; a cache being filled copies k and v: GPT-2 in training,
+    whose use_cache defaults to True). The attention keeps q, k and v for its backward, and a view
+    keeps the whole projection output alive with it; its copy keeps its own part only. No copy
+    without grad (nothing is kept) or while torch.compile traces (the graph's views are its own)."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return query, key, value
+    tensors = (query, key, value)
+    covered = collections.Counter()  # id of a base -> the elements of it q, k and v view
+    for t in tensors:
+        if t._base is not None:
+            covered[id(t._base)] += t.numel()
+    return tuple(t if t._base is None or t._base.numel() <= covered[id(t._base)]
+                 else t.clone(memory_format=torch.contiguous_format) for t in tensors)
 
 
 class _DenseCore:

@@ -34,7 +34,7 @@ The attention function, per call:
   every other call on remat.attention; causal (or windowed) padding rows get zeros, as
   transformers' flash-attention path gives them; bidirectional ones see the kept keys, as in stock
   attention;
-- q, k or v copied out of a fused qkv projection's output where the others are no views of it (_own_views);
+- q, k or v copied out of a fused qkv projection's output where the others are no views of it (head_norm.own_views);
 - causal or not (the call's is_causal, else the module's), GQA/MQA, scaling, training dropout
   (remat's own Philox mask: the distribution of stock dropout, not its draws), a sliding window of
   W keys as FlashAttention takes it (W - 1 before, and after when not causal), softcap;
@@ -47,7 +47,6 @@ The attention function, per call:
   with the reason recorded (remat.convert's report, fallback_counts()).
 """
 
-import collections
 import sys
 
 import torch
@@ -288,26 +287,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     fused = _fused(module, query, key, value, causal, features)
     if fused is not None:  # its q/k norms fused: q and k rebuilt from the projections' outputs in the backward
         return fused.transpose(1, 2), None
-    query, key, value = _own_views(query, key, value)  # (the varlen paths above gather copies of their tokens)
+    query, key, value = head_norm.own_views(query, key, value)  # (the varlen paths above gather copies)
     return attention(query, key, value, causal=causal, **features).transpose(1, 2), None
-
-
-def _own_views(query, key, value):
-    """q, k and v, each a copy of itself where it is a view of a larger tensor that the three views of
-    it do not cover: a fused qkv projection's output whose other parts were copied (the rotary
-    embedding copies q and k: Phi-3, GPT-NeoX; a cache being filled copies k and v: GPT-2 in training,
-    whose use_cache defaults to True). The attention keeps q, k and v for its backward, and a view
-    keeps the whole projection output alive with it; its copy keeps its own part only. No copy
-    without grad (nothing is kept) or while torch.compile traces (the graph's views are its own)."""
-    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return query, key, value
-    tensors = (query, key, value)
-    covered = collections.Counter()  # id of a base -> the elements of it q, k and v view
-    for t in tensors:
-        if t._base is not None:
-            covered[id(t._base)] += t.numel()
-    return tuple(t if t._base is None or t._base.numel() <= covered[id(t._base)]
-                 else t.clone(memory_format=torch.contiguous_format) for t in tensors)
 
 
 def _stock_reason(module, query, key, value, mask, kwargs):
