@@ -11,8 +11,6 @@ projection's hook makes of the partial sum (reduced, or reduce-scattered to a se
 reductions DTensor's redistributions of the same placements stock computes with.
 """
 
-import functools
-
 import torch
 
 from ._guards import _GLOBAL_HOOK_DICTS
@@ -23,9 +21,9 @@ from .specs import Linear
 _LAYOUT_HOOKS_MODULE = "torch.distributed.tensor._api"
 
 
-@functools.cache
 def _dtensor():
-    """DTensor's class, or None where torch has no torch.distributed (asked at every fused MLP call: kept)."""
+    """DTensor's class, or None where torch has no torch.distributed. (Not functools.cache'd: torch.compile
+    warns on every cached function it traces; the import of a loaded module is a dictionary lookup.)"""
     if not torch.distributed.is_available():
         return None
     from torch.distributed.tensor import DTensor
