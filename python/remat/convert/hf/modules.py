@@ -551,7 +551,7 @@ class _RematGatedMLP(_RematModule):
         if reason or layout_reason:
             return self._remat_stock_call(reason or layout_reason, hidden_states, norm)
         self._remat_fallback(norm_reason)
-        spec = tensor_parallel.norm_of_replicated(norm_spec(norm), down.weight.device_mesh) if norm else None
+        spec = None if norm is None else tensor_parallel.norm_of_replicated(norm_spec(norm), down.weight.device_mesh)
         linears = [tensor_parallel.local_linear(m) for m in ups]
         partial = fused_mlp(x, tuple(linears) if len(linears) == 2 else linears[0], self._remat_activation(),
                             tensor_parallel.local_linear(down), spec, self.remat_recompute, _shared_statistics(self))
