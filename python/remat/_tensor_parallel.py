@@ -41,9 +41,8 @@ def _layout_hooks_reason(module, label):
     """Why `module`'s hooks are not exactly the input and output layout hooks parallelize_module installs."""
     hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
     if module._backward_hooks or module._backward_pre_hooks or module._forward_pre_hooks_with_kwargs or \
-            len(module._forward_pre_hooks) != 1 or len(module._forward_hooks) != 1 or any(map(len, _GLOBAL_HOOK_DICTS)):
-        return f"{label} has hooks besides tensor parallel's input and output layouts"
-    if not all(map(is_layout_hook, hooks)):
+            len(module._forward_pre_hooks) != 1 or len(module._forward_hooks) != 1 or \
+            any(map(len, _GLOBAL_HOOK_DICTS)) or not all(map(is_layout_hook, hooks)):
         return f"{label} has hooks besides tensor parallel's input and output layouts"
     return None
 
@@ -59,7 +58,7 @@ def _placement_reason(module, label, shard_dim, mesh):
     weight, bias = module.weight, module.bias
     if not isinstance(weight, dtensor) or weight.device_mesh != mesh or weight.placements != (Shard(shard_dim),):
         placements = getattr(weight, "placements", "a plain tensor")
-        return f"{label}.weight is {placements}, not Shard({shard_dim}) on the mesh of the MLP's projections"
+        return f"{label}.weight is {placements}, not Shard({shard_dim}) on the mesh of the fused projections"
     if not weight.is_floating_point():
         return f"{label}.weight has dtype {weight.dtype}, not a floating dtype"
     if bias is not None and (shard_dim == 1 or not isinstance(bias, dtensor) or bias.placements != (Shard(0),)):
@@ -73,7 +72,7 @@ def mlp_reason(ups, down, labels):
     layout hooks, weights Shard(0) (ups) and Shard(1) (down) on one 1-D mesh."""
     mesh = down.weight.device_mesh
     if mesh.ndim != 1:
-        return f"{labels[-1]}.weight lies on a {mesh.ndim}-D device mesh (remat's tensor-parallel MLP takes 1-D)"
+        return _mesh_reason(labels[-1], mesh)
     for module, label in zip(ups, labels):
         reason = _placement_reason(module, label, 0, mesh)
         if reason:
@@ -121,9 +120,11 @@ def column_reason(module, label):
     """Why a fused norm cannot be computed into the column-parallel `module` on its shard, or None: a plain
     nn.Linear with only parallelize_module's layout hooks, its weight (and bias) Shard(0) on a 1-D mesh."""
     mesh = module.weight.device_mesh
-    if mesh.ndim != 1:
-        return f"{label}.weight lies on a {mesh.ndim}-D device mesh (remat's tensor-parallel projections take 1-D)"
-    return _placement_reason(module, label, 0, mesh)
+    return _mesh_reason(label, mesh) if mesh.ndim != 1 else _placement_reason(module, label, 0, mesh)
+
+
+def _mesh_reason(label, mesh):
+    return f"{label}.weight lies on a {mesh.ndim}-D device mesh (remat's tensor-parallel fusions take 1-D)"
 
 
 def column_output(out, mesh):

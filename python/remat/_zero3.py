@@ -28,13 +28,18 @@ def is_hook(hook):
 
 def partitioned(module):
     """Whether ZeRO-3 partitions `module`'s own parameters."""
-    return any(hasattr(p, "ds_id") for p in module._parameters.values() if p is not None)
+    return bool(_partitioned_params([module]))
+
+
+def _partitioned_params(owners):
+    """The own parameters of the modules `owners` that ZeRO-3 partitions."""
+    return [p for owner in owners for p in owner._parameters.values() if p is not None and hasattr(p, "ds_id")]
 
 
 def lend(owners, borrowers):
     """Register the own parameters of the modules `owners` as external parameters of each of `borrowers`
     (that ZeRO-3 partitions: the others need nothing); whether one was not registered before."""
-    params = [p for owner in owners for p in owner._parameters.values() if p is not None and hasattr(p, "ds_id")]
+    params = _partitioned_params(owners)
     new = [(b, p) for b in borrowers for p in params if id(p) not in getattr(b, "_external_params", {})]
     if new:
         import deepspeed  # a parameter carries a ds_id: deepspeed partitioned it, so it is imported
@@ -51,7 +56,7 @@ def gathered(module, owners):
     reads in its call, are whole: registered as `module`'s external parameters (gathered with its own from
     its next call on, forward and backward), and those not gathered yet (the call that registers them)
     gathered for this one. A null context where ZeRO-3 partitions none of them."""
-    params = [p for owner in owners for p in owner._parameters.values() if p is not None and hasattr(p, "ds_id")]
+    params = _partitioned_params(owners)
     if not params:
         return contextlib.nullcontext()
     lend(owners, [module])

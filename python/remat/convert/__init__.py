@@ -140,18 +140,19 @@ def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False, *
         raise ValueError("dry_run=True leaves the model as it is; inplace=True asks to convert it: pass one")
     _refuse_a_planned_model(model)
     _refuse_a_wrapped_model(model)
+    converted = _converted_before(model)
     # the filter sees the caller's own modules (a filter on identities works), a converted model's once reverted
-    excluded = None if _converted_before(model) else _excluded_paths(model, filter_fn)
+    excluded = None if converted else _excluded_paths(model, filter_fn)
     if dry_run:
         model = _shadow(model)
     elif not inplace:
         model = copy.deepcopy(model)
-    if _converted_before(model):  # remat's modules are not converted again: their stock ones are
+    if converted:  # remat's modules are not converted again: their stock ones are
         model = revert(model)
-    if excluded is None:
         excluded = _excluded_paths(model, filter_fn)
     with _excluding(model, excluded):
         model, rows = _convert(model, layers, recompute, excluded)
+    rows.model = weakref.ref(model)
     if dry_run:
         return rows
     _warn_broken_rules(rows)
@@ -165,7 +166,6 @@ def _convert(model, layers, recompute, excluded):
     """(the model, its report): `model` converted in place, its modules at the paths `excluded` left
     stock (a new module where `model` itself is one remat swaps, a LayerNorm)."""
     rows = ConversionReport()
-    rows.model = weakref.ref(model)
     if "" in excluded:
         rows.add("", model, "skipped", f"{EXCLUDED_BY_FILTER}: nothing is converted")
         return model, rows
@@ -188,7 +188,6 @@ def _convert(model, layers, recompute, excluded):
     if hf.is_hf_model(inner) and "loss" in layers:
         hf.convert_loss(inner, inner_path, rows)
     rows.sort(key=lambda row: order.get(row.path, len(order)))  # rows in the model's module order
-    rows.model = weakref.ref(model)
     return model, rows
 
 

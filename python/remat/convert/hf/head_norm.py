@@ -502,8 +502,8 @@ def fuse_qk_norms(attention, structure, layers, path, report, verdicts):
     reason = None
     if "forward" in vars(attention):
         reason = "its forward is replaced on the instance"
-    reason = reason or next((f"{name} {hook_reason(attention._modules[name])}" for name in candidates
-                             if hook_reason(attention._modules[name])), None)
+    hooked = {name: hook_reason(attention._modules[name]) for name in candidates}
+    reason = reason or next((f"{name} {why}" for name, why in hooked.items() if why), None)
     styles = {name: structure_probe.rms_style(attention._modules[name]) for name in candidates}
     reason = reason or next((f"{name}: {why}" for name, (style, why) in styles.items() if style is None), None)
     styles = {n: s for n, (s, _) in styles.items()}

@@ -165,7 +165,7 @@ class _FusedLossLM:
             return "the output embeddings were replaced after remat.convert"
         reason = None if engine_head(head) else hook_reason(head) or next(filter(None, (
             tensor_reason(f"lm_head.{n}", p) for n, p in head.named_parameters(recurse=False))), None)
-        if reason:  # a tensor-parallel plan on the head, ZeRO-3
+        if reason:  # a tensor-parallel plan on the head, FSDP2 sharding it with its parent
             return f"the LM head: {reason}"
         if _asks_router_logits(self.config, kwargs):
             return "the router's logits are asked for (output_router_logits): their auxiliary loss is added"

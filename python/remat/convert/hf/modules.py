@@ -123,19 +123,17 @@ class Handoff:
         that very tensor acts on the same verdict (received) without deciding again. Not while
         torch.compile traces (the graph's guards stand for the checks)."""
         reason = self.reason()
-        if reason is None:
-            self._lend()
         if not torch.compiler.is_compiling():
             self._given.put(x, reason)
             self._fed.put(x, None)
         return reason
 
-    def _lend(self):
-        """ZeRO-3: the producers' parameters gathered with each consumer's, which reads them (_zero3.py)."""
-        layer = self._layer()
-        producers = [submodule(layer, path) for path in self.producers.values()]
-        if any(map(zero3.partitioned, producers)):
-            zero3.lend(producers, self.consumer_modules())
+    def _lend(self, layer):
+        """ZeRO-3: the producers' parameters gathered with each consumer's, which reads them (_zero3.py).
+        Asked with the handoff's check: deepspeed.initialize partitions the parameters and hooks every
+        module at once, which changes the fingerprint the check is kept under."""
+        zero3.lend([submodule(layer, path) for path in self.producers.values()],
+                   [submodule(layer, path) for path in self.consumers])
 
     def reaches(self, x):
         """Whether `x` is the tensor a producer handed over at its last call, or a view of it (a mixture of
@@ -169,6 +167,7 @@ class Handoff:
         dropping = [name for name in self.dropout if getattr(layer, name, 0) > 0] if layer.training else []
         if dropping:
             return f"{dropping[0]} (p={getattr(layer, dropping[0])}) in training"
+        self._lend(layer)
         return None
 
     @property
