@@ -41,6 +41,9 @@ Tensor contract:
   a NaN loss where every logit is. Backward takes dloss (M,) fp32 of any stride (0 for a sum's expanded
   gradient) and returns dx (M, K) contiguous in x's dtype, dW (V, K) in weight's, db (V,) in bias's;
   each an empty (0,) tensor when not asked for. All arithmetic is fp32.
+  Vocabulary parallel (vocab_total > 0): weight (and bias) hold rows vocab_start .. vocab_start + V of a
+  vocabulary of vocab_total; the forward returns the shard's lse and its part of the loss (section 3),
+  the backward takes the lse combined over the shards and returns the shard's part of dx.
 """
 
 import functools
@@ -188,15 +191,20 @@ def _logit_tile(X, W, B, rows, cols, row_mask, col_mask, K, stride_x, stride_w, 
 # Program (row block r, split s) covers vocabulary blocks [s * per_split, (s + 1) * per_split) and
 # writes for each row: max_j z_ij, sum_j exp(z_ij - max), z_it (0 when t_i is elsewhere) and
 # sum_j z_ij, into Partials (planes, M, splits). Row counts are not specialised (do_not_specialize):
-# one compiled variant serves every number of tokens.
-@triton.jit(do_not_specialize=["M"])
+# one compiled variant serves every number of tokens; nor is a vocabulary shard's first row.
+# A tensor-parallel shard (W holding rows vocab_start .. vocab_start + V of a vocabulary of
+# vocab_total, 0 for the whole) compares the targets with its columns' places in the whole vocabulary
+# and writes, as its loss, the part it holds of the loss's terms that are sums over the vocabulary:
+#   part_i = - (1 - eps) z_it [t_i in the shard] - (eps / vocab_total) sum_{j in shard} z_ij
+# the caller adding the shards' parts and lse_i + lam lse_i^2 of their combined log-sum-exp.
+@triton.jit(do_not_specialize=["M", "vocab_start"])
 def _lce_fwd_kernel(
     X,  # (M, K) input, row stride stride_x, column stride 1
     W,  # (V, K) weight, row stride stride_w, column stride 1
     B,  # (V,) bias; any valid pointer when HAS_BIAS is False
     Target,  # (M,) class indices
     Partials,  # (3 or 4, M, splits) fp32 output: maxima, exponential sums, target logits, logit sums
-    M, V, K, stride_x, stride_w, splits, per_split, softcap,
+    M, V, K, stride_x, stride_w, splits, per_split, softcap, vocab_start,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -205,7 +213,8 @@ def _lce_fwd_kernel(
     split = pid % splits
     rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
-    target = tl.load(Target + rows, mask=row_mask, other=-1)
+    # The target's column in this weight: outside [0, V) (another shard's, ignored) it matches none.
+    target = tl.load(Target + rows, mask=row_mask, other=-1) - vocab_start
 
     running_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     exp_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -244,10 +253,10 @@ def _lce_fwd_kernel(
 def _lce_fwd_combine_kernel(
     Partials,  # (3 or 4, M, splits) fp32, as _lce_fwd_kernel wrote them
     Target,  # (M,) class indices
-    Loss,  # (M,) fp32 output
+    Loss,  # (M,) fp32 output: the loss, or a shard's part of it (not WHOLE)
     Lse,  # (M,) fp32 output
-    M, V, splits, ignore_index, label_smoothing, z_loss,
-    SMOOTHING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+    M, vocab_total, splits, ignore_index, label_smoothing, z_loss,
+    SMOOTHING: tl.constexpr, WHOLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     parts = tl.arange(0, BLOCK_S)
@@ -267,13 +276,15 @@ def _lce_fwd_combine_kernel(
     shift = tl.where(row_max == float("-inf"), 0.0, row_max)
     lse = shift + tl.log(tl.sum(sums * tl.exp(maxima - shift[:, None]), axis=1))
     target_logit = tl.sum(tl.load(Partials + 2 * plane + offsets, mask=mask, other=0.0), axis=1)
-    loss = lse - (1.0 - label_smoothing) * target_logit + z_loss * lse * lse
+    loss = -(1.0 - label_smoothing) * target_logit
+    if WHOLE:
+        loss += lse + z_loss * lse * lse
     if SMOOTHING:
         logit_sum = tl.sum(tl.load(Partials + 3 * plane + offsets, mask=mask, other=0.0), axis=1)
-        loss -= (label_smoothing / V) * logit_sum
+        loss -= (label_smoothing / vocab_total) * logit_sum
 
     target = tl.load(Target + rows)
-    in_range = (target >= 0) & (target < V)
+    in_range = (target >= 0) & (target < vocab_total)
     loss = tl.where(target != ignore_index, tl.where(in_range, loss, float("nan")), 0.0)
     tl.store(Loss + rows, loss, mask=row_mask)
     tl.store(Lse + rows, lse, mask=row_mask)
@@ -287,10 +298,12 @@ def _lce_fwd_combine_kernel(
 #   d loss_i / d z_ij = p_ij (1 + 2 lam lse_i) - (1 - eps) [j = t_i] - eps / V
 #   dz_ij = g_i * that, 0 for an ignored token; with a softcap z = c tanh(u / c) on the raw
 #   logit u, du_ij = dz_ij (1 - tanh^2(u / c)).
+# A shard of the vocabulary (see the forward) takes the combined lse and forms its columns' dz with
+# V the whole vocabulary's size and its columns' places in it: its dx is its part of the sum over j.
 # Then dx_i = sum_j du_ij W_j, dW_j = sum_i du_ij x_i, db_j = sum_i du_ij. du is rounded to x's
 # dtype before the two GEMMs, as stock autograd rounds the logits' gradient; db sums it in fp32
 # before that rounding.
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "vocab_start"])
 def _lce_bwd_logit_grads_kernel(
     X,  # (M, K) input, row stride stride_x
     W,  # (V, K) weight, row stride stride_w
@@ -301,7 +314,7 @@ def _lce_bwd_logit_grads_kernel(
     DZ,  # (M, >= width) output in x's dtype, row stride stride_dz: the chunk's logit gradients
     DBPartials,  # (cdiv(M, BLOCK_M), >= width) fp32 output, row stride stride_dbp; written when DB_PARTIALS
     M, V, K, first_col, width, stride_x, stride_w, stride_dloss, stride_dz, stride_dbp,
-    ignore_index, label_smoothing, z_loss, softcap,
+    ignore_index, label_smoothing, z_loss, softcap, vocab_start,
     HAS_BIAS: tl.constexpr, DB_PARTIALS: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
 ):
@@ -317,12 +330,13 @@ def _lce_bwd_logit_grads_kernel(
     lse = tl.load(Lse + rows, mask=row_mask, other=0.0)
     target = tl.load(Target + rows, mask=row_mask, other=ignore_index)
     upstream = tl.load(DLoss + rows.to(tl.int64) * stride_dloss, mask=row_mask, other=0.0).to(tl.float32)
-    # A target outside the vocabulary had a NaN loss: its gradients are NaN too, never a guess.
+    # A target outside the vocabulary had a NaN loss: its gradients are NaN too, never a guess. V is
+    # the whole vocabulary's size, cols + vocab_start the columns' places in it (a shard's, see above).
     upstream = tl.where((target >= 0) & (target < V), upstream, float("nan"))
     counted = row_mask & (target != ignore_index)
     p = tl.exp(z - lse[:, None])
     dz = p * (1.0 + 2.0 * z_loss * lse)[:, None] - label_smoothing / V
-    dz -= tl.where(cols[None, :] == target[:, None], 1.0 - label_smoothing, 0.0)
+    dz -= tl.where(cols[None, :] + vocab_start == target[:, None], 1.0 - label_smoothing, 0.0)
     dz *= upstream[:, None]
     if SOFTCAP:
         dz *= 1.0 - t * t
@@ -436,6 +450,13 @@ def _check_inputs(x, weight, bias, target):
         raise ValueError(f"target must have shape ({x.shape[0]},), got {tuple(target.shape)}")
 
 
+def _check_shard(vocab_start, vocab_total, rows):
+    """A weight of `rows` rows as a shard of a vocabulary of vocab_total from row vocab_start (0: the whole)."""
+    if vocab_total and not 0 <= vocab_start <= vocab_total - rows:
+        raise ValueError(f"a weight of {rows} rows from row vocab_start={vocab_start} must lie within the "
+                         f"vocabulary of vocab_total={vocab_total} rows")
+
+
 class _Prepared(NamedTuple):
     x: torch.Tensor
     weight: torch.Tensor
@@ -453,17 +474,21 @@ def _prepared(x, weight, bias, target):
 
 
 @on_input_device
-def linear_cross_entropy_fwd(x, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap):
+def linear_cross_entropy_fwd(x, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, vocab_start=0,
+                             vocab_total=0):
     """(loss, lse) of tokens x (M, K) against classes weight (V, K) (+ bias (V,)): see the contract
-    in the module docstring; softcap None or a positive float."""
-    return forward(x, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap)
+    in the module docstring; softcap None or a positive float. With vocab_total > 0, weight holds rows
+    vocab_start .. vocab_start + V of that vocabulary, and loss is the shard's part (section 3)."""
+    return forward(x, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, vocab_start, vocab_total)
 
 
-def forward(x, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, splits=None):
+def forward(x, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, vocab_start=0, vocab_total=0,
+            splits=None):
     """linear_cross_entropy_fwd with the number of vocabulary splits given (None: vocab_splits)."""
     _check_inputs(x, weight, bias, target)
     M, K = x.shape
     V = weight.shape[0]
+    _check_shard(vocab_start, vocab_total, V)
     loss = torch.empty((M,), dtype=torch.float32, device=x.device)
     lse = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M == 0:
@@ -477,7 +502,7 @@ def forward(x, weight, bias, target, ignore_index, label_smoothing, z_loss, soft
     partials = torch.empty((4 if smoothing else 3, M, splits), dtype=torch.float32, device=x.device)
     _lce_fwd_kernel[(row_blocks * splits,)](
         p.x, p.weight, p.bias, p.target, partials, M, V, K, p.x.stride(0), p.weight.stride(0), splits, per_split,
-        float(softcap or 1.0),
+        float(softcap or 1.0), int(vocab_start),
         HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, SMOOTHING=smoothing, IEEE=x.dtype == torch.float32,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.warps, num_stages=config.stages,
@@ -485,28 +510,30 @@ def forward(x, weight, bias, target, ignore_index, label_smoothing, z_loss, soft
     block_s = next_power_of_2(splits)
     block_rows = max(1, COMBINE_TILE // block_s)
     _lce_fwd_combine_kernel[(cdiv(M, block_rows),)](
-        partials, p.target, loss, lse, M, V, splits, int(ignore_index), float(label_smoothing), float(z_loss),
-        SMOOTHING=smoothing, BLOCK_M=block_rows, BLOCK_S=block_s, num_warps=4,
+        partials, p.target, loss, lse, M, int(vocab_total or V), splits, int(ignore_index), float(label_smoothing),
+        float(z_loss), SMOOTHING=smoothing, WHOLE=not vocab_total, BLOCK_M=block_rows, BLOCK_S=block_s, num_warps=4,
     )
     return loss, lse
 
 
 @on_input_device
 def linear_cross_entropy_bwd(dloss, x, weight, bias, target, lse, ignore_index, label_smoothing, z_loss, softcap,
-                             need_dx, need_dweight, need_dbias):
+                             need_dx, need_dweight, need_dbias, vocab_start=0, vocab_total=0):
     """(dx, dweight, dbias) of linear_cross_entropy_fwd for the upstream gradient dloss (M,),
     recomputing the logits chunk by chunk from x, weight and the forward's lse; an output not
-    asked for (or dbias without a bias) is an empty (0,) tensor."""
+    asked for (or dbias without a bias) is an empty (0,) tensor. A shard of the vocabulary (vocab_total
+    > 0) takes the lse combined over the shards and returns its part of dx."""
     return backward(dloss, x, weight, bias, target, lse, ignore_index, label_smoothing, z_loss, softcap,
-                    need_dx, need_dweight, need_dbias)
+                    need_dx, need_dweight, need_dbias, vocab_start, vocab_total)
 
 
 def backward(dloss, x, weight, bias, target, lse, ignore_index, label_smoothing, z_loss, softcap,
-             need_dx, need_dweight, need_dbias, columns=None):
+             need_dx, need_dweight, need_dbias, vocab_start=0, vocab_total=0, columns=None):
     """linear_cross_entropy_bwd with the chunk width given (None: chunk_columns)."""
     _check_inputs(x, weight, bias, target)
     M, K = x.shape
     V = weight.shape[0]
+    _check_shard(vocab_start, vocab_total, V)
     check_float_tensor("dloss", dloss, shape=(M,), like=("x", x), dtypes=(torch.float32, torch.float64, x.dtype))
     check_float_tensor("lse", lse, shape=(M,), like=("x", x), dtypes=(torch.float32,))
     device = x.device
@@ -535,8 +562,9 @@ def backward(dloss, x, weight, bias, target, lse, ignore_index, label_smoothing,
     for index, (first_col, width) in enumerate(chunks):
         _lce_bwd_logit_grads_kernel[(row_blocks * cdiv(width, logits.block_n),)](
             p.x, p.weight, p.bias, p.target, lse, dloss, dz, db_partials if need_dbias else dz,
-            M, V, K, first_col, width, p.x.stride(0), p.weight.stride(0), dloss.stride(0), dz.stride(0), padded,
-            int(ignore_index), float(label_smoothing), float(z_loss), float(softcap or 1.0),
+            M, int(vocab_total or V), K, first_col, width, p.x.stride(0), p.weight.stride(0), dloss.stride(0),
+            dz.stride(0), padded, int(ignore_index), float(label_smoothing), float(z_loss), float(softcap or 1.0),
+            int(vocab_start),
             HAS_BIAS=bias is not None, DB_PARTIALS=need_dbias, SOFTCAP=softcap is not None,
             BLOCK_M=logits.block_m, BLOCK_N=logits.block_n, BLOCK_K=logits.block_k,
             num_warps=logits.warps, num_stages=logits.stages, **common,
@@ -578,18 +606,21 @@ AOT_HIDDEN, AOT_TOKENS, AOT_CHUNK = 4096, 256, 48000
 AOT_VOCABS = (128256, 151936, 256000, 50257)
 
 
-def _aot_launch(direction, dtype, vocab, hidden, with_bias, softcap, smoothing, splits=None):
+def _aot_launch(direction, dtype, vocab, hidden, with_bias, softcap, smoothing, splits=None, shards=1):
+    """shards > 1: the launches of rank 1's shard of the vocabulary split over `shards` ranks."""
+    rows = cdiv(vocab, shards)
+    shard = (rows, vocab) if shards > 1 else (0, 0)
     x = torch.empty((AOT_TOKENS, hidden), dtype=dtype)
-    weight = torch.empty((vocab, hidden), dtype=dtype)
-    bias = torch.empty((vocab,), dtype=dtype) if with_bias else None
+    weight = torch.empty((rows, hidden), dtype=dtype)
+    bias = torch.empty((rows,), dtype=dtype) if with_bias else None
     target = torch.empty((AOT_TOKENS,), dtype=torch.int64)
     options = (-100, 0.1 if smoothing else 0.0, 1e-4, softcap)
     if direction == "fwd":
-        forward(x, weight, bias, target, *options, splits=splits)
+        forward(x, weight, bias, target, *options, *shard, splits=splits)
     else:
-        for columns in (AOT_CHUNK, vocab):
+        for columns in (AOT_CHUNK, rows):
             backward(torch.empty((AOT_TOKENS,)), x, weight, bias, target, torch.empty((AOT_TOKENS,)), *options,
-                     True, True, True, columns=columns)
+                     True, True, True, *shard, columns=columns)
 
 
 def aot_cases():
@@ -609,6 +640,12 @@ def aot_cases():
                                                  30.0 if every else None, every),
                         dtype=dtype, vocab=vocab, options=options, direction=direction,
                     ))
+        for direction in ("fwd", "bwd"):  # tensor parallel: a shard of Llama 3's vocabulary over 8 ranks
+            cases.append(dict(
+                name=f"{direction}_{TYPE_NAMES[dtype]}_V128256_K{AOT_HIDDEN}_all_shard_of_8",
+                launch=functools.partial(_aot_launch, direction, dtype, 128256, AOT_HIDDEN, True, 30.0, True, shards=8),
+                dtype=dtype, vocab=128256, options="all", direction=direction,
+            ))
         cases.append(dict(
             name=f"fwd_{TYPE_NAMES[dtype]}_V128256_K{AOT_HIDDEN}_plain_small_batch",
             launch=functools.partial(_aot_launch, "fwd", dtype, 128256, AOT_HIDDEN, False, None, False, 264),

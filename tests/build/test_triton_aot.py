@@ -82,14 +82,15 @@ def _attention_ci_cases(kernels):
 # ~65 s on two cores for both archs from a cold cache) is more than CI needs; this subset takes ~20 s.
 # CI compiles bf16 (training's dtype; fp16 is the same code): plain at Llama 3's vocabulary
 # (16-divisible), with every option (bias, softcap, label smoothing: the most live values) at GPT-2's
-# ragged one, and the small-batch forward (the widest combine). fp32 (rare for LM heads) compiles with
-# REMAT_AOT_FULL=1.
+# ragged one, the small-batch forward (the widest combine) and a tensor-parallel shard's forward (the
+# combine of a shard's part of the loss). fp32 (rare for LM heads) compiles with REMAT_AOT_FULL=1.
 _LINEAR_CROSS_ENTROPY_SUBSET = {(torch.bfloat16, 128256, "plain"), (torch.bfloat16, 50257, "all")}
 
 
 def _linear_cross_entropy_ci_cases(kernels):
     return [case for case in kernels.aot_cases()
-            if (case["dtype"], case["vocab"], case["options"]) in _LINEAR_CROSS_ENTROPY_SUBSET]
+            if (case["dtype"], case["vocab"], case["options"]) in _LINEAR_CROSS_ENTROPY_SUBSET
+            or case["name"] == f"fwd_bf16_V128256_K{kernels.AOT_HIDDEN}_all_shard_of_8"]
 
 
 # The routed experts' full list (bf16 and fp32, three production layers, both policies: six kernels a

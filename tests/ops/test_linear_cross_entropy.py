@@ -135,6 +135,70 @@ def test_chunk_and_split_counts_change_only_the_rounding(target):
             assert rel_error(got, want) <= 2e-3, (columns, name)
 
 
+# --- a vocabulary split across ranks (tensor parallel) -------------------------------------------
+# Three uneven shards of 1003 classes; the ranks' all-reduces (a maximum, then sums) done here on the list.
+SHARD_CUTS = (0, 335, 700, 1003)
+
+
+def _shard_combined(x, weight, bias, labels, dloss, options):
+    """(per-token losses, dx, dweight, dbias) of the kernels run a shard at a time and combined as
+    remat.linear_cross_entropy combines them across ranks: lse = log sum_r exp(lse_r), the loss the sum of
+    the shards' parts plus lse + z_loss lse^2, each shard's backward given that lse, dx their sum."""
+    vocab, shards = weight.shape[0], list(zip(SHARD_CUTS, SHARD_CUTS[1:]))
+    outs = [lce_ops.linear_cross_entropy_fwd(x, weight[a:b], bias[a:b], labels, *options, a, vocab) for a, b in shards]
+    lse = torch.logsumexp(torch.stack([lse for _, lse in outs]), dim=0)
+    losses = torch.where(labels != -100, sum(part for part, _ in outs) + lse + options[2] * lse * lse, 0.0)
+    grads = [lce_ops.linear_cross_entropy_bwd(dloss, x, weight[a:b], bias[a:b], labels, lse, *options, True, True,
+                                              True, a, vocab) for a, b in shards]
+    return (losses, sum(g[0].float() for g in grads).to(x.dtype), torch.cat([g[1] for g in grads]),
+            torch.cat([g[2] for g in grads]))
+
+
+@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_vocabulary_shards_combine_to_the_whole_loss_and_gradients(target, dtype, options):
+    """A vocabulary-parallel head's kernels: each shard's lse and part of the loss, combined, and each
+    shard's backward given the combined lse, give the loss and gradients of the whole vocabulary within
+    twice PyTorch's own error (targets in every shard, one ignored)."""
+    device, _ = target
+    x, weight, bias, labels = make_case(40, 64, 1003, dtype, device, bias=True)
+    labels[3:6] = torch.tensor(SHARD_CUTS[1:]) - 1  # the last class of each shard (token 2 is ignored)
+    op_options = (-100, options.get("label_smoothing", 0.0), options.get("z_loss", 0.0), options.get("softcap"))
+    leaves, exact_leaves = [x, weight, bias], float64_leaves(x, weight, bias)
+    exact = stock(*exact_leaves, labels, reduction="none", **options)
+    dloss = torch.randn(40, device=device)
+    theirs = stock(x, weight, bias, labels, reduction="none", **options)
+    ours = _shard_combined(*(t.detach() for t in leaves), labels, dloss, op_options)
+    assert_within_twice_pytorchs_error(
+        ["loss", "dx", "dweight", "dbias"], ours, [theirs, *grads_of(theirs, leaves, dloss.to(dtype))],
+        [exact, *grads_of(exact, exact_leaves, dloss.double())])
+
+
+def test_a_shard_marks_a_target_outside_the_whole_vocabulary_nan(target):
+    """A shard checks targets against the whole vocabulary: another shard's target is no error, a target
+    beyond the whole vocabulary gives a NaN part and NaN gradients, an ignored one 0."""
+    device, _ = target
+    x, weight, bias, _ = make_case(3, 29, 40, torch.float32, device, bias=True)
+    labels = torch.tensor([5, 40, -100], device=device)  # another shard's; beyond the vocabulary; ignored
+    part, _ = lce_ops.linear_cross_entropy_fwd(x.detach(), weight[20:].detach(), bias[20:].detach(), labels, -100,
+                                               0.0, 0.0, None, 20, 40)
+    assert part[0] == 0 and part[1].isnan() and part[2] == 0
+    dx, dweight, _ = lce_ops.linear_cross_entropy_bwd(torch.ones(3, device=device), x.detach(), weight[20:].detach(),
+                                                      None, labels, torch.zeros(3, device=device), -100, 0.0, 0.0,
+                                                      None, True, True, False, 20, 40)
+    assert dx[0].isfinite().all() and dx[1].isnan().all() and (dx[2] == 0).all() and dweight.isnan().any()
+
+
+def test_a_shard_outside_its_vocabulary_is_refused_and_its_parts_have_no_gradient(target):
+    device, _ = target
+    x, weight, _, labels = make_case(3, 29, 40, torch.float32, device)
+    with pytest.raises(ValueError, match="vocab_start=30 must lie within the vocabulary of vocab_total=40"):
+        lce_kernels.linear_cross_entropy_fwd(x.detach(), weight[20:].detach(), None, labels, -100, 0.0, 0.0, None,
+                                             30, 40)
+    part, lse = lce_ops.linear_cross_entropy_fwd(x, weight[20:], None, labels, -100, 0.0, 0.0, None, 20, 40)
+    assert not part.requires_grad and not lse.requires_grad  # the combined loss is what has a gradient
+
+
 # --- semantics: PyTorch's cross-entropy and transformers' loss -----------------------------------
 
 

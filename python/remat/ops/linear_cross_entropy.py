@@ -13,9 +13,17 @@ ignore_index, label_smoothing, z_loss, softcap) -> (loss (M,), lse (M,)), the pe
 ignored tokens) in fp32 (float64 for float64 inputs); the public function reduces them in PyTorch.
 The backward op takes the per-token upstream gradient (the expanded scalar of a sum or mean, stride
 0) and which gradients to form: a frozen head (LoRA) skips the dW product entirely.
+
+Vocabulary parallel (tensor parallel's LM head, the vocabulary split across the ranks): both ops take
+vocab_start and vocab_total (0: the weight is the whole vocabulary). A shard's forward returns its
+lse and its part of the loss's sums over the vocabulary; remat.linear_cross_entropy with a DTensor
+weight combines them across the ranks (two all-reduces of a few floats a token: the logits and the
+weight are never gathered) and hands each shard's backward the combined lse, which returns its part
+of dx (summed across the ranks) and its rows of dW.
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -66,26 +74,33 @@ def _capped_logits(x, weight, bias, softcap):
     return softcap * t, t
 
 
-def _token_losses(z, lse, target, ignore_index, label_smoothing, z_loss):
+def _token_losses(z, lse, target, ignore_index, label_smoothing, z_loss, vocab_start, vocab_total):
     """loss_i = lse_i - (1 - eps) z_it - eps mean_j z_ij + lam lse_i^2; 0 where ignored, NaN where the
-    target lies outside the vocabulary (never a silent wrong loss)."""
-    vocab = z.shape[1]
+    target lies outside the vocabulary (never a silent wrong loss). A shard of the vocabulary (vocab_total
+    > 0: z holds its columns vocab_start ..): its part of the sums, -(1 - eps) z_it where t_i is its and
+    -(eps / vocab_total) sum_j z_ij."""
+    vocab, whole = z.shape[1], vocab_total or z.shape[1]
     target = target.long()
     counted = target != ignore_index
-    in_range = (target >= 0) & (target < vocab)
-    target_logit = z.gather(1, target.clamp(0, vocab - 1)[:, None]).squeeze(1)
-    loss = lse - (1 - label_smoothing) * target_logit + z_loss * lse * lse
+    in_range = (target >= 0) & (target < whole)
+    local = target - vocab_start
+    here = (local >= 0) & (local < vocab)
+    target_logit = torch.where(here, z.gather(1, local.clamp(0, vocab - 1)[:, None]).squeeze(1), 0.0)
+    loss = -(1 - label_smoothing) * target_logit
+    if not vocab_total:
+        loss = loss + lse + z_loss * lse * lse
     if label_smoothing:
-        loss = loss - label_smoothing * z.mean(dim=1)
+        loss = loss - (label_smoothing / whole) * z.sum(dim=1)
     return torch.where(counted, torch.where(in_range, loss, math.nan), 0.0)
 
 
 def linear_cross_entropy_fwd_ref(
     x: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, ignore_index: int, label_smoothing: float,
-    z_loss: float, softcap: float | None,
+    z_loss: float, softcap: float | None, vocab_start: int = 0, vocab_total: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """(loss, lse) per token of x (M, K) against weight (V, K) (+ bias (V,)) and target (M,); both in
-    fp32 (float64 for float64 x). Differentiable (a double backward runs through it)."""
+    fp32 (float64 for float64 x). Differentiable (a double backward runs through it). With vocab_total > 0,
+    weight is rows vocab_start .. of that vocabulary, and loss the shard's part (_token_losses)."""
     compute = math_dtype(x)
     weight_c = weight.to(compute)
     bias_c = bias.to(compute) if bias is not None else None
@@ -94,20 +109,23 @@ def linear_cross_entropy_fwd_ref(
         z, _ = _capped_logits(x[start:stop].to(compute), weight_c, bias_c, softcap)
         lse = torch.logsumexp(z, dim=1)
         lses.append(lse)
-        losses.append(_token_losses(z, lse, target[start:stop], ignore_index, label_smoothing, z_loss))
+        losses.append(_token_losses(z, lse, target[start:stop], ignore_index, label_smoothing, z_loss, vocab_start,
+                                    vocab_total))
     return torch.cat(losses), torch.cat(lses)
 
 
-def _logit_grads(z, t, lse, target, upstream, ignore_index, label_smoothing, z_loss):
-    """d loss / d (raw logits) of a chunk of tokens: the formulas of the kernels' backward."""
-    vocab = z.shape[1]
+def _logit_grads(z, t, lse, target, upstream, ignore_index, label_smoothing, z_loss, vocab_start, vocab_total):
+    """d loss / d (raw logits) of a chunk of tokens: the formulas of the kernels' backward (a shard's
+    columns with the combined lse, in the whole vocabulary's places)."""
+    whole = vocab_total or z.shape[1]
     target = target.long()
     counted = target != ignore_index
-    in_range = (target >= 0) & (target < vocab)
+    in_range = (target >= 0) & (target < whole)
     p = torch.exp(z - lse[:, None])
     # In z's dtype: (1 - eps) times a bool tensor would be rounded to the default dtype, fp32.
-    is_target = (torch.arange(vocab, device=z.device)[None, :] == target[:, None]).to(z.dtype)
-    dz = p * (1 + 2 * z_loss * lse)[:, None] - label_smoothing / vocab - (1 - label_smoothing) * is_target
+    columns = torch.arange(vocab_start, vocab_start + z.shape[1], device=z.device)
+    is_target = (columns[None, :] == target[:, None]).to(z.dtype)
+    dz = p * (1 + 2 * z_loss * lse)[:, None] - label_smoothing / whole - (1 - label_smoothing) * is_target
     # NaN only on counted tokens: an ignored token's NaN, though masked below, would make the
     # masked product's own gradient NaN (0 * NaN) under a double backward.
     dz = dz * torch.where(counted & ~in_range, math.nan, upstream.to(z.dtype))[:, None]
@@ -119,10 +137,11 @@ def _logit_grads(z, t, lse, target, upstream, ignore_index, label_smoothing, z_l
 def linear_cross_entropy_bwd_ref(
     dloss: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, lse: Tensor, ignore_index: int,
     label_smoothing: float, z_loss: float, softcap: float | None, need_dx: bool, need_dweight: bool,
-    need_dbias: bool,
+    need_dbias: bool, vocab_start: int = 0, vocab_total: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dweight, dbias) for the per-token upstream gradient dloss (M,), the logits rebuilt a chunk
-    of tokens at a time; an output not asked for (dbias without a bias) is an empty (0,) tensor."""
+    of tokens at a time; an output not asked for (dbias without a bias) is an empty (0,) tensor. A shard
+    (vocab_total > 0) takes the combined lse and returns its part of dx."""
     compute = math_dtype(x)
     weight_c = weight.to(compute)
     bias_c = bias.to(compute) if bias is not None else None
@@ -134,7 +153,7 @@ def linear_cross_entropy_bwd_ref(
         x_c = x[start:stop].to(compute)
         z, t = _capped_logits(x_c, weight_c, bias_c, softcap)
         dz = _logit_grads(z, t, lse[start:stop].to(compute), target[start:stop], dloss[start:stop], ignore_index,
-                          label_smoothing, z_loss)
+                          label_smoothing, z_loss, vocab_start, vocab_total)
         if need_dx:
             dx_parts.append(dz @ weight_c)
         if need_dweight:
@@ -156,21 +175,24 @@ def _absent(like):
 # ---------------------------------------------------------------------------------------------
 
 
-def _fwd_fake(x, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap):
+def _fwd_fake(x, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, vocab_start=0, vocab_total=0):
     rows = x.shape[0]
     return x.new_empty((rows,), dtype=math_dtype(x)), x.new_empty((rows,), dtype=math_dtype(x))
 
 
 def _bwd_fake(dloss, x, weight, bias, target, lse, ignore_index, label_smoothing, z_loss, softcap, need_dx,
-              need_dweight, need_dbias):
+              need_dweight, need_dbias, vocab_start=0, vocab_total=0):
     dbias = bias.new_empty(bias.shape) if need_dbias and bias is not None else _absent(x)
     return (x.new_empty(x.shape) if need_dx else _absent(x),
             weight.new_empty(weight.shape) if need_dweight else _absent(weight), dbias)
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap = inputs
+    x, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, _vocab_start, vocab_total = inputs
     _loss, lse = output
+    if vocab_total:  # a shard's parts: remat.linear_cross_entropy differentiates the loss they combine into
+        ctx.mark_non_differentiable(_loss, lse)
+        return
     ctx.save_for_backward(x, weight, bias, target, lse)
     ctx.options = (ignore_index, label_smoothing, z_loss, softcap)
     ctx.mark_non_differentiable(lse)
@@ -190,7 +212,7 @@ def _backward(ctx, dloss, _dlse):
     dx, dweight, dbias = backward(dloss, x, weight, bias, target, lse, *ctx.options, need_dx, need_dweight,
                                   need_dbias)
     return (dx if need_dx else None, dweight if need_dweight else None, dbias if need_dbias else None,
-            None, None, None, None, None)
+            None, None, None, None, None, None, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,6 +333,13 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100, red
     Autograd keeps x, the target (flattened) and the fp32 log-sum-exp per token (plus, for the mean,
     its 4-byte count); the backward recomputes the logits (see remat.ops.linear_cross_entropy). Target
     values are checked once per call outside torch.compile (one synchronisation with the GPU).
+
+    Tensor parallel (a vocabulary-parallel head, as Megatron-LM's): weight a DTensor Shard(0) on a 1-D
+    device mesh (ColwiseParallel's layout of an LM head), bias None or Shard(0) with it, x the whole input
+    on every rank (a plain tensor, or a DTensor Replicate() on the mesh). Each rank computes its shard's
+    log-sum-exp and part of the loss, combined across the ranks with two all-reduces of a few floats a
+    token; no rank holds the logits or another rank's rows of the weight. The loss is the same on every
+    rank, a plain tensor; x's gradient is summed across the ranks, the weight's stays sharded.
     """
     check_float_tensor("x", x)
     dtype = autocast_dtype_for(x)
@@ -331,9 +360,14 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100, red
     num_items = _check_num_items(num_items_in_batch, reduction, x)
     _check_target_values(target, vocab, index)
 
-    rows = rows_with_unit_stride(x, width)
-    losses, _lse = linear_cross_entropy_fwd(rows, weight, bias, target.reshape(-1), index, label_smoothing, z_loss,
-                                            softcap)
+    options = (index, label_smoothing, z_loss, softcap)
+    if any(map(_is_dtensor, (x, weight, bias))):
+        shard = _vocab_shard(x, weight, bias)
+        losses = _VocabParallelLosses.apply(rows_with_unit_stride(shard.x, width), shard.weight, shard.bias,
+                                            target.reshape(-1), options, (shard.start, vocab, shard.group))
+    else:
+        losses, _lse = linear_cross_entropy_fwd(rows_with_unit_stride(x, width), weight, bias, target.reshape(-1),
+                                                *options)
     if reduction == "none":
         return losses.view(target.shape)
     total = losses.sum()
@@ -347,6 +381,91 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100, red
 
 
 # ---------------------------------------------------------------------------------------------
+# Vocabulary parallel: the shards' parts combined across the ranks
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_dtensor(value):
+    if value is None or not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+class _Shard(NamedTuple):
+    x: Tensor  # this rank's input: the whole of it, its gradient summed across the ranks
+    weight: Tensor  # this rank's rows of the weight (and of the bias)
+    bias: Tensor | None
+    start: int  # the first of those rows in the whole vocabulary
+    group: object  # the mesh's process group
+
+
+def _vocab_shard(x, weight, bias):
+    """This rank's part of a vocabulary-parallel call (see linear_cross_entropy); a ValueError naming the
+    argument whose layout is not one."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    if not _is_dtensor(weight):
+        raise ValueError("weight must be a DTensor sharded on the vocabulary, Shard(0), where x or bias is a "
+                         "DTensor; got a plain tensor")
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or weight.placements != (Shard(0),):
+        raise ValueError(f"weight must be a DTensor Shard(0) (the vocabulary split across the ranks) on a 1-D device "
+                         f"mesh, got {weight.placements} on a {mesh.ndim}-D mesh")
+    if bias is not None and (not _is_dtensor(bias) or bias.device_mesh != mesh or bias.placements != (Shard(0),)):
+        raise ValueError(f"bias must be None or a DTensor Shard(0) on the weight's mesh, got "
+                         f"{getattr(bias, 'placements', 'a plain tensor')}")
+    if not _is_dtensor(x):  # the same tensor on every rank
+        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    elif x.device_mesh != mesh or x.placements != (Replicate(),):
+        raise ValueError(f"x must be the whole input on every rank (a plain tensor or a DTensor Replicate() on the "
+                         f"weight's mesh), got {x.placements}")
+    local = weight.to_local()
+    vocab, ranks, rank = weight.shape[0], mesh.size(), mesh.get_local_rank()
+    rows_each = -(-vocab // ranks)  # Shard(0) splits as torch.chunk does
+    start = min(rank * rows_each, vocab)
+    if local.shape[0] != min(rows_each, vocab - start) or local.shape[0] == 0:
+        raise ValueError(f"weight's shard on rank {rank} holds {local.shape[0]} of its {vocab} rows; a vocabulary-"
+                         f"parallel head needs Shard(0)'s split ({rows_each} a rank) with a row on every rank")
+    return _Shard(x.to_local(grad_placements=[Partial()]), local, None if bias is None else bias.to_local(), start,
+                  mesh.get_group())
+
+
+class _VocabParallelLosses(torch.autograd.Function):
+    """The per-token losses of a vocabulary shard's call, combined across the ranks of `group`: each rank's
+    lse and part of the loss's sums (the forward op's shard mode), the lse's combined with a maximum and a
+    sum, the parts with a sum. Autograd keeps what the single-device op keeps: x, the target, the combined
+    lse; the backward op forms the shard's dW and its part of dx from them."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, target, options, shard):
+        start, vocab, group = shard
+        part, lse = linear_cross_entropy_fwd(x, weight, bias, target, *options, start, vocab)
+        top = lse.clone()
+        torch.distributed.all_reduce(top, torch.distributed.ReduceOp.MAX, group=group)
+        shift = torch.where(top == -math.inf, 0.0, top)  # every logit -inf: lse -inf, as one device's
+        sums = torch.stack([torch.exp(lse - shift), part])
+        torch.distributed.all_reduce(sums, group=group)
+        lse = shift + torch.log(sums[0])
+        index, _label_smoothing, z_loss, _softcap = options
+        losses = torch.where(target != index, sums[1] + lse + z_loss * lse * lse, 0.0)
+        ctx.save_for_backward(x, weight, bias, target, lse)
+        ctx.options, ctx.shard = options, (start, vocab)
+        return losses
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dloss):
+        x, weight, bias, target, lse = ctx.saved_tensors
+        need_dx, need_dweight, need_dbias = ctx.needs_input_grad[:3]
+        dx, dweight, dbias = linear_cross_entropy_bwd(dloss, x, weight, bias, target, lse, *ctx.options, need_dx,
+                                                      need_dweight, need_dbias and bias is not None, *ctx.shard)
+        return (dx if need_dx else None, dweight if need_dweight else None,
+                dbias if need_dbias and bias is not None else None, None, None, None)
+
+
+# ---------------------------------------------------------------------------------------------
 # The family: remat::linear_cross_entropy_fwd and _bwd, and what the tooling needs
 # ---------------------------------------------------------------------------------------------
 _OPTIONS = ((-100, 0.0, 0.0, None), (-100, 0.1, 1e-3, 5.0))  # plain; every option
@@ -356,7 +475,7 @@ _GRADS = ((True, True, True), (True, False, False), (False, True, True))  # (nee
 def _samples(device):
     """5 tokens of width 37 (no power of two, a masked tail) against a prime vocabulary of 67, one
     token ignored, with and without a bias, plain and with every option; the backward also with an
-    expanded (stride-0) upstream gradient and each subset of gradients."""
+    expanded (stride-0) upstream gradient and each subset of gradients; and a shard of the vocabulary."""
     x = torch.randn(5, 37, device=device)
     weight = torch.randn(67, 37, device=device) / 37**0.5
     bias = torch.randn(67, device=device)
@@ -368,6 +487,12 @@ def _samples(device):
         for dloss, grads in zip((torch.randn(5, device=device), torch.randn((), device=device).expand(5),
                                  torch.randn(5, device=device)), _GRADS):
             backward.append((dloss, x, weight, b, target, lse, *options, *grads))
+    # A tensor-parallel shard: rows 20 .. 47 of the vocabulary, holding one target (its part of the loss has
+    # no gradient of its own: the forward without leaves), its backward with the whole vocabulary's lse.
+    _, lse = linear_cross_entropy_fwd_ref(x, weight, bias, target, *_OPTIONS[1])
+    forward.append((x, weight[20:47], bias[20:47], target, *_OPTIONS[1], 20, 67))
+    backward.append((torch.randn(5, device=device), x, weight[20:47], bias[20:47], target, lse, *_OPTIONS[1],
+                     *_GRADS[0], 20, 67))
     return OpSamples(forward, backward)
 
 
