@@ -1,4 +1,6 @@
-"""Tensor parallel: remat's fused gated MLP on projections that torch's `parallelize_module` sharded.
+"""Tensor parallel: remat's fused gated MLP and norms on projections that torch's `parallelize_module`
+sharded, and the fused LM loss on a column-parallel head (remat.linear_cross_entropy's vocabulary-parallel
+path: the head's input as its layout hook makes it, the head's shard of the vocabulary).
 
 A gated MLP whose gate and up projections are column-parallel (ColwiseParallel: weights Shard(0) on a
 1-D device mesh) and whose down projection is row-parallel (RowwiseParallel: weight Shard(1)) is
@@ -121,6 +123,20 @@ def column_reason(module, label):
     nn.Linear with only parallelize_module's layout hooks, its weight (and bias) Shard(0) on a 1-D mesh."""
     mesh = module.weight.device_mesh
     return _mesh_reason(label, mesh) if mesh.ndim != 1 else _placement_reason(module, label, 0, mesh)
+
+
+def head_input(head, hidden):
+    """What the column-parallel LM head's layout hook makes of `hidden`: the whole of it on every rank (a
+    DTensor Replicate(), gathered from a sequence shard where the plan says so), as remat.linear_cross_entropy
+    takes it beside the head's vocabulary shard. ColwiseParallel always hands its forward that; a RuntimeError
+    where a custom style does not (the fused loss then cannot compute what the head would)."""
+    from torch.distributed.tensor import Replicate
+
+    placed = _layout(head, hidden)
+    if not isinstance(placed, _dtensor()) or placed.placements != (Replicate(),):
+        raise RuntimeError(f"remat's vocabulary-parallel LM loss: lm_head's input layout is "
+                           f"{getattr(placed, 'placements', 'a plain tensor')}, not Replicate()")
+    return placed
 
 
 def _mesh_reason(label, mesh):

@@ -52,8 +52,16 @@ def _loss(model, x, y):
 
 
 def _worker(rank):
+    import tempfile
+
     from remat.convert import convert
 
+    # The tiny Llama saved before any engine's state, for tp_plan="auto": rank 0's folder (with a process group,
+    # transformers writes on rank 0 only), both ranks reading it.
+    saved = tempfile.TemporaryDirectory()
+    _tiny_llama().save_pretrained(saved.name)
+    folder = [saved.name]
+    torch.distributed.broadcast_object_list(folder)
     x, y = _data()
     shard = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
     ddp = torch.nn.parallel.DistributedDataParallel(convert(_model()))
@@ -76,6 +84,9 @@ def _worker(rank):
     results["refusals"] = _converted_after_wrapping()
     results["tensor parallel"] = {run: _tensor_parallel_training(convert_first=run == "remat")
                                   for run in ("stock", "remat")}
+    results["tensor parallel head"] = {run: _tensor_parallel_training(convert_first=run == "remat", head=True)
+                                       for run in ("stock", "remat")}
+    results["vocabulary parallel"] = _vocabulary_parallel_calls()
     for setup in FSDP_SETUPS:
         results[setup] = {run: _fsdp_training(run == "remat", *FSDP_SETUPS[setup]) for run in ("stock", "remat")}
     results["ddp llama"] = {run: _train(torch.nn.parallel.DistributedDataParallel(_tiny_llama(run == "remat")))
@@ -85,6 +96,9 @@ def _worker(rank):
                                           for run in ("stock", "remat")} for family in ZERO3_FAMILIES}
     # last: while its TrainingArguments live, transformers builds models partitioned (deepspeed.zero.Init)
     results["trainer zero3"] = {run: _raised(_trainer_zero3, run == "remat") for run in ("stock", "remat")}
+    results["refusals"]["tp_plan auto"] = _what_convert_says(lambda: _loaded_tensor_parallel(folder[0]))  # last
+    torch.distributed.barrier()  # both loaded before rank 0 removes the folder
+    saved.cleanup()
     return results
 
 
@@ -112,14 +126,16 @@ def _zero3_result(runs):
 
 # Under ZeRO-3, the fusions beyond the Llama's: Qwen3-MoE's q/k norms (the attention's backward rebuilds q and k
 # with their weights), the norm fused into its router, experts and shared expert; GPT-2's Conv1D projections and
-# GELU MLP.
-ZERO3_FAMILIES = ("Qwen3MoeConfig", "GPT2Config")
+# GELU MLP; a Sequential's LayerNorm -> MLP and LayerNorm -> Linear (remat.nn's modules) and the same fused
+# through torch.fx in a module of a user's.
+ZERO3_FAMILIES = ("Qwen3MoeConfig", "GPT2Config", "sequential", "fx")
 ZERO3 = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}  # deepspeed's config: ZeRO-3
 
 
 def _zero3_family_step(config_name, convert_first):
     """One ZeRO-3 step of a tiny model of `config_name` (hf_models.tiny_causal_lm; its experts on their reference,
-    as the single-process tests run them): loss, whole gradients, fallbacks."""
+    as the single-process tests run them), or of this module's "sequential" or "fx" model: loss, whole
+    gradients, fallbacks."""
     deepspeed = _deepspeed()
     if isinstance(deepspeed, str):
         return {"error": deepspeed}
@@ -131,13 +147,19 @@ def _zero3_family_step(config_name, convert_first):
     from hf_models import experts_on_the_reference, tiny_causal_lm
 
     torch.manual_seed(0)  # the same weights in both runs
-    model = tiny_causal_lm(config_name)
+    if config_name in ("sequential", "fx"):
+        model = _model(config_name)
+        x, y = (t[:2] for t in _data())
+        step = lambda engine: _loss(engine, x, y)  # noqa: E731
+    else:
+        model = tiny_causal_lm(config_name)
+        ids = torch.randint(2, 90, (2, 16), generator=torch.Generator().manual_seed(1))
+        step = lambda engine: engine(input_ids=ids, labels=ids).loss  # noqa: E731
     with experts_on_the_reference():
         model = convert(model) if convert_first else model
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=ZERO3)
-        ids = torch.randint(2, 90, (2, 16), generator=torch.Generator().manual_seed(1))
         torch.manual_seed(0)
-        loss = engine(input_ids=ids, labels=ids).loss
+        loss = step(engine)
         engine.backward(loss)
     grads = {name: safe_get_full_grad(p).clone() for name, p in model.named_parameters()}
     return {"loss": loss.detach(), "grads": grads, "fallbacks": repr(fallback_counts(model))}
@@ -239,23 +261,27 @@ TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_a
 TP_STEPS = 3
 
 
-def _tiny_llama(converted=False):
-    """The issue's tiny Llama (the same weights every call), remat.convert-ed or not."""
+def _tiny_llama(converted=False, heads=4, key_value_heads=2, intermediate=128):
+    """The issue's tiny Llama (the same weights every call), remat.convert-ed or not; with fewer heads or a
+    narrower MLP, a tensor-parallel rank's share of it on one process."""
     import transformers
 
     from remat.convert import convert
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=intermediate,
+                                      num_hidden_layers=2, num_attention_heads=heads, head_dim=16,
+                                      num_key_value_heads=key_value_heads, max_position_embeddings=64)
     model = transformers.LlamaForCausalLM(config)
     return convert(model) if converted else model
 
 
-def _tensor_parallel_training(convert_first):
+def _tensor_parallel_training(convert_first, head=False):
     """Stock or converted-then-parallelized tiny Llama: the first step's loss, bytes autograd keeps (this
-    rank's), whole gradients, the parameters after TP_STEPS AdamW steps (whole), and the fallbacks."""
+    rank's), whole gradients, the parameters after TP_STEPS AdamW steps (whole), and the fallbacks. head: the
+    LM head column-parallel too, its logits gathered (transformers' "colwise_gather_output")."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 
@@ -264,7 +290,60 @@ def _tensor_parallel_training(convert_first):
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for layer in model.model.layers:
         parallelize_module(layer, mesh, {name: styles[style]() for name, style in TP_PLAN.items()})
+    if head:
+        parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
     return _train(model)
+
+
+def _vocabulary_parallel_calls():
+    """remat.linear_cross_entropy with the weight (and bias) a DTensor Shard(0) over the ranks: a vocabulary of
+    67 (34 and 33 rows), fp32, per reduction and option set, x plain and a DTensor Replicate(): {case: (loss,
+    dx, whole dweight, whole dbias)}; and {"refused": ...} what a layout it does not take raises."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    import remat
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    x, weight, bias, target = _vocabulary_case()
+    results = {}
+    for case, (options, replicated_x) in VOCABULARY_CASES.items():
+        x_leaf = x.clone().requires_grad_()
+        w_leaf, b_leaf = (torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in (weight, bias))
+        given_x = DTensor.from_local(x_leaf, mesh, [Replicate()], run_check=False) if replicated_x else x_leaf
+        loss = remat.linear_cross_entropy(given_x, w_leaf, target, b_leaf, **options)
+        cotangent = torch.arange(1.0, 1.0 + loss.numel()).view(loss.shape) / loss.numel()
+        (loss * cotangent).sum().backward()
+        results[case] = (loss.detach(), x_leaf.grad, w_leaf.grad.full_tensor(), b_leaf.grad.full_tensor())
+    refused = {}
+    for argument, call in (
+            ("weight", lambda: remat.linear_cross_entropy(x, distribute_tensor(weight, mesh, [Shard(1)]), target)),
+            ("bias", lambda: remat.linear_cross_entropy(x, distribute_tensor(weight, mesh, [Shard(0)]), target, bias)),
+            ("x", lambda: remat.linear_cross_entropy(distribute_tensor(x, mesh, [Shard(0)]),
+                                                     distribute_tensor(weight, mesh, [Shard(0)]), target))):
+        try:
+            call()
+            refused[argument] = "accepted"
+        except ValueError as error:
+            refused[argument] = str(error)
+    results["refused"] = refused
+    return results
+
+
+# The vocabulary-parallel calls: (options, x a DTensor Replicate() rather than a plain tensor).
+VOCABULARY_CASES = {"mean": ({}, False), "sum, every option": (dict(reduction="sum", label_smoothing=0.1, z_loss=1e-3,
+                                                                      softcap=5.0), True),
+                    "none": (dict(reduction="none"), False)}
+
+
+def _vocabulary_case():
+    """x (3, 5, 37), weight (67, 37), bias (67,), target (3, 5) with targets in both shards and one ignored."""
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 5, 37, generator=generator)
+    weight, bias = torch.randn(67, 37, generator=generator) / 6, torch.randn(67, generator=generator)
+    target = torch.randint(0, 67, (3, 5), generator=generator)
+    target[0, :3] = torch.tensor([33, 34, -100])  # the last row of rank 0's shard, the first of rank 1's
+    return x, weight, bias, target
 
 
 def _held_after_forward(model, forward):
@@ -316,8 +395,6 @@ def _converted_after_wrapping():
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from remat.convert import convert
-
     def sharded():
         model = _model()
         fully_shard(model[0])
@@ -327,15 +404,41 @@ def _converted_after_wrapping():
         mesh = init_device_mesh("cpu", (WORLD,))
         return parallelize_module(_model(), mesh, {"1": ColwiseParallel(), "3": RowwiseParallel()})
 
-    said = {}
-    for engine, wrapped in (("ddp", lambda: torch.nn.parallel.DistributedDataParallel(_model())),
-                            ("fsdp2", sharded), ("tensor parallel", parallel)):
-        try:
-            convert(wrapped())
-            said[engine] = "converted"
-        except ValueError as error:
-            said[engine] = str(error)
-    return said
+    return {engine: _what_convert_says(wrapped) for engine, wrapped in (
+        ("ddp", lambda: torch.nn.parallel.DistributedDataParallel(_model())), ("fsdp2", sharded),
+        ("tensor parallel", parallel))}
+
+
+def _what_convert_says(wrapped):
+    """What remat.convert(wrapped()) says: its error, or "converted"."""
+    from remat.convert import convert
+
+    try:
+        convert(wrapped())
+        return "converted"
+    except ValueError as error:
+        return str(error)
+
+
+def _loaded_tensor_parallel(folder):
+    """The tiny Llama saved in `folder` as transformers loads it with tp_plan="auto" (sharded as it loads). Run
+    last in a worker: the load leaves the ranks' DeepSpeed state unlike each other (a ZeRO-3 run after it
+    hangs)."""
+    import os
+
+    import transformers
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()  # the ZeRO-3 Trainer's, which would make this load a ZeRO-3 one
+    # transformers reads the rank and world from torchrun's variables; set only here
+    before = dict(os.environ)
+    rank = str(torch.distributed.get_rank())
+    os.environ.update(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto")
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
 
 
 @pytest.fixture(scope="module")
@@ -383,13 +486,16 @@ def test_fsdp2_matches_single_process(distributed_results, single_process_grads)
 
 @pytest.mark.parametrize("engine, says", [("ddp", "is wrapped in DistributedDataParallel"),
                                           ("fsdp2", "is sharded by FSDP2's fully_shard"),
-                                          ("tensor parallel", "has DTensor parameters (1.weight")])
+                                          ("tensor parallel", "has DTensor parameters (1.weight"),
+                                          ("tp_plan auto", "has DTensor parameters (model.embed_tokens.weight")])
 def test_a_model_an_engine_already_wraps_is_refused_at_once(distributed_results, engine, says):
     """Converted after wrapping, a model is refused before convert calls it (no probe forward outside the
-    engine: no hang in a collective, no root left unsharded), with what wraps it and the order to use."""
+    engine: no hang in a collective, no root left unsharded), with what wraps it and the order to use. A model
+    transformers sharded as it loaded (tp_plan="auto", which hung in convert's probe before) included."""
     for results in distributed_results:
         said = results["refusals"][engine]
         assert said.startswith(f"model {says}") and "remat.convert the model before handing it" in said, said
+        assert ("load it without tp_plan, convert it, then parallelize_module it" in said) == ("DTensor" in says)
 
 
 def _rel(got, want):
@@ -418,6 +524,69 @@ def test_tensor_parallel_fuses_and_trains_as_stock(distributed_results):
     at most 0.75 of the bytes stock keeps there (the issue's bound)."""
     for results in distributed_results:
         _assert_trains_as_stock(results["tensor parallel"], 0.75)
+
+
+def test_tensor_parallel_with_a_column_parallel_head_computes_the_loss_on_vocabulary_shards(distributed_results):
+    """The LM head column-parallel too (its logits gathered, as transformers' plan for Llama has it): the fused
+    loss runs on each rank's rows of the head, the log-sum-exp combined across the ranks (no fallback), trains
+    as stock, and each rank keeps neither the gathered logits nor their fp32 log-softmax."""
+    for results in distributed_results:
+        runs = results["tensor parallel head"]
+        _assert_trains_as_stock(runs, 0.75)
+        # stock keeps the gathered logits' fp32 log-softmax (2 x 32 tokens x 128 classes x 4 bytes), remat exactly
+        # what its fused loss keeps with the head on one rank (x, the target, 4 bytes a token)
+        assert runs["stock"]["saved"] - runs["remat"]["saved"] >= 2 * 32 * 128 * 4
+        assert runs["remat"]["saved"] == results["tensor parallel"]["remat"]["saved"]
+
+
+def _held_by_one_process(converted, **shares):
+    """The bytes one process keeps between forward and backward of the tiny Llama (or the share `shares` of
+    it) on the batch _train gives every rank."""
+    model = _tiny_llama(converted, **shares)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    return _held_after_forward(model, lambda: model(input_ids=ids, labels=ids).loss)[1]
+
+
+def test_a_rank_keeps_what_one_process_keeps_for_its_share(distributed_results):
+    """The bytes a rank keeps, against one process's count, stock and converted: under DDP and FSDP2 exactly
+    what one process keeps for the rank's batch (data parallel divides the batch, not what a sample keeps);
+    under tensor parallel exactly what one process keeps for the model of the rank's share, half the heads,
+    half the key/value heads and half the MLP's intermediate (the norms, residual stream and the loss's
+    inputs are whole on every rank), the vocabulary-parallel head's loss included."""
+    for run in ("stock", "remat"):
+        whole = _held_by_one_process(run == "remat")
+        share = _held_by_one_process(run == "remat", heads=2, key_value_heads=1, intermediate=64)
+        for results in distributed_results:
+            for setup in ("ddp llama", "fsdp2 llama", "fsdp2 llama, head group"):
+                assert results[setup][run]["saved"] == whole, (run, setup)
+            for setup in ("tensor parallel", "tensor parallel head"):
+                assert results[setup][run]["saved"] == share, (run, setup)
+
+
+def test_a_vocabulary_parallel_loss_is_the_whole_vocabularys(distributed_results):
+    """remat.linear_cross_entropy with a weight sharded on the vocabulary across the ranks (uneven shards, a
+    bias, x plain or Replicate()): every rank's loss and gradients (x's summed across the ranks, the weight's
+    and bias's gathered) are one process's float64 ones, within fp32 rounding."""
+    import remat
+
+    x, weight, bias, target = (t.double() if t.is_floating_point() else t for t in _vocabulary_case())
+    for case, (options, _) in VOCABULARY_CASES.items():
+        leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+        loss = remat.linear_cross_entropy(leaves[0], leaves[1], target, leaves[2], **options)
+        cotangent = torch.arange(1.0, 1.0 + loss.numel()).view(loss.shape) / loss.numel()
+        (loss * cotangent).sum().backward()
+        for results in distributed_results:
+            got = results["vocabulary parallel"][case]
+            for name, mine, want in zip(("loss", "dx", "dweight", "dbias"), got, (loss, *(t.grad for t in leaves))):
+                assert _rel(mine, want) <= 1e-5, (case, name)
+
+
+def test_a_vocabulary_parallel_layout_it_does_not_take_is_refused_naming_the_argument(distributed_results):
+    for results in distributed_results:
+        refused = results["vocabulary parallel"]["refused"]
+        assert refused["weight"].startswith("weight must be a DTensor Shard(0)")
+        assert refused["bias"].startswith("bias must be None or a DTensor Shard(0)")
+        assert refused["x"].startswith("x must be the whole input on every rank")
 
 
 @pytest.mark.parametrize("setup", [*(s for s in FSDP_SETUPS if not FSDP_SETUPS[s][0]), "ddp llama"])
@@ -473,8 +642,9 @@ def test_the_trainer_with_zero3_trains_a_converted_model_as_stock(distributed_re
 
 @pytest.mark.parametrize("family", ZERO3_FAMILIES)
 def test_zero3_runs_every_fusion_of_other_families(distributed_results, family):
-    """Under ZeRO-3 the q/k norms, the norm fused into a router and experts, and GPT-2's MLP run fused, the loss and
-    every gradient stock ZeRO-3's (gradients with hf_models' floor: a key bias's is rounding noise only)."""
+    """Under ZeRO-3 the q/k norms, the norm fused into a router and experts, GPT-2's MLP and the fusions of a
+    Sequential and of torch.fx run fused, the loss and every gradient stock ZeRO-3's (gradients with hf_models'
+    floor: a key bias's is rounding noise only)."""
     from hf_models import grad_error
 
     for results in distributed_results:

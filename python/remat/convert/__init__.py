@@ -342,7 +342,9 @@ def _wrapped_reason(model):
             return f"is sharded by FSDP2's fully_shard{where}"
     for name, param in model.named_parameters():
         if isinstance(param, DTensor):
-            return f"has DTensor parameters ({name}: tensor parallel or another DTensor sharding)"
+            return (f"has DTensor parameters ({name}: tensor parallel or another DTensor sharding; a transformers "
+                    "model loaded with from_pretrained(..., tp_plan=...) is sharded as it loads: load it without "
+                    "tp_plan, convert it, then parallelize_module it)")
         if hasattr(param, "ds_id"):  # what deepspeed.zero.Init and ZeRO-3 set on the parameters they partition
             return (f"has DeepSpeed ZeRO-3 partitioned parameters ({name}; with transformers, a model loaded while "
                     "TrainingArguments(deepspeed=<a ZeRO-3 config>) exist is partitioned as it loads: load and "

@@ -14,7 +14,9 @@ that the fused loss would answer otherwise than stock, with a RematFallbackWarni
 asks for the output tuple (return_dict=False, or the config's), whose second entry is the logits, and
 one after `model.loss_function` was replaced (the probe proved the loss function the model had then).
 A head FSDP2 shards in a group of its own, or ZeRO-3 partitions, computes the fused loss inside its own
-call (engine_head).
+call (engine_head). A column-parallel head (tensor parallel: ColwiseParallel on lm_head, whatever its output
+layout) computes it on its shard of the vocabulary, the log-sum-exp combined across the ranks: the logits
+are never gathered (remat.linear_cross_entropy with a DTensor weight).
 
 Whether the model computes that loss is proved once, at conversion, by a probe: a small batch through
 the stock forward and through the fused path must give the same loss. A model whose head or loss does
@@ -30,6 +32,7 @@ import sys
 import torch
 from torch import nn
 
+from ... import _tensor_parallel as tensor_parallel
 from ... import _zero3 as zero3
 from ..._guards import fallback, hook_reason, tensor_reason
 from ..._numerics import rel_error
@@ -163,9 +166,14 @@ class _FusedLossLM:
             return "more than input_ids passed positionally"
         if head is not self.__dict__["remat_head"]:
             return "the output embeddings were replaced after remat.convert"
-        reason = None if engine_head(head) else hook_reason(head) or next(filter(None, (
-            tensor_reason(f"lm_head.{n}", p) for n, p in head.named_parameters(recurse=False))), None)
-        if reason:  # a tensor-parallel plan on the head, FSDP2 sharding it with its parent
+        if engine_head(head):
+            reason = None
+        elif tensor_parallel.is_sharded(head):  # its shard of the vocabulary, or why not
+            reason = tensor_parallel.column_reason(head, "lm_head")
+        else:
+            reason = hook_reason(head) or next(filter(None, (
+                tensor_reason(f"lm_head.{n}", p) for n, p in head.named_parameters(recurse=False))), None)
+        if reason:  # a tensor-parallel plan other than column-parallel, FSDP2 sharding the head with its parent
             return f"the LM head: {reason}"
         if _asks_router_logits(self.config, kwargs):
             return "the router's logits are asked for (output_router_logits): their auxiliary loss is added"
@@ -197,6 +205,8 @@ class _FusedLossLM:
         if engine_head(head):  # computed inside the head's own call: FSDP2 or ZeRO-3 gathers its weight there
             with _computing(head, loss):
                 return head(hidden.flatten(0, -2)), outputs
+        if tensor_parallel.is_sharded(head):  # the input as the head's layout hook hands it over (a DTensor)
+            hidden = tensor_parallel.head_input(head, hidden)
         return loss(hidden.flatten(0, -2), head.weight, bias=head.bias), outputs
 
     def remat_revert(self):
