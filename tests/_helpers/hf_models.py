@@ -605,6 +605,21 @@ def convert_layers(model, **kwargs):
 
 
 @contextlib.contextmanager
+def family_sweep_on_the_reference():
+    """Every remat op on its PyTorch reference, for the sweeps over every family (test_every_causal_lm.py,
+    and the families without rules of test_attention_interface.py and test_structure.py). They test
+    what remat.convert builds from each family's structure: which modules fuse, the ops each step runs,
+    the same loss and gradients as stock, the bytes kept, the reasons. The references take the ops'
+    arguments and keep what the kernels keep (the ops' autograd is the same), so each of those is what
+    the kernels give; the kernels themselves are checked against float64 op by op (tests/ops) and inside
+    models, under the interpreter, by the other model tests (test_hf_families.py, test_hf.py,
+    test_experts_interface.py, ...). Under the interpreter a family's step takes 3 to 20 s, on the
+    references well under one: the sweeps were ~45 % of the suite's time."""
+    with _backend.use_backend("reference"):
+        yield
+
+
+@contextlib.contextmanager
 def experts_on_the_reference():
     """remat.experts on its PyTorch reference, every other op as the session runs it (the Triton
     interpreter): the experts kernels take 1 to 8 s of a tiny model's step in the interpreter (45

@@ -19,6 +19,7 @@ from hf_models import (
     assert_tiny_step_as_stock,
     build,
     family_inputs,
+    family_sweep_on_the_reference,
     packed_batch,
     padded_batch,
     remat_attention_calls,
@@ -320,10 +321,11 @@ def test_a_family_without_rules_runs_remat_attention_or_says_why(config_name):
     torch.manual_seed(0)
     stock, kind = tiny_model(config_name)
     ids = torch.randint(3, VOCAB, (2, SEQ))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        converted, report = remat.convert(stock, report=True)
-    counter = assert_tiny_step_as_stock(stock, converted, kind, ids)
+    with family_sweep_on_the_reference():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            converted, report = remat.convert(stock, report=True)
+        counter = assert_tiny_step_as_stock(stock, converted, kind, ids)
     calls = counter.counts["remat::attention_fwd"]
     expected = FURTHER_FAMILIES[config_name]
     if expected is None:

@@ -22,7 +22,7 @@ from remat.convert.hf.experts import experts_modules
 from hf_models import (
     VOCAB,
     assert_tiny_step_as_stock,
-    experts_on_the_reference,
+    family_sweep_on_the_reference,
     tiny_causal_lm,
     tiny_loss,
     transformers,
@@ -133,10 +133,10 @@ def test_converts_and_trains_as_stock(model_type):
         assert said.startswith(" ".join(DO_NOT_BUILD[model_type].split())), said
         return
     stock = build(model_type)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # fallbacks with their reasons are fine
-        converted = remat.convert(stock)
-    with experts_on_the_reference():
+    with family_sweep_on_the_reference():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # fallbacks with their reasons are fine
+            converted = remat.convert(stock)
         counter = assert_tiny_step_as_stock(stock, converted, "causal", ids)
     experts = experts_modules(converted)  # a mixture of experts' experts all run remat.experts
     assert counter.counts["remat::experts_fwd"] == len(experts)

@@ -30,6 +30,7 @@ from hf_models import (
     build,
     convert_layers,
     family_inputs,
+    family_sweep_on_the_reference,
     loss_and_grads,
     step_saved_bytes,
     tiny_causal_lm,
@@ -350,6 +351,11 @@ def test_a_family_without_rules_saves_bytes_or_says_why(config_name):
     torch.manual_seed(0)
     stock, kind = tiny_model(config_name)
     ids = torch.randint(3, VOCAB, (2, 8))
+    with family_sweep_on_the_reference():
+        _check_family_without_rules(config_name, stock, kind, ids)
+
+
+def _check_family_without_rules(config_name, stock, kind, ids):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         converted, report = convert_layers(stock, report=True, layers=LAYER_FUSIONS)
