@@ -2,7 +2,9 @@
 
 The fused layers keep their parameters in stock submodules (`norm`, `linear`, `fc1`, `fc2`),
 so their state_dict is that of the unfused stack with those names, and `from_modules` builds
-one from existing modules, copying the weights.
+one from existing modules, copying the weights. Under DeepSpeed ZeRO-3, whose hooks gather a
+module's own parameters around its call, a fused layer has the submodules' parameters it reads
+gathered with its own (_fused_call); ZeRO-3's hooks on them are no reason to run unfused.
 """
 
 import copy
@@ -10,6 +12,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
+from . import _zero3 as zero3
 from ._guards import fallback, plain_reason
 from ._linears import decided_projections, fused_saved_bytes, projection
 from ._validate import check_float_tensor, check_self_attention_input
@@ -113,12 +116,19 @@ def _check_recompute(recompute):
 
 def norm_reason(norm, label="norm"):
     """None when `norm` is a LayerNorm or RMSNorm over the last dimension that the fused ops compute
-    (plain: no hooks, no parametrizations, plain parameters), else why not."""
+    (plain: no hooks but ZeRO-3's, which gather what the fused op reads (_fused_call); no
+    parametrizations, plain parameters), else why not."""
     kinds = (torch.nn.RMSNorm, RMSNorm) if isinstance(norm, torch.nn.RMSNorm) else (torch.nn.LayerNorm, LayerNorm)
-    reason = plain_reason(norm, kinds, label)
+    reason = plain_reason(norm, kinds, label, zero3.is_hook)
     if reason is None and len(norm.normalized_shape) != 1:
         reason = f"{label} normalises over more than the last dimension"
     return reason
+
+
+def _fused_call(module, parts):
+    """The context of a fused module's call: DeepSpeed ZeRO-3 gathers `parts` (its submodules whose parameters
+    the fused op reads without calling them) with `module`'s own parameters (_zero3.gathered); nothing else."""
+    return zero3.gathered(module, [part for part in parts if part is not None])
 
 
 def _input_checked(x, width, module):
@@ -149,7 +159,11 @@ class LayerNormLinear(torch.nn.Module):
         self.recompute = _check_recompute(recompute)
 
     def forward(self, x):
-        linear, reason = projection(self.linear, "linear")
+        with _fused_call(self, [self.norm, self.linear]):
+            return self._forward(x)
+
+    def _forward(self, x):
+        linear, reason = projection(self.linear, "linear", zero3.is_hook)
         reason = norm_reason(self.norm) or reason
         if reason:
             fallback(self, reason)
@@ -236,8 +250,12 @@ class MLP(torch.nn.Module):
 
     def _forward(self, x, norm):
         """The fused MLP, with `norm` (a LayerNorm) in front when given; unfused where it must be."""
+        with _fused_call(self, [norm, self.fc1, self.fc2]):
+            return self._fused_forward(x, norm)
+
+    def _fused_forward(self, x, norm):
         linears, reason = decided_projections(self, [self.fc1, self.fc2], ["fc1", "fc2"], [norm],
-                                              lambda: norm_reason(norm) if norm is not None else None)
+                                              lambda: norm_reason(norm) if norm is not None else None, zero3.is_hook)
         approximate = ACTIVATIONS[self.activation]
         if reason:
             fallback(self, reason)
@@ -367,9 +385,13 @@ class GatedMLP(torch.nn.Module):
     def forward(self, x):
         names = self._up_names()
         norm = self._modules.get("norm")
-        linears, reason = decided_projections(self, [self._modules[n] for n in names] + [self.down_proj],
-                                              names + ["down_proj"], [norm],
-                                              lambda: norm_reason(norm) if norm is not None else None)
+        projections = [self._modules[n] for n in names] + [self.down_proj]
+        with _fused_call(self, [norm, *projections]):
+            return self._forward(x, names, norm, projections)
+
+    def _forward(self, x, names, norm, projections):
+        linears, reason = decided_projections(self, projections, names + ["down_proj"], [norm],
+                                              lambda: norm_reason(norm) if norm is not None else None, zero3.is_hook)
         if reason:
             fallback(self, reason)
             return self._stock(norm(x) if norm is not None else x)

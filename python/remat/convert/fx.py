@@ -27,6 +27,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from .. import _zero3 as zero3
 from .. import nn as remat_nn
 from .._guards import fallback
 from .._linears import fused_saved_bytes, projection, projections
@@ -118,13 +119,14 @@ def _fx_forward(self, *args, **kwargs):
     required = rewrite.arguments(self, args, kwargs)
     if required is None:
         return type(self).forward(self, *args, **kwargs)
-    return rewrite.programs[self.training](self, *required)
+    with zero3.gathered(self, [module for _, module in rewrite.fused]):  # ZeRO-3: what the fused ops read
+        return rewrite.programs[self.training](self, *required)
 
 
 def fx_layer_norm_linear(x, norm, linear, recompute, label):
     """linear(norm(x)) on remat.ops.fused, reading the modules' parameters at call time; by their
     own forwards where they are not plain any more (label: the run, for the warning)."""
-    proj, reason = projection(linear, "the Linear")
+    proj, reason = projection(linear, "the Linear", zero3.is_hook)
     reason = remat_nn.norm_reason(norm, "the LayerNorm") or reason
     if reason:
         fallback(norm, reason, where=label)
@@ -134,10 +136,10 @@ def fx_layer_norm_linear(x, norm, linear, recompute, label):
 
 def fx_mlp(x, norm, fc1, act, fc2, approximate, recompute, label):
     """fc2(gelu(fc1(norm(x)))) on remat.ops.fused; norm None for fc2(gelu(fc1(x))), act None for F.gelu."""
-    linears, reason = projections([fc1, fc2], ["fc1", "fc2"])
+    linears, reason = projections([fc1, fc2], ["fc1", "fc2"], zero3.is_hook)
     reason = reason or (remat_nn.norm_reason(norm, "the LayerNorm") if norm is not None else None)
     if reason is None and act is not None:
-        reason = activation_reason(act, "the activation") or (
+        reason = activation_reason(act, "the activation", allow=zero3.is_hook) or (
             None if gelu_approximate(act) == approximate else f"the activation is now {type(act).__name__}")
     if reason:
         fallback(norm if norm is not None else fc1, reason, where=label)
