@@ -450,11 +450,13 @@ def _check_inputs(x, weight, bias, target):
         raise ValueError(f"target must have shape ({x.shape[0]},), got {tuple(target.shape)}")
 
 
-def _check_shard(vocab_start, vocab_total, rows):
-    """A weight of `rows` rows as a shard of a vocabulary of vocab_total from row vocab_start (0: the whole)."""
+def _whole_vocabulary(vocab_start, vocab_total, rows):
+    """The size of the vocabulary a weight of `rows` rows is a shard of, from row vocab_start (vocab_total 0:
+    the weight is the whole of it); a ValueError where the shard does not lie within it."""
     if vocab_total and not 0 <= vocab_start <= vocab_total - rows:
         raise ValueError(f"a weight of {rows} rows from row vocab_start={vocab_start} must lie within the "
                          f"vocabulary of vocab_total={vocab_total} rows")
+    return int(vocab_total or rows)
 
 
 class _Prepared(NamedTuple):
@@ -488,7 +490,7 @@ def forward(x, weight, bias, target, ignore_index, label_smoothing, z_loss, soft
     _check_inputs(x, weight, bias, target)
     M, K = x.shape
     V = weight.shape[0]
-    _check_shard(vocab_start, vocab_total, V)
+    whole = _whole_vocabulary(vocab_start, vocab_total, V)
     loss = torch.empty((M,), dtype=torch.float32, device=x.device)
     lse = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M == 0:
@@ -510,7 +512,7 @@ def forward(x, weight, bias, target, ignore_index, label_smoothing, z_loss, soft
     block_s = next_power_of_2(splits)
     block_rows = max(1, COMBINE_TILE // block_s)
     _lce_fwd_combine_kernel[(cdiv(M, block_rows),)](
-        partials, p.target, loss, lse, M, int(vocab_total or V), splits, int(ignore_index), float(label_smoothing),
+        partials, p.target, loss, lse, M, whole, splits, int(ignore_index), float(label_smoothing),
         float(z_loss), SMOOTHING=smoothing, WHOLE=not vocab_total, BLOCK_M=block_rows, BLOCK_S=block_s, num_warps=4,
     )
     return loss, lse
@@ -533,7 +535,7 @@ def backward(dloss, x, weight, bias, target, lse, ignore_index, label_smoothing,
     _check_inputs(x, weight, bias, target)
     M, K = x.shape
     V = weight.shape[0]
-    _check_shard(vocab_start, vocab_total, V)
+    whole = _whole_vocabulary(vocab_start, vocab_total, V)
     check_float_tensor("dloss", dloss, shape=(M,), like=("x", x), dtypes=(torch.float32, torch.float64, x.dtype))
     check_float_tensor("lse", lse, shape=(M,), like=("x", x), dtypes=(torch.float32,))
     device = x.device
@@ -562,7 +564,7 @@ def backward(dloss, x, weight, bias, target, lse, ignore_index, label_smoothing,
     for index, (first_col, width) in enumerate(chunks):
         _lce_bwd_logit_grads_kernel[(row_blocks * cdiv(width, logits.block_n),)](
             p.x, p.weight, p.bias, p.target, lse, dloss, dz, db_partials if need_dbias else dz,
-            M, int(vocab_total or V), K, first_col, width, p.x.stride(0), p.weight.stride(0), dloss.stride(0),
+            M, whole, K, first_col, width, p.x.stride(0), p.weight.stride(0), dloss.stride(0),
             dz.stride(0), padded, int(ignore_index), float(label_smoothing), float(z_loss), float(softcap or 1.0),
             int(vocab_start),
             HAS_BIAS=bias is not None, DB_PARTIALS=need_dbias, SOFTCAP=softcap is not None,

@@ -33,10 +33,15 @@ def _dtensor():
     return DTensor
 
 
+def is_dtensor(value):
+    """Whether `value` is a DTensor (False where torch has no torch.distributed)."""
+    dtensor = _dtensor()
+    return dtensor is not None and isinstance(value, dtensor)
+
+
 def is_sharded(module):
     """Whether `module`'s weight is a DTensor (cheap: asked at every call of a fused module)."""
-    dtensor = _dtensor()
-    return dtensor is not None and isinstance(getattr(module, "weight", None), dtensor)
+    return is_dtensor(getattr(module, "weight", None))
 
 
 def _layout_hooks_reason(module, label):
@@ -103,7 +108,7 @@ def column_input(ups, x, labels):
     return placed[0].to_local(grad_placements=[Partial()]), None
 
 
-def _summed_grad(tensor, mesh):
+def summed_grad(tensor, mesh):
     """`tensor` (the same on every rank) as it is, its gradient summed across the ranks of `mesh`."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
@@ -114,8 +119,8 @@ def norm_of_replicated(norm, mesh):
     """The remat.specs.Norm `norm` of a norm replicated on every rank (not sharded: plain parameters), its
     weight's and bias's gradients summed across the ranks of `mesh`: each rank computes its part from the
     columns it projects."""
-    bias = norm.bias if norm.bias is None else _summed_grad(norm.bias, mesh)
-    return norm._replace(weight=_summed_grad(norm.weight, mesh), bias=bias)
+    bias = norm.bias if norm.bias is None else summed_grad(norm.bias, mesh)
+    return norm._replace(weight=summed_grad(norm.weight, mesh), bias=bias)
 
 
 def column_reason(module, label):

@@ -31,6 +31,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import _backend
+from .. import _tensor_parallel as tensor_parallel
 from .._numerics import math_dtype
 from .._validate import (
     autocast_dtype_for,
@@ -361,7 +362,7 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100, red
     _check_target_values(target, vocab, index)
 
     options = (index, label_smoothing, z_loss, softcap)
-    if any(map(_is_dtensor, (x, weight, bias))):
+    if any(map(tensor_parallel.is_dtensor, (x, weight, bias))):
         shard = _vocab_shard(x, weight, bias)
         losses = _VocabParallelLosses.apply(rows_with_unit_stride(shard.x, width), shard.weight, shard.bias,
                                             target.reshape(-1), options, (shard.start, vocab, shard.group))
@@ -385,14 +386,6 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100, red
 # ---------------------------------------------------------------------------------------------
 
 
-def _is_dtensor(value):
-    if value is None or not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
-
-
 class _Shard(NamedTuple):
     x: Tensor  # this rank's input: the whole of it, its gradient summed across the ranks
     weight: Tensor  # this rank's rows of the weight (and of the bias)
@@ -404,23 +397,26 @@ class _Shard(NamedTuple):
 def _vocab_shard(x, weight, bias):
     """This rank's part of a vocabulary-parallel call (see linear_cross_entropy); a ValueError naming the
     argument whose layout is not one."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor import Partial, Replicate, Shard
 
-    if not _is_dtensor(weight):
+    if not tensor_parallel.is_dtensor(weight):
         raise ValueError("weight must be a DTensor sharded on the vocabulary, Shard(0), where x or bias is a "
                          "DTensor; got a plain tensor")
     mesh = weight.device_mesh
     if mesh.ndim != 1 or weight.placements != (Shard(0),):
         raise ValueError(f"weight must be a DTensor Shard(0) (the vocabulary split across the ranks) on a 1-D device "
                          f"mesh, got {weight.placements} on a {mesh.ndim}-D mesh")
-    if bias is not None and (not _is_dtensor(bias) or bias.device_mesh != mesh or bias.placements != (Shard(0),)):
+    if bias is not None and (not tensor_parallel.is_dtensor(bias) or bias.device_mesh != mesh or
+                             bias.placements != (Shard(0),)):
         raise ValueError(f"bias must be None or a DTensor Shard(0) on the weight's mesh, got "
                          f"{getattr(bias, 'placements', 'a plain tensor')}")
-    if not _is_dtensor(x):  # the same tensor on every rank
-        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    if not tensor_parallel.is_dtensor(x):  # the same tensor on every rank
+        x_local = tensor_parallel.summed_grad(x, mesh)
     elif x.device_mesh != mesh or x.placements != (Replicate(),):
         raise ValueError(f"x must be the whole input on every rank (a plain tensor or a DTensor Replicate() on the "
                          f"weight's mesh), got {x.placements}")
+    else:
+        x_local = x.to_local(grad_placements=[Partial()])
     local = weight.to_local()
     vocab, ranks, rank = weight.shape[0], mesh.size(), mesh.get_local_rank()
     rows_each = -(-vocab // ranks)  # Shard(0) splits as torch.chunk does
@@ -428,8 +424,7 @@ def _vocab_shard(x, weight, bias):
     if local.shape[0] != min(rows_each, vocab - start) or local.shape[0] == 0:
         raise ValueError(f"weight's shard on rank {rank} holds {local.shape[0]} of its {vocab} rows; a vocabulary-"
                          f"parallel head needs Shard(0)'s split ({rows_each} a rank) with a row on every rank")
-    return _Shard(x.to_local(grad_placements=[Partial()]), local, None if bias is None else bias.to_local(), start,
-                  mesh.get_group())
+    return _Shard(x_local, local, None if bias is None else bias.to_local(), start, mesh.get_group())
 
 
 class _VocabParallelLosses(torch.autograd.Function):
@@ -459,10 +454,11 @@ class _VocabParallelLosses(torch.autograd.Function):
     def backward(ctx, dloss):
         x, weight, bias, target, lse = ctx.saved_tensors
         need_dx, need_dweight, need_dbias = ctx.needs_input_grad[:3]
+        need_dbias = need_dbias and bias is not None
         dx, dweight, dbias = linear_cross_entropy_bwd(dloss, x, weight, bias, target, lse, *ctx.options, need_dx,
-                                                      need_dweight, need_dbias and bias is not None, *ctx.shard)
-        return (dx if need_dx else None, dweight if need_dweight else None,
-                dbias if need_dbias and bias is not None else None, None, None, None)
+                                                      need_dweight, need_dbias, *ctx.shard)
+        return (dx if need_dx else None, dweight if need_dweight else None, dbias if need_dbias else None, None, None,
+                None)
 
 
 # ---------------------------------------------------------------------------------------------
