@@ -8,8 +8,8 @@ What is swapped, the rules that keep a swap the same computation, state_dict and
 docs/conversion.md. The package, one job a module: patterns (what is fused, and the one check that
 a run is fusable), swap (the one swap / revert / converted-marker mechanism), report,
 torch_modules (torch's own layers one by one), sequential and fx (the fusions inside nn.Sequential
-and inside any other module's forward), hf (Hugging Face families, one file each); this module
-walks the model.
+and inside any other module's forward), hf (Hugging Face models, by structure); this module walks
+the model.
 """
 
 import contextlib
@@ -77,7 +77,7 @@ class RematWarning(UserWarning):
 def _peft_inner(model):
     """(the model a peft PeftModel and its tuner wrap, and its path in `model`), or (model, "").
 
-    peft's wrappers are not transformers models and their forwards take *args: the family rules
+    peft's wrappers are not transformers models and their forwards take *args: the Hugging Face rules
     apply to the model inside, whose modules keep their names under base_model.model.
     """
     path = ""
@@ -126,7 +126,7 @@ def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False, *
     gives what one conversion with the second call's options gives, report included. A model a
     remat plan changed (checkpointed or offloaded layers) is refused: remat.revert(model) first.
     Hugging Face models (transformers PreTrainedModel, also inside a peft PeftModel) also get the
-    family rules of remat.hf. Warns (RematWarning) when the conversion saves no activation memory
+    Hugging Face rules of convert.hf (by structure). Warns (RematWarning) when the conversion saves no activation memory
     at all.
     """
     layers = _layer_set(layers)
@@ -170,11 +170,10 @@ def _convert(model, layers, recompute, excluded):
         rows.add("", model, "skipped", f"{EXCLUDED_BY_FILTER}: nothing is converted")
         return model, rows
     inner, inner_path = _peft_inner(model)
-    hf_rules = None
-    if hf.is_hf_model(inner) and layers & {"layernorm", "mlp"}:  # one probe call, before any module changes
-        hf_rules = functools.partial(hf.convert_children, structure=hf.probe_structure(inner))
-    elif hf.is_hf_model(inner):
-        hf_rules = hf.convert_children
+    hf_rules, attention_modules = None, []
+    if hf.is_hf_model(inner):  # one probe call, before any module changes
+        structure = hf.probe_structure(inner) if layers & {"layernorm", "mlp"} else None
+        hf_rules = functools.partial(hf.convert_children, structure=structure, attention_modules=attention_modules)
     order = {path or "(root)": i for i, (path, _) in enumerate(model.named_modules())}
     if hf.is_hf_model(inner) and "experts" in layers:  # first: a norm before the experts is fused into them
         hf.convert_experts(inner, inner_path, rows, keep_hidden=not recompute)
@@ -184,7 +183,7 @@ def _convert(model, layers, recompute, excluded):
     else:
         _convert_children(inner, layers, recompute, inner_path, rows, hf_rules, set())
     if hf.is_hf_model(inner) and "attention" in layers:
-        hf.convert_attention(inner, inner_path, rows)
+        hf.convert_attention(inner, inner_path, rows, attention_modules)
     if hf.is_hf_model(inner) and "loss" in layers:
         hf.convert_loss(inner, inner_path, rows)
     rows.sort(key=lambda row: order.get(row.path, len(order)))  # rows in the model's module order
@@ -353,7 +352,7 @@ def _wrapped_reason(model):
 
 
 def _warn_broken_rules(rows):
-    """A family rule whose probe failed stays stock: say so, as that is a transformers release
+    """A fusion whose probe failed stays stock: say so, as that is a transformers release
     changing a forward the rule was written for, not a module remat never meant to convert."""
     broken = [row for row in rows.skipped if row.reason.startswith(hf.PROBE_BROKEN)]
     if broken:

@@ -91,8 +91,13 @@ CASES = {
     # pre-LN: the encoder's 2 LayerNorms a layer, the decoder's 3 (the cross-attention's into its q_proj)
     "whisper": Case("whisper", {}, {"RematMLPLinear": 4, "RematFusedLinear": 4, "RematFusedGELUActivation": 4,
                                     "RematFusedLayerNorm": 10, "RematNormedLinear": 14}, 6, {}, 3 * LAYERS),
-    # the ALiBi attention on remat.attention's alibi_slopes
-    "bloom": Case("bloom", {}, {"RematBloomAttention": 2, "RematBloomMLP": 2, "RematFusedLayerNorm": 4}, 2, {}),
+    # the ALiBi attention on remat.attention's alibi_slopes (swapped by its class: the model's attention
+    # implementation, which its ALiBi mask does not call, stays eager); by structure, input_layernorm
+    # fused into query_key_value, and the MLP BloomMLP holds (it adds the residual after its fc2) fused
+    # into its fc2 with post_attention_layernorm in front
+    "bloom": Case("bloom", {}, {"RematBloomAttention": 2, "RematNormedLinear": 2, "RematFusedLayerNorm": 4,
+                                "RematMLPLinear": 2, "RematFusedLinear": 2, "RematFusedBloomGelu": 2}, 2,
+                  {"flash-attention-style masks": 1}),
     # no rule; the ReLU MLP its layers hold stays stock, final_layer_norm fused into its fc1
     "opt": Case("opt", {}, {"RematFusedLayerNorm": 4, "RematNormedLinear": 8}, 2,
                 {"the layer holds stays stock: activation ReLU": LAYERS}, LAYERS),
@@ -471,10 +476,9 @@ def test_bloom_with_a_bias_that_is_not_its_alibi_runs_the_stock_attention():
 
 
 @pytest.mark.parametrize("name, overrides, norm, reason", [
-    ("bloom", {"apply_residual_connection_post_layernorm": True}, "input_layernorm",
-     "apply_residual_connection_post_layernorm"),
-    # no rule: the structure probe sees more than projections read the LayerNorm's output (a reshape
-    # before the residual add) and says so; it then runs as remat.nn.LayerNorm
+    # the structure probe sees more than projections read the LayerNorm's output (the residual add;
+    # OPT's: a reshape before it) and says so; it then runs as remat.nn.LayerNorm
+    ("bloom", {"apply_residual_connection_post_layernorm": True}, "input_layernorm", "not fused into a projection"),
     ("opt", {"do_layer_norm_before": False}, "self_attn_layer_norm", "not fused into a projection"),
 ])
 def test_configs_whose_layer_norms_feed_more_stay_stock(name, overrides, norm, reason):

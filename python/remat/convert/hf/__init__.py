@@ -1,22 +1,21 @@
-"""Hugging Face transformers support for remat.convert: one file per model family registers its classes,
-submodule names, layer wirings, attention class and probe inputs
-(registry.Family); modules.py holds the swapped classes they share, rules.py what convert does with
-each module. The families, what each swap computes and when it runs stock: docs/huggingface.md.
+"""Hugging Face transformers support for remat.convert, by structure: structure.py probes what reads what,
+rules.py fuses what that shows safe (modules.py holds the swapped classes), interface.py makes "remat"
+the model's attention implementation, experts.py its experts', head_norm.py fuses q/k norms into the
+attention, loss.py the LM head into its loss. bloom.py is the one family swapped by class (its ALiBi
+attention). What each swap computes and when it runs stock: docs/huggingface.md.
 """
 
 import sys
 
-from . import bloom  # noqa: F401  (registers its family)
 from .experts import convert_experts, revert_experts
 from .interface import convert_attention, revert_attention
 from .loss import convert_loss, revert_loss
 from .modules import Handoff, RematFusedLayerNorm
-from .registry import FAMILIES
 from .rules import PROBE_BROKEN, convert_children
 from .structure import example_inputs
 from .structure import probe as probe_structure
 
-__all__ = ["FAMILIES", "PROBE_BROKEN", "Handoff", "RematFusedLayerNorm", "convert_attention", "convert_children",
+__all__ = ["PROBE_BROKEN", "Handoff", "RematFusedLayerNorm", "convert_attention", "convert_children",
            "convert_experts", "convert_loss", "example_inputs", "is_hf_model", "probe_structure",
            "revert_attention", "revert_experts", "revert_loss"]
 

@@ -1,7 +1,9 @@
-"""BLOOM: the attention on remat.attention, its ALiBi bias as remat.attention's alibi_slopes, with
-input_layernorm fused into query_key_value; the MLP (BloomGelu: the tanh approximation, written by
-hand) fused with post_attention_layernorm in front. apply_residual_connection_post_layernorm=True
-makes the LayerNorms' outputs the residuals too: they then stay stock (the MLP still fuses).
+"""BLOOM's attention, the one attention remat swaps by its class: BLOOM hands it an ALiBi bias as a
+tensor and a materialised mask, which no structure says how to read. The rest of a BLOOM block is
+converted by structure, as any family's: input_layernorm fused into query_key_value, and the MLP
+BloomMLP holds (dense_h_to_4h -> BloomGelu -> dense_4h_to_h, then dropout_add with the residual)
+fused with post_attention_layernorm in front. apply_residual_connection_post_layernorm=True makes
+the LayerNorms' outputs the residuals too: the structure then leaves them stock (the MLP still fuses).
 
 BLOOM's ALiBi adds slope_h · j (key position j) to the scores, relying on softmax's invariance to a
 constant per row: under its causal mask that is remat.attention's -slope_h · (i - j), FlashAttention's
@@ -15,21 +17,14 @@ import inspect
 import sys
 
 import torch
+from torch import nn
 
-from ...ops.attention import attention
+from ..._guards import from_transformers
+from ..._linears import base_layer
+from ...ops.attention import HEAD_DIMS, attention
 from .interface import attention_weights_requested
 from .masks import Packing, causal_pattern, packed_attention
-from .modules import (
-    MLPParts,
-    _handed_over,
-    _normed_outputs,
-    _RematMLP,
-    _RematModule,
-    _shared_statistics,
-    stock_function,
-    stock_norm,
-)
-from .registry import Family, probe_tensor, register
+from .modules import _RematModule, stock_function
 
 # The stock forward's parameters, in order: the remat forward takes the same (checked at convert time).
 FORWARD = ("self", "hidden_states", "residual", "alibi", "attention_mask", "layer_past", "use_cache",
@@ -68,53 +63,26 @@ def _empty_cache(cache, layer_idx):
 
 class _RematBloomAttention(_RematModule):
     """BloomAttention(hidden_states, residual, alibi, attention_mask, layer_past, ...) on remat.attention:
-    q, k, v from query_key_value (heads interleaved: (batch, seq, heads, 3, head_dim)), input_layernorm
-    fused in when it was handed over; causal remat.attention with the ALiBi slopes (attention_varlen on
-    the real tokens of a padded or packed batch) and the training dropout (remat's own Philox mask:
+    q, k, v from query_key_value (heads interleaved: (batch, seq, heads, 3, head_dim); input_layernorm
+    applied inside it where the structure fused it there); causal remat.attention with the ALiBi slopes
+    (attention_varlen on the real tokens of a padded or packed batch) and the training dropout (remat's own Philox mask:
     the distribution of the stock dropout, not its draws); dense, and dropout_add with the residual, as
     the stock forward. Any call it does not compute exactly runs the stock forward, with the reason."""
-
-    # What rules._attention_reason checks the stock module has, at convert time.
-    remat_head_dim_attr = "head_dim"
-    remat_scale_attr = "inv_norm_factor"
-    remat_projections = ("query_key_value",)
-    remat_output_projection = "dense"
-    remat_cache_arg = "layer_past"
-    remat_extra_args = ("residual", "alibi")
-    remat_attributes = ("num_heads", "beta", "pretraining_tp", "slow_but_exact", "hidden_dropout",
-                        "attention_dropout", "layer_idx")
 
     def __init_subclass__(cls, **kwargs):  # the class made at convert time (remat_class), outside any trace
         super().__init_subclass__(**kwargs)
         cls.remat_passthrough = _passthrough()
 
-    @classmethod
-    def remat_refuse_reason(cls, module):
-        parameters = tuple(inspect.signature(type(module).forward).parameters)
-        if parameters != FORWARD:
-            return f"its forward takes ({', '.join(parameters)}), not ({', '.join(FORWARD)}): this transformers " \
-                   "version differs"
-        if module.beta != 1.0:
-            return f"beta={module.beta}: the stock forward scales its ALiBi bias"
-        return None
-
     def forward(self, hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
                 output_attentions=False, **kwargs):
-        norm, norm_reason = _handed_over(self, hidden_states)
         reason, pattern, slopes = self._remat_call(hidden_states, residual, alibi, attention_mask, layer_past,
                                                    output_attentions, kwargs)
-        if reason is None:
-            outputs, reason = _normed_outputs(hidden_states, self, norm, [self.query_key_value], self.remat_recompute,
-                                              self.remat_projections, _shared_statistics(self))
+        self._remat_fallback(reason)
         if reason is not None:
-            self._remat_fallback(reason)
-            if norm is not None:
-                hidden_states = stock_norm(norm, hidden_states)
             return self.remat_stock.forward(self, hidden_states, residual, alibi, attention_mask, layer_past,
                                             use_cache, output_attentions, **kwargs)
-        self._remat_fallback(norm_reason)
         batch, seq, _ = hidden_states.shape
-        fused = outputs[0].view(batch, seq, self.num_heads, 3, self.head_dim)
+        fused = self.query_key_value(hidden_states).view(batch, seq, self.num_heads, 3, self.head_dim)
         q, k, v = (fused[..., i, :].transpose(1, 2) for i in range(3))
         if layer_past is not None:  # empty (_remat_call): filled as the stock forward fills it; the
             layer_past.update(k, v, self.layer_idx)  # keys attended to are this call's own
@@ -207,47 +175,40 @@ def _alibi_slopes(alibi, batch, heads, seq, positions=None):
     return slopes if bool(torch.equal(bias, expected)) else None
 
 
-class _RematBloomMLP(_RematMLP):
-    """BloomMLP(hidden_states, residual): dropout_add(fc2(gelu(fc1(x))), residual), as the stock forward."""
-
-    def remat_call_reason(self):
-        if self.pretraining_tp > 1 and self.slow_but_exact:
-            return "pretraining_tp > 1 with slow_but_exact: the stock forward sums dense_4h_to_h in slices"
-        return None
-
-    def remat_finish(self, out, residual):
-        return stock_function(self, "dropout_add")(out, residual, self.hidden_dropout, self.training)
+def is_bloom_attention(module):
+    """Whether `module` is transformers' BloomAttention (the class this file swaps)."""
+    return type(module).__name__ == "BloomAttention" and from_transformers(type(module))
 
 
-def _layer_reason(layer):
-    if layer.apply_residual_connection_post_layernorm:
-        return "apply_residual_connection_post_layernorm: its output is the residual too, not only the next input"
+# The stock module's attributes the remat forward reads.
+_ATTRIBUTES = ("head_dim", "inv_norm_factor", "query_key_value", "dense", "num_heads", "beta", "pretraining_tp",
+               "slow_but_exact", "hidden_dropout", "attention_dropout", "layer_idx")
+
+
+def swap_reason(module):
+    """Why the BloomAttention `module` cannot be swapped to _RematBloomAttention, or None (convert time)."""
+    missing = [name for name in _ATTRIBUTES if not hasattr(module, name)]
+    if missing:
+        return f"lacks the expected attributes {', '.join(missing)}"
+    if not isinstance(base_layer(module.query_key_value), nn.Linear):  # its norm fused in: a subclass
+        return "its query_key_value is not an nn.Linear (or peft's LoRA around one)"
+    if module.head_dim not in HEAD_DIMS:
+        return f"head dim {module.head_dim} is not one of remat's kernel head dims {HEAD_DIMS}"
+    parameters = tuple(inspect.signature(type(module).forward).parameters)
+    if parameters != FORWARD:
+        return f"its forward takes ({', '.join(parameters)}), not ({', '.join(FORWARD)}): this transformers " \
+               "version differs"
+    if module.beta != 1.0:
+        return f"beta={module.beta}: the stock forward scales its ALiBi bias"
     return None
 
 
-def _probe_kwargs(module, param):
-    """For a block or its attention, the model's own ALiBi bias and causal mask over (2, 3) tokens (a
-    random bias would run the attention stock); the residual for the attention and the MLP."""
-    kind = type(module).__name__
-    if kind in ("BloomBlock", "BloomAttention"):
-        heads = module.num_heads
-        alibi = sys.modules[type(module).__module__].build_alibi_tensor(
-            torch.ones(2, 3, device=param.device), heads, param.dtype)
-        hidden = torch.full((3, 3), torch.finfo(param.dtype).min, device=param.device, dtype=param.dtype)
-        kwargs = {"alibi": alibi, "attention_mask": hidden.triu(1)[None, None].expand(2, 1, 3, 3)}
-        if kind == "BloomAttention":
-            kwargs["residual"] = probe_tensor(param, 2, 3, module.dense.out_features)
-        return kwargs
-    if kind == "BloomMLP":
-        return {"residual": probe_tensor(param, 2, 3, module.dense_4h_to_h.out_features)}
-    return {}
-
-
-register(Family(
-    name="bloom",
-    attention={"BloomAttention": _RematBloomAttention},
-    mlps={"BloomMLP": MLPParts("dense_h_to_4h", "gelu_impl", "dense_4h_to_h", None, _RematBloomMLP)},
-    layers={"BloomBlock": ((("input_layernorm", "self_attention"), ("post_attention_layernorm", "mlp")),)},
-    layer_reason=_layer_reason,
-    probe_kwargs=_probe_kwargs,
-))
+def probe_kwargs(module, param):
+    """What a probe call of the BloomAttention `module` needs besides its input: the model's own ALiBi bias
+    and causal mask over (2, 3) tokens (a random bias would run the attention stock), and a residual."""
+    alibi = sys.modules[type(module).__module__].build_alibi_tensor(
+        torch.ones(2, 3, device=param.device), module.num_heads, param.dtype)
+    hidden = torch.full((3, 3), torch.finfo(param.dtype).min, device=param.device, dtype=param.dtype)
+    residual = torch.randn(2, 3, module.dense.out_features, generator=torch.Generator().manual_seed(2))
+    return {"alibi": alibi, "attention_mask": hidden.triu(1)[None, None].expand(2, 1, 3, 3),
+            "residual": residual.to(param.device, param.dtype)}

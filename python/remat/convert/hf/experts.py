@@ -23,17 +23,35 @@ function reads `module.gate_up_proj` as the stock forward does, its value with t
 remat.experts hands its gradient back through it. Each call checks only what a call can change (the
 weights' types and dtypes, the input's shape); what it cannot take runs the implementation the model
 had before ("eager" or the previous one's function), with the reason recorded (fallback_counts()).
+
+The router (the module structure.routes finds projecting the tokens with its own weight) takes the
+norm before it into that projection: _RematNormedRouter, at the end of this file.
 """
 
 import collections
 import functools
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
-from ..._guards import EXCLUDED, decided, tensor_reason
+from ..._guards import EXCLUDED, decided, excluded_below, tensor_reason
 from ..._validate import autocast_dtype
 from ...ops import experts as experts_op
-from .modules import _layer_norm_reason, _shared_statistics, fed_norm, norm_spec, record_call, stock_norm
+from ...ops.fused import norm_linears
+from ...ops.layer_norm import layer_norm
+from ...ops.rms_norm import rms_norm
+from ...specs import Linear
+from .modules import (
+    _between_reason,
+    _layer_norm_reason,
+    _RematModule,
+    _shared_statistics,
+    fed_norm,
+    norm_spec,
+    record_call,
+    stock_norm,
+)
 
 NAME = "remat"
 
@@ -330,3 +348,107 @@ def remat_bytes_per_token(n1, top_k, element, keep_hidden):
     """What remat.experts keeps per token besides the router's weights and x (which the router's own
     projection keeps too): the sorted order (int32 per pair), and with keep_hidden the pre-activation."""
     return top_k * (4 + (n1 * element if keep_hidden else 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# The router, with the norm before it fused into its projection
+# ---------------------------------------------------------------------------------------------
+
+
+def router_reason(router, label):
+    """Why the norm before the router `label` cannot be fused into its projection, or None: hooks that
+    would see the norm's input (transformers' recorders of its logits see the same outputs), or weights
+    that are no plain tensors. Its own forward runs, hooks and all."""
+    if "forward" in vars(router):
+        return f"{label}'s forward is replaced on the instance"
+    reason = _between_reason(router) or excluded_below(router)
+    if reason:
+        return f"{label} {reason}"
+    return next(filter(None, (tensor_reason(f"{label}.{n}", p) for n, p in router.named_parameters(recurse=False))),
+                None)
+
+
+# Functions that read a tensor's metadata only (shape, dtype, device, ...): not a use of its values.
+METADATA = frozenset({"__get__", "size", "dim", "ndimension", "numel", "nelement", "__len__", "stride",
+                      "is_floating_point", "is_complex", "is_contiguous", "get_device", "element_size"})
+
+# Functions whose output holds their input's rows unchanged (a mixture of experts' block and its router
+# flatten the tokens): followed as the input itself, by the structure probe and by _RouterProjection.
+RESHAPES = frozenset({"view", "reshape", "flatten"})
+
+
+class _RouterProjection(TorchFunctionMode):
+    """Inside a router's stock forward, called on the norm's input x instead of norm(x): its projection
+    F.linear(tokens, weight[, bias]) of x (or of a reshape of it) is computed by `project(tokens, bias)`
+    with the norm fused in; anything else that reads x or a reshape of it (a cast before an fp32
+    projection, DeepSeek-V3's) reads norm(x), computed once by `normed(x)`: never x itself."""
+
+    def __init__(self, x, weight, project, normed):
+        super().__init__()
+        self.weight, self.project, self.normed = weight, project, normed
+        self.tokens = {id(x): x}  # x and its reshapes (held: ids stay theirs while the forward runs)
+        self.materialised = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        if id(first) in self.tokens and self.tokens[id(first)] is first:
+            if getattr(func, "__name__", None) in RESHAPES:
+                out = func(*args, **kwargs)
+                self.tokens[id(out)] = out
+                return out
+            if func is F.linear and len(args) > 1 and args[1] is self.weight:
+                return self.project(first, args[2] if len(args) > 2 else kwargs.get("bias"))
+        if getattr(func, "__name__", None) in METADATA:  # x's shape, dtype, ...: norm(x)'s too
+            out = func(*args, **kwargs)
+            if not isinstance(out, torch.Tensor):
+                return out
+        args = tuple(self._normed(a) for a in args)
+        kwargs = {k: self._normed(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+    def _normed(self, value):
+        """norm(value) for x or a reshape of it, else value."""
+        if not isinstance(value, torch.Tensor) or self.tokens.get(id(value)) is not value:
+            return value
+        if id(value) not in self.materialised:
+            self.materialised[id(value)] = self.normed(value)
+        return self.materialised[id(value)]
+
+
+def remat_norm(spec, x):
+    """spec (a remat.specs.Norm) applied to x on remat's own norm ops, rounded as the stock norm: autograd
+    keeps x and the fp32 statistics, never the output."""
+    if spec.kind == "rms_norm":
+        return rms_norm(x, x.shape[-1:], spec.weight, spec.eps, spec.style)
+    return layer_norm(x, x.shape[-1:], spec.weight, spec.bias, spec.eps)
+
+
+class _RematNormedRouter(_RematModule):
+    """A mixture of experts' router (a module projecting the tokens with its own weight into the experts'
+    logits, then choosing: structure.routes) with the norm before it fused into that projection: its
+    stock forward runs on the norm's input x, and its F.linear with its weight computes weight · norm(x)
+    on norm_linears, which keeps x and the norm's fp32 statistics, never norm(x). A router that casts
+    the tokens first (to project in fp32) reads norm(x) from remat's norm op instead (x and the
+    statistics kept, not the norm's fp32 copies), and its projection keeps what stock's keeps. The
+    choices are made once, in the forward: nothing of the router runs in the backward."""
+
+    remat_prefix = "RematNormed"
+
+    def forward(self, hidden_states, *args, **kwargs):
+        norm, reason = fed_norm(self, hidden_states)
+        if norm is None:  # the norm computed itself, or a call apart from the layer: hidden_states are norm(x)
+            self._remat_fallback(reason)
+            return self.remat_stock.forward(self, hidden_states, *args, **kwargs)
+        reason = decided(self, [self, norm], lambda: router_reason(self, self.remat_path) or _layer_norm_reason(norm))
+        if reason:
+            self._remat_fallback(reason)
+            return self.remat_stock.forward(self, stock_norm(norm, hidden_states), *args, **kwargs)
+        self._remat_fallback(None)
+        spec, shared = norm_spec(norm), _shared_statistics(self)
+
+        def project(tokens, bias):
+            return norm_linears(tokens, spec, [Linear(self.weight, bias)], self.remat_recompute, shared)[0]
+
+        with _RouterProjection(hidden_states, self.weight, project, lambda tokens: remat_norm(spec, tokens)):
+            return self.remat_stock.forward(self, hidden_states, *args, **kwargs)

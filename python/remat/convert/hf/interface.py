@@ -71,27 +71,33 @@ def register():
     AttentionMaskInterface.register(NAME, attention_mask)
 
 
-def convert_attention(model, path, report):
-    """Make "remat" the attention implementation of the Hugging Face `model` (remat.convert), unless it is
-    of a family remat has rules for (they decide its attention: their attention classes compute on
-    sdpa's or eager's calls, and some rework the mask), the config names another implementation than
-    sdpa and eager, or the model does not take flash-attention-style masks (a forward that reworks the
-    (B, 1, S, S) mask itself, as Doge's, or adds ALiBi to it, as Falcon's with alibi=True); the report
-    says which.
+def convert_attention(model, path, report, attention_modules=()):
+    """Make "remat" the attention implementation of the Hugging Face `model` (remat.convert), unless the
+    config names another implementation than sdpa and eager, or the model does not take
+    flash-attention-style masks (a forward that reworks the (B, 1, S, S) mask itself, as Doge's, or adds
+    ALiBi to it, as Falcon's with alibi=True, or BLOOM's); the report says which.
     The q/k norms fuse_qk_norms fused (head_norm.py) need remat's attention function: where the
-    model keeps another, they go back to stock, their rows saying why."""
-    if not _switch_attention(model, path, report):
+    model keeps another, they go back to stock, their rows saying why. attention_modules: (path,
+    module) of the attention modules convert leaves as they are, a row each: kept where their attention
+    function is remat's now, else skipped."""
+    previous = model.config._attn_implementation
+    switched = _switch_attention(model, path, report)
+    for module_path, module in attention_modules:
+        if switched:
+            report.add(module_path, module, "kept", f"it runs as it is, its attention function remat's (the "
+                                                    f"{NAME!r} implementation, was {previous!r})")
+        else:
+            report.add(module_path, module, "skipped", f"no remat rule for {type(module).__name__}: it runs as "
+                                                       "it is, its attention function the model's attention "
+                                                       "implementation")
+    if not switched:
         head_norm.unfuse(model, report, f"the model's attention implementation stays "
                                         f"{model.config._attn_implementation!r}")
 
 
 def _switch_attention(model, path, report):
     """convert_attention's switch: True when "remat" is the model's attention implementation now."""
-    from .registry import family_of
-
     previous = model.config._attn_implementation
-    if any(family_of(m) is not None for m in model.modules()):
-        return False  # a family with rules (some of its modules swapped, or kept stock by a rule) decides its attention
     if previous not in ("sdpa", "eager"):
         report.add(path, model, "skipped", f"attention implementation {previous!r} kept (remat replaces sdpa "
                                            "and eager)")
@@ -119,20 +125,7 @@ def _switch_attention(model, path, report):
             module.__dict__["remat_attention_stock"] = previous
     report.add(path, model, f"attention implementation {previous!r} -> {NAME!r}", "every attention calling "
                "transformers' attention interface runs remat.attention")
-    _keep_attention_rows(report, previous)
     return True
-
-
-def _keep_attention_rows(report, previous):
-    """The rows of the attention modules without a rule (rules.INTERFACE_ATTENTION) become "kept": each
-    runs as it is, its attention function remat's now."""
-    from ..report import ReportRow
-    from .rules import INTERFACE_ATTENTION
-
-    for i, row in enumerate(report):
-        if row.action == "skipped" and row.reason.endswith(INTERFACE_ATTENTION):
-            report[i] = ReportRow(row.path, row.type, "kept", f"it runs as it is, its attention function remat's "
-                                  f"(the {NAME!r} implementation, was {previous!r})")
 
 
 def revert_attention(module):

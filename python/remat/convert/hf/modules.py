@@ -3,7 +3,7 @@
 remat's fused ops, and the stock forward itself for any call those do not compute exactly.
 
 Handoff links a module whose work the next module does (a pre-LN LayerNorm, BERT's intermediate)
-to that module; bloom.py, the one family file, subclasses _RematMLP and _RematModule.
+to that module; bloom.py's attention, the one module swapped by its class, subclasses _RematModule.
 """
 
 import collections
@@ -11,19 +11,15 @@ import sys
 import weakref
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from ... import _tensor_parallel as tensor_parallel
 from ... import _zero3 as zero3
-from ..._guards import decided, excluded_below, fallback, hook_reason, plain_reason, tensor_reason
+from ..._guards import decided, fallback, hook_reason, plain_reason
 from ..._linears import decided_projections, fused_saved_bytes, plain_linear, projection, projections, widths
 from ..._tensor_memo import MISSING, TensorMemo
 from ...ops.fused import SharedStatistics, fused_mlp, norm_linears
-from ...ops.layer_norm import layer_norm
-from ...ops.rms_norm import rms_norm
-from ...specs import Activation, Linear, gelu, norm_of
+from ...specs import Activation, gelu, norm_of
 from ..patterns import (
     MLP,
     activation_reason,
@@ -36,7 +32,7 @@ from ..patterns import (
 from ..swap import strip
 
 # A transformers MLP module: the names of its fc1, activation, fc2 and (or None) dropout, and the
-# remat class it is swapped to (None: _RematMLP; BLOOM's takes the residual too). A gated MLP (mixin
+# remat class it is swapped to (None: _RematMLP). A gated MLP (mixin
 # _RematGatedMLP) names its (gate, up) projections as fc1, or its one gate_up projection. The dropout
 # is after fc2 in a plain MLP (applied by the fused one too), before fc2 in a gated one (T5's: fused
 # while it does nothing).
@@ -68,6 +64,12 @@ def _path_modules(layer, path):
         module = module._modules.get(name) if module is not None else None
         modules.append(module)
     return modules
+
+
+def _probability(layer, path):
+    """The dropout probability held by the attribute at the dotted `path` below `layer` (0 where there is none)."""
+    owner_path, _, name = path.rpartition(".")
+    return getattr(submodule(layer, owner_path) if owner_path else layer, name, 0)
 
 
 class Handoff:
@@ -115,7 +117,7 @@ class Handoff:
         if layer is None:
             return "the layer holding it is gone"
         modules = [layer, *(submodule(layer, path) for path in self._along)]
-        dropout = tuple(getattr(layer, name, 0) for name in self.dropout)
+        dropout = tuple(_probability(layer, name) for name in self.dropout)
         return decided(self, modules, lambda: self._reason(layer), extra=dropout)
 
     def give(self, x):
@@ -164,9 +166,9 @@ class Handoff:
             reason = next(filter(None, map(_between_reason, modules)), None)
             if reason:
                 return f"{path} {reason}"
-        dropping = [name for name in self.dropout if getattr(layer, name, 0) > 0] if layer.training else []
+        dropping = [name for name in self.dropout if _probability(layer, name) > 0] if layer.training else []
         if dropping:
-            return f"{dropping[0]} (p={getattr(layer, dropping[0])}) in training"
+            return f"{dropping[0]} (p={_probability(layer, dropping[0])}) in training"
         self._lend(layer)
         return None
 
@@ -394,18 +396,6 @@ def _layer_norm_reason(norm):
     return plain_reason(norm, (type(norm),), "the fused norm", zero3.is_hook) if norm is not None else None
 
 
-def _normed_outputs(x, owner, norm, modules, recompute, labels, shared=None):
-    """([module(norm(x)) for each module], None), with the LayerNorm fused into the projections when
-    `norm` is given (its statistics `shared` with other consumers), or (None, why they cannot be
-    fused at this call: decided once on `owner`, the module calling)."""
-    if norm is None:
-        return [m(x) for m in modules], None
-    linears, reason = decided_projections(owner, modules, labels, [norm], lambda: _layer_norm_reason(norm))
-    if reason:
-        return None, reason
-    return norm_linears(x, norm_spec(norm), linears, recompute, shared), None
-
-
 # ---------------------------------------------------------------------------------------------
 # The swapped MLP modules
 # ---------------------------------------------------------------------------------------------
@@ -414,12 +404,9 @@ def _normed_outputs(x, owner, norm, modules, recompute, labels, shared=None):
 class _RematMLP(_RematModule):
     """A transformers MLP module (GPT2MLP, ViTMLP, PhiMLP, ...) on remat.mlp:
     dropout(fc2(gelu(fc1(x)))) keeping x and the fc1 output only, with the LayerNorm before it
-    fused in when it was handed over. Any call remat cannot compute runs the stock forward.
+    fused in when it was handed over. Any call remat cannot compute runs the stock forward."""
 
-    A family whose MLP forward takes more than the hidden states, or does more after fc2 (BLOOM's
-    takes the residual and adds it), subclasses this with its own remat_finish."""
-
-    remat_parts: "MLPParts"  # the stock module's submodule names, given by its family
+    remat_parts: "MLPParts"  # the stock module's submodule names, as the structure probe found them
     remat_need_bias = True  # remat.mlp takes LayerNorms with a bias only
     remat_dropped = "the GELU output is"  # what the report says it does not keep
 
@@ -430,12 +417,12 @@ class _RematMLP(_RematModule):
         return fusable(MLP, [module._modules[n] for n in (parts.fc1, parts.act, parts.fc2)],
                        labels=["fc1", "activation", "fc2"])
 
-    def forward(self, hidden_states, *args, **kwargs):
+    def forward(self, hidden_states):
         projections = [self._modules[self.remat_parts.fc1], self._modules[self.remat_parts.fc2]]
         with zero3.gathered(self, projections):  # it reads their parameters without calling them
-            return self._remat_forward(hidden_states, projections, *args, **kwargs)
+            return self._remat_forward(hidden_states, projections)
 
-    def _remat_forward(self, hidden_states, projections, *args, **kwargs):
+    def _remat_forward(self, hidden_states, projections):
         parts = self.remat_parts
         norm, norm_reason = _handed_over(self, hidden_states)
         activation = self._modules[parts.act]
@@ -443,26 +430,17 @@ class _RematMLP(_RematModule):
             self, projections, [parts.fc1, parts.fc2], [activation, norm],
             lambda: activation_reason(activation, parts.act, allow=zero3.is_hook) or _layer_norm_reason(norm),
             zero3.is_hook)
-        reason = reason or self.remat_call_reason()
         if reason:
             self._remat_fallback(reason)
             if norm is not None:
                 hidden_states = stock_norm(norm, hidden_states)
-            return self.remat_stock.forward(self, hidden_states, *args, **kwargs)
+            return self.remat_stock.forward(self, hidden_states)
         self._remat_fallback(norm_reason)
         act = gelu(gelu_approximate(activation))
         fc1, fc2 = linears
         out = fused_mlp(hidden_states, fc1, act, fc2, norm_spec(norm) if norm is not None else None,
                         self.remat_recompute, _shared_statistics(self))
-        return self.remat_finish(out, *args, **kwargs)
-
-    def remat_call_reason(self):
-        """Why this module's stock forward computes something else than fc2(gelu(fc1(x))) now, or None."""
-        return None
-
-    def remat_finish(self, out):
-        """The stock forward's result from the fc2 output: its dropout, if it has one."""
-        return self._modules[self.remat_parts.dropout](out) if self.remat_parts.dropout else out
+        return self._modules[parts.dropout](out) if parts.dropout else out
 
     def remat_saved_bytes(self):
         """Bytes per token this module keeps less than stock: the GELU output, where fc2 trains."""
@@ -699,105 +677,6 @@ class _RematNormedLoraLinear(_RematNormedLinear):
 
     def _remat_linear(self):
         return projection(self, self.remat_path)[0]
-
-
-def router_reason(router, label):
-    """Why the norm before the router `label` cannot be fused into its projection, or None: hooks that
-    would see the norm's input (transformers' recorders of its logits see the same outputs), or weights
-    that are no plain tensors. Its own forward runs, hooks and all."""
-    if "forward" in vars(router):
-        return f"{label}'s forward is replaced on the instance"
-    reason = _between_reason(router) or excluded_below(router)
-    if reason:
-        return f"{label} {reason}"
-    return next(filter(None, (tensor_reason(f"{label}.{n}", p) for n, p in router.named_parameters(recurse=False))),
-                None)
-
-
-# Functions that read a tensor's metadata only (shape, dtype, device, ...): not a use of its values.
-METADATA = frozenset({"__get__", "size", "dim", "ndimension", "numel", "nelement", "__len__", "stride",
-                      "is_floating_point", "is_complex", "is_contiguous", "get_device", "element_size"})
-
-# Functions whose output holds their input's rows unchanged (a mixture of experts' block and its router
-# flatten the tokens): followed as the input itself, by the structure probe and by _RouterProjection.
-RESHAPES = frozenset({"view", "reshape", "flatten"})
-
-
-class _RouterProjection(TorchFunctionMode):
-    """Inside a router's stock forward, called on the norm's input x instead of norm(x): its projection
-    F.linear(tokens, weight[, bias]) of x (or of a reshape of it) is computed by `project(tokens, bias)`
-    with the norm fused in; anything else that reads x or a reshape of it (a cast before an fp32
-    projection, DeepSeek-V3's) reads norm(x), computed once by `normed(x)`: never x itself."""
-
-    def __init__(self, x, weight, project, normed):
-        super().__init__()
-        self.weight, self.project, self.normed = weight, project, normed
-        self.tokens = {id(x): x}  # x and its reshapes (held: ids stay theirs while the forward runs)
-        self.materialised = {}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        first = args[0] if args else None
-        if id(first) in self.tokens and self.tokens[id(first)] is first:
-            if getattr(func, "__name__", None) in RESHAPES:
-                out = func(*args, **kwargs)
-                self.tokens[id(out)] = out
-                return out
-            if func is F.linear and len(args) > 1 and args[1] is self.weight:
-                return self.project(first, args[2] if len(args) > 2 else kwargs.get("bias"))
-        if getattr(func, "__name__", None) in METADATA:  # x's shape, dtype, ...: norm(x)'s too
-            out = func(*args, **kwargs)
-            if not isinstance(out, torch.Tensor):
-                return out
-        args = tuple(self._normed(a) for a in args)
-        kwargs = {k: self._normed(v) for k, v in kwargs.items()}
-        return func(*args, **kwargs)
-
-    def _normed(self, value):
-        """norm(value) for x or a reshape of it, else value."""
-        if not isinstance(value, torch.Tensor) or self.tokens.get(id(value)) is not value:
-            return value
-        if id(value) not in self.materialised:
-            self.materialised[id(value)] = self.normed(value)
-        return self.materialised[id(value)]
-
-
-def remat_norm(spec, x):
-    """spec (a remat.specs.Norm) applied to x on remat's own norm ops, rounded as the stock norm: autograd
-    keeps x and the fp32 statistics, never the output."""
-    if spec.kind == "rms_norm":
-        return rms_norm(x, x.shape[-1:], spec.weight, spec.eps, spec.style)
-    return layer_norm(x, x.shape[-1:], spec.weight, spec.bias, spec.eps)
-
-
-class _RematNormedRouter(_RematModule):
-    """A mixture of experts' router (a module projecting the tokens with its own weight into the experts'
-    logits, then choosing: structure.routes) with the norm before it fused into that projection: its
-    stock forward runs on the norm's input x, and its F.linear with its weight computes weight · norm(x)
-    on norm_linears, which keeps x and the norm's fp32 statistics, never norm(x). A router that casts
-    the tokens first (to project in fp32) reads norm(x) from remat's norm op instead (x and the
-    statistics kept, not the norm's fp32 copies), and its projection keeps what stock's keeps. The
-    choices are made once, in the forward: nothing of the router runs in the backward."""
-
-    remat_prefix = "RematNormed"
-
-    def forward(self, hidden_states, *args, **kwargs):
-        norm, reason = fed_norm(self, hidden_states)
-        if norm is None:  # the norm computed itself, or a call apart from the layer: hidden_states are norm(x)
-            self._remat_fallback(reason)
-            return self.remat_stock.forward(self, hidden_states, *args, **kwargs)
-        reason = decided(self, [self, norm], lambda: router_reason(self, self.remat_path) or _layer_norm_reason(norm))
-        if reason:
-            self._remat_fallback(reason)
-            return self.remat_stock.forward(self, stock_norm(norm, hidden_states), *args, **kwargs)
-        self._remat_fallback(None)
-        spec, shared = norm_spec(norm), _shared_statistics(self)
-
-        def project(tokens, bias):
-            return norm_linears(tokens, spec, [Linear(self.weight, bias)], self.remat_recompute, shared)[0]
-
-        with _RouterProjection(hidden_states, self.weight, project, lambda tokens: remat_norm(spec, tokens)):
-            return self.remat_stock.forward(self, hidden_states, *args, **kwargs)
 
 
 class _RematLayerMLP(_RematModule):

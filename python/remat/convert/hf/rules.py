@@ -1,6 +1,7 @@
-"""The rules remat.convert applies to each module of a Hugging Face model: which modules are
-swapped to the remat classes (modules.py), which LayerNorms are handed over to the projection after
-them, each checked by a probe when it is made."""
+"""The rules remat.convert applies to each module of a Hugging Face model: what the structure probe
+(structure.py) found fused (norms handed over to the projections after them, MLPs, a split FFN),
+and BLOOM's attention, the one module swapped by its class (bloom.py); each fusion checked by a
+probe call when it is made."""
 
 import collections
 import contextlib
@@ -23,12 +24,12 @@ from ..._linears import (
     widths,
 )
 from ..._numerics import rel_error
-from ...ops.attention import HEAD_DIMS
 from ..patterns import MLP, fusable, layer_norm_fusable
 from ..swap import is_converted, join, with_class
+from . import bloom, head_norm
 from . import experts as hf_experts
-from . import head_norm
 from . import structure as structure_probe
+from .experts import _RematNormedRouter, router_reason
 from .modules import (
     RematFusedLayerNorm,
     _between_reason,
@@ -39,26 +40,15 @@ from .modules import (
     _RematMLP,
     _RematNormedLinear,
     _RematNormedLoraLinear,
-    _RematNormedRouter,
     _RematOutput,
     fc1_names,
     link,
     remat_class,
-    router_reason,
     submodule,
-)
-from .registry import (
-    attention_mixin,
-    family_of,
-    layer_rule,
-    mlp_parts,
 )
 from .structure import norm_node
 
 ATTENTION_SUFFIXES = ("Attention",)
-# The reason of an attention module without a rule: interface.convert_attention makes the row "kept"
-# where the model's attention implementation becomes remat's.
-INTERFACE_ATTENTION = "its attention function the model's attention implementation"
 
 
 def _mlp_reason(fc1, act, fc2):
@@ -116,36 +106,6 @@ def _swapped(module, mixin, recompute, path, **attributes):
     return new
 
 
-def _attention_reason(module):
-    """None when `module` can take the remat path, else why it is left alone."""
-    mixin = attention_mixin(type(module).__name__)
-    reason = _instance_reason(module)
-    if reason:
-        return reason
-    if getattr(module, "is_cross_attention", False):
-        return "cross-attention (keys and values from the encoder)"
-    expected = (mixin.remat_head_dim_attr, mixin.remat_scale_attr, *mixin.remat_attributes, *mixin.remat_projections,
-                *filter(None, [mixin.remat_output_projection]))
-    missing = [n for n in expected if not hasattr(module, n)]
-    if missing:
-        return f"lacks the expected attributes {', '.join(missing)}"
-    if any(widths(getattr(module, n)) is None for n in mixin.remat_projections):
-        return "its q/k/v projections are not Linear-like (nn.Linear, Conv1D or peft's LoRA around one)"
-    head_dim = getattr(module, mixin.remat_head_dim_attr)
-    if head_dim not in HEAD_DIMS:
-        return f"head dim {head_dim} is not one of remat's kernel head dims {HEAD_DIMS}"
-    parameters = inspect.signature(type(module).forward).parameters
-    cache = mixin.remat_cache_arg
-    needed = ["attention_mask", *filter(None, [cache]), *mixin.remat_extra_args]
-    if any(n not in parameters for n in needed):
-        return f"the forward's arguments are not {', '.join(needed)}: this transformers version differs"
-    return mixin.remat_refuse_reason(module)
-
-
-def _swapped_attention(module, recompute, path):
-    return _swapped(module, attention_mixin(type(module).__name__), recompute, path)
-
-
 def _fused_norm(norm, path, style=None):
     """The fused norm for the stock LayerNorm or RMSNorm `norm` (RematFusedLayerNorm, RematFused<RMSNorm class>)
     rounded as `style` (None: a LayerNorm)."""
@@ -156,13 +116,11 @@ def _fused_norm(norm, path, style=None):
 
 
 def _probe_kwargs(module, param):
-    """Arguments a probe call of `module` (a layer or an attention) needs besides the input: no
-    mask, and what its family says (BART's encoder states for its cross-attention)."""
-    kwargs = {"attention_mask": None} if "attention_mask" in inspect.signature(module.forward).parameters else {}
-    family = family_of(module)
-    if family is not None and family.probe_kwargs is not None:
-        kwargs.update(family.probe_kwargs(module, param))
-    return kwargs
+    """Arguments a probe call of `module` (an MLP, BLOOM's attention) needs besides the input: no mask,
+    and BLOOM's ALiBi bias, mask and residual."""
+    if bloom.is_bloom_attention(module):
+        return bloom.probe_kwargs(module, param)
+    return {"attention_mask": None} if "attention_mask" in inspect.signature(module.forward).parameters else {}
 
 
 def _first_output(output):
@@ -241,30 +199,19 @@ def _self_probe(module, new, width, param):
                          [new], width, param, [module, new])
 
 
-def _attention_width(module):
-    first = getattr(module, attention_mixin(type(module).__name__).remat_projections[0])
-    return widths(first)[0], first.weight
-
-
-def _attention_row(path, name, module, new, norm_name=None):
-    fused = f"; {norm_name} fused into its q/k/v projection" if norm_name else ""
-    how = f"remat.attention{fused} (attention_varlen for padding and packed sequences)"
-    stock = "other masks, KV caches with past keys, attention weights"
-    return (join(path, name), module, f"swapped to {type(new).__name__}", f"{how}; the stock forward for {stock}",
-            new.remat_saved_bytes)
-
-
-def _attention_rule(parent, name, module, recompute, path, report):
-    """Swap a stock attention module (no LayerNorm fused); returns the reason when it is not swapped."""
-    reason = _attention_reason(module)
+def _bloom_attention_rule(parent, name, module, recompute, path, report):
+    """Swap BLOOM's attention (bloom.py); the reason when it is not swapped."""
+    reason = _instance_reason(module) or bloom.swap_reason(module)
     if reason is None:
-        new = _swapped_attention(module, recompute, join(path, name))
-        width, param = _attention_width(module)
-        reason = _self_probe(module, new, width, param)
+        new = _swapped(module, bloom._RematBloomAttention, recompute, join(path, name))
+        weight = base_layer(module.query_key_value).weight
+        reason = _self_probe(module, new, weight.shape[1], weight)
     if reason:
         return reason
     parent._modules[name] = new
-    report.add(*_attention_row(path, name, module, new))
+    report.add(join(path, name), module, f"swapped to {type(new).__name__}",
+               "remat.attention with its ALiBi slopes (attention_varlen for padding and packed sequences); the stock "
+               "forward for other masks, KV caches with past keys, attention weights", new.remat_saved_bytes)
     return None
 
 
@@ -273,9 +220,8 @@ def _attention_rule(parent, name, module, recompute, path, report):
 # ---------------------------------------------------------------------------------------------
 
 
-def _mlp_candidate(module, recompute, path, parts=None):
-    """(the swapped MLP for `module` made of `parts` (default: its family's), None) or (None, why not)."""
-    parts = parts or mlp_parts(type(module).__name__)
+def _mlp_candidate(module, recompute, path, parts):
+    """(the swapped MLP for `module` made of `parts` (structure.MLPParts), None) or (None, why not)."""
     names = (*fc1_names(parts), parts.act, parts.fc2)
     if not all(isinstance(getattr(module, n, None), nn.Module) for n in names):
         return None, f"{type(module).__name__} lacks the expected submodules {', '.join(names)}"
@@ -298,7 +244,7 @@ def _mlp_row(path, name, module, new, norm_name=None):
         new.remat_saved_bytes
 
 
-def _mlp_rule(parent, name, module, recompute, path, report, parts=None):
+def _mlp_rule(parent, name, module, recompute, path, report, parts):
     new, reason = _mlp_candidate(module, recompute, join(path, name), parts)
     if reason:
         return reason
@@ -342,19 +288,7 @@ class _Consumer:
     trains: Callable = None  # a consumer with no Linear-like reader (experts, router): whether stock keeps norm(x)
 
 
-def _attention_consumer(layer, name, recompute, path):
-    module = layer._modules[name]
-    reason = _attention_reason(module)
-    if reason:
-        return None, reason
-    new = _swapped_attention(module, recompute, join(path, name))
-    width, param = _attention_width(module)
-    projections = tuple(f"{name}.{p}" for p in new.remat_projections)
-    return _Consumer(name, {name: new}, projections, f"{name}'s q/k/v projection", width, param,
-                     lambda report, norm_name: report.add(*_attention_row(path, name, module, new, norm_name))), None
-
-
-def _mlp_consumer(layer, name, recompute, path, parts=None):
+def _mlp_consumer(layer, name, recompute, path, parts):
     module = submodule(layer, name)
     new, reason = _mlp_candidate(module, recompute, join(path, name), parts)
     if reason:
@@ -377,7 +311,7 @@ def _plain_linear_reason(module, label):
 def _layer_mlp_consumer(layer, parts, recompute, path):
     """The MLP `layer` holds itself (structure.LayerMLP parts) as one consumer: fc1 and the activation
     return their input, fc2 computes the whole MLP; or (None, why not)."""
-    fc1, act, fc2 = (layer._modules.get(n) for n in (parts.fc1, parts.act, parts.fc2))
+    fc1, act, fc2 = (submodule(layer, n) for n in (parts.fc1, parts.act, parts.fc2))
     if fc1 is None or act is None or fc2 is None:
         return None, f"{type(layer).__name__} lacks the expected children {parts.fc1}, {parts.act}, {parts.fc2}"
     reason = _plain_linear_reason(fc1, parts.fc1) or _plain_linear_reason(fc2, parts.fc2) or \
@@ -458,24 +392,15 @@ def _router_consumer(layer, consumer_path, recompute, path):
                      rows, trains=lambda: module.weight.requires_grad), None
 
 
-def _consumer(layer, consumer_path, layers, recompute, path, found=None):
+def _consumer(layer, consumer_path, layers, recompute, path, found):
     """(_Consumer, None) for the module at `consumer_path` of `layer` taking over a LayerNorm's work,
-    or (None, why not). found: what the structure probe found of an unruled layer (its MLPs)."""
+    or (None, why not). found: what the structure probe found of the layer (its MLPs)."""
     module = submodule(layer, consumer_path)
-    mlps, held = (found.mlps, found.held) if found else ({}, None)
-    kind = type(module).__name__
-    if consumer_path in mlps:
+    held = found.held
+    if consumer_path in found.mlps:
         if "mlp" not in layers:
             return None, "layers excludes mlp"
-        return _mlp_consumer(layer, consumer_path, recompute, path, mlps[consumer_path])
-    if attention_mixin(kind) and from_transformers(type(module)):
-        if "attention" not in layers:
-            return None, "layers excludes attention"
-        return _attention_consumer(layer, consumer_path, recompute, path)
-    if mlp_parts(kind) and from_transformers(type(module)):
-        if "mlp" not in layers:
-            return None, "layers excludes mlp"
-        return _mlp_consumer(layer, consumer_path, recompute, path)
+        return _mlp_consumer(layer, consumer_path, recompute, path, found.mlps[consumer_path])
     if held is not None and consumer_path == held.fc1 and "mlp" in layers:
         consumer, reason = _layer_mlp_consumer(layer, held, recompute, path)
         if consumer is not None:
@@ -550,10 +475,10 @@ def _norm_row(report, path, layer, norm_name, norm, new_norm, consumers):
 Found = collections.namedtuple("Found", "styles mlps call held")
 
 
-def _hand_over(layer, norm_name, consumer_paths, layers, recompute, path, report, found=None):
+def _hand_over(layer, norm_name, consumer_paths, layers, recompute, path, report, found):
     """Hand the LayerNorm `norm_name` over to the modules at `consumer_paths`, all of them or none;
-    returns the paths of the consumers installed. found: what the structure probe found of an unruled layer."""
-    style = found.styles.get(norm_name) if found else None
+    returns the paths of the consumers installed. found: what the structure probe found of the layer."""
+    style = found.styles.get(norm_name)
     built = [_consumer(layer, p, layers, recompute, path, found) for p in consumer_paths]
     consumers = [c for c, _ in built if c is not None]
     reason = next((r for c, r in built if c is None), None)
@@ -572,7 +497,7 @@ def _hand_over(layer, norm_name, consumer_paths, layers, recompute, path, report
         link(layer, members, producers, [c.path for c in consumers], dropout)
         first = consumers[0]
         reason = _swap_probe(layer, members, first.width, first.param, [members[c.path] for c in consumers],
-                             found.call if found else None)
+                             found.call)
     if reason is None:
         _install(layer, members)
         for consumer in consumers:
@@ -588,7 +513,7 @@ def _hand_over(layer, norm_name, consumer_paths, layers, recompute, path, report
     return set()
 
 
-def _held_mlp(layer, held, reason, fused, recompute, path, report):
+def _held_mlp(layer, held, reason, fused, recompute, path, report, call):
     """Convert the MLP `layer` holds itself (held: its structure.LayerMLP, or None) where no norm took it
     in (fused: the consumer paths the norms went to); reason: why it cannot be fused (asked before the
     norms were), or None. The names handled."""
@@ -601,15 +526,16 @@ def _held_mlp(layer, held, reason, fused, recompute, path, report):
         return set()
     if held.fc1 in fused:  # the MLP took the norm
         return {held.act, held.fc2}
-    return {held.fc1, held.act, held.fc2} if _layer_mlp_alone(layer, held, recompute, path, report) else set()
+    return {held.fc1, held.act, held.fc2} if _layer_mlp_alone(layer, held, recompute, path, report, call) else set()
 
 
-def _layer_mlp_alone(layer, parts, recompute, path, report):
+def _layer_mlp_alone(layer, parts, recompute, path, report, call):
     """Swap the MLP `layer` holds itself, without a LayerNorm in front; True when it was swapped."""
     consumer, reason = _layer_mlp_consumer(layer, parts, recompute, path)
     if consumer is not None:
         link(layer, consumer.swaps, consumer.producers, [consumer.path], consumer.dropout)
-        reason = _swap_probe(layer, consumer.swaps, consumer.width, consumer.param, [consumer.swaps[consumer.path]])
+        reason = _swap_probe(layer, consumer.swaps, consumer.width, consumer.param, [consumer.swaps[consumer.path]],
+                             call)
     if reason:
         _layer_mlp_skipped(layer, parts, path, report, reason)
         return False
@@ -619,30 +545,8 @@ def _layer_mlp_alone(layer, parts, recompute, path, report):
 
 
 def _layer_mlp_skipped(layer, parts, path, report, reason):
-    report.add(join(path, parts.fc2), layer._modules.get(parts.fc2), "skipped",
+    report.add(join(path, parts.fc2), submodule(layer, parts.fc2), "skipped",
                f"the MLP {parts.fc1} -> {parts.act} -> {parts.fc2} the layer holds stays stock: {reason}")
-
-
-def _wiring(layer):
-    """[(LayerNorm name, [consumer paths])] of the first of the layer's wirings whose modules exist."""
-    for wiring in layer_rule(type(layer).__name__) or ():
-        if all(submodule(layer, p) is not None for pair in wiring for p in pair):
-            grouped = {}
-            for norm_name, consumer in wiring:
-                grouped.setdefault(norm_name, []).append(consumer)
-            return list(grouped.items())
-    return []
-
-
-def _alone(layer, consumer_path, layers, recompute, path, report):
-    """Convert the module at `consumer_path` of `layer` without the LayerNorm before it; the names handled."""
-    module = submodule(layer, consumer_path)
-    if attention_mixin(type(module).__name__) and from_transformers(type(module)) and "attention" in layers:
-        reason = _attention_rule(layer, consumer_path, module, recompute, path, report)
-        if reason:
-            report.add(join(path, consumer_path), module, "skipped", reason)
-        return {consumer_path}
-    return set()  # an MLP module goes by the plain MLP rule; a Linear alone saves nothing
 
 
 def _layer_hook_reason(layer):
@@ -651,29 +555,6 @@ def _layer_hook_reason(layer):
     the convert probe's included): they read the layer's input and outputs, which fusions inside it
     leave as they are (modules._between_reason)."""
     return _between_reason(layer)
-
-
-def _layer_rule(layer, layers, recompute, path, report):
-    """Hand each LayerNorm of a layer over to the modules it feeds, and convert what remains of them
-    on its own; the names of the children handled (a Linear fused inside a child that stays stock,
-    BLOOM's self_attention.query_key_value, leaves that child to the other rules)."""
-    hooked = _layer_hook_reason(layer)
-    if hooked:
-        report.add(path, layer, "skipped", f"{hooked}: no fusion across its children")
-        return set()
-    family = family_of(layer)
-    wiring = _wiring(layer)
-    reason = family.layer_reason(layer) if family is not None and family.layer_reason is not None else None
-    fused = set()
-    for norm_name, consumer_paths in wiring:
-        if reason:
-            report.add(join(path, norm_name), layer._modules[norm_name], "skipped", reason)
-        else:
-            fused |= _hand_over(layer, norm_name, consumer_paths, layers, recompute, path, report)
-    handled = {p for p in fused if "." not in p}
-    for consumer_path in dict.fromkeys(p for _, paths in wiring for p in paths if p not in fused):
-        handled |= _alone(layer, consumer_path, layers, recompute, path, report)
-    return handled
 
 
 def _pair_rule(layer, recompute, path, report, pair):
@@ -722,7 +603,7 @@ def _holds_attention(module):
 
 
 # ---------------------------------------------------------------------------------------------
-# Modules no family rule covers: fusions the structure probe found
+# Fusions the structure probe found
 # ---------------------------------------------------------------------------------------------
 
 
@@ -764,7 +645,7 @@ def _split_ffn(structure, layer):
 
 
 def _structural_rule(layer, structure, layers, recompute, path, report, done=()):
-    """Fuse what the structure probe shows safe in a transformers module no family rule covers:
+    """Fuse what the structure probe shows safe in a transformers module:
     its norm children into the projections reading them, its MLP children, a split FFN; the names
     of the children handled (`done`: those another rule handled, q/k norms, left alone)."""
     frame = structure.frame(layer)
@@ -775,7 +656,7 @@ def _structural_rule(layer, structure, layers, recompute, path, report, done=())
     if pair is not None:
         handled |= _pair_rule(layer, recompute, path, report, pair) or set()
     mlps, not_mlps = structure_probe.mlp_children(structure, layer) if "mlp" in layers else ({}, {})
-    held, held_reason = structure_probe.layer_mlp(structure, layer) if "mlp" in layers else (None, None)
+    held, held_reason = _held(structure, layer, not_mlps) if "mlp" in layers else (None, None)
     norms = {n: c for n, c in layer._modules.items() if c is not None and n not in done and structure_probe.is_norm(c)}
     rms = {n: structure_probe.rms_style(c) for n, c in norms.items() if type(c) is not nn.LayerNorm}
     styles = {n: style for n, (style, _) in rms.items()}
@@ -801,7 +682,7 @@ def _structural_rule(layer, structure, layers, recompute, path, report, done=())
             report.add(join(path, norm_name), norm, "skipped", f"not fused into a projection: {reason}")
             if type(norm) is not nn.LayerNorm:  # a LayerNorm goes on to remat.nn.LayerNorm (a row of its own)
                 handled.add(norm_name)
-    handled |= fused | _held_mlp(layer, held, held_reason, fused, recompute, path, report)
+    handled |= fused | _held_mlp(layer, held, held_reason, fused, recompute, path, report, found.call)
     for name, parts in mlps.items():
         if name not in handled and not is_converted(layer._modules[name]):
             reason = _mlp_rule(layer, name, layer._modules[name], recompute, path, report, parts)
@@ -809,9 +690,28 @@ def _structural_rule(layer, structure, layers, recompute, path, report, done=())
                 report.add(join(path, name), layer._modules[name], "skipped", reason)
             handled.add(name)
     for name, reason in not_mlps.items():  # an attention holds projections too: the rows above say what it runs
-        if name not in handled and not is_converted(layer._modules[name]) and not _is_attention(layer._modules[name]):
+        child = layer._modules[name]
+        if name not in handled and not any(map(is_converted, child.modules())) and not _is_attention(child):
             report.add(join(path, name), layer._modules[name], "skipped", f"not fused as an MLP: {reason}")
     return {h for h in handled if "." not in h}
+
+
+def _held(structure, layer, not_mlps):
+    """(structure.LayerMLP, paths below `layer`) of the MLP `layer`'s own forward calls (BART's), or else one
+    a child of it calls that is no MLP module of its own (BLOOM's BloomMLP, whose forward adds the
+    residual after fc2); (None, why not) for a chain whose dropout cannot be followed; (None, None) for
+    none, or one already converted."""
+    held, reason = structure_probe.layer_mlp(structure, layer)
+    for name in () if held is not None or reason else not_mlps:
+        if not _is_attention(layer._modules[name]):
+            below, reason = structure_probe.layer_mlp(structure, layer._modules[name])
+            if below is not None or reason:
+                held = below and structure_probe.LayerMLP(*(f"{name}.{n}" for n in below[:3]),
+                                                          tuple(f"{name}.{a}" for a in below.dropout))
+                break
+    if held is not None and any(is_converted(submodule(layer, p)) for p in held[:3]):
+        return None, None
+    return held, reason
 
 
 def _nested_mlps(structure, layer, norms):
@@ -847,50 +747,34 @@ def _input_dtype_reason(structure, norm):
     return None
 
 
-def _unruled(module):
-    """A transformers module, not converted yet, whose class no family rule names."""
-    return from_transformers(type(module)) and family_of(module) is None and not is_converted(module)
-
-
-def convert_children(parent, layers, recompute, path, report, structure=None):
-    """Apply the family rules to `parent`'s children, and to a module no rule covers what the
-    structure probe (structure.probe of the model) found; returns the names convert must not touch."""
+def convert_children(parent, layers, recompute, path, report, structure=None, attention_modules=None):
+    """Fuse in a transformers module `parent` what the structure probe (structure.probe of the model)
+    found, and swap BLOOM's attention among its children; returns the names convert must not touch.
+    attention_modules: a list collecting (path, module) of the attention modules that stay as they are,
+    their attention function the model's implementation (interface.convert_attention reports them)."""
     handled = set()
-    kind = type(parent).__name__
-    if structure is not None and _unruled(parent):
+    if structure is not None and from_transformers(type(parent)) and not is_converted(parent):
         verdicts = structure.__dict__.setdefault("qk_norm_verdicts", {})  # one replay per kind of attention
         handled |= head_norm.fuse_qk_norms(parent, structure, layers, path, report, verdicts)
         handled |= _structural_rule(parent, structure, layers, recompute, path, report, handled)
-    if _has_layer_rule(kind) and from_transformers(type(parent)):
-        handled |= _layer_rule(parent, layers, recompute, path, report)
     for name, child in list(parent._modules.items()):
         if child is None or name in handled or not from_transformers(type(child)):
             continue
         kind = type(child).__name__
-        if mlp_parts(kind) and "mlp" in layers:
-            reason = _mlp_rule(parent, name, child, recompute, path, report)
+        if bloom.is_bloom_attention(child) and "attention" in layers:
+            reason = _bloom_attention_rule(parent, name, child, recompute, path, report)
             if reason:
                 report.add(join(path, name), child, "skipped", reason)
             handled.add(name)
-        elif attention_mixin(kind) and "attention" in layers:
-            reason = _attention_rule(parent, name, child, recompute, path, report)
-            if reason:
-                report.add(join(path, name), child, "skipped", reason)
-            handled.add(name)
-        elif _is_attention(child) and "attention" in layers and not _has_layer_rule(kind) \
-                and not _holds_attention(child):  # T5LayerSelfAttention: its SelfAttention has the row
-            report.add(join(path, name), child, "skipped", f"no remat rule for {kind}: it runs as it is, "
-                       f"{INTERFACE_ATTENTION}")
-        elif _unruled_layer(child) and (structure is None or structure.reason):
+        elif _is_attention(child) and "attention" in layers and not _holds_attention(child):
+            if attention_modules is not None:  # T5LayerSelfAttention: its SelfAttention has the row
+                attention_modules.append((join(path, name), child))
+        elif _is_block(child) and _holds_norm(child) and (structure is None or structure.reason):
             why = f" and no probe of its structure: {structure.reason}" if structure is not None else ""
             report.add(join(path, name), child, "skipped",
                        f"no remat rule for {kind}{why}: its norms are not fused into the projections after "
                        "them, and its MLP is not fused")
     return handled
-
-
-def _has_layer_rule(kind):
-    return bool(layer_rule(kind))
 
 
 def _is_attention(module):
@@ -903,13 +787,6 @@ def _is_block(module):
     return type(module).__name__.endswith(("Layer", "Block"))
 
 
-def _unruled_layer(module):
-    """True for a transformers block (…Layer, …Block) holding a norm, that no family rule covers
-    (neither the block nor its attention or MLP: BART's post-LN layer has rules for these)."""
-    kind = type(module).__name__
-    if _has_layer_rule(kind) or not _is_block(module):
-        return False
-    if any(attention_mixin(type(m).__name__) or mlp_parts(type(m).__name__) for m in module.children()):
-        return False
+def _holds_norm(module):
     return any(isinstance(m, nn.LayerNorm) or type(m).__name__.endswith(("RMSNorm", "LayerNorm"))
                for m in module.children())

@@ -1,6 +1,6 @@
 """Fusions found by structure: one probe call of the whole model at convert time records, for every
-module, which tensors its forward hands to which of its children and torch functions; the layers no
-family rule covers are then fused where that dataflow says it is safe:
+module, which tensors its forward hands to which of its children and torch functions; its layers
+are then fused where that dataflow says it is safe:
 
 - a norm (an exact nn.LayerNorm, or an RMSNorm whose forward rounds as one of remat's styles,
   checked bitwise) whose output is read by Linear-like projections and by nothing else (not the
@@ -31,9 +31,9 @@ from ..._guards import from_transformers
 from ..._linears import widths
 from ...ops.rms_norm import rms_norm_output_ref, rms_norm_rstd_ref
 from ...specs import RMS_NORM_STYLES
-from .experts import is_experts_module
-from .modules import METADATA as _METADATA
-from .modules import RESHAPES, MLPParts, _RematGatedMLP
+from .experts import METADATA as _METADATA
+from .experts import RESHAPES, is_experts_module
+from .modules import MLPParts, _RematGatedMLP
 
 # A call recorded in a module's forward: a child module ("module", its name) or a torch function
 # ("function", its name), with the ids of the tensors it read and returned, and the probability a
