@@ -24,34 +24,33 @@ from torch import nn
 from .._guards import _MODULE_HOOKS, EXCLUDED, hook_reason
 from . import hf
 from .fx import fx_candidate, fx_consumed, fx_convert, fx_revert
+from .options import LAYERS, ConvertOptions
 from .patterns import fused_module
 from .report import ConversionReport, ReportRow
 from .sequential import RematSequential, revert_sequential, sequential_runs
 from .swap import is_converted, join
 from .torch_modules import RematMultiheadAttention, leaf_swap
 
-LAYERS = frozenset({"layernorm", "gelu", "attention", "mlp", "loss", "experts"})
-
-__all__ = ["ConversionReport", "RematMultiheadAttention", "RematSequential", "RematWarning", "ReportRow", "convert",
-           "fused_module", "revert"]
+__all__ = ["ConversionReport", "ConvertOptions", "RematMultiheadAttention", "RematSequential", "RematWarning",
+           "ReportRow", "convert", "fused_module", "revert"]
 
 
-def _convert_children(parent, layers, recompute, path, report, hf_rules, consumed):
+def _convert_children(parent, options, path, report, hf_rules, consumed):
     """Convert below `parent`. hf_rules: the Hugging Face rules' convert_children (None: not a
     transformers model); consumed: ids of modules that fx rewrites call no more (left alone)."""
     handled = set()
     if hf_rules is not None:
-        handled |= hf_rules(parent, layers, recompute, path, report)
-    if fx_candidate(parent) and ("mlp" in layers or "layernorm" in layers):
-        consumed |= fx_convert(parent, layers, recompute, path, report)
+        handled |= hf_rules(parent, options, path, report)
+    if fx_candidate(parent) and options.wants("mlp", "layernorm"):
+        consumed |= fx_convert(parent, options, path, report)
     consumed |= fx_consumed(parent)
-    if type(parent) is nn.Sequential and ("mlp" in layers or "layernorm" in layers):
+    if type(parent) is nn.Sequential and options.wants("mlp", "layernorm"):
         if hook_reason(parent) is not None:
             report.add(path, parent, "skipped", f"Sequential {hook_reason(parent)}: no fusion inside")
         elif any(id(child) in consumed for child in parent):
             report.add(path, parent, "skipped", "a forward rewritten by torch.fx calls its layers: no fusion inside")
         else:
-            handled |= sequential_runs(parent, layers, recompute, path, report)
+            handled |= sequential_runs(parent, options, path, report)
     elif isinstance(parent, nn.Sequential) and not isinstance(parent, RematSequential):
         report.add(path, parent, "skipped", "nn.Sequential subclass: no fusion inside (forward may differ)")
     for name, child in list(parent._modules.items()):
@@ -63,11 +62,11 @@ def _convert_children(parent, layers, recompute, path, report, hf_rules, consume
         if EXCLUDED in vars(child):
             report.add(child_path, child, "skipped", f"{EXCLUDED_BY_FILTER}: it and the modules below it stay stock")
             continue
-        new = leaf_swap(child, layers, child_path, report)
+        new = leaf_swap(child, options, child_path, report)
         if new is not None:
             parent._modules[name] = new
         else:
-            _convert_children(child, layers, recompute, child_path, report, hf_rules, consumed)
+            _convert_children(child, options, child_path, report, hf_rules, consumed)
 
 
 class RematWarning(UserWarning):
@@ -87,20 +86,6 @@ def _peft_inner(model):
             break
         model, path = model._modules[name], join(path, name)
     return model, path
-
-
-def _layer_set(layers):
-    if isinstance(layers, str):  # a single name, not its letters
-        layers = (layers,)
-    try:
-        layers = frozenset(layers)
-    except TypeError:
-        raise TypeError(f"layers must be a name or a collection of names from {sorted(LAYERS)}, "
-                        f"got {layers!r}") from None
-    unknown = layers - LAYERS
-    if unknown:
-        raise ValueError(f"layers must be a subset of {sorted(LAYERS)}, got unknown {sorted(map(str, unknown))}")
-    return layers
 
 
 def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False, *, filter_fn=None, dry_run=False):
@@ -129,13 +114,9 @@ def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False, *
     Hugging Face rules of convert.hf (by structure). Warns (RematWarning) when the conversion saves no activation memory
     at all.
     """
-    layers = _layer_set(layers)
-    if not isinstance(recompute, bool):
-        raise TypeError(f"recompute must be True or False, got {recompute!r}")
+    options = ConvertOptions(layers, recompute, filter_fn)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if filter_fn is not None and not callable(filter_fn):
-        raise TypeError(f"filter_fn must be a function (module, fqn) -> bool, got {type(filter_fn).__name__}")
     if dry_run and inplace:
         raise ValueError("dry_run=True leaves the model as it is; inplace=True asks to convert it: pass one")
     _refuse_a_planned_model(model)
@@ -151,7 +132,7 @@ def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False, *
         model = revert(model)
         excluded = _excluded_paths(model, filter_fn)
     with _excluding(model, excluded):
-        model, rows = _convert(model, layers, recompute, excluded)
+        model, rows = _convert(model, options, excluded)
     rows.model = weakref.ref(model)
     if dry_run:
         return rows
@@ -162,7 +143,7 @@ def convert(model, inplace=False, layers=LAYERS, recompute=True, report=False, *
     return (model, rows) if report else model
 
 
-def _convert(model, layers, recompute, excluded):
+def _convert(model, options, excluded):
     """(the model, its report): `model` converted in place, its modules at the paths `excluded` left
     stock (a new module where `model` itself is one remat swaps, a LayerNorm)."""
     rows = ConversionReport()
@@ -172,19 +153,19 @@ def _convert(model, layers, recompute, excluded):
     inner, inner_path = _peft_inner(model)
     hf_rules, attention_modules = None, []
     if hf.is_hf_model(inner):  # one probe call, before any module changes
-        structure = hf.probe_structure(inner) if layers & {"layernorm", "mlp"} else None
+        structure = hf.probe_structure(inner) if options.wants("layernorm", "mlp") else None
         hf_rules = functools.partial(hf.convert_children, structure=structure, attention_modules=attention_modules)
     order = {path or "(root)": i for i, (path, _) in enumerate(model.named_modules())}
-    if hf.is_hf_model(inner) and "experts" in layers:  # first: a norm before the experts is fused into them
-        hf.convert_experts(inner, inner_path, rows, keep_hidden=not recompute)
-    root = leaf_swap(model, layers, "", rows) if inner is model else None
+    if hf.is_hf_model(inner) and options.wants("experts"):  # first: a norm before the experts is fused into them
+        hf.convert_experts(inner, inner_path, rows, keep_hidden=not options.recompute)
+    root = leaf_swap(model, options, "", rows) if inner is model else None
     if root is not None:
         model = root
     else:
-        _convert_children(inner, layers, recompute, inner_path, rows, hf_rules, set())
-    if hf.is_hf_model(inner) and "attention" in layers:
+        _convert_children(inner, options, inner_path, rows, hf_rules, set())
+    if hf.is_hf_model(inner) and options.wants("attention"):
         hf.convert_attention(inner, inner_path, rows, attention_modules)
-    if hf.is_hf_model(inner) and "loss" in layers:
+    if hf.is_hf_model(inner) and options.wants("loss"):
         hf.convert_loss(inner, inner_path, rows)
     rows.sort(key=lambda row: order.get(row.path, len(order)))  # rows in the model's module order
     return model, rows

@@ -269,7 +269,7 @@ def _act_module(root, act_node, approximate):
     return nn.GELU(approximate)
 
 
-def _runs(root, graph, layers):
+def _runs(root, graph, options):
     """([Fusion], [(module name, module, why skipped)]) for the runs in `graph`, in node order."""
     fusions, skips, taken = [], [], set()
     for node in graph.nodes:
@@ -277,10 +277,10 @@ def _runs(root, graph, layers):
             continue
         fusion = None
         norm = _called(root, node, nn.LayerNorm)
-        if norm is not None and "layernorm" in layers:
-            fusion = _norm_run(root, node, norm, layers, skips)
+        if norm is not None and options.wants("layernorm"):
+            fusion = _norm_run(root, node, norm, options, skips)
         linear = _called(root, node, nn.Linear)
-        if fusion is None and linear is not None and "mlp" in layers:
+        if fusion is None and linear is not None and options.wants("mlp"):
             fusion = _mlp_run(root, node, linear, skips)
         if fusion is not None:
             fusions.append(fusion)
@@ -301,7 +301,7 @@ def _mlp_run(root, node, fc1, skips):
     return None
 
 
-def _norm_run(root, node, norm, layers, skips):
+def _norm_run(root, node, norm, options, skips):
     """The Fusion starting at the LayerNorm `node` (LayerNormMLP before LayerNormLinear), or None
     (with a skip row where a Linear uses its output)."""
     if not any(_called(root, user, nn.Linear) is not None for user in node.users):
@@ -311,7 +311,7 @@ def _norm_run(root, node, norm, layers, skips):
         skips.append((node.target, norm, f"LayerNormLinear: {reason}"))
         return None
     fc1 = root.get_submodule(fc1_node.target)
-    tail = _mlp_tail(root, fc1_node)[0] if "mlp" in layers else None
+    tail = _mlp_tail(root, fc1_node)[0] if options.wants("mlp") else None
     if tail is not None:
         act, fc2_node, approximate = tail
         fc2 = root.get_submodule(fc2_node.target)
@@ -415,7 +415,7 @@ def _traces(module, defaults):
     return {True: train, False: evaluate}
 
 
-def fx_convert(module, layers, recompute, path, report):
+def fx_convert(module, options, path, report):
     """Rewrite `module`'s forward with the fusions its fx traces prove; returns the ids of the fused submodules."""
     signature = _forward_arguments(module)
     if isinstance(signature, str):
@@ -435,11 +435,11 @@ def fx_convert(module, layers, recompute, path, report):
     for training, graph in graphs.items():
         # Each mode's graph is rewritten by what its own trace proves.
         mode = "" if len(graphs) == 1 else f" (in {'train' if training else 'eval'} mode)"
-        runs, skips = _runs(module, graph, layers)
+        runs, skips = _runs(module, graph, options)
         for target, sub, reason in skips:
             report.add(join(path, target), sub, "skipped", reason + mode)
         for fusion in runs:
-            _fuse(graph, fusion, recompute, path or "(root)")
+            _fuse(graph, fusion, options.recompute, path or "(root)")
             first = module.get_submodule(fusion.targets[0])
             report.add(join(path, fusion.targets[0]), first, f"fused to {fusion.kind} (torch.fx)",
                        f"{_run_names(fusion)} in {type(module).__name__}.forward{mode}",

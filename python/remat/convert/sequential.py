@@ -92,28 +92,28 @@ SEQUENTIAL_RUNS = (
 )
 
 
-def _run_at(children, i, layers, recompute, path, names, report):
+def _run_at(children, i, options, path, names, report):
     """(fused module, {submodule: offset}, length) for the first pattern fusable at index i, or None
     (with a skip row for each pattern that could start there but is not fusable)."""
     for pattern, needs, starts, subs in SEQUENTIAL_RUNS:
         window = children[i:i + len(pattern.roles)]
-        if not needs <= layers or len(window) < len(pattern.roles) or not starts(window):
+        if not needs <= options.layers or len(window) < len(pattern.roles) or not starts(window):
             continue
         reason = fusable(pattern, window)
         if reason is None:
-            return fused_module(pattern, window, recompute), subs, len(window)
+            return fused_module(pattern, window, options.recompute), subs, len(window)
         report.add(join(path, names[i]), children[i], "skipped", f"{pattern.name}: {reason}")
     return None
 
 
-def sequential_runs(seq, layers, recompute, path, report):
+def sequential_runs(seq, options, path, report):
     """Fuse runs among the children of the nn.Sequential `seq`; {child name: handled}."""
     names = list(seq._modules)
     children = [seq._modules[n] for n in names]
     runs, handled = {}, set()
     i = 0
     while i < len(children):
-        fused = _run_at(children, i, layers, recompute, path, names, report)
+        fused = _run_at(children, i, options, path, names, report)
         if fused is None:
             i += 1
             continue

@@ -93,22 +93,22 @@ class RematMultiheadAttention(nn.MultiheadAttention):
         return with_class(self, nn.MultiheadAttention)
 
 
-def leaf_swap(module, layers, path, report):
+def leaf_swap(module, options, path, report):
     """The replacement for a single torch module, or None (with a report row when it was a candidate)."""
     kind = type(module)
-    if kind is nn.LayerNorm and "layernorm" in layers:
+    if kind is nn.LayerNorm and options.wants("layernorm"):
         reason = hook_reason(module)
         if reason is None:
             report.add(path, module, "swapped to remat.nn.LayerNorm")
             return remat_nn.LayerNorm.from_torch(module)
         report.add(path, module, "skipped", reason)
-    elif kind is nn.GELU and "gelu" in layers:
+    elif kind is nn.GELU and options.wants("gelu"):
         reason = hook_reason(module) or (None if gelu_approximate(module) else "unknown approximate")
         if reason is None:
             report.add(path, module, "swapped to remat.nn.GELU")
             return remat_nn.GELU(module.approximate)
         report.add(path, module, "skipped", reason)
-    elif kind is nn.MultiheadAttention and "attention" in layers:
+    elif kind is nn.MultiheadAttention and options.wants("attention"):
         reason = hook_reason(module)
         if reason is None:
             note = "self-attention calls with need_weights=False and no masks run remat.attention; others run torch"

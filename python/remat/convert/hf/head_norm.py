@@ -482,7 +482,7 @@ class _NormRopeAttention(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 
 
-def fuse_qk_norms(attention, structure, layers, path, report, verdicts):
+def fuse_qk_norms(attention, structure, options, path, report, verdicts):
     """Fuse the q/k norms of the transformers module `attention` (any module the probe saw whose
     forward feeds two RMSNorms from its projections and hands their outputs on through functions
     only) into its attention calls; the names of the norms handled (fused, or reported as not).
@@ -491,7 +491,7 @@ def fuse_qk_norms(attention, structure, layers, path, report, verdicts):
     computed, on a CPU copy once per kind of module (verdicts: {kind: verdict}, one conversion's)."""
     # transformers' output recorders (output_router_logits, output_attentions) read what the attention
     # module returns, which the fusion leaves as it is
-    if "attention" not in layers or not from_transformers(type(attention)) or _between_reason(attention):
+    if not options.wants("attention") or not from_transformers(type(attention)) or _between_reason(attention):
         return set()
     frame = structure.frame(attention)
     if frame is None or frame.hidden_states() is None:

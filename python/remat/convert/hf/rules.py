@@ -100,9 +100,9 @@ def _instance_reason(module):
     return hook_reason(module) or excluded_below(module)
 
 
-def _swapped(module, mixin, recompute, path, **attributes):
+def _swapped(module, mixin, options, path, **attributes):
     new = with_class(module, remat_class(mixin, type(module), **attributes))
-    new.__dict__["remat_recompute"], new.__dict__["remat_path"] = recompute, path
+    new.__dict__["remat_recompute"], new.__dict__["remat_path"] = options.recompute, path
     return new
 
 
@@ -199,11 +199,11 @@ def _self_probe(module, new, width, param):
                          [new], width, param, [module, new])
 
 
-def _bloom_attention_rule(parent, name, module, recompute, path, report):
+def _bloom_attention_rule(parent, name, module, options, path, report):
     """Swap BLOOM's attention (bloom.py); the reason when it is not swapped."""
     reason = _instance_reason(module) or bloom.swap_reason(module)
     if reason is None:
-        new = _swapped(module, bloom._RematBloomAttention, recompute, join(path, name))
+        new = _swapped(module, bloom._RematBloomAttention, options, join(path, name))
         weight = base_layer(module.query_key_value).weight
         reason = _self_probe(module, new, weight.shape[1], weight)
     if reason:
@@ -220,7 +220,7 @@ def _bloom_attention_rule(parent, name, module, recompute, path, report):
 # ---------------------------------------------------------------------------------------------
 
 
-def _mlp_candidate(module, recompute, path, parts):
+def _mlp_candidate(module, options, path, parts):
     """(the swapped MLP for `module` made of `parts` (structure.MLPParts), None) or (None, why not)."""
     names = (*fc1_names(parts), parts.act, parts.fc2)
     if not all(isinstance(getattr(module, n, None), nn.Module) for n in names):
@@ -229,7 +229,7 @@ def _mlp_candidate(module, recompute, path, parts):
     reason = _instance_reason(module) or mixin.remat_parts_reason(module, parts)
     if reason:
         return None, reason
-    return _swapped(module, mixin, recompute, path, remat_parts=parts), None
+    return _swapped(module, mixin, options, path, remat_parts=parts), None
 
 
 def _mlp_row(path, name, module, new, norm_name=None):
@@ -244,8 +244,8 @@ def _mlp_row(path, name, module, new, norm_name=None):
         new.remat_saved_bytes
 
 
-def _mlp_rule(parent, name, module, recompute, path, report, parts):
-    new, reason = _mlp_candidate(module, recompute, join(path, name), parts)
+def _mlp_rule(parent, name, module, options, path, report, parts):
+    new, reason = _mlp_candidate(module, options, join(path, name), parts)
     if reason:
         return reason
     fc1 = getattr(module, fc1_names(new.remat_parts)[0])
@@ -288,9 +288,9 @@ class _Consumer:
     trains: Callable = None  # a consumer with no Linear-like reader (experts, router): whether stock keeps norm(x)
 
 
-def _mlp_consumer(layer, name, recompute, path, parts):
+def _mlp_consumer(layer, name, options, path, parts):
     module = submodule(layer, name)
-    new, reason = _mlp_candidate(module, recompute, join(path, name), parts)
+    new, reason = _mlp_candidate(module, options, join(path, name), parts)
     if reason:
         return None, reason
     readers = tuple(f"{name}.{n}" for n in fc1_names(new.remat_parts))
@@ -308,7 +308,7 @@ def _plain_linear_reason(module, label):
     return _instance_reason(module)
 
 
-def _layer_mlp_consumer(layer, parts, recompute, path):
+def _layer_mlp_consumer(layer, parts, options, path):
     """The MLP `layer` holds itself (structure.LayerMLP parts) as one consumer: fc1 and the activation
     return their input, fc2 computes the whole MLP; or (None, why not)."""
     fc1, act, fc2 = (submodule(layer, n) for n in (parts.fc1, parts.act, parts.fc2))
@@ -318,9 +318,9 @@ def _layer_mlp_consumer(layer, parts, recompute, path):
         _instance_reason(act) or _mlp_reason(fc1, act, fc2)
     if reason:
         return None, reason
-    swaps = {parts.fc1: _swapped(fc1, _RematFused, recompute, join(path, parts.fc1)),
-             parts.act: _swapped(act, _RematFused, recompute, join(path, parts.act)),
-             parts.fc2: _swapped(fc2, _RematLayerMLP, recompute, join(path, parts.fc2))}
+    swaps = {parts.fc1: _swapped(fc1, _RematFused, options, join(path, parts.fc1)),
+             parts.act: _swapped(act, _RematFused, options, join(path, parts.act)),
+             parts.fc2: _swapped(fc2, _RematLayerMLP, options, join(path, parts.fc2))}
 
     def rows(report, norm_name):
         chain = f"{parts.fc1} -> {type(act).__name__} -> {parts.fc2}"
@@ -336,7 +336,7 @@ def _layer_mlp_consumer(layer, parts, recompute, path):
                      producers={"fc1": parts.fc1, "act": parts.act}, need_bias=True, dropout=parts.dropout), None
 
 
-def _linear_consumer(layer, linear_path, recompute, path):
+def _linear_consumer(layer, linear_path, options, path):
     """The Linear at `linear_path` (inside a module that stays stock, or a layer's fc1 before an
     activation remat does not fuse) with the LayerNorm fused in; or (None, why not)."""
     module = submodule(layer, linear_path)
@@ -347,7 +347,7 @@ def _linear_consumer(layer, linear_path, recompute, path):
         reason = _plain_linear_reason(module, linear_path)
     if reason:
         return None, reason
-    new = _swapped(module, _RematNormedLoraLinear if lora else _RematNormedLinear, recompute, join(path, linear_path))
+    new = _swapped(module, _RematNormedLoraLinear if lora else _RematNormedLinear, options, join(path, linear_path))
 
     def rows(report, norm_name):
         report.add(join(path, linear_path), module, f"swapped to {type(new).__name__}",
@@ -358,11 +358,11 @@ def _linear_consumer(layer, linear_path, recompute, path):
                      base_layer(module).weight, rows), None
 
 
-def _experts_consumer(layer, consumer_path, layers):
+def _experts_consumer(layer, consumer_path, options):
     """The experts module at `consumer_path` applying the norm inside remat.experts (the module stays,
     running "remat": experts.py reads the handoff); or (None, why not)."""
     module = submodule(layer, consumer_path)
-    if "experts" not in layers:  # a reason of its own (not "layers excludes ..."): the norm's row says it
+    if not options.wants("experts"):  # a reason of its own (not "layers excludes ..."): the norm's row says it
         return None, f"{consumer_path} runs transformers' experts, not remat's (layers excludes experts)"
     if not hf_experts.runs_remat_experts(module):
         spec = module.__dict__.get("remat_experts_spec")
@@ -374,13 +374,13 @@ def _experts_consumer(layer, consumer_path, layers):
                      trains=lambda: any(p.requires_grad for p in module.parameters())), None
 
 
-def _router_consumer(layer, consumer_path, recompute, path):
+def _router_consumer(layer, consumer_path, options, path):
     """The router at `consumer_path` (structure.routes) with the norm fused into its projection."""
     module = submodule(layer, consumer_path)
     reason = router_reason(module, consumer_path)
     if reason:
         return None, reason
-    new = _swapped(module, _RematNormedRouter, recompute, join(path, consumer_path))
+    new = _swapped(module, _RematNormedRouter, options, join(path, consumer_path))
 
     def rows(report, norm_name):
         report.add(join(path, consumer_path), module, f"swapped to {type(new).__name__}",
@@ -392,31 +392,31 @@ def _router_consumer(layer, consumer_path, recompute, path):
                      rows, trains=lambda: module.weight.requires_grad), None
 
 
-def _consumer(layer, consumer_path, layers, recompute, path, found):
+def _consumer(layer, consumer_path, options, path, found):
     """(_Consumer, None) for the module at `consumer_path` of `layer` taking over a LayerNorm's work,
     or (None, why not). found: what the structure probe found of the layer (its MLPs)."""
     module = submodule(layer, consumer_path)
     held = found.held
     if consumer_path in found.mlps:
-        if "mlp" not in layers:
+        if not options.wants("mlp"):
             return None, "layers excludes mlp"
-        return _mlp_consumer(layer, consumer_path, recompute, path, found.mlps[consumer_path])
-    if held is not None and consumer_path == held.fc1 and "mlp" in layers:
-        consumer, reason = _layer_mlp_consumer(layer, held, recompute, path)
+        return _mlp_consumer(layer, consumer_path, options, path, found.mlps[consumer_path])
+    if held is not None and consumer_path == held.fc1 and options.wants("mlp"):
+        consumer, reason = _layer_mlp_consumer(layer, held, options, path)
         if consumer is not None:
             return consumer, None  # else the LayerNorm fuses into fc1 alone (OPT's ReLU MLP)
     if hf_experts.is_experts_module(module):
-        return _experts_consumer(layer, consumer_path, layers)
+        return _experts_consumer(layer, consumer_path, options)
     if widths(module) is None and isinstance(getattr(module, "weight", None), nn.Parameter):  # found routing
-        return _router_consumer(layer, consumer_path, recompute, path)
-    return _linear_consumer(layer, consumer_path, recompute, path)
+        return _router_consumer(layer, consumer_path, options, path)
+    return _linear_consumer(layer, consumer_path, options, path)
 
 
-def _fusable_norm(layer, norm_name, layers, style=None):
+def _fusable_norm(layer, norm_name, options, style=None):
     """(the norm, None) when `norm_name` is a norm the rules fuse (an exact nn.LayerNorm, or an RMSNorm
     the structure probe found rounding as `style`), else (it or None, why not)."""
     norm = layer._modules.get(norm_name)
-    if "layernorm" not in layers:
+    if not options.wants("layernorm"):
         return None, "layers excludes layernorm"
     if type(norm) is not nn.LayerNorm and not (style and from_transformers(type(norm))):
         return None, f"{norm_name} is {type(norm).__name__}, not exactly nn.LayerNorm nor an RMSNorm remat matches"
@@ -436,16 +436,16 @@ def _rms_norm_reason(norm, width, style=None):
     return f"{type(norm).__name__}: {reason}" if reason else None
 
 
-def _norm_reason(layer, norm_name, consumers, layers, recompute, style=None):
+def _norm_reason(layer, norm_name, consumers, options, style=None):
     """(the LayerNorm, None) when it can be handed over to all of `consumers`, else (it or None, why not)."""
-    norm, reason = _fusable_norm(layer, norm_name, layers, style)
+    norm, reason = _fusable_norm(layer, norm_name, options, style)
     for consumer in consumers if reason is None else ():
         reason = (layer_norm_fusable(norm, consumer.width, need_bias=consumer.need_bias)
                   if type(norm) is nn.LayerNorm else _rms_norm_reason(norm, consumer.width, style)) or \
             next(filter(None, (projection(submodule(layer, r), r)[1] for r in consumer.readers)), None)
         if reason:
             break
-    if reason is None and len(consumers) > 1 and not recompute:
+    if reason is None and len(consumers) > 1 and not options.recompute:
         reason = (f"recompute=False: {norm_name} feeds {len(consumers)} modules, each of which would compute "
                   "and keep its output (stock computes it once)")
     return norm, reason
@@ -475,19 +475,19 @@ def _norm_row(report, path, layer, norm_name, norm, new_norm, consumers):
 Found = collections.namedtuple("Found", "styles mlps call held")
 
 
-def _hand_over(layer, norm_name, consumer_paths, layers, recompute, path, report, found):
+def _hand_over(layer, norm_name, consumer_paths, options, path, report, found):
     """Hand the LayerNorm `norm_name` over to the modules at `consumer_paths`, all of them or none;
     returns the paths of the consumers installed. found: what the structure probe found of the layer."""
     style = found.styles.get(norm_name)
-    built = [_consumer(layer, p, layers, recompute, path, found) for p in consumer_paths]
+    built = [_consumer(layer, p, options, path, found) for p in consumer_paths]
     consumers = [c for c, _ in built if c is not None]
     reason = next((r for c, r in built if c is None), None)
-    norm, norm_reason = _fusable_norm(layer, norm_name, layers, style) if reason else \
-        _norm_reason(layer, norm_name, consumers, layers, recompute, style)
+    norm, norm_reason = _fusable_norm(layer, norm_name, options, style) if reason else \
+        _norm_reason(layer, norm_name, consumers, options, style)
     reason = reason or norm_reason
     if reason is None:
         fused_norm = _fused_norm(norm, join(path, norm_name), style)
-        fused_norm.__dict__["remat_recompute"] = recompute
+        fused_norm.__dict__["remat_recompute"] = options.recompute
         members = {norm_name: fused_norm}
         producers = {"norm": norm_name}
         for consumer in consumers:
@@ -513,7 +513,7 @@ def _hand_over(layer, norm_name, consumer_paths, layers, recompute, path, report
     return set()
 
 
-def _held_mlp(layer, held, reason, fused, recompute, path, report, call):
+def _held_mlp(layer, held, reason, fused, options, path, report, call):
     """Convert the MLP `layer` holds itself (held: its structure.LayerMLP, or None) where no norm took it
     in (fused: the consumer paths the norms went to); reason: why it cannot be fused (asked before the
     norms were), or None. The names handled."""
@@ -526,12 +526,12 @@ def _held_mlp(layer, held, reason, fused, recompute, path, report, call):
         return set()
     if held.fc1 in fused:  # the MLP took the norm
         return {held.act, held.fc2}
-    return {held.fc1, held.act, held.fc2} if _layer_mlp_alone(layer, held, recompute, path, report, call) else set()
+    return {held.fc1, held.act, held.fc2} if _layer_mlp_alone(layer, held, options, path, report, call) else set()
 
 
-def _layer_mlp_alone(layer, parts, recompute, path, report, call):
+def _layer_mlp_alone(layer, parts, options, path, report, call):
     """Swap the MLP `layer` holds itself, without a LayerNorm in front; True when it was swapped."""
-    consumer, reason = _layer_mlp_consumer(layer, parts, recompute, path)
+    consumer, reason = _layer_mlp_consumer(layer, parts, options, path)
     if consumer is not None:
         link(layer, consumer.swaps, consumer.producers, [consumer.path], consumer.dropout)
         reason = _swap_probe(layer, consumer.swaps, consumer.width, consumer.param, [consumer.swaps[consumer.path]],
@@ -557,7 +557,7 @@ def _layer_hook_reason(layer):
     return _between_reason(layer)
 
 
-def _pair_rule(layer, recompute, path, report, pair):
+def _pair_rule(layer, options, path, report, pair):
     """BERT's FFN split over two children (pair: (intermediate name, its class name, output name, its
     class name), as the structure probe found them) fused into the output module."""
     inter_name, inter_class, out_name, out_class = pair
@@ -578,8 +578,8 @@ def _pair_rule(layer, recompute, path, report, pair):
     if reason is None and not isinstance(norm, nn.LayerNorm):
         reason = "output.LayerNorm is not an nn.LayerNorm"
     if reason is None:
-        new_inter = _swapped(inter, _RematIntermediate, recompute, row_path)
-        new_out = _swapped(out, _RematOutput, recompute, join(path, out_name))
+        new_inter = _swapped(inter, _RematIntermediate, options, row_path)
+        new_out = _swapped(out, _RematOutput, options, join(path, out_name))
         swaps = {inter_name: new_inter, out_name: new_out}
         link(layer, swaps, {"intermediate": inter_name}, [out_name])
         reason = _swap_probe(layer, swaps, widths(fc1)[0], fc1.weight, [new_out],
@@ -644,7 +644,7 @@ def _split_ffn(structure, layer):
     return None
 
 
-def _structural_rule(layer, structure, layers, recompute, path, report, done=()):
+def _structural_rule(layer, structure, options, path, report, done=()):
     """Fuse what the structure probe shows safe in a transformers module:
     its norm children into the projections reading them, its MLP children, a split FFN; the names
     of the children handled (`done`: those another rule handled, q/k norms, left alone)."""
@@ -652,17 +652,17 @@ def _structural_rule(layer, structure, layers, recompute, path, report, done=())
     if frame is None or frame.layer_input() is None:
         return set()  # not called by the probe as a layer on the hidden states: its children go on their own
     handled = set()
-    pair = _split_ffn(structure, layer) if "mlp" in layers else None
+    pair = _split_ffn(structure, layer) if options.wants("mlp") else None
     if pair is not None:
-        handled |= _pair_rule(layer, recompute, path, report, pair) or set()
-    mlps, not_mlps = structure_probe.mlp_children(structure, layer) if "mlp" in layers else ({}, {})
-    held, held_reason = _held(structure, layer, not_mlps) if "mlp" in layers else (None, None)
+        handled |= _pair_rule(layer, options, path, report, pair) or set()
+    mlps, not_mlps = structure_probe.mlp_children(structure, layer) if options.wants("mlp") else ({}, {})
+    held, held_reason = _held(structure, layer, not_mlps) if options.wants("mlp") else (None, None)
     norms = {n: c for n, c in layer._modules.items() if c is not None and n not in done and structure_probe.is_norm(c)}
     rms = {n: structure_probe.rms_style(c) for n, c in norms.items() if type(c) is not nn.LayerNorm}
     styles = {n: style for n, (style, _) in rms.items()}
     found = Found(styles, {**mlps, **_nested_mlps(structure, layer, norms)}, _replay(frame), held)
     if held is not None:  # asked before a norm's fusion into fc1 swaps it
-        held_reason = _layer_mlp_consumer(layer, held, recompute, path)[1]
+        held_reason = _layer_mlp_consumer(layer, held, options, path)[1]
     fused = set()
     for norm_name, norm in norms.items():
         node = structure_probe.norm_node(frame, norm_name)
@@ -671,9 +671,9 @@ def _structural_rule(layer, structure, layers, recompute, path, report, done=())
         reason = reason or _input_dtype_reason(structure, norm) or _routing_reason(structure, layer, readers)
         if reason is None and type(norm) is not nn.LayerNorm and styles[norm_name] is None:
             reason = f"{type(norm).__name__}: {rms[norm_name][1]}"
-        if reason is None and "layernorm" in layers:
+        if reason is None and options.wants("layernorm"):
             rows = len(report)
-            taken = _hand_over(layer, norm_name, _norm_consumers(readers, found.mlps), layers, recompute, path,
+            taken = _hand_over(layer, norm_name, _norm_consumers(readers, found.mlps), options, path,
                                report, found)
             fused |= taken
             if not taken and len(report) > rows and type(norm) is not nn.LayerNorm:
@@ -682,10 +682,10 @@ def _structural_rule(layer, structure, layers, recompute, path, report, done=())
             report.add(join(path, norm_name), norm, "skipped", f"not fused into a projection: {reason}")
             if type(norm) is not nn.LayerNorm:  # a LayerNorm goes on to remat.nn.LayerNorm (a row of its own)
                 handled.add(norm_name)
-    handled |= fused | _held_mlp(layer, held, held_reason, fused, recompute, path, report, found.call)
+    handled |= fused | _held_mlp(layer, held, held_reason, fused, options, path, report, found.call)
     for name, parts in mlps.items():
         if name not in handled and not is_converted(layer._modules[name]):
-            reason = _mlp_rule(layer, name, layer._modules[name], recompute, path, report, parts)
+            reason = _mlp_rule(layer, name, layer._modules[name], options, path, report, parts)
             if reason:
                 report.add(join(path, name), layer._modules[name], "skipped", reason)
             handled.add(name)
@@ -747,7 +747,7 @@ def _input_dtype_reason(structure, norm):
     return None
 
 
-def convert_children(parent, layers, recompute, path, report, structure=None, attention_modules=None):
+def convert_children(parent, options, path, report, structure=None, attention_modules=None):
     """Fuse in a transformers module `parent` what the structure probe (structure.probe of the model)
     found, and swap BLOOM's attention among its children; returns the names convert must not touch.
     attention_modules: a list collecting (path, module) of the attention modules that stay as they are,
@@ -755,18 +755,18 @@ def convert_children(parent, layers, recompute, path, report, structure=None, at
     handled = set()
     if structure is not None and from_transformers(type(parent)) and not is_converted(parent):
         verdicts = structure.__dict__.setdefault("qk_norm_verdicts", {})  # one replay per kind of attention
-        handled |= head_norm.fuse_qk_norms(parent, structure, layers, path, report, verdicts)
-        handled |= _structural_rule(parent, structure, layers, recompute, path, report, handled)
+        handled |= head_norm.fuse_qk_norms(parent, structure, options, path, report, verdicts)
+        handled |= _structural_rule(parent, structure, options, path, report, handled)
     for name, child in list(parent._modules.items()):
         if child is None or name in handled or not from_transformers(type(child)):
             continue
         kind = type(child).__name__
-        if bloom.is_bloom_attention(child) and "attention" in layers:
-            reason = _bloom_attention_rule(parent, name, child, recompute, path, report)
+        if bloom.is_bloom_attention(child) and options.wants("attention"):
+            reason = _bloom_attention_rule(parent, name, child, options, path, report)
             if reason:
                 report.add(join(path, name), child, "skipped", reason)
             handled.add(name)
-        elif _is_attention(child) and "attention" in layers and not _holds_attention(child):
+        elif _is_attention(child) and options.wants("attention") and not _holds_attention(child):
             if attention_modules is not None:  # T5LayerSelfAttention: its SelfAttention has the row
                 attention_modules.append((join(path, name), child))
         elif _is_block(child) and _holds_norm(child) and (structure is None or structure.reason):
