@@ -13,6 +13,7 @@ import remat
 from remat._guards import RematFallbackWarning, fallback_counts
 from remat.convert import RematWarning
 from remat.convert.hf import head_norm
+from remat.ops.qk_norm_attention import NormRopeAttention
 
 from hf_models import LAYER_RULES, OpCounter, assert_tiny_step_as_stock, tiny_causal_lm, tiny_loss
 
@@ -55,17 +56,17 @@ def test_qk_norms_fused_train_as_stock(config_name):
 def _fused_backwards():
     """[the number of fused attention backwards (q and k rebuilt) run inside], filled on exit."""
     counts, calls = [], [0]
-    original = head_norm._NormRopeAttention.backward
+    original = NormRopeAttention.backward
 
     def counting(ctx, do):
         calls[0] += 1
         return original(ctx, do)
 
-    head_norm._NormRopeAttention.backward = staticmethod(counting)
+    NormRopeAttention.backward = staticmethod(counting)
     try:
         yield counts
     finally:
-        head_norm._NormRopeAttention.backward = staticmethod(original)
+        NormRopeAttention.backward = staticmethod(original)
         counts.append(calls[0])
 
 

@@ -34,7 +34,8 @@ The attention function, per call:
   every other call on remat.attention; causal (or windowed) padding rows get zeros, as
   transformers' flash-attention path gives them; bidirectional ones see the kept keys, as in stock
   attention;
-- q, k or v copied out of a fused qkv projection's output where the others are no views of it (head_norm.own_views);
+- q, k or v copied out of a fused qkv projection's output where the others are no views of it
+  (ops/qk_norm_attention.own_views);
 - causal or not (the call's is_causal, else the module's), GQA/MQA, scaling, training dropout
   (remat's own Philox mask: the distribution of stock dropout, not its draws), a sliding window of
   W keys as FlashAttention takes it (W - 1 before, and after when not causal), softcap;
@@ -56,6 +57,7 @@ from ..._tensor_memo import MISSING, TensorMemo
 from ...ops.attention import _fallback_reason as kernels_reason
 from ...ops.attention import attention
 from ...ops.attention_varlen import attention_varlen
+from ...ops.qk_norm_attention import VarlenTokens, own_views
 from ..swap import join
 from . import head_norm
 
@@ -280,7 +282,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     fused = _fused(module, query, key, value, causal, features)
     if fused is not None:  # its q/k norms fused: q and k rebuilt from the projections' outputs in the backward
         return fused.transpose(1, 2), None
-    query, key, value = head_norm.own_views(query, key, value)  # (the varlen paths above gather copies)
+    query, key, value = own_views(query, key, value)  # (the varlen paths above gather copies)
     return attention(query, key, value, causal=causal, **features).transpose(1, 2), None
 
 
@@ -443,7 +445,7 @@ def _packed_attention(module, query, key, value, packing, causal, features):
     cu, longest = packing
     batch, _, seq, _ = query.shape
     value_tokens = value.transpose(1, 2).flatten(0, 1)
-    o = _fused(module, query, key, value_tokens, causal, features, head_norm.VarlenTokens(None, cu, cu, longest,
+    o = _fused(module, query, key, value_tokens, causal, features, VarlenTokens(None, cu, cu, longest,
                                                                                           longest))
     if o is None:
         o = attention_varlen(query.transpose(1, 2).flatten(0, 1), key.transpose(1, 2).flatten(0, 1), value_tokens, cu,
@@ -473,7 +475,7 @@ def _padded_attention(module, query, key, value, mask, causal, features):
     if seq_q != seq_k:
         head_norm.not_fused(module, "fewer queries than keys")
     o = _fused(module, query, key, value_tokens, causal, features,
-               head_norm.VarlenTokens(keys, cu_k, cu_k, max_k, max_k)) if seq_q == seq_k else None
+               VarlenTokens(keys, cu_k, cu_k, max_k, max_k)) if seq_q == seq_k else None
     if o is None:
         queries, cu_q, max_q = (keys, cu_k, max_k) if seq_q == seq_k else _kept_tokens(mask[:, -seq_q:])
         o = attention_varlen(_gather(query, queries), _gather(key, keys), value_tokens, cu_q, cu_k, max_q, max_k,
