@@ -269,19 +269,19 @@ def _mlp_rule(parent, name, module, options, path, report, parts):
 
 @dataclasses.dataclass
 class _Consumer:
-    """A module that can take over a LayerNorm's work in a layer: the new modules that make it
+    """A module that can take over a LayerNorm's work in a layer: its kind ("mlp", "layer_mlp",
+    "linear", "router", "experts": what _consumer_rows reports), the new modules that make it
     ({dotted path below the layer: module}), the one among them applying the LayerNorm (path),
     its own producers ({role: path}: the fc1 and activation of an MLP the layer holds), the
-    Linear-likes reading the LayerNorm's output (readers, paths: they decide what is saved), and
-    rows(report, norm name or None), which reports its swaps once they are installed."""
+    Linear-likes reading the LayerNorm's output (readers, paths: they decide what is saved)."""
 
+    kind: str
     path: str
     swaps: dict
     readers: tuple
     into: str  # what the report says the LayerNorm is fused into
     width: int
     param: torch.Tensor
-    rows: Callable
     producers: dict = dataclasses.field(default_factory=dict)
     need_bias: bool = False  # remat.mlp takes LayerNorms with a bias only
     dropout: tuple = ()  # the layer's attributes holding the dropout between its producers and it (LayerMLP)
@@ -295,8 +295,7 @@ def _mlp_consumer(layer, name, options, path, parts):
         return None, reason
     readers = tuple(f"{name}.{n}" for n in fc1_names(new.remat_parts))
     fc1 = submodule(layer, readers[0])
-    return _Consumer(name, {name: new}, readers, " and ".join(readers), widths(fc1)[0], base_layer(fc1).weight,
-                     lambda report, norm_name: report.add(*_mlp_row(path, name, module, new, norm_name)),
+    return _Consumer("mlp", name, {name: new}, readers, " and ".join(readers), widths(fc1)[0], base_layer(fc1).weight,
                      need_bias=new.remat_need_bias), None
 
 
@@ -321,18 +320,7 @@ def _layer_mlp_consumer(layer, parts, options, path):
     swaps = {parts.fc1: _swapped(fc1, _RematFused, options, join(path, parts.fc1)),
              parts.act: _swapped(act, _RematFused, options, join(path, parts.act)),
              parts.fc2: _swapped(fc2, _RematLayerMLP, options, join(path, parts.fc2))}
-
-    def rows(report, norm_name):
-        chain = f"{parts.fc1} -> {type(act).__name__} -> {parts.fc2}"
-        kept = "the GELU output is not kept" + (f", nor {norm_name}'s output" if norm_name else "")
-        for name, module in ((parts.fc1, fc1), (parts.act, act)):
-            report.add(join(path, name), module, f"swapped to {type(swaps[name]).__name__}",
-                       f"applied inside {parts.fc2}, fused; returns its input", lambda: 0)
-        report.add(join(path, parts.fc2), fc2, f"swapped to {type(swaps[parts.fc2]).__name__}",
-                   f"fused {f'{norm_name} -> ' if norm_name else ''}{chain}, the MLP its layer holds: {kept}",
-                   swaps[parts.fc2].remat_saved_bytes)
-
-    return _Consumer(parts.fc2, swaps, (parts.fc1,), parts.fc1, widths(fc1)[0], fc1.weight, rows,
+    return _Consumer("layer_mlp", parts.fc2, swaps, (parts.fc1,), parts.fc1, widths(fc1)[0], fc1.weight,
                      producers={"fc1": parts.fc1, "act": parts.act}, need_bias=True, dropout=parts.dropout), None
 
 
@@ -348,14 +336,8 @@ def _linear_consumer(layer, linear_path, options, path):
     if reason:
         return None, reason
     new = _swapped(module, _RematNormedLoraLinear if lora else _RematNormedLinear, options, join(path, linear_path))
-
-    def rows(report, norm_name):
-        report.add(join(path, linear_path), module, f"swapped to {type(new).__name__}",
-                   f"{norm_name} applied inside it, fused (x and its fp32 statistics kept, never {norm_name}'s output)",
-                   lambda: 0)
-
-    return _Consumer(linear_path, {linear_path: new}, (linear_path,), linear_path, widths(module)[0],
-                     base_layer(module).weight, rows), None
+    return _Consumer("linear", linear_path, {linear_path: new}, (linear_path,), linear_path, widths(module)[0],
+                     base_layer(module).weight), None
 
 
 def _experts_consumer(layer, consumer_path, options):
@@ -370,7 +352,7 @@ def _experts_consumer(layer, consumer_path, options):
     spec = module.__dict__["remat_experts_spec"]
     weight = getattr(module, spec.gate_up)
     width = weight.shape[1 if spec.transposed else 2]
-    return _Consumer(consumer_path, {consumer_path: module}, (), consumer_path, width, weight, lambda *_: None,
+    return _Consumer("experts", consumer_path, {consumer_path: module}, (), consumer_path, width, weight,
                      trains=lambda: any(p.requires_grad for p in module.parameters())), None
 
 
@@ -381,15 +363,39 @@ def _router_consumer(layer, consumer_path, options, path):
     if reason:
         return None, reason
     new = _swapped(module, _RematNormedRouter, options, join(path, consumer_path))
+    return _Consumer("router", consumer_path, {consumer_path: new}, (), consumer_path, module.weight.shape[1],
+                     module.weight, trains=lambda: module.weight.requires_grad), None
 
-    def rows(report, norm_name):
-        report.add(join(path, consumer_path), module, f"swapped to {type(new).__name__}",
-                   f"{norm_name} applied inside its projection, fused (x and its fp32 statistics kept, never "
-                   f"{norm_name}'s output; a projection of the tokens cast first keeps the cast, as stock); its "
-                   "choices made once, in the forward", lambda: 0)
 
-    return _Consumer(consumer_path, {consumer_path: new}, (), consumer_path, module.weight.shape[1], module.weight,
-                     rows, trains=lambda: module.weight.requires_grad), None
+def _consumer_rows(report, layer, path, consumer, norm_name):
+    """Report the swaps of `consumer`, before they are installed in `layer` (at `path`); norm_name: the
+    norm handed over to it, or None."""
+    stock = {p: submodule(layer, p) for p in consumer.swaps}
+    new = consumer.swaps[consumer.path]
+    if consumer.kind == "mlp":
+        report.add(*_mlp_row(path, consumer.path, stock[consumer.path], new, norm_name))
+    elif consumer.kind == "layer_mlp":
+        fc1, act = consumer.producers["fc1"], consumer.producers["act"]
+        chain = f"{fc1} -> {type(stock[act]).__name__} -> {consumer.path}"
+        kept = "the GELU output is not kept" + (f", nor {norm_name}'s output" if norm_name else "")
+        for name in (fc1, act):
+            report.add(join(path, name), stock[name], f"swapped to {type(consumer.swaps[name]).__name__}",
+                       f"applied inside {consumer.path}, fused; returns its input", lambda: 0)
+        report.add(join(path, consumer.path), stock[consumer.path], f"swapped to {type(new).__name__}",
+                   f"fused {f'{norm_name} -> ' if norm_name else ''}{chain}, the MLP its layer holds: {kept}",
+                   new.remat_saved_bytes)
+    elif consumer.kind in _FUSED_INTO:
+        report.add(join(path, consumer.path), stock[consumer.path], f"swapped to {type(new).__name__}",
+                   _FUSED_INTO[consumer.kind].format(norm=norm_name), lambda: 0)
+
+
+# What the report says of a Linear or a router with the norm fused into it (an experts module stays: no row).
+_FUSED_INTO = {
+    "linear": "{norm} applied inside it, fused (x and its fp32 statistics kept, never {norm}'s output)",
+    "router": "{norm} applied inside its projection, fused (x and its fp32 statistics kept, never {norm}'s "
+              "output; a projection of the tokens cast first keeps the cast, as stock); its choices made once, "
+              "in the forward",
+}
 
 
 def _consumer(layer, consumer_path, options, path, found):
@@ -499,9 +505,9 @@ def _hand_over(layer, norm_name, consumer_paths, options, path, report, found):
         reason = _swap_probe(layer, members, first.width, first.param, [members[c.path] for c in consumers],
                              found.call)
     if reason is None:
-        _install(layer, members)
         for consumer in consumers:
-            consumer.rows(report, norm_name)
+            _consumer_rows(report, layer, path, consumer, norm_name)
+        _install(layer, members)
         _norm_row(report, path, layer, norm_name, norm, fused_norm, consumers)
         return set(consumer_paths)
     for consumer in consumers:  # a consumer that stays in place (an experts module) forgets the handoff
@@ -539,8 +545,8 @@ def _layer_mlp_alone(layer, parts, options, path, report, call):
     if reason:
         _layer_mlp_skipped(layer, parts, path, report, reason)
         return False
+    _consumer_rows(report, layer, path, consumer, None)
     _install(layer, consumer.swaps)
-    consumer.rows(report, None)
     return True
 
 
@@ -689,9 +695,10 @@ def _structural_rule(layer, structure, options, path, report, done=()):
             if reason:
                 report.add(join(path, name), layer._modules[name], "skipped", reason)
             handled.add(name)
+    holder = held.fc2.split(".")[0] if held is not None and "." in held.fc2 else None  # its rows say what it runs
     for name, reason in not_mlps.items():  # an attention holds projections too: the rows above say what it runs
         child = layer._modules[name]
-        if name not in handled and not any(map(is_converted, child.modules())) and not _is_attention(child):
+        if name not in handled and name != holder and not is_converted(child) and not _is_attention(child):
             report.add(join(path, name), layer._modules[name], "skipped", f"not fused as an MLP: {reason}")
     return {h for h in handled if "." not in h}
 
