@@ -1,8 +1,8 @@
 """What remat fuses, as data, and the one check that a run of modules is such a fusion.
 
 A fusion is a pattern of roles, and each front-end (nn.Sequential by position, torch.fx by the
-dataflow of a forward, a Hugging Face family by its submodules' names) finds runs of modules that
-may play them, then asks `fusable(pattern, modules)` whether that run is exactly what remat's fused
+dataflow of a forward, a Hugging Face model by what its structure probe recorded) finds runs of
+modules that may play them, then asks `fusable(pattern, modules)` whether that run is exactly what remat's fused
 op computes, and if not, why:
 
     pattern            roles                                   fused op / module
@@ -155,8 +155,9 @@ def unsupported_reason(module):
                 "is and saves nothing")
     children = set(module._modules)
     if any(names <= children for names in GATED_MLP_NAMES):
-        return ("gated MLP (act(gate) * up -> down): not fused outside the Hugging Face families remat knows "
-                "(remat.nn.GatedMLP.from_modules builds one); it runs as it is and saves nothing")
+        return ("gated MLP (act(gate) * up -> down): not fused outside the Hugging Face models remat "
+                "converts (found there by structure; remat.nn.GatedMLP.from_modules builds one); it runs as it is "
+                "and saves nothing")
     return None
 
 

@@ -314,7 +314,7 @@ _REMAT_CLASSES = {}
 
 def remat_class(mixin, stock_class, **attributes):
     """Remat<Stock>(mixin, stock): the class a stock transformers module is swapped to, with the
-    class `attributes` its family gives (an MLP's submodule names)."""
+    class `attributes` the structure gives (an MLP's submodule names)."""
     key = (mixin, stock_class, tuple(sorted(attributes.items())))
     cls = _REMAT_CLASSES.get(key)
     if cls is None:

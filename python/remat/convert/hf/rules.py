@@ -307,16 +307,22 @@ def _plain_linear_reason(module, label):
     return _instance_reason(module)
 
 
+def _layer_mlp_reason(layer, parts):
+    """Why the MLP `layer` holds itself (structure.LayerMLP parts) cannot be fused, or None."""
+    fc1, act, fc2 = (submodule(layer, n) for n in (parts.fc1, parts.act, parts.fc2))
+    if fc1 is None or act is None or fc2 is None:
+        return f"{type(layer).__name__} lacks the expected children {parts.fc1}, {parts.act}, {parts.fc2}"
+    return _plain_linear_reason(fc1, parts.fc1) or _plain_linear_reason(fc2, parts.fc2) or \
+        _instance_reason(act) or _mlp_reason(fc1, act, fc2)
+
+
 def _layer_mlp_consumer(layer, parts, options, path):
     """The MLP `layer` holds itself (structure.LayerMLP parts) as one consumer: fc1 and the activation
     return their input, fc2 computes the whole MLP; or (None, why not)."""
-    fc1, act, fc2 = (submodule(layer, n) for n in (parts.fc1, parts.act, parts.fc2))
-    if fc1 is None or act is None or fc2 is None:
-        return None, f"{type(layer).__name__} lacks the expected children {parts.fc1}, {parts.act}, {parts.fc2}"
-    reason = _plain_linear_reason(fc1, parts.fc1) or _plain_linear_reason(fc2, parts.fc2) or \
-        _instance_reason(act) or _mlp_reason(fc1, act, fc2)
+    reason = _layer_mlp_reason(layer, parts)
     if reason:
         return None, reason
+    fc1, act, fc2 = (submodule(layer, n) for n in (parts.fc1, parts.act, parts.fc2))
     swaps = {parts.fc1: _swapped(fc1, _RematFused, options, join(path, parts.fc1)),
              parts.act: _swapped(act, _RematFused, options, join(path, parts.act)),
              parts.fc2: _swapped(fc2, _RematLayerMLP, options, join(path, parts.fc2))}
@@ -650,26 +656,41 @@ def _split_ffn(structure, layer):
     return None
 
 
-def _structural_rule(layer, structure, options, path, report, done=()):
-    """Fuse what the structure probe shows safe in a transformers module:
-    its norm children into the projections reading them, its MLP children, a split FFN; the names
-    of the children handled (`done`: those another rule handled, q/k norms, left alone)."""
-    frame = structure.frame(layer)
-    if frame is None or frame.layer_input() is None:
-        return set()  # not called by the probe as a layer on the hidden states: its children go on their own
-    handled = set()
+@dataclasses.dataclass
+class _LayerPlan:
+    """What the structure shows can be fused in one layer, decided before anything is built: the split
+    FFN (structure._split_ffn's pair, or None); the norms to hand over, [(name, consumer paths)], and
+    those that stay, [(name, why, whether no other rule is to take it)]; the MLP children ({name:
+    MLPParts}) and the other children with projections ({name: why no MLP}); what the probe found
+    (Found: the norms' styles, the MLPs a norm may feed, the replayed call, the held MLP) and why the
+    held MLP cannot be fused (or None)."""
+
+    split_ffn: tuple | None
+    norms: list
+    unfused: list
+    mlps: dict
+    not_mlps: dict
+    found: Found
+    held_reason: str | None
+
+
+def _layer_plan(layer, structure, frame, options, done):
+    """The _LayerPlan of `layer` (a transformers module the probe called on hidden states); `done`: the
+    children another rule took (q/k norms). Builds and changes nothing."""
     pair = _split_ffn(structure, layer) if options.wants("mlp") else None
-    if pair is not None:
-        handled |= _pair_rule(layer, options, path, report, pair) or set()
+    split = set(pair[::2]) if pair is not None else set()  # BERT's intermediate and output, the pair rule's
     mlps, not_mlps = structure_probe.mlp_children(structure, layer) if options.wants("mlp") else ({}, {})
+    mlps = {n: parts for n, parts in mlps.items() if n not in split}
+    not_mlps = {n: reason for n, reason in not_mlps.items() if n not in split}
     held, held_reason = _held(structure, layer, not_mlps) if options.wants("mlp") else (None, None)
-    norms = {n: c for n, c in layer._modules.items() if c is not None and n not in done and structure_probe.is_norm(c)}
+    if held is not None:
+        held_reason = _layer_mlp_reason(layer, held)
+    norms = {n: c for n, c in layer._modules.items()
+             if c is not None and n not in done and n not in split and structure_probe.is_norm(c)}
     rms = {n: structure_probe.rms_style(c) for n, c in norms.items() if type(c) is not nn.LayerNorm}
     styles = {n: style for n, (style, _) in rms.items()}
     found = Found(styles, {**mlps, **_nested_mlps(structure, layer, norms)}, _replay(frame), held)
-    if held is not None:  # asked before a norm's fusion into fc1 swaps it
-        held_reason = _layer_mlp_consumer(layer, held, options, path)[1]
-    fused = set()
+    fusions, unfused = [], []
     for norm_name, norm in norms.items():
         node = structure_probe.norm_node(frame, norm_name)
         readers, reason = structure_probe.linear_readers(structure, frame, node.outputs[0]) if node else \
@@ -678,28 +699,50 @@ def _structural_rule(layer, structure, options, path, report, done=()):
         if reason is None and type(norm) is not nn.LayerNorm and styles[norm_name] is None:
             reason = f"{type(norm).__name__}: {rms[norm_name][1]}"
         if reason is None and options.wants("layernorm"):
-            rows = len(report)
-            taken = _hand_over(layer, norm_name, _norm_consumers(readers, found.mlps), options, path,
-                               report, found)
-            fused |= taken
-            if not taken and len(report) > rows and type(norm) is not nn.LayerNorm:
-                handled.add(norm_name)  # its row says why the fusion failed: no generic RMSNorm row as well
+            fusions.append((norm_name, _norm_consumers(readers, found.mlps)))
         elif reason is not None and (type(norm) is not nn.LayerNorm or _is_block(layer)):
-            report.add(join(path, norm_name), norm, "skipped", f"not fused into a projection: {reason}")
-            if type(norm) is not nn.LayerNorm:  # a LayerNorm goes on to remat.nn.LayerNorm (a row of its own)
-                handled.add(norm_name)
-    handled |= fused | _held_mlp(layer, held, held_reason, fused, options, path, report, found.call)
-    for name, parts in mlps.items():
+            # a LayerNorm goes on to remat.nn.LayerNorm (a row of its own): not handled here
+            unfused.append((norm_name, reason, type(norm) is not nn.LayerNorm))
+    return _LayerPlan(pair, fusions, unfused, mlps, not_mlps, found, held_reason)
+
+
+def _structural_rule(layer, structure, options, path, report, done=()):
+    """Fuse what the structure probe shows safe in a transformers module: its norm children into the
+    projections reading them, its MLP children and the MLP it holds, a split FFN (planned first, by
+    _layer_plan, then each built, checked by a probe call and installed); the names of the children
+    handled (`done`: those another rule handled, q/k norms, left alone)."""
+    frame = structure.frame(layer)
+    if frame is None or frame.layer_input() is None:
+        return set()  # not called by the probe as a layer on the hidden states: its children go on their own
+    plan = _layer_plan(layer, structure, frame, options, done)
+    handled = set()
+    if plan.split_ffn is not None:
+        handled |= _pair_rule(layer, options, path, report, plan.split_ffn) or set()
+    fused = set()
+    for norm_name, consumers in plan.norms:
+        rows = len(report)
+        taken = _hand_over(layer, norm_name, consumers, options, path, report, plan.found)
+        fused |= taken
+        if not taken and len(report) > rows and type(layer._modules[norm_name]) is not nn.LayerNorm:
+            handled.add(norm_name)  # its row says why the fusion failed: no generic RMSNorm row as well
+    for norm_name, reason, own_row in plan.unfused:
+        report.add(join(path, norm_name), layer._modules[norm_name], "skipped",
+                   f"not fused into a projection: {reason}")
+        if own_row:
+            handled.add(norm_name)
+    held = plan.found.held
+    handled |= fused | _held_mlp(layer, held, plan.held_reason, fused, options, path, report, plan.found.call)
+    for name, parts in plan.mlps.items():
         if name not in handled and not is_converted(layer._modules[name]):
             reason = _mlp_rule(layer, name, layer._modules[name], options, path, report, parts)
             if reason:
                 report.add(join(path, name), layer._modules[name], "skipped", reason)
             handled.add(name)
     holder = held.fc2.split(".")[0] if held is not None and "." in held.fc2 else None  # its rows say what it runs
-    for name, reason in not_mlps.items():  # an attention holds projections too: the rows above say what it runs
+    for name, reason in plan.not_mlps.items():  # an attention holds projections too: the rows above say what it runs
         child = layer._modules[name]
         if name not in handled and name != holder and not is_converted(child) and not _is_attention(child):
-            report.add(join(path, name), layer._modules[name], "skipped", f"not fused as an MLP: {reason}")
+            report.add(join(path, name), child, "skipped", f"not fused as an MLP: {reason}")
     return {h for h in handled if "." not in h}
 
 
