@@ -459,6 +459,21 @@ def test_bloom_padded_batch_runs_remat_attention_varlen_with_its_alibi(side):
     assert (varlen, dense) == (LAYERS, 0)
 
 
+def test_bloom_mlp_set_to_another_forward_after_convert_runs_stock():
+    """BloomMLP's forward reads its pretraining_tp and slow_but_exact: with both set (after convert) it
+    sums dense_4h_to_h in slices instead of calling it, so the MLP the structure fused (its fc1 and
+    activation returning their input for fc2 to compute all) must not hold: every module of it runs its
+    own forward, and the step is stock's with the same settings."""
+    stock, _ = build_case("bloom")
+    converted = convert_layers(stock)
+    for model in (stock, converted):
+        for block in model.transformer.h:
+            block.mlp.pretraining_tp, block.mlp.slow_but_exact = 2, True
+    assert_same_step(stock, converted, family_inputs("bloom", "cpu"))
+    handoff = converted.transformer.h[0].mlp.dense_4h_to_h.remat_handoff
+    assert handoff.reason() == "mlp.pretraining_tp is 2, not the 1 its forward was probed with"
+
+
 def test_bloom_with_a_bias_that_is_not_its_alibi_runs_the_stock_attention():
     stock, _ = build_case("bloom")
     converted = convert_layers(stock)

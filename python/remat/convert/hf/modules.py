@@ -66,10 +66,10 @@ def _path_modules(layer, path):
     return modules
 
 
-def _probability(layer, path):
-    """The dropout probability held by the attribute at the dotted `path` below `layer` (0 where there is none)."""
+def _attribute(layer, path, default=0):
+    """The attribute at the dotted `path` below `layer` (a dropout probability, a setting), or `default`."""
     owner_path, _, name = path.rpartition(".")
-    return getattr(submodule(layer, owner_path) if owner_path else layer, name, 0)
+    return getattr(submodule(layer, owner_path) if owner_path else layer, name, default)
 
 
 class Handoff:
@@ -86,6 +86,9 @@ class Handoff:
     probability of a dropout the layer's forward applies between a producer and its consumer
     (BART's activation_dropout, and any other attribute that held the same value at convert time):
     the handoff holds only while that dropout does nothing (each of them 0, or the layer in eval mode).
+    settings: ((dotted attribute path, value), ...) the forward of a module holding producers and their
+    consumer read when the probe saw it call them (BloomMLP's pretraining_tp and slow_but_exact): the
+    handoff holds only while each is the value it was (another may take a path that calls no consumer).
 
     A LayerNorm with several consumers gets one SharedStatistics (statistics): the first consumer's
     fused op leaves its fp32 statistics there, and the next ones, applying it to the same x, keep
@@ -102,9 +105,10 @@ class Handoff:
     copy computes itself.
     """
 
-    def __init__(self, layer, producers, consumers, dropout=()):
+    def __init__(self, layer, producers, consumers, dropout=(), settings=()):
         self._layer = weakref.ref(layer)
         self.producers, self.consumers, self.dropout = dict(producers), tuple(consumers), tuple(dropout)
+        self.settings = tuple(settings)
         self.statistics = SharedStatistics() if len(self.consumers) > 1 else None
         self.outputs = SiblingOutputs() if len(self.consumers) > 1 else None
         self._given = TensorMemo()  # the verdict for the tensor a producer handed over
@@ -117,8 +121,8 @@ class Handoff:
         if layer is None:
             return "the layer holding it is gone"
         modules = [layer, *(submodule(layer, path) for path in self._along)]
-        dropout = tuple(_probability(layer, name) for name in self.dropout)
-        return decided(self, modules, lambda: self._reason(layer), extra=dropout)
+        state = tuple(_attribute(layer, name) for name in (*self.dropout, *(path for path, _ in self.settings)))
+        return decided(self, modules, lambda: self._reason(layer), extra=state)
 
     def give(self, x):
         """reason(), left for `x`, the tensor a producer hands over unchanged: the consumer called on
@@ -166,9 +170,12 @@ class Handoff:
             reason = next(filter(None, map(_between_reason, modules)), None)
             if reason:
                 return f"{path} {reason}"
-        dropping = [name for name in self.dropout if _probability(layer, name) > 0] if layer.training else []
+        for path, value in self.settings:
+            if _attribute(layer, path, None) != value:
+                return f"{path} is {_attribute(layer, path, None)!r}, not the {value!r} its forward was probed with"
+        dropping = [name for name in self.dropout if _attribute(layer, name) > 0] if layer.training else []
         if dropping:
-            return f"{dropping[0]} (p={_probability(layer, dropping[0])}) in training"
+            return f"{dropping[0]} (p={_attribute(layer, dropping[0])}) in training"
         self._lend(layer)
         return None
 
@@ -210,13 +217,14 @@ class Handoff:
         memo[id(self)] = new
         new._layer = weakref.ref(memo.get(id(layer), layer)) if layer is not None else self._layer
         new.producers, new.consumers, new.dropout = dict(self.producers), self.consumers, self.dropout
+        new.settings = self.settings
         new.statistics = SharedStatistics() if self.statistics is not None else None
         new.outputs = SiblingOutputs() if self.outputs is not None else None
         new._given, new._fed = TensorMemo(), TensorMemo()
         return new
 
     def __reduce__(self):  # pickling a model: the layer itself, which pickle keeps once
-        return Handoff, (self._layer(), self.producers, self.consumers, self.dropout)
+        return Handoff, (self._layer(), self.producers, self.consumers, self.dropout, self.settings)
 
 
 class SiblingOutputs:
@@ -269,9 +277,9 @@ def _reads_no_input(hook):
         tensor_parallel.is_layout_hook(hook) or zero3.is_hook(hook)
 
 
-def link(layer, members, producers, consumers, dropout=()):
+def link(layer, members, producers, consumers, dropout=(), settings=()):
     """One Handoff in `layer` for the new modules `members` ({path: module}, not installed yet)."""
-    handoff = Handoff(layer, producers, consumers, dropout)
+    handoff = Handoff(layer, producers, consumers, dropout, settings)
     for module in members.values():
         module.__dict__["remat_handoff"] = handoff
     return handoff

@@ -285,6 +285,7 @@ class _Consumer:
     producers: dict = dataclasses.field(default_factory=dict)
     need_bias: bool = False  # remat.mlp takes LayerNorms with a bias only
     dropout: tuple = ()  # the layer's attributes holding the dropout between its producers and it (LayerMLP)
+    settings: tuple = ()  # Handoff.settings: what the forward of the child holding an MLP read (LayerMLP)
     trains: Callable = None  # a consumer with no Linear-like reader (experts, router): whether stock keeps norm(x)
 
 
@@ -327,7 +328,20 @@ def _layer_mlp_consumer(layer, parts, options, path):
              parts.act: _swapped(act, _RematFused, options, join(path, parts.act)),
              parts.fc2: _swapped(fc2, _RematLayerMLP, options, join(path, parts.fc2))}
     return _Consumer("layer_mlp", parts.fc2, swaps, (parts.fc1,), parts.fc1, widths(fc1)[0], fc1.weight,
-                     producers={"fc1": parts.fc1, "act": parts.act}, need_bias=True, dropout=parts.dropout), None
+                     producers={"fc1": parts.fc1, "act": parts.act}, need_bias=True, dropout=parts.dropout,
+                     settings=_holder_settings(layer, parts.fc2)), None
+
+
+def _holder_settings(layer, fc2_path):
+    """Handoff.settings of an MLP a child of `layer` holds (fc2 at a dotted path): the child's plain
+    attributes (numbers, flags, strings), which its forward may branch on (BloomMLP's slow_but_exact);
+    none for an MLP the layer holds itself (its dropout attributes are followed instead)."""
+    holder_path = fc2_path.rpartition(".")[0]
+    if not holder_path:
+        return ()
+    holder = submodule(layer, holder_path)
+    return tuple((f"{holder_path}.{name}", value) for name, value in vars(holder).items()
+                 if not name.startswith("_") and name != "training" and type(value) in (bool, int, float, str))
 
 
 def _linear_consumer(layer, linear_path, options, path):
@@ -506,7 +520,8 @@ def _hand_over(layer, norm_name, consumer_paths, options, path, report, found):
             members.update(consumer.swaps)
             producers.update(consumer.producers)
         dropout = next((c.dropout for c in consumers if c.dropout), ())
-        link(layer, members, producers, [c.path for c in consumers], dropout)
+        settings = next((c.settings for c in consumers if c.settings), ())
+        link(layer, members, producers, [c.path for c in consumers], dropout, settings)
         first = consumers[0]
         reason = _swap_probe(layer, members, first.width, first.param, [members[c.path] for c in consumers],
                              found.call)
@@ -545,7 +560,7 @@ def _layer_mlp_alone(layer, parts, options, path, report, call):
     """Swap the MLP `layer` holds itself, without a LayerNorm in front; True when it was swapped."""
     consumer, reason = _layer_mlp_consumer(layer, parts, options, path)
     if consumer is not None:
-        link(layer, consumer.swaps, consumer.producers, [consumer.path], consumer.dropout)
+        link(layer, consumer.swaps, consumer.producers, [consumer.path], consumer.dropout, consumer.settings)
         reason = _swap_probe(layer, consumer.swaps, consumer.width, consumer.param, [consumer.swaps[consumer.path]],
                              call)
     if reason:
