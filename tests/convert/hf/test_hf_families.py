@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import remat
-from remat import memory
+from remat import _backend, memory
 from remat._guards import RematFallbackWarning
 
 from hf_models import (
@@ -313,8 +313,11 @@ def test_quick_gelu_keeps_its_sigmoid_more():
 
 @pytest.mark.parametrize("name", CASES)
 def test_save_pretrained_round_trip(tmp_path, name):
+    """The checkpoint and its keys: remat's ops on their references (the same saves and loads, the same
+    losses compared; the kernels are checked in these families' steps above), ~4 s a family fewer."""
     stock, _ = build_case(name)
-    assert_save_pretrained_round_trip(stock, family_inputs(CASES[name].family, "cpu"), tmp_path)
+    with _backend.use_backend("reference"):
+        assert_save_pretrained_round_trip(stock, family_inputs(CASES[name].family, "cpu"), tmp_path)
 
 
 # --- The activations: BloomGelu and transformers' tanh GELUs are the tanh approximation ----------
