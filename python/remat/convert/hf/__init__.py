@@ -11,7 +11,8 @@ from .experts import convert_experts, revert_experts
 from .interface import convert_attention, revert_attention
 from .loss import convert_loss, revert_loss
 from .modules import Handoff, RematFusedLayerNorm
-from .rules import PROBE_BROKEN, convert_children
+from .probe import PROBE_BROKEN
+from .rules import convert_children
 from .structure import example_inputs
 from .structure import probe as probe_structure
 

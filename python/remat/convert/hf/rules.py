@@ -4,7 +4,6 @@ and BLOOM's attention, the one module swapped by its class (bloom.py); each fusi
 probe call when it is made."""
 
 import collections
-import contextlib
 import dataclasses
 import inspect
 from collections.abc import Callable
@@ -23,7 +22,6 @@ from ..._linears import (
     projection,
     widths,
 )
-from ..._numerics import rel_error
 from ..patterns import MLP, fusable, layer_norm_fusable
 from ..swap import is_converted, join, with_class
 from . import bloom, head_norm
@@ -46,6 +44,7 @@ from .modules import (
     remat_class,
     submodule,
 )
+from .probe import first_output, install, self_probe, swap_probe
 from .structure import norm_node
 
 ATTENTION_SUFFIXES = ("Attention",)
@@ -54,42 +53,6 @@ ATTENTION_SUFFIXES = ("Attention",)
 def _mlp_reason(fc1, act, fc2):
     """None when fc1 -> act -> fc2 is remat.mlp (fc1 and fc2 Linear-like, peft's LoRA included), else why not."""
     return fusable(MLP, [fc1, act, fc2], labels=["fc1", "activation", "fc2"])
-
-
-@contextlib.contextmanager
-def _eval_mode(*modules):
-    """Every submodule of `modules` in eval mode (no dropout) for the duration, then as it was."""
-    flags = [(m, m.training) for root in modules for m in root.modules()]
-    for m, _ in flags:
-        m.training = False
-    try:
-        yield
-    finally:
-        for m, training in flags:
-            m.training = training
-
-
-# The probe's reasons that mean a rule no longer matches the stock forward it was written for (a
-# transformers release changed it): convert warns about these, not only the report.
-PROBE_BROKEN = ("probe failed", "probe mismatch")
-
-
-def _probe(before, after, width, param, modules):
-    """None when before(x) == after(x) on a small random x (or when it cannot run), else why not."""
-    if param.is_meta:
-        return None
-    generator = torch.Generator().manual_seed(0)  # private: the caller's RNG stream is untouched
-    x = torch.randn(2, 3, width, generator=generator).to(param.device, param.dtype)
-    try:
-        with torch.no_grad(), _eval_mode(*modules):
-            want, got = before(x), after(x)
-    except Exception as error:  # noqa: BLE001 - a forward this rule does not know how to call: leave it alone
-        return f"probe failed ({type(error).__name__}: {error})"
-    error = rel_error(got, want)
-    tolerance = 1e-4 if param.dtype in (torch.float32, torch.float64) else 3e-2
-    if not error <= tolerance:
-        return f"probe mismatch (relative error {error:.2g}): this transformers version's forward differs"
-    return None
 
 
 def _instance_reason(module):
@@ -115,88 +78,16 @@ def _fused_norm(norm, path, style=None):
     return new
 
 
-def _probe_kwargs(module, param):
-    """Arguments a probe call of `module` (an MLP, BLOOM's attention) needs besides the input: no mask,
-    and BLOOM's ALiBi bias, mask and residual."""
-    if bloom.is_bloom_attention(module):
-        return bloom.probe_kwargs(module, param)
-    return {"attention_mask": None} if "attention_mask" in inspect.signature(module.forward).parameters else {}
-
-
-def _first_output(output):
-    return output[0] if isinstance(output, tuple) else output
-
-
-@contextlib.contextmanager
-def _tracing(modules):
-    """Inside: each of `modules` records, per call, why it ran stock (None: its remat path ran)."""
-    traces = []
-    for module in modules:
-        traces.append([])
-        module.__dict__["remat_trace"] = traces[-1]
-    try:
-        yield traces
-    finally:
-        for module in modules:
-            del module.__dict__["remat_trace"]
-
-
-def _traced_probe(before, after, traced, width, param, modules):
-    """_probe, and then why not when the calls of each of `traced` inside after(x) were not one remat path."""
-    if param.is_meta:
-        return None  # nothing to run on: not probed, as _probe
-    traces = []
-
-    def traced_before(x):  # a consumer that stays in place (an experts module) sees the stock call too
-        with _tracing(traced):
-            return before(x)
-
-    def traced_after(x):
-        with _tracing(traced) as calls:
-            try:
-                return after(x)
-            finally:
-                traces.extend(calls)
-
-    reason = _probe(traced_before, traced_after, width, param, modules)
-    for trace in traces if reason is None else ():
-        if trace != [None]:
-            return f"the probe call did not take the remat path ({trace[0] if trace else 'not called'})"
-    return reason
-
-
-def _install(owner, modules):
-    """Put `modules` ({dotted path below owner: module}) in their places; the ones they replace."""
-    replaced = {}
-    for path, module in modules.items():
-        parent_path, _, name = path.rpartition(".")
-        parent = submodule(owner, parent_path) if parent_path else owner
-        replaced[path] = parent._modules[name]
-        parent._modules[name] = module
-    return replaced
-
-
-def _swap_probe(owner, swaps, width, param, traced, call=None):
-    """None when owner(x) (or call(owner, x)) is unchanged with `swaps` ({dotted path: new module})
-    in place, and the remat path of each of `traced` (swapped modules) is what ran; else why not."""
-    extra = _probe_kwargs(owner, param) if not param.is_meta else {}
-    call = call or (lambda module, x: _first_output(module(x, **extra)))
-
-    def after(x):
-        originals = _install(owner, swaps)
-        try:
-            return call(owner, x)
-        finally:
-            _install(owner, originals)
-
-    return _traced_probe(lambda x: call(owner, x), after, traced, width, param, [owner, *swaps.values()])
-
-
 def _self_probe(module, new, width, param):
-    """Probe of a swapped module on its own: its remat path against the stock forward."""
-    extra = _probe_kwargs(module, param) if not param.is_meta else {}
-    return _traced_probe(lambda x: _first_output(module(x, **extra)), lambda x: _first_output(new(x, **extra)),
-                         [new], width, param, [module, new])
+    """probe.self_probe with the arguments a call of `module` (an MLP, BLOOM's attention) needs besides
+    its input: no mask, and BLOOM's ALiBi bias, mask and residual."""
+    if param.is_meta:
+        extra = {}
+    elif bloom.is_bloom_attention(module):
+        extra = bloom.probe_kwargs(module, param)
+    else:
+        extra = {"attention_mask": None} if "attention_mask" in inspect.signature(module.forward).parameters else {}
+    return self_probe(module, new, width, param, extra)
 
 
 def _bloom_attention_rule(parent, name, module, options, path, report):
@@ -523,12 +414,12 @@ def _hand_over(layer, norm_name, consumer_paths, options, path, report, found):
         settings = next((c.settings for c in consumers if c.settings), ())
         link(layer, members, producers, [c.path for c in consumers], dropout, settings)
         first = consumers[0]
-        reason = _swap_probe(layer, members, first.width, first.param, [members[c.path] for c in consumers],
+        reason = swap_probe(layer, members, first.width, first.param, [members[c.path] for c in consumers],
                              found.call)
     if reason is None:
         for consumer in consumers:
             _consumer_rows(report, layer, path, consumer, norm_name)
-        _install(layer, members)
+        install(layer, members)
         _norm_row(report, path, layer, norm_name, norm, fused_norm, consumers)
         return set(consumer_paths)
     for consumer in consumers:  # a consumer that stays in place (an experts module) forgets the handoff
@@ -561,13 +452,13 @@ def _layer_mlp_alone(layer, parts, options, path, report, call):
     consumer, reason = _layer_mlp_consumer(layer, parts, options, path)
     if consumer is not None:
         link(layer, consumer.swaps, consumer.producers, [consumer.path], consumer.dropout, consumer.settings)
-        reason = _swap_probe(layer, consumer.swaps, consumer.width, consumer.param, [consumer.swaps[consumer.path]],
+        reason = swap_probe(layer, consumer.swaps, consumer.width, consumer.param, [consumer.swaps[consumer.path]],
                              call)
     if reason:
         _layer_mlp_skipped(layer, parts, path, report, reason)
         return False
     _consumer_rows(report, layer, path, consumer, None)
-    _install(layer, consumer.swaps)
+    install(layer, consumer.swaps)
     return True
 
 
@@ -609,7 +500,7 @@ def _pair_rule(layer, options, path, report, pair):
         new_out = _swapped(out, _RematOutput, options, join(path, out_name))
         swaps = {inter_name: new_inter, out_name: new_out}
         link(layer, swaps, {"intermediate": inter_name}, [out_name])
-        reason = _swap_probe(layer, swaps, widths(fc1)[0], fc1.weight, [new_out],
+        reason = swap_probe(layer, swaps, widths(fc1)[0], fc1.weight, [new_out],
                              call=lambda owner, x: owner.feed_forward_chunk(x))
     if reason:
         report.add(row_path, inter, "skipped", f"{inter_name} + {out_name} FFN: {reason}")
@@ -638,8 +529,8 @@ def _replay(frame):
     """call(module, x): `module` called as the probe called it, x in place of its hidden states."""
     rest = {k: v for k, v in frame.kwargs.items() if k != "hidden_states"}
     if frame.args:
-        return lambda module, x: _first_output(module(x, *frame.args[1:], **rest))
-    return lambda module, x: _first_output(module(hidden_states=x, **rest))
+        return lambda module, x: first_output(module(x, *frame.args[1:], **rest))
+    return lambda module, x: first_output(module(hidden_states=x, **rest))
 
 
 def _norm_consumers(readers, mlps):
