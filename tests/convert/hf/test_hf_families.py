@@ -472,9 +472,13 @@ def test_bloom_mlp_set_to_another_forward_after_convert_runs_stock():
     for model in (stock, converted):
         for block in model.transformer.h:
             block.mlp.pretraining_tp, block.mlp.slow_but_exact = 2, True
-    assert_same_step(stock, converted, family_inputs("bloom", "cpu"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_same_step(stock, converted, family_inputs("bloom", "cpu"))
     handoff = converted.transformer.h[0].mlp.dense_4h_to_h.remat_handoff
     assert handoff.reason() == "mlp.pretraining_tp is 2, not the 1 its forward was probed with"
+    said = [str(w.message) for w in caught if issubclass(w.category, RematFallbackWarning)]
+    assert sum("post_attention_layernorm" in m and "mlp.pretraining_tp is 2" in m for m in said) == LAYERS, said
 
 
 def test_bloom_with_a_bias_that_is_not_its_alibi_runs_the_stock_attention():

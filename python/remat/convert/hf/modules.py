@@ -202,6 +202,15 @@ class Handoff:
         layer = self._layer()
         return layer is not None and not all(says(_path_modules(layer, path)[-1]) for path in self.consumers)
 
+    def unheard(self, producer):
+        """Whether `producer` is to say why the handoff broke, no consumer being called to say it: its
+        first producer, where a consumer's place holds a module of its own (consumer_replaced) or a
+        setting changed (the holder's forward then takes a path that calls no consumer)."""
+        layer = self._layer()
+        if layer is None or submodule(layer, next(iter(self.producers.values()))) is not producer:
+            return False
+        return self.consumer_replaced() or any(_attribute(layer, path, None) != value for path, value in self.settings)
+
     def consumer_modules(self):
         """The modules at the consumers' paths (call only while reason() is None)."""
         return [submodule(self._layer(), path) for path in self.consumers]
@@ -375,7 +384,7 @@ class _RematFusedNorm(_RematModule):
         reason = self.remat_handoff.give(hidden_states)
         if reason is None:
             return hidden_states
-        if self.remat_handoff.consumer_replaced():  # it says nothing: said here
+        if self.remat_handoff.unheard(self):  # no consumer says it: said here
             self._remat_fallback(_not_fused(self.remat_handoff, reason))
         return self.remat_stock.forward(self, hidden_states)
 
@@ -569,8 +578,11 @@ class _RematPassThrough(_RematModule):
     the fc1 and activation a layer holds itself): returns its input while the handoff holds."""
 
     def forward(self, hidden_states, *args, **kwargs):
-        if self.remat_handoff.give(hidden_states) is None:
+        reason = self.remat_handoff.give(hidden_states)
+        if reason is None:
             return hidden_states
+        if self.remat_handoff.unheard(self):  # no consumer says it: said here
+            self._remat_fallback(_not_fused(self.remat_handoff, reason))
         return self.remat_stock.forward(self, hidden_states, *args, **kwargs)
 
 
