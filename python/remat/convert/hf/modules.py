@@ -170,9 +170,10 @@ class Handoff:
             reason = next(filter(None, map(_between_reason, modules)), None)
             if reason:
                 return f"{path} {reason}"
-        for path, value in self.settings:
-            if _attribute(layer, path, None) != value:
-                return f"{path} is {_attribute(layer, path, None)!r}, not the {value!r} its forward was probed with"
+        changed = self._changed_setting(layer)
+        if changed:
+            path, now, value = changed
+            return f"{path} is {now!r}, not the {value!r} its forward was probed with"
         dropping = [name for name in self.dropout if _attribute(layer, name) > 0] if layer.training else []
         if dropping:
             return f"{dropping[0]} (p={_attribute(layer, dropping[0])}) in training"
@@ -209,7 +210,15 @@ class Handoff:
         layer = self._layer()
         if layer is None or submodule(layer, next(iter(self.producers.values()))) is not producer:
             return False
-        return self.consumer_replaced() or any(_attribute(layer, path, None) != value for path, value in self.settings)
+        return self.consumer_replaced() or self._changed_setting(layer) is not None
+
+    def _changed_setting(self, layer):
+        """(path, value now, value probed) of the first setting that changed, or None."""
+        for path, value in self.settings:
+            now = _attribute(layer, path, None)
+            if now != value:
+                return path, now, value
+        return None
 
     def consumer_modules(self):
         """The modules at the consumers' paths (call only while reason() is None)."""
