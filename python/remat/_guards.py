@@ -9,7 +9,7 @@ module records why (`fallback`), warning once per module and reason.
 
 The answer is decided once and kept (`decided`) while a cheap fingerprint of the modules it read
 stays the same: their identities and classes, training flags, hook counts and parameters'
-identities and dtypes, and the global hooks' counts. Everything the checks read of a plain module
+identities, dtypes and shapes, and the global hooks' counts. Everything the checks read of a plain module
 is in it; a peft LoRA layer's adapters are not, so a check that reads one runs at every call.
 """
 
@@ -19,6 +19,8 @@ import warnings
 import torch
 from torch import nn
 from torch.nn.modules import module as _module_globals
+
+from ._tensor_memo import MISSING
 
 _MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
@@ -80,8 +82,9 @@ def tensor_reason(name, tensor):
 def fingerprint(modules):
     """What can change in `modules` (None entries skipped) after conversion without a module being
     replaced by another: classes (parametrize swaps it), training flags, hook counts, parameters
-    (identities: replaced by a quantised one; dtypes: cast in place by .to()), devices aside (a
-    parameter's device moves with it, and no check reads it), with the global hooks' counts."""
+    (identities: replaced by a quantised one; dtypes: cast in place by .to(); shapes: data replaced,
+    which a fused op's kept argument check, remat.ops.fused.Checked, relies on), devices aside (a
+    parameter's device moves with it, and Checked compares the input's), with the global hooks' counts."""
     key = [*map(len, _GLOBAL_HOOK_DICTS)]  # one flat list: this runs at every fused call
     for m in modules:
         if m is not None:
@@ -89,23 +92,37 @@ def fingerprint(modules):
                     len(m._backward_hooks), len(m._backward_pre_hooks))
             for p in m._parameters.values():
                 if p is not None:
-                    key += (id(p), p.__class__, p.dtype)
+                    key += (id(p), p.__class__, p.dtype, p.shape)
     return key
 
 
-def decided(owner, modules, check, extra=()):
+def decided(owner, modules, check, extra=(), under=None):
     """check(), kept on `owner` and computed again only when the fingerprint of `modules` (or `extra`,
     further state the check reads) changed since it was kept: a converted module's per-call question
     "are my modules still the plain ones I was built for?", asked once. The kept verdict holds the
     modules it describes, so their identities cannot be reused by others while it stands. Under
-    torch.compile the check runs as it is (the graph's guards take its place)."""
+    torch.compile the check runs as it is (the graph's guards take its place).
+
+    under: the verdict of a check whose fingerprint covers all of `modules` and was taken at this very
+    call (a handoff's, Handoff.verdict): while it is the one this verdict was kept under, nothing it
+    covers changed, and the fingerprint is not taken again (kept_under)."""
     if torch.compiler.is_compiling():
         return check()
-    key = (fingerprint(modules), extra)
+    verdict = kept_under(owner, under)
+    if verdict is not MISSING:
+        return verdict
+    key, kept = (fingerprint(modules), extra), owner.__dict__.get("remat_decided")
+    changed = kept is None or kept[0] != key
+    if changed or kept[2] is not under:  # kept as it is otherwise: the same object (a handoff's verdict())
+        kept = owner.__dict__["remat_decided"] = key, check() if changed else kept[1], under
+    return kept[1]
+
+
+def kept_under(owner, under):
+    """The verdict `decided` kept on `owner` under the verdict `under` (see decided), or MISSING."""
     kept = owner.__dict__.get("remat_decided")
-    if kept is None or kept[0] != key:
-        kept = key, check()
-        owner.__dict__["remat_decided"] = kept
+    if under is None or kept is None or kept[2] is not under or torch.compiler.is_compiling():
+        return MISSING
     return kept[1]
 
 

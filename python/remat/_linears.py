@@ -18,8 +18,10 @@ never silently fused.
 import torch
 from torch import nn
 
-from ._guards import decided, from_transformers, hook_reason, plain_reason
+from ._guards import decided, from_transformers, hook_reason, kept_under, plain_reason
 from ._numerics import rel_error
+from ._tensor_memo import MISSING
+from .ops.fused import Checked
 from .specs import Linear, LoRA
 
 
@@ -30,9 +32,16 @@ def _is_transformers_class(module, name):
     return kind.__name__ == name and from_transformers(kind)
 
 
+_CONV1D_CLASSES = {}  # class -> whether it is transformers' Conv1D (or remat's swap of it): asked at every call
+
+
 def is_conv1d(module):
     """transformers' Conv1D (GPT-2's projections)."""
-    return _is_transformers_class(module, "Conv1D")
+    kind = type(module)
+    found = _CONV1D_CLASSES.get(kind)
+    if found is None:
+        found = _CONV1D_CLASSES[kind] = _is_transformers_class(module, "Conv1D")
+    return found
 
 
 def is_falcon_linear(module):
@@ -108,21 +117,26 @@ def projections(modules, labels, allow=None):
     return linears, None
 
 
-def decided_projections(owner, modules, labels, others=(), other_reason=None, allow=None):
-    """projections(modules, labels), then `other_reason()` (the check of `others`, further modules the
-    fused op reads: its norm, its activation), both decided once on `owner` (_guards.decided) while no
-    module is a peft LoRA layer, whose adapters the fingerprint does not cover: those are checked at
-    every call. The Linears are read at every call (weights replaced in place stay seen). allow: as
-    projection's."""
+def decided_projections(owner, modules, labels, others=(), other_reason=None, allow=None, under=None):
+    """(linears, None, checked): projections(modules, labels), then `other_reason()` (the check of `others`,
+    further modules the fused op reads: its norm, its activation), both decided once on `owner`
+    (_guards.decided, kept under `under` when given) while no module is a peft LoRA layer, whose
+    adapters the fingerprint does not cover: those are checked at every call (checked is None then);
+    else (None, why not, None). The Linears are read at every call (weights replaced in place stay
+    seen); checked: the remat.ops.fused.Checked of this verdict, for the fused op's argument check kept
+    with it. allow: as projection's."""
     def others_reason():
         return other_reason() if other_reason is not None else None
 
-    if any(map(is_lora_linear, modules)):
+    kept = kept_under(owner, under)
+    if kept is MISSING and any(map(is_lora_linear, modules)):
         linears, why = projections(modules, labels)
         why = why or others_reason()
-        return (None, why) if why else (linears, None)
-    why = decided(owner, [*modules, *others], lambda: projections(modules, labels, allow)[1] or others_reason())
-    return (None, why) if why else ([plain_linear(m) for m in modules], None)
+        return (None, why, None) if why else (linears, None, None)
+    why, checked = kept if kept is not MISSING else decided(
+        owner, [*modules, *others], lambda: (projections(modules, labels, allow)[1] or others_reason(), Checked()),
+        under=under)
+    return (None, why, None) if why else ([plain_linear(m) for m in modules], None, checked)
 
 
 def _active(module):

@@ -39,9 +39,14 @@ def is_dtensor(value):
     return dtensor is not None and isinstance(value, dtensor)
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def is_sharded(module):
-    """Whether `module`'s weight is a DTensor (cheap: asked at every call of a fused module)."""
-    return is_dtensor(getattr(module, "weight", None))
+    """Whether `module`'s weight is a DTensor (asked at every call of a fused module: a plain one is told
+    by its class alone)."""
+    weight = getattr(module, "weight", None)
+    return weight is not None and type(weight) not in _PLAIN_TENSORS and is_dtensor(weight)
 
 
 def _layout_hooks_reason(module, label):

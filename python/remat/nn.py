@@ -254,7 +254,7 @@ class MLP(torch.nn.Module):
             return self._fused_forward(x, norm)
 
     def _fused_forward(self, x, norm):
-        linears, reason = decided_projections(self, [self.fc1, self.fc2], ["fc1", "fc2"], [norm],
+        linears, reason, checked = decided_projections(self, [self.fc1, self.fc2], ["fc1", "fc2"], [norm],
                                               lambda: norm_reason(norm) if norm is not None else None, zero3.is_hook)
         approximate = ACTIVATIONS[self.activation]
         if reason:
@@ -265,7 +265,7 @@ class MLP(torch.nn.Module):
         fc1, fc2 = linears
         _input_checked(x, fc1.weight.shape[1], self)
         return fused_mlp(x, fc1, Activation(self.activation), fc2, norm_of(norm) if norm is not None else None,
-                         self.recompute)
+                         self.recompute, checked=checked)
 
     def saved_bytes_per_token(self):
         """Activation bytes per token kept less than the unfused stack (the GELU output where fc2
@@ -390,7 +390,7 @@ class GatedMLP(torch.nn.Module):
             return self._forward(x, names, norm, projections)
 
     def _forward(self, x, names, norm, projections):
-        linears, reason = decided_projections(self, projections, names + ["down_proj"], [norm],
+        linears, reason, checked = decided_projections(self, projections, names + ["down_proj"], [norm],
                                               lambda: norm_reason(norm) if norm is not None else None, zero3.is_hook)
         if reason:
             fallback(self, reason)
@@ -398,7 +398,7 @@ class GatedMLP(torch.nn.Module):
         *ups, down = linears
         _input_checked(x, ups[0].weight.shape[1], self)
         return fused_mlp(x, ups[0] if len(ups) == 1 else tuple(ups), Activation(self.activation, gated=True), down,
-                         norm_of(norm) if norm is not None else None, self.recompute)
+                         norm_of(norm) if norm is not None else None, self.recompute, checked=checked)
 
     def _stock(self, x):
         if "gate_up_proj" in self._modules:

@@ -20,7 +20,6 @@ eager PyTorch does, so tests and benchmarks can compare the two modes.
 """
 
 import collections
-import functools
 import weakref
 
 import torch
@@ -43,7 +42,7 @@ from .gelu import check_approximate, gelu_bwd, gelu_fwd
 from .layer_norm import layer_norm_bwd, layer_norm_fwd
 from .rms_norm import check_style, default_eps, rms_norm_bwd, rms_norm_fwd
 
-__all__ = ["Activation", "Linear", "LoRA", "Norm", "layer_norm_linear", "mlp", "norm_linears", "fused_mlp"]
+__all__ = ["Activation", "Checked", "Linear", "LoRA", "Norm", "layer_norm_linear", "mlp", "norm_linears", "fused_mlp"]
 
 # A LoRA adapter on a Linear (remat.specs.LoRA): out += F.linear(F.linear(x, a), b, b_bias) * scale, x
 # cast to a's dtype first (peft's order). a: (rank, in_features), b: (out_features, rank), b_bias:
@@ -543,17 +542,16 @@ def norm_params(norm, x):
     return norm, *_contiguous(norm.weight, norm.bias)
 
 
-def _contiguous(*params):
-    """Parameters as the kernels take them: the CUDA extension refuses a strided weight or bias,
+def _contiguous(weight, bias):
+    """A weight and bias as the kernels take them: the CUDA extension refuses a strided weight or bias,
     and autograd carries the gradient back through the copy to the caller's view."""
-    return tuple(p.contiguous() if p is not None else None for p in params)
+    return weight.contiguous() if weight is not None else None, bias.contiguous() if bias is not None else None
 
 
-def _rows(x):
-    check_float_tensor("x", x)
+def _check_rows(x):
+    """x must have rows: at least one dimension (..., in_features)."""
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (..., in_features)")
-    return rows_with_unit_stride(x, x.shape[-1])
 
 
 def _in_features(weight):
@@ -573,15 +571,21 @@ def _cast_linears(dtype, linears):
             if isinstance(lin, Linear) else lin for lin in linears]
 
 
-def norm_linears(x, norm, linears, recompute=True, shared=None):
+def norm_linears(x, norm, linears, recompute=True, shared=None, checked=None):
     """[Linear_i(norm(x)) + its LoRA adapters] for each remat.specs.Linear(weight, bias, adapters) in
     `linears`, all reading one remat.specs.Norm (as ViT's q, k and v do).
 
     The norm is computed once; autograd keeps x and one fp32 mean/rstd pair (and each adapter's
     rank-r A(norm(x))), and rebuilds norm(x) for every dW and dA. shared: a SharedStatistics of
     this norm, when other fused ops apply it to the same x: the statistics are then kept once.
+    checked: a Checked, for a caller that passes the same parameters at every call (below).
     """
-    return sharing(shared, x, lambda slot: _norm_linears(x, norm, linears, recompute, slot))
+    if checked is not None and checked.holds(x, linears):
+        return sharing(shared, x, lambda slot: _apply_norm_linears(x, norm, linears, recompute, slot))
+    out = sharing(shared, x, lambda slot: _norm_linears(x, norm, linears, recompute, slot))
+    if checked is not None:
+        checked.passed(x)
+    return out
 
 
 def _norm_linears(x, norm, linears, recompute, slot):
@@ -595,24 +599,32 @@ def _norm_linears(x, norm, linears, recompute, slot):
         with torch.autocast(x.device.type, enabled=False):
             return _norm_linears(cast_for_autocast(dtype, x)[0], norm, _cast_linears(dtype, linears), recompute, slot)
     names = _linear_names(len(linears))
-    rows = _rows(x)
+    _check_rows(x)
     _check_width_against_norm(x, norm.weight, linears[0].weight)
-    norm, norm_weight, norm_bias = norm_params(norm, x)
-    tensors, layout = [], []
+    norm_params(norm, x)
     for linear, (weight_name, bias_name, adapters_name) in zip(linears, names):
         _check_linear(weight_name, linear.weight, bias_name, linear.bias, x.shape[-1], x)
         _check_adapters(adapters_name, linear.adapters, linear.weight, x)
-        flat, scales = _flatten(linear.adapters)
+    return _apply_norm_linears(x, norm, linears, recompute, slot)
+
+
+def _apply_norm_linears(x, norm, linears, recompute, slot):
+    """norm_linears on checked arguments, outside autocast."""
+    norm_weight, norm_bias = _contiguous(norm.weight, norm.bias)
+    tensors, layout = [], []
+    for linear in linears:
+        flat, scales = _flatten(linear.adapters) if linear.adapters else ((), ())
         tensors += [linear.weight, linear.bias, *flat]
         layout.append(scales)
-    outs = _LayerNormLinears.apply(rows, norm_weight, norm_bias, norm_layout(norm), bool(recompute), tuple(layout),
-                                   slot, *tensors)
-    return [out.view(*x.shape[:-1], linear.weight.shape[0]) for out, linear in zip(outs, linears)]
+    *lead, width = x.shape
+    outs = _LayerNormLinears.apply(rows_with_unit_stride(x, width), norm_weight, norm_bias,
+                                   _checked_layout(norm, x), bool(recompute), tuple(layout), slot, *tensors)
+    return [out.view(*lead, linear.weight.shape[0]) for out, linear in zip(outs, linears)]
 
 
-@functools.cache
 def _linear_names(count):
-    """The argument names of norm_linears' Linears in its error messages (built once per count)."""
+    """The argument names of norm_linears' Linears in its error messages (not functools.cache'd: torch.compile
+    warns on every cached function it traces; a converted module's calls skip the check, Checked)."""
     if count == 1:
         return [("weight", "bias", "adapters")]
     return [(f"linears[{i}].weight", f"linears[{i}].bias", f"linears[{i}].adapters") for i in range(count)]
@@ -635,7 +647,7 @@ def _up_projections(fc1, act):
     return [fc1], _FC1_NAMES
 
 
-def fused_mlp(x, fc1, act, fc2, norm=None, recompute=True, shared=None):
+def fused_mlp(x, fc1, act, fc2, norm=None, recompute=True, shared=None, checked=None):
     """fc2(act(fc1(x))), with `norm` (a remat.specs.Norm) applied to x first when given; fc1 and fc2 are
     remat.specs.Linear, with their LoRA adapters; act a remat.specs.Activation.
 
@@ -644,9 +656,16 @@ def fused_mlp(x, fc1, act, fc2, norm=None, recompute=True, shared=None):
 
     Autograd keeps x, the fc1 output h (gate and up when gated; and fp32 norm statistics with the
     norm, and each adapter's rank-r intermediate), and rebuilds act(h) (and norm(x)) in the backward.
-    shared: a SharedStatistics of the norm, as for norm_linears.
+    shared: a SharedStatistics of the norm, as for norm_linears; checked: a Checked, as for norm_linears.
     """
-    return sharing(shared, x, lambda slot: _fused_mlp(x, fc1, act, fc2, norm, recompute, slot))
+    if checked is not None:  # the arguments were checked: fc1 a Linear, or a (gate, up) tuple of them
+        ups = [fc1] if isinstance(fc1, Linear) else list(fc1)
+        if checked.holds(x, (*ups, fc2)):
+            return sharing(shared, x, lambda slot: _apply_mlp(x, ups, act, fc2, norm, recompute, slot))
+    out = sharing(shared, x, lambda slot: _fused_mlp(x, fc1, act, fc2, norm, recompute, slot))
+    if checked is not None:
+        checked.passed(x)
+    return out
 
 
 def _fused_mlp(x, fc1, act, fc2, norm, recompute, slot):
@@ -663,25 +682,63 @@ def _fused_mlp(x, fc1, act, fc2, norm, recompute, slot):
             *ups, fc2 = _cast_linears(dtype, [*ups, fc2])
             return _fused_mlp(cast_for_autocast(dtype, x)[0], ups if len(ups) == 2 else ups[0], act, fc2, norm,
                               recompute, slot)
-    rows = _rows(x)
-    norm_weight = norm_bias = None
+    _check_rows(x)
     if norm is not None:
         _check_width_against_norm(x, norm.weight, ups[0].weight)
-        norm, norm_weight, norm_bias = norm_params(norm, x)
+        norm_params(norm, x)
     for up, (weight_name, bias_name, adapters_name) in zip(ups, names):
         _check_linear(weight_name, up.weight, bias_name, up.bias, x.shape[-1], x)
         _check_adapters(adapters_name, up.adapters, up.weight, x)
     hidden = _activation_width(act, ups)
     _check_linear("w2", fc2.weight, "b2", fc2.bias, hidden, x)
     _check_adapters("fc2_adapters", fc2.adapters, fc2.weight, x)
+    return _apply_mlp(x, ups, act, fc2, norm, recompute, slot)
+
+
+def _apply_mlp(x, ups, act, fc2, norm, recompute, slot):
+    """fused_mlp on checked arguments (ups: the up projections, a list), outside autocast."""
+    norm_weight, norm_bias = _contiguous(norm.weight, norm.bias) if norm is not None else (None, None)
     tensors, scales = [], []
     for linear in (*ups, fc2):
-        flat, linear_scales = _flatten(linear.adapters)
-        tensors += [linear.weight, *_contiguous(linear.bias), *flat]  # a bias may go to the GELU kernel
+        flat, linear_scales = _flatten(linear.adapters) if linear.adapters else ((), ())
+        bias = linear.bias.contiguous() if linear.bias is not None else None  # it may go to the GELU kernel
+        tensors += [linear.weight, bias, *flat]
         scales.append(linear_scales)
-    layout = _MLPLayout(norm_layout(norm) if norm is not None else None, act, bool(recompute), tuple(scales))
-    out = _MLP.apply(layout, rows, norm_weight, norm_bias, slot, *tensors)
+    layout = _MLPLayout(_checked_layout(norm, x) if norm is not None else None, act, bool(recompute), tuple(scales))
+    out = _MLP.apply(layout, rows_with_unit_stride(x, x.shape[-1]), norm_weight, norm_bias, slot, *tensors)
     return out.view(*x.shape[:-1], fc2.weight.shape[0])
+
+
+def _checked_layout(norm, x):
+    """The _NormLayout of a checked norm applied to x: an RMSNorm's eps=None resolved as torch resolves it,
+    its eps checked again (read from its module at every call, it may have been set since)."""
+    eps = default_eps(x.dtype) if norm.eps is None and norm.kind == "rms_norm" else norm.eps
+    check_eps(eps)
+    return _NormLayout(norm.kind, float(eps), norm.style)
+
+
+class Checked:
+    """What a caller passing the same parameters at every call (a converted module: its fingerprint,
+    _guards.decided, guards their classes, dtypes and shapes) keeps of the fused op's full argument
+    check: the input's dtype, width and device it passed with. While x is like that input, outside
+    autocast, and no Linear has LoRA adapters (which the fingerprint does not cover), only the
+    parameters' data are read, unchecked; any other call is checked in full and, passing, is the one
+    compared from then on. A new verdict of the caller's (other parameters) takes a new Checked."""
+
+    __slots__ = ("_like",)
+
+    def __init__(self):
+        self._like = None
+
+    def holds(self, x, linears):
+        return self._like is not None and isinstance(x, torch.Tensor) and x.dim() > 0 and \
+            (x.dtype, x.shape[-1], x.device) == self._like and autocast_dtype(x.device.type) is None and \
+            not any(linear.adapters for linear in linears)
+
+    def passed(self, x):
+        """Record x, whose call passed the full check (not under autocast: the check saw its cast)."""
+        if autocast_dtype(x.device.type) is None:
+            self._like = (x.dtype, x.shape[-1], x.device)
 
 
 def _activation_width(act, ups):

@@ -15,10 +15,10 @@ from torch import nn
 
 from ... import _tensor_parallel as tensor_parallel
 from ... import _zero3 as zero3
-from ..._guards import decided, fallback, hook_reason, plain_reason
+from ..._guards import decided, fallback, hook_reason, kept_under, plain_reason
 from ..._linears import decided_projections, fused_saved_bytes, plain_linear, projection, projections, widths
 from ..._tensor_memo import MISSING, TensorMemo
-from ...ops.fused import SharedStatistics, fused_mlp, norm_linears
+from ...ops.fused import Checked, SharedStatistics, fused_mlp, norm_linears
 from ...specs import Activation, gelu, norm_of
 from ..patterns import (
     MLP,
@@ -115,14 +115,31 @@ class Handoff:
         self._fed = TensorMemo()  # that tensor, until the next hand-over (reaches)
 
     def reason(self):
-        """None while the handoff holds, else why not: decided again only when the modules along its
-        paths, or their fingerprint, changed."""
+        """None while the handoff holds, else why not: decided again only when the modules it watches
+        (_watched), or their fingerprint, changed."""
         layer = self._layer()
         if layer is None:
             return "the layer holding it is gone"
-        modules = [layer, *(submodule(layer, path) for path in self._along)]
-        state = tuple(_attribute(layer, name) for name in (*self.dropout, *(path for path, _ in self.settings)))
-        return decided(self, modules, lambda: self._reason(layer), extra=state)
+        state = tuple(_attribute(layer, name) for name in (*self.dropout, *(path for path, _ in self.settings))) \
+            if self.dropout or self.settings else ()
+        return decided(self, self._watched(layer), lambda: self._reason(layer), extra=state)
+
+    def verdict(self):
+        """The verdict reason() kept, as an object a consumer's own check is kept under (_guards.decided's
+        under): it watched every module the consumers' fused ops read. Ask right after reason() (received)."""
+        return self.__dict__.get("remat_decided")
+
+    def _watched(self, layer):
+        """The layer, every module along the paths, and each consumer's children (an MLP's projections
+        and activation, which its fused op reads): what the handoff's verdict is kept for."""
+        modules, (steps, consumers) = [layer], self._walk
+        for parent, name in steps:
+            owner = modules[parent]
+            modules.append(owner._modules.get(name) if owner is not None else None)
+        for index in consumers:
+            if modules[index] is not None:
+                modules.extend(modules[index]._modules.values())
+        return modules
 
     def give(self, x):
         """reason(), left for `x`, the tensor a producer hands over unchanged: the consumer called on
@@ -186,12 +203,23 @@ class Handoff:
 
     @property
     def _along(self):
-        """Every path to a module along the paths, once ("self_attn", "self_attn.q_proj", ...)."""
+        """Every path to a module along the paths, once, parents first ("self_attn", "self_attn.q_proj", ...)."""
         along = self.__dict__.get("_along_paths")
         if along is None:
             along = self._along_paths = tuple(dict.fromkeys(
                 ".".join(path.split(".")[:i]) for path in self._paths for i in range(1, path.count(".") + 2)))
         return along
+
+    @property
+    def _walk(self):
+        """((index of its parent in _watched's list, 0 the layer; its name) of each module along the paths,
+        the consumers' indices in that list), worked out once."""
+        walk = self.__dict__.get("_walk_steps")
+        if walk is None:
+            index = {"": 0, **{path: i + 1 for i, path in enumerate(self._along)}}
+            steps = tuple((index[path.rpartition(".")[0]], path.rpartition(".")[2]) for path in self._along)
+            walk = self._walk_steps = steps, tuple(index[path] for path in self.consumers)
+        return walk
 
     def consumer_replaced(self):
         """Whether a consumer's place holds a module of its own now, which does not say why the handoff
@@ -324,6 +352,12 @@ def fed_norm(module, x):
     return (None, _not_fused(handoff, reason)) if reason else (handoff.source("norm"), None)
 
 
+def _under(module, norm):
+    """The verdict of `module`'s handoff while it holds at this call (`norm` handed over), which watched
+    every module `module`'s fused op reads: its own check is kept under it (_guards.decided); else None."""
+    return module.remat_handoff.verdict() if norm is not None else None
+
+
 def _shared_statistics(module):
     """The SharedStatistics of the norm `module` applies, when other modules apply it too, or None."""
     handoff = module.__dict__.get("remat_handoff")
@@ -452,10 +486,10 @@ class _RematMLP(_RematModule):
         parts = self.remat_parts
         norm, norm_reason = _handed_over(self, hidden_states)
         activation = self._modules[parts.act]
-        linears, reason = decided_projections(
+        linears, reason, checked = decided_projections(
             self, projections, [parts.fc1, parts.fc2], [activation, norm],
             lambda: activation_reason(activation, parts.act, allow=zero3.is_hook) or _layer_norm_reason(norm),
-            zero3.is_hook)
+            zero3.is_hook, _under(self, norm))
         if reason:
             self._remat_fallback(reason)
             if norm is not None:
@@ -465,7 +499,7 @@ class _RematMLP(_RematModule):
         act = gelu(gelu_approximate(activation))
         fc1, fc2 = linears
         out = fused_mlp(hidden_states, fc1, act, fc2, norm_spec(norm) if norm is not None else None,
-                        self.remat_recompute, _shared_statistics(self))
+                        self.remat_recompute, _shared_statistics(self), checked)
         return self._modules[parts.dropout](out) if parts.dropout else out
 
     def remat_saved_bytes(self):
@@ -520,10 +554,10 @@ class _RematGatedMLP(_RematModule):
     def _remat_forward(self, hidden_states, norm, norm_reason, modules, names):
         parts = self.remat_parts
         activation = self._modules[parts.act]
-        linears, reason = decided_projections(
+        linears, reason, checked = decided_projections(
             self, modules, list(names), [activation, norm],
             lambda: gated_activation_reason(activation, parts.act, allow=zero3.is_hook) or _layer_norm_reason(norm),
-            zero3.is_hook)
+            zero3.is_hook, _under(self, norm))
         reason = reason or self.remat_call_reason()
         if reason:
             return self._remat_stock_call(reason, hidden_states, norm)
@@ -531,7 +565,7 @@ class _RematGatedMLP(_RematModule):
         *ups, down = linears
         return fused_mlp(hidden_states, tuple(ups) if len(ups) == 2 else ups[0], self._remat_activation(), down,
                          norm_spec(norm) if norm is not None else None, self.remat_recompute,
-                         _shared_statistics(self))
+                         _shared_statistics(self), checked)
 
     def _remat_activation(self):
         return Activation(gated_activation_name(self._modules[self.remat_parts.act]), gated=True)
@@ -638,7 +672,7 @@ class _RematNormedLinear(_RematModule):
             self._remat_fallback(None)
             return out
         norm, reason = _handed_over(self, input)
-        reason, siblings = (reason, ()) if norm is None else self._remat_decided(norm)
+        reason, siblings, checked = (reason, (), None) if norm is None else self._remat_decided(norm)
         if reason:
             self._remat_fallback(reason)
             if norm is not None:
@@ -646,8 +680,10 @@ class _RematNormedLinear(_RematModule):
             return self.remat_stock.forward(self, input)
         self._remat_fallback(None)
         modules = [self, *siblings]
+        # the statistics are shared with the consumers this op does not compute (none: with all its siblings)
+        shared = _shared_statistics(self) if len(modules) < len(self.remat_handoff.consumers) else None
         outs = norm_linears(input, norm_spec(norm), [m._remat_linear() for m in modules], self.remat_recompute,
-                            _shared_statistics(self))
+                            shared, checked)
         if siblings:
             self.remat_handoff.outputs.store(input, {id(m): o for m, o in zip(siblings, outs[1:])})
         return outs[0]
@@ -675,22 +711,26 @@ class _RematNormedLinear(_RematModule):
 
     def _remat_decided(self, norm):
         """(why this Linear or its norm cannot be read by the fused op, or None; the other projections
-        of this norm whose weights it can read too, to compute them in the same op), decided once while
-        the fingerprint of them all holds (_guards.decided), at every call where one is a LoRA layer.
+        of this norm whose weights it can read too, to compute them in the same op; the fused op's
+        Checked, or None), decided once while the fingerprint of them all holds (_guards.decided), at
+        every call where one is a LoRA layer (no Checked then: its adapters are checked at every call).
         No siblings while torch.compile traces (each projection is its own op in the graph)."""
         handoff = self.remat_handoff
+        kept = kept_under(self, handoff.verdict())
+        if kept is not MISSING:
+            return kept
         others = [] if handoff.outputs is None or torch.compiler.is_compiling() else \
             [m for m in handoff.consumer_modules() if m is not self and isinstance(m, _RematNormedLinear)
              and m.__dict__.get("remat_handoff") is handoff]
 
+        lora = self.remat_lora or any(m.remat_lora for m in others)
+
         def check():  # its own call gathers its ZeRO-3 parameters; a sibling's does not (no siblings then)
             reason = self._remat_reason(zero3.is_hook) or _layer_norm_reason(norm)
             siblings = () if reason else tuple(m for m in others if m._remat_reason() is None)
-            return reason, siblings
+            return reason, siblings, None if lora else Checked()
 
-        if self.remat_lora or any(m.remat_lora for m in others):
-            return check()
-        return decided(self, [self, *others, norm], check)
+        return check() if lora else decided(self, [self, *others, norm], check, under=handoff.verdict())
 
 
 class _RematNormedLoraLinear(_RematNormedLinear):
@@ -726,7 +766,8 @@ class _RematLayerMLP(_RematModule):
         labels = handoff.producers
         reason = decided(self, [self, fc1, act, norm], lambda: (
             _own_reason(fc1, labels["fc1"]) or _own_reason(self, self.remat_path)
-            or activation_reason(act, labels["act"], act.remat_stock) or _layer_norm_reason(norm)))
+            or activation_reason(act, labels["act"], act.remat_stock) or _layer_norm_reason(norm)),
+            under=handoff.verdict())
         if reason:  # the handoff holds, so input is what the first producer got: compute them here
             self._remat_fallback(reason)
             if norm is not None:

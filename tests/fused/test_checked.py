@@ -1,0 +1,98 @@
+"""remat.ops.fused.Checked: a fused op's argument check kept by a caller that passes the same parameters
+at every call (a converted module, remat.nn's fused layers). The kept check changes nothing computed,
+and never lets through what the full check refuses: an input of another dtype, width or device, a call
+under autocast, LoRA adapters, or parameters whose data were replaced by others of another shape."""
+
+import pytest
+import torch
+
+import remat
+from remat.ops.fused import Checked, Linear, LoRA, Norm, fused_mlp, norm_linears
+from remat.specs import Activation
+
+
+def _norm_linears_args(width=13, outs=(7, 5)):
+    norm = Norm(torch.randn(width, requires_grad=True), torch.randn(width, requires_grad=True), 1e-5)
+    linears = [Linear(torch.randn(o, width, requires_grad=True), torch.randn(o, requires_grad=True)) for o in outs]
+    return norm, linears
+
+
+def _grads(outs, tensors):
+    return torch.autograd.grad(sum(o.square().sum() for o in outs), tensors)
+
+
+def test_a_kept_check_computes_what_the_full_check_computes():
+    norm, linears = _norm_linears_args()
+    params = [norm.weight, norm.bias, *(t for lin in linears for t in lin[:2])]
+    checked = Checked()
+    x = torch.randn(1, 3, 13, requires_grad=True)  # one sequence, 3 tokens, a prime width
+    assert not checked.holds(x, linears)  # nothing checked yet
+    first = norm_linears(x, norm, linears, checked=checked)
+    assert checked.holds(x, linears)
+    kept = norm_linears(x, norm, linears, checked=checked)  # the check skipped
+    full = norm_linears(x, norm, linears)
+    for a, b, c in zip(first, kept, full, strict=True):
+        assert torch.equal(a, c) and torch.equal(b, c)
+    for a, b in zip(_grads(kept, [x, *params]), _grads(full, [x, *params]), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_kept_check_refuses_what_the_full_check_refuses():
+    norm, linears = _norm_linears_args()
+    checked = Checked()
+    norm_linears(torch.randn(4, 13), norm, linears, checked=checked)
+    with pytest.raises(TypeError, match="has dtype torch.float32 but x has torch.float16"):
+        norm_linears(torch.randn(4, 13, dtype=torch.float16), norm, linears, checked=checked)
+    with pytest.raises(ValueError, match="x must have 13 features"):
+        norm_linears(torch.randn(4, 11), norm, linears, checked=checked)
+    with pytest.raises(ValueError, match="at least one dimension"):
+        norm_linears(torch.tensor(1.0), norm, linears, checked=checked)
+    assert checked.holds(torch.randn(2, 13), linears)  # the refused calls recorded nothing
+
+
+def test_under_autocast_a_kept_check_is_not_used():
+    norm, linears = _norm_linears_args()
+    checked = Checked()
+    x = torch.randn(5, 13)
+    norm_linears(x, norm, linears, checked=checked)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not checked.holds(x, linears)
+        out = norm_linears(x, norm, linears, checked=checked)
+        want = norm_linears(x, norm, linears)
+    assert out[0].dtype == torch.bfloat16 and all(torch.equal(a, b) for a, b in zip(out, want, strict=True))
+    assert checked.holds(x, linears)  # the autocast call left the fp32 record as it was
+
+
+def test_linears_with_adapters_are_checked_at_every_call():
+    norm, linears = _norm_linears_args(outs=(7,))
+    checked = Checked()
+    x = torch.randn(3, 13)
+    norm_linears(x, norm, linears, checked=checked)
+    bad = [linears[0]._replace(adapters=(LoRA(torch.randn(2, 11), torch.randn(7, 2), None, 1.0),))]
+    assert not checked.holds(x, bad)
+    with pytest.raises(ValueError, match=r"adapters\[0\].a must have shape \(rank, 13\)"):
+        norm_linears(x, norm, bad, checked=checked)
+
+
+def test_fused_mlp_with_a_kept_check_equals_the_full_check():
+    gate, up, down = torch.randn(11, 7), torch.randn(11, 7), torch.randn(7, 11)
+    norm = Norm(torch.randn(7), None, 1e-6, "rms_norm", "llama")
+    checked, x = Checked(), torch.randn(2, 1, 7, requires_grad=True)
+    args = ((Linear(gate), Linear(up)), Activation("silu", gated=True), Linear(down), norm)
+    first = fused_mlp(x, *args, checked=checked)
+    kept = fused_mlp(x, *args, checked=checked)
+    assert checked.holds(x, [Linear(gate), Linear(up), Linear(down)])
+    assert torch.equal(first, kept) and torch.equal(kept, fused_mlp(x, *args))
+
+
+def test_parameters_given_data_of_another_shape_are_checked_again():
+    """A fused layer's verdict is kept while its parameters' fingerprint holds: data of another shape
+    (param.data = ..., as ZeRO-3 or a loader may set it) changes it, and the call is refused by name,
+    not computed on parameters the fused op did not check."""
+    mlp = remat.nn.GatedMLP(8, 12)
+    x = torch.randn(3, 8)
+    mlp(x)
+    mlp(x)  # the kept verdict and check
+    mlp.down_proj.weight.data = torch.randn(8, 10)
+    with pytest.raises(ValueError, match=r"w2 must have shape \(out_features, 12\), got \(8, 10\)"):
+        mlp(x)
