@@ -120,10 +120,10 @@ def decided(owner, modules, check, extra=(), under=None):
 
 def kept_under(owner, under):
     """The verdict `decided` kept on `owner` under the verdict `under` (see decided), or MISSING."""
-    kept = owner.__dict__.get("remat_decided")
-    if under is None or kept is None or kept[2] is not under or torch.compiler.is_compiling():
+    if under is None or torch.compiler.is_compiling():  # (nothing kept to compare while it traces)
         return MISSING
-    return kept[1]
+    kept = owner.__dict__.get("remat_decided")
+    return kept[1] if kept is not None and kept[2] is under else MISSING
 
 
 def from_transformers(kind):
