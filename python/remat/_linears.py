@@ -128,14 +128,12 @@ def decided_projections(owner, modules, labels, others=(), other_reason=None, al
     def others_reason():
         return other_reason() if other_reason is not None else None
 
-    kept = kept_under(owner, under)
-    if kept is MISSING and any(map(is_lora_linear, modules)):
+    if kept_under(owner, under) is MISSING and any(map(is_lora_linear, modules)):  # (a kept verdict: no LoRA)
         linears, why = projections(modules, labels)
         why = why or others_reason()
         return (None, why, None) if why else (linears, None, None)
-    why, checked = kept if kept is not MISSING else decided(
-        owner, [*modules, *others], lambda: (projections(modules, labels, allow)[1] or others_reason(), Checked()),
-        under=under)
+    why, checked = decided(owner, [*modules, *others],
+                           lambda: (projections(modules, labels, allow)[1] or others_reason(), Checked()), under=under)
     return (None, why, None) if why else ([plain_linear(m) for m in modules], None, checked)
 
 

@@ -52,6 +52,8 @@ _PER_ADAPTER = 3  # tensors per adapter in the flat argument lists of the autogr
 
 def _flatten(adapters):
     """(flat tensors a0, b0, b_bias0, a1, ..., scales) for an autograd function's arguments."""
+    if not adapters:  # a Linear without adapters, at every fused call
+        return (), ()
     return [t for lora in adapters for t in (lora.a, lora.b, lora.b_bias)], tuple(float(a.scale) for a in adapters)
 
 
@@ -613,7 +615,7 @@ def _apply_norm_linears(x, norm, linears, recompute, slot):
     norm_weight, norm_bias = _contiguous(norm.weight, norm.bias)
     tensors, layout = [], []
     for linear in linears:
-        flat, scales = _flatten(linear.adapters) if linear.adapters else ((), ())
+        flat, scales = _flatten(linear.adapters)
         tensors += [linear.weight, linear.bias, *flat]
         layout.append(scales)
     *lead, width = x.shape
@@ -658,8 +660,8 @@ def fused_mlp(x, fc1, act, fc2, norm=None, recompute=True, shared=None, checked=
     norm, and each adapter's rank-r intermediate), and rebuilds act(h) (and norm(x)) in the backward.
     shared: a SharedStatistics of the norm, as for norm_linears; checked: a Checked, as for norm_linears.
     """
-    if checked is not None:  # the arguments were checked: fc1 a Linear, or a (gate, up) tuple of them
-        ups = [fc1] if isinstance(fc1, Linear) else list(fc1)
+    if checked is not None:  # the arguments were checked once: fc1 a Linear, or a (gate, up) pair of them
+        ups = _up_projections(fc1, act)[0]
         if checked.holds(x, (*ups, fc2)):
             return sharing(shared, x, lambda slot: _apply_mlp(x, ups, act, fc2, norm, recompute, slot))
     out = sharing(shared, x, lambda slot: _fused_mlp(x, fc1, act, fc2, norm, recompute, slot))
@@ -700,7 +702,7 @@ def _apply_mlp(x, ups, act, fc2, norm, recompute, slot):
     norm_weight, norm_bias = _contiguous(norm.weight, norm.bias) if norm is not None else (None, None)
     tensors, scales = [], []
     for linear in (*ups, fc2):
-        flat, linear_scales = _flatten(linear.adapters) if linear.adapters else ((), ())
+        flat, linear_scales = _flatten(linear.adapters)
         bias = linear.bias.contiguous() if linear.bias is not None else None  # it may go to the GELU kernel
         tensors += [linear.weight, bias, *flat]
         scales.append(linear_scales)
