@@ -2,7 +2,12 @@
 a lazy import only hides a cycle), and the Triton kernels depend on nothing of remat's."""
 
 import ast
+import os
 import pathlib
+import shutil
+import subprocess
+import sys
+import zipfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "python" / "remat"
@@ -92,3 +97,29 @@ def test_the_kernels_import_nothing_of_remat():
 def test_find_cycle_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_wheel_holds_every_package(tmp_path):
+    """`pip install .` (not -e) installs what setup.py lists: a package folder left out of it installs
+    without error and fails at its first import (remat.planner once did)."""
+    source = tmp_path / "source"
+    skipped = shutil.ignore_patterns("__pycache__", "*.so", "triton_kernels")  # a link to the kernels, in a tree
+    for name in ("python", "triton_kernels", "csrc"):
+        shutil.copytree(ROOT / name, source / name, ignore=skipped)
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    env = {**os.environ, "REMAT_SKIP_CUDA_BUILD": "1"}
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "dist"), str(source)], check=True, env=env, capture_output=True)
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    held = {name.rpartition("/")[0] for name in zipfile.ZipFile(wheel).namelist() if name.endswith("__init__.py")}
+    folders = {"remat/" + str(p.parent.relative_to(PACKAGE)) if p.parent != PACKAGE else "remat"
+               for p in PACKAGE.rglob("__init__.py")}
+    assert folders | {"remat/triton_kernels"} <= held, sorted(folders - held)
+
+
+def test_no_module_of_the_package_is_over_800_lines():
+    """A module a reader cannot hold at once is two modules (the Triton kernels' files are not held to it)."""
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if not p.is_relative_to(PACKAGE / "triton_kernels") and (n := len(p.read_text().splitlines())) > 800}
+    assert long == {}
