@@ -230,7 +230,8 @@ def test_the_checks_are_decided_once_and_again_after_a_change(monkeypatch):
     counted = lambda f: lambda *a, **k: checks.append(f.__name__) or f(*a, **k)  # noqa: E731
     monkeypatch.setattr(_linears, "plain_reason", counted(_guards.plain_reason))
     modules = importlib.import_module("remat.convert.hf.modules")
-    monkeypatch.setattr(modules, "hook_reason", counted(_guards.hook_reason))
+    handoff = importlib.import_module("remat.convert.hf.handoff")
+    monkeypatch.setattr(handoff, "hook_reason", counted(_guards.hook_reason))
     monkeypatch.setattr(modules, "plain_reason", counted(_guards.plain_reason))
     with warnings.catch_warnings():
         warnings.simplefilter("error", RematFallbackWarning)

@@ -9,9 +9,10 @@ when it runs stock: docs/huggingface.md.
 import sys
 
 from .experts import convert_experts, revert_experts
+from .handoff import Handoff
 from .interface import convert_attention, revert_attention
 from .loss import convert_loss, revert_loss
-from .modules import Handoff, RematFusedLayerNorm
+from .modules import RematFusedLayerNorm
 from .probe import PROBE_BROKEN
 from .rules import convert_children
 from .structure import example_inputs

@@ -42,16 +42,8 @@ from ...ops.fused import norm_linears
 from ...ops.layer_norm import layer_norm
 from ...ops.rms_norm import rms_norm
 from ...specs import Linear
-from .modules import (
-    _between_reason,
-    _layer_norm_reason,
-    _RematModule,
-    _shared_statistics,
-    fed_norm,
-    norm_spec,
-    record_call,
-    stock_norm,
-)
+from .handoff import _between_reason, _shared_statistics, fed_norm
+from .modules import _layer_norm_reason, _RematModule, norm_spec, record_call, stock_norm
 
 NAME = "remat"
 

@@ -67,7 +67,8 @@ from ...ops.qk_norm_attention import (
 from ...saved import saved_bytes
 from ..swap import is_converted, join, with_class
 from . import structure as structure_probe
-from .modules import _between_reason, _RematModule, remat_class
+from .handoff import _between_reason
+from .modules import _RematModule, remat_class
 
 # Functions that pass a projection's output on to a norm unchanged in value (views of it).
 _VIEWS = frozenset({"view", "reshape", "transpose", "unflatten", "contiguous", "__getitem__"})
@@ -164,7 +165,7 @@ def _close_call(module, args, output):
 
 
 # Neither hook reads nor changes the module's hidden states: a norm fused into the module's
-# projections (modules.Handoff) stays fused across them.
+# projections (handoff.Handoff) stays fused across them.
 _open_call.remat_reads_no_hidden_states = _close_call.remat_reads_no_hidden_states = True
 
 

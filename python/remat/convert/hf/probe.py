@@ -9,7 +9,7 @@ import contextlib
 import torch
 
 from ..._numerics import rel_error
-from .modules import submodule
+from .handoff import submodule
 
 
 @contextlib.contextmanager

@@ -28,9 +28,9 @@ from . import bloom, head_norm
 from . import experts as hf_experts
 from . import structure as structure_probe
 from .experts import _RematNormedRouter, router_reason
+from .handoff import _between_reason, link, submodule
 from .modules import (
     RematFusedLayerNorm,
-    _between_reason,
     _RematFused,
     _RematFusedNorm,
     _RematIntermediate,
@@ -40,9 +40,7 @@ from .modules import (
     _RematNormedLoraLinear,
     _RematOutput,
     fc1_names,
-    link,
     remat_class,
-    submodule,
 )
 from .probe import first_output, install, self_probe, swap_probe
 from .structure import norm_node
