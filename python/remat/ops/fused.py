@@ -289,6 +289,8 @@ _Needs = collections.namedtuple("_Needs", "weight bias adapters")
 
 def _unpack_linears(tensors, layout):
     """[Linear(weight, bias, adapters)] from the flat tensors of _LayerNormLinears."""
+    if not any(layout):  # no adapters (every fused call of a converted model without LoRA): weight, bias pairs
+        return [Linear(tensors[i], tensors[i + 1]) for i in range(0, len(tensors), 2)]
     linears, i = [], 0
     for scales in layout:
         size = _PER_ADAPTER * len(scales)
@@ -299,6 +301,8 @@ def _unpack_linears(tensors, layout):
 
 def _unpack_needs(needs, layout):
     """[_Needs(weight, bias, per-adapter needs)] from the needs_input_grad of the flat tensors."""
+    if not any(layout):
+        return [_Needs(needs[i], needs[i + 1], []) for i in range(0, len(layout) * 2, 2)]
     out, i = [], 0
     for scales in layout:
         out.append(_Needs(needs[i], needs[i + 1], _adapter_needs(needs[i + 2:], len(scales))))
@@ -727,20 +731,24 @@ class Checked:
     parameters' data are read, unchecked; any other call is checked in full and, passing, is the one
     compared from then on. A new verdict of the caller's (other parameters) takes a new Checked."""
 
-    __slots__ = ("_like",)
+    __slots__ = ("_like", "_autocast")
 
     def __init__(self):
-        self._like = None
+        self._like = self._autocast = None
 
     def holds(self, x, linears):
-        return self._like is not None and isinstance(x, torch.Tensor) and x.dim() > 0 and \
-            (x.dtype, x.shape[-1], x.device) == self._like and autocast_dtype(x.device.type) is None and \
+        if self._like is None or not isinstance(x, torch.Tensor) or x.dim() == 0 or \
+                (x.dtype, x.shape[-1], x.device) != self._like:
+            return False
+        # autocast asked of the recorded device type only where it has one (autocast_dtype, decided once)
+        return not (self._autocast and torch.is_autocast_enabled(self._autocast)) and \
             not any(linear.adapters for linear in linears)
 
     def passed(self, x):
         """Record x, whose call passed the full check (not under autocast: the check saw its cast)."""
         if autocast_dtype(x.device.type) is None:
             self._like = (x.dtype, x.shape[-1], x.device)
+            self._autocast = x.device.type if torch.amp.is_autocast_available(x.device.type) else None
 
 
 def _activation_width(act, ups):
