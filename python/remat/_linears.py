@@ -80,8 +80,14 @@ def _plain_base(module, label, allow=None):
 
 
 def plain_linear(module):
-    """The Linear of a plain nn.Linear, FalconLinear or Conv1D (the weight read now: a view of it for Conv1D)."""
-    return Linear(module.weight.t(), module.bias) if is_conv1d(module) else Linear(module.weight, module.bias)
+    """The Linear of a plain nn.Linear, FalconLinear or Conv1D (the weight read now; a Conv1D's as it stores
+    it, (in, out): transposed, computed as Conv1D computes it, with no transposed view of it)."""
+    return Linear(module.weight, module.bias, (), is_conv1d(module))
+
+
+def in_features(linear):
+    """The in_features of a remat.specs.Linear: its weight is (out, in), or (in, out) where transposed."""
+    return linear.weight.shape[0 if linear.transposed else 1]
 
 
 def projection(module, label="projection", allow=None):
@@ -102,7 +108,7 @@ def projection(module, label="projection", allow=None):
     reason = _verified(module, base, adapters, label)
     if reason:
         return None, reason
-    return Linear(base.weight, base.bias, adapters), None
+    return base._replace(adapters=adapters), None
 
 
 def projections(modules, labels, allow=None):
@@ -190,7 +196,7 @@ def _verified(module, base, adapters, label):
         return cache[key]
     if torch.compiler.is_compiling():
         return f"{label}: LoRA layer first met under torch.compile (not yet checked against peft's forward)"
-    weight = base.weight
+    weight = base.weight.t() if base.transposed else base.weight  # (out, in)
     if weight.is_meta:
         return None  # nothing to run on: accepted on structure, as convert's probes do
     generator = torch.Generator().manual_seed(0)  # private: the caller's random stream is untouched
@@ -198,7 +204,7 @@ def _verified(module, base, adapters, label):
     own_forward = getattr(type(module), "remat_stock", type(module)).forward  # peft's, also under a remat class
     with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
         want = own_forward(module, x)
-        got = torch.nn.functional.linear(x, base.weight, base.bias)
+        got = torch.nn.functional.linear(x, weight, base.bias)
         for lora in adapters:
             got = got + torch.nn.functional.linear(torch.nn.functional.linear(x.to(lora.a.dtype), lora.a),
                                                    lora.b, lora.b_bias) * lora.scale

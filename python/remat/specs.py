@@ -5,14 +5,16 @@ Hugging Face families: a norm, an activation, Linears with their LoRA adapters.
                                           (remat.ops.rms_norm.STYLES; bias None)
     Activation(name, gated)               a GELU ("gelu" exact, "gelu_tanh", "gelu_quick"), or with
                                           gated=True act(gate) * up for "silu", "gelu", "gelu_tanh"
-    Linear(weight, bias, adapters)        F.linear(x, weight, bias) + Σ LoRA terms; weight (out, in)
+    Linear(weight, bias, adapters,        F.linear(x, weight, bias) + Σ LoRA terms; weight (out, in), or with
+           transposed)                    transposed=True stored (in, out) as transformers' Conv1D keeps it:
+                                          x·weight + bias, computed as Conv1D computes it (addmm)
     LoRA(a, b, b_bias, scale)             F.linear(F.linear(x, a), b, b_bias) * scale (peft's order)
 """
 
 import collections
 
 LoRA = collections.namedtuple("LoRA", "a b b_bias scale")
-Linear = collections.namedtuple("Linear", "weight bias adapters", defaults=(None, ()))
+Linear = collections.namedtuple("Linear", "weight bias adapters transposed", defaults=(None, (), False))
 Norm = collections.namedtuple("Norm", "weight bias eps kind style", defaults=(None, None, 1e-5, "layer_norm", None))
 Activation = collections.namedtuple("Activation", "name gated", defaults=(False,))
 

@@ -139,10 +139,32 @@ def norm_backward(layout, dy, x, weight, bias, stats, rebuild):
     return dx, d_weight, d_bias, rebuilt if rebuild else None
 
 
-def _weight_grad(d_out, inp, weight):
-    """d_outᵀ·inp, the gradient of `weight` (out, in), laid out as `weight` is: a transposed view of an
-    (in, out) parameter (transformers' Conv1D) gets (inpᵀ·d_out)ᵀ, so that autograd hands the
-    parameter a contiguous gradient instead of copying a transposed one into its layout."""
+def _project(x, linear):
+    """F.linear(x, weight, bias) of rows x without the adapters, for either layout of the weight: one stored
+    (in, out) (transposed) as transformers' Conv1D computes it, addmm(bias, x, weight), with no transposed
+    view of the parameter (whose op and backward node a converted GPT-2 would pay at every fused call)."""
+    if not linear.transposed:
+        return F.linear(x, linear.weight, linear.bias)
+    return x.matmul(linear.weight) if linear.bias is None else torch.addmm(linear.bias, x, linear.weight)
+
+
+def _out_in(linear):
+    """The weight as an (out, in) matrix (a view for a transposed one): d_out·it is the input's gradient."""
+    return linear.weight.t() if linear.transposed else linear.weight
+
+
+def _out_features(linear):
+    return linear.weight.shape[1] if linear.transposed else linear.weight.shape[0]
+
+
+def _weight_grad(d_out, inp, linear):
+    """d_outᵀ·inp, the gradient of the Linear's weight, laid out as its weight is: one stored (in, out)
+    (transposed) gets inpᵀ·d_out, and so, transposed back, does a transposed view of an (in, out)
+    parameter passed as (out, in), so that autograd hands the parameter a contiguous gradient instead
+    of copying a transposed one into its layout."""
+    weight = linear.weight
+    if linear.transposed:
+        return inp.t().matmul(d_out)
     if weight.dim() == 2 and weight.stride(0) == 1 and weight.stride(1) != 1:
         return inp.t().matmul(d_out).t()
     return d_out.t().matmul(inp)
@@ -221,7 +243,7 @@ class _LayerNormLinears(torch.autograd.Function):
     reading the same LayerNorm (ViT's q, k, v): LayerNorm(x) is computed once, and x with one fp32
     mean/rstd pair kept once, whatever the number of Linears.
 
-    tensors: per Linear, its weight, bias and flat adapters; layout: per Linear, its adapters' scales.
+    tensors: per Linear, its weight, bias and flat adapters; layout: their _LinearsLayout.
     """
 
     @staticmethod
@@ -238,7 +260,7 @@ class _LayerNormLinears(torch.autograd.Function):
         stats = exchange(slot, stats)
         outs, intermediates = [], []
         for linear in linears:
-            out, ts = _add_adapters(F.linear(normed, linear.weight, linear.bias), normed, linear.adapters)
+            out, ts = _add_adapters(_project(normed, linear), normed, linear.adapters)
             outs.append(out)
             intermediates.extend(ts)
         kept = [t if n[1] else None for t, n in zip(intermediates, [a for n in needs for a in n.adapters])]
@@ -253,7 +275,7 @@ class _LayerNormLinears(torch.autograd.Function):
     def backward(ctx, *d_outs):
         x, *rest = ctx.saved_tensors
         stats, (normed, norm_weight, norm_bias, *rest) = rest[:ctx.statistics], rest[ctx.statistics:]
-        count = sum(2 + _PER_ADAPTER * len(scales) for scales in ctx.layout)
+        count = sum(2 + _PER_ADAPTER * len(scales) for scales in ctx.layout.scales)
         linears = _unpack_linears(rest[:count], ctx.layout)
         intermediates = iter(rest[count:])
         grads, d_normed = [], None
@@ -261,7 +283,7 @@ class _LayerNormLinears(torch.autograd.Function):
             ts = [next(intermediates) for _ in linear.adapters]
             adapter_grads, d_ts = _adapter_grads(d_out, linear.adapters, ts, need.adapters, ctx.need_norm_grad)
             if ctx.need_norm_grad:
-                part = _input_grad_from_adapters(d_out.matmul(linear.weight), linear.adapters, d_ts)
+                part = _input_grad_from_adapters(d_out.matmul(_out_in(linear)), linear.adapters, d_ts)
                 d_normed = part if d_normed is None else d_normed + part
             grads.append((d_out, adapter_grads, d_ts))
         dx = d_norm_weight = d_norm_bias = None
@@ -272,7 +294,7 @@ class _LayerNormLinears(torch.autograd.Function):
             normed = rebuilt if rebuild else normed
         flat = []
         for linear, need, (d_out, adapter_grads, d_ts) in zip(linears, ctx.needs, grads):
-            flat.append(_weight_grad(d_out, normed, linear.weight) if need.weight else None)
+            flat.append(_weight_grad(d_out, normed, linear) if need.weight else None)
             flat.append(d_out.sum(0) if need.bias and linear.bias is not None else None)
             flat.extend(_finish_adapter_grads(adapter_grads, linear.adapters, d_ts, normed, need.adapters))
         need_x, need_nw, need_nb = ctx.needs_input_grad[:3]
@@ -286,32 +308,49 @@ class _LayerNormLinears(torch.autograd.Function):
 
 _Needs = collections.namedtuple("_Needs", "weight bias adapters")
 
+# What a fused Function knows of its Linears besides their tensors: per Linear, its adapters' scales, and
+# whether its weight is stored (in, out) (remat.specs.Linear's transposed).
+_LinearsLayout = collections.namedtuple("_LinearsLayout", "scales transposed")
+
+
+def _flat_linears(linears):
+    """(the flat tensors of `linears` for a fused Function: per Linear its weight, bias and flat adapters;
+    their _LinearsLayout). A bias is made contiguous: the GELU kernel may add it."""
+    tensors, scales = [], []
+    for linear in linears:
+        flat, linear_scales = _flatten(linear.adapters)
+        tensors += [linear.weight, linear.bias.contiguous() if linear.bias is not None else None, *flat]
+        scales.append(linear_scales)
+    return tensors, _LinearsLayout(tuple(scales), tuple(bool(linear.transposed) for linear in linears))
+
 
 def _unpack_linears(tensors, layout):
-    """[Linear(weight, bias, adapters)] from the flat tensors of _LayerNormLinears."""
-    if not any(layout):  # no adapters (every fused call of a converted model without LoRA): weight, bias pairs
-        return [Linear(tensors[i], tensors[i + 1]) for i in range(0, len(tensors), 2)]
+    """[remat.specs.Linear] from the flat tensors of a fused Function and their _LinearsLayout."""
+    if not any(layout.scales):  # no adapters (every fused call of a converted model without LoRA): weight, bias pairs
+        return [Linear(tensors[2 * i], tensors[2 * i + 1], (), transposed)
+                for i, transposed in enumerate(layout.transposed)]
     linears, i = [], 0
-    for scales in layout:
+    for scales, transposed in zip(layout.scales, layout.transposed):
         size = _PER_ADAPTER * len(scales)
-        linears.append(Linear(tensors[i], tensors[i + 1], tuple(_unflatten(tensors[i + 2:i + 2 + size], scales))))
+        linears.append(Linear(tensors[i], tensors[i + 1], tuple(_unflatten(tensors[i + 2:i + 2 + size], scales)),
+                              transposed))
         i += 2 + size
     return linears
 
 
 def _unpack_needs(needs, layout):
     """[_Needs(weight, bias, per-adapter needs)] from the needs_input_grad of the flat tensors."""
-    if not any(layout):
-        return [_Needs(needs[i], needs[i + 1], []) for i in range(0, len(layout) * 2, 2)]
+    if not any(layout.scales):
+        return [_Needs(needs[2 * i], needs[2 * i + 1], []) for i in range(len(layout.scales))]
     out, i = [], 0
-    for scales in layout:
+    for scales in layout.scales:
         out.append(_Needs(needs[i], needs[i + 1], _adapter_needs(needs[i + 2:], len(scales))))
         i += 2 + _PER_ADAPTER * len(scales)
     return out
 
 
 # What _MLP computes besides its tensors: the norm in front (a _NormLayout, or None), the Activation,
-# the recompute switch, and per Linear (the up projections, then the down projection) its adapters' scales.
+# the recompute switch, and the _LinearsLayout of its Linears (the up projections, then the down projection).
 _MLPLayout = collections.namedtuple("_MLPLayout", "norm act recompute linears")
 
 
@@ -378,13 +417,13 @@ class _MLP(torch.autograd.Function):
         hs, intermediates = [], []
         for up in ups:
             if kernel_bias is not None:
-                h, ts = up_input.matmul(up.weight.t()), []
+                h, ts = up_input.matmul(up.weight if up.transposed else up.weight.t()), []
             else:
-                h, ts = _add_adapters(F.linear(up_input, up.weight, up.bias), up_input, up.adapters)
+                h, ts = _add_adapters(_project(up_input, up), up_input, up.adapters)
             hs.append(h)
             intermediates += ts
         activation = _activation_forward(layout.act, hs, kernel_bias)
-        out, ts = _add_adapters(F.linear(activation, down.weight, down.bias), activation, down.adapters)
+        out, ts = _add_adapters(_project(activation, down), activation, down.adapters)
         intermediates += ts
         # As for the norm: rebuilding pays only where the backward runs that pass anyway (the norm's
         # for norm(x), the activation's for act(h)); else the tensor is kept, as eager does.
@@ -410,7 +449,7 @@ class _MLP(torch.autograd.Function):
         x = next(saved)
         stats = tuple(next(saved) for _ in range(ctx.statistics))
         up_input = next(saved)
-        hs = [next(saved) for _ in layout.linears[:-1]]
+        hs = [next(saved) for _ in layout.linears.scales[:-1]]
         activation, norm_weight, norm_bias = next(saved), next(saved), next(saved)
         linears = _unpack_linears([next(saved) for _ in range(ctx.tensors)], layout.linears)
         intermediates = [[next(saved) for _ in linear.adapters] for linear in linears]
@@ -425,12 +464,12 @@ class _MLP(torch.autograd.Function):
         d_hs, d_kernel_bias = [None] * len(ups), None
         rebuild_activation = ctx.need_activation and activation is None
         if ctx.need_dh:
-            d_activation = _input_grad_from_adapters(d_out.matmul(down.weight), down.adapters, down_d_ts)
+            d_activation = _input_grad_from_adapters(d_out.matmul(_out_in(down)), down.adapters, down_d_ts)
             d_hs, d_kernel_bias, rebuilt = _activation_backward(layout.act, d_activation, hs, kernel_bias,
                                                                 rebuild_activation)
             activation = rebuilt if rebuild_activation else activation
             d_activation = None
-        flat_down = [_weight_grad(d_out, activation, down.weight) if down_needs.weight else None,
+        flat_down = [_weight_grad(d_out, activation, down) if down_needs.weight else None,
                      d_out.sum(0) if down_needs.bias and down.bias is not None else None,
                      *_finish_adapter_grads(down_grads, down.adapters, down_d_ts, activation, down_needs.adapters)]
         activation = None  # the rebuilt act(h) lives only for dW2 and the down projection's dA
@@ -444,7 +483,7 @@ class _MLP(torch.autograd.Function):
             for up, need, dh, ts in zip(ups, up_needs, d_hs, intermediates):
                 grads, d_ts = _adapter_grads(dh, up.adapters, ts, need.adapters, need_d_up_input)
                 if need_d_up_input:
-                    part = _input_grad_from_adapters(dh.matmul(up.weight), up.adapters, d_ts)
+                    part = _input_grad_from_adapters(dh.matmul(_out_in(up)), up.adapters, d_ts)
                     d_up_input = part if d_up_input is None else d_up_input + part
                 pending.append((grads, d_ts))
             if layout.norm is None:
@@ -457,7 +496,7 @@ class _MLP(torch.autograd.Function):
             flat_ups = []
             for up, need, dh, (grads, d_ts) in zip(ups, up_needs, d_hs, pending):
                 d_bias = d_kernel_bias if kernel_bias is not None else dh.sum(0) if up.bias is not None else None
-                flat_ups += [_weight_grad(dh, up_input, up.weight) if need.weight else None,
+                flat_ups += [_weight_grad(dh, up_input, up) if need.weight else None,
                              d_bias if need.bias else None,
                              *_finish_adapter_grads(grads, up.adapters, d_ts, up_input, need.adapters)]
         need_nw, need_nb = ctx.needs_input_grad[2:4]
@@ -476,23 +515,27 @@ class _MLP(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_linear(weight_name, weight, bias_name, bias, in_features, x):
+def _check_linear(weight_name, linear, bias_name, in_features, x):
+    weight, bias = linear.weight, linear.bias
     check_float_tensor(weight_name, weight)
-    if weight.dim() != 2 or weight.shape[1] != in_features:
-        raise ValueError(
-            f"{weight_name} must have shape (out_features, {in_features}), got {tuple(weight.shape)}"
-        )
+    if not isinstance(linear.transposed, bool):
+        raise TypeError(f"the transposed of the Linear of {weight_name} must be True or False, "
+                        f"got {linear.transposed!r}")
+    if weight.dim() != 2 or weight.shape[0 if linear.transposed else 1] != in_features:
+        expected = f"({in_features}, out_features) (transposed)" if linear.transposed else \
+            f"(out_features, {in_features})"
+        raise ValueError(f"{weight_name} must have shape {expected}, got {tuple(weight.shape)}")
     if weight.dtype != x.dtype:
         raise TypeError(f"{weight_name} has dtype {weight.dtype} but x has {x.dtype}; they must match")
     check_same_device(weight_name, weight, "x", x)
-    check_optional_param(bias_name, bias, (weight.shape[0],), "x", x)
+    check_optional_param(bias_name, bias, (_out_features(linear),), "x", x)
     if bias is not None and bias.dtype != weight.dtype:
         # As torch.nn.functional.linear, which would fail later with a message naming neither.
         raise TypeError(f"{bias_name} has dtype {bias.dtype} but {weight_name} has {weight.dtype}; they must match")
 
 
 def _check_adapters(name, adapters, weight, x):
-    """Each adapter of the Linear `weight` (out, in): a LoRA of matching shapes on x's device, its
+    """Each adapter of the Linear whose weight as (out, in) is `weight`: a LoRA of matching shapes on x's device, its
     a, b and b_bias in one floating dtype (peft may keep adapters in float32 beside half weights)."""
     if not isinstance(adapters, (tuple, list)) or not all(isinstance(a, LoRA) for a in adapters):
         raise TypeError(f"{name} must be a tuple of remat.specs.LoRA(a, b, b_bias, scale), got {adapters!r}")
@@ -527,9 +570,9 @@ def check_input_width(x, width, what):
                          f"got shape {tuple(x.shape)}")
 
 
-def _check_width_against_norm(x, norm_weight, weight):
+def _check_width_against_norm(x, norm_weight, linear):
     """When the LayerNorm weight and the Linear agree on a width that x does not have, x is what is wrong."""
-    width = _in_features(weight)
+    width = _in_features(linear)
     if width is not None and isinstance(norm_weight, torch.Tensor) and tuple(norm_weight.shape) == (width,):
         check_input_width(x, width, "the width of the LayerNorm and of the Linear after it")
 
@@ -560,8 +603,12 @@ def _check_rows(x):
         raise ValueError("x must have at least one dimension (..., in_features)")
 
 
-def _in_features(weight):
-    return weight.shape[1] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+def _in_features(linear):
+    """The in_features of a Linear whose weight is a matrix (checked later by name), or None."""
+    weight = linear.weight
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return None
+    return weight.shape[0] if linear.transposed is True else weight.shape[1]
 
 
 def _cast_adapters(dtype, adapters):
@@ -573,8 +620,13 @@ def _cast_adapters(dtype, adapters):
 
 
 def _cast_linears(dtype, linears):
-    return [Linear(*cast_for_autocast(dtype, lin.weight, lin.bias), _cast_adapters(dtype, lin.adapters))
-            if isinstance(lin, Linear) else lin for lin in linears]
+    cast = []
+    for lin in linears:
+        if isinstance(lin, Linear):  # (anything else is refused by name in the check)
+            weight, bias = cast_for_autocast(dtype, lin.weight, lin.bias)
+            lin = lin._replace(weight=weight, bias=bias, adapters=_cast_adapters(dtype, lin.adapters))
+        cast.append(lin)
+    return cast
 
 
 def norm_linears(x, norm, linears, recompute=True, shared=None, checked=None):
@@ -606,26 +658,22 @@ def _norm_linears(x, norm, linears, recompute, slot):
             return _norm_linears(cast_for_autocast(dtype, x)[0], norm, _cast_linears(dtype, linears), recompute, slot)
     names = _linear_names(len(linears))
     _check_rows(x)
-    _check_width_against_norm(x, norm.weight, linears[0].weight)
+    _check_width_against_norm(x, norm.weight, linears[0])
     norm_params(norm, x)
     for linear, (weight_name, bias_name, adapters_name) in zip(linears, names):
-        _check_linear(weight_name, linear.weight, bias_name, linear.bias, x.shape[-1], x)
-        _check_adapters(adapters_name, linear.adapters, linear.weight, x)
+        _check_linear(weight_name, linear, bias_name, x.shape[-1], x)
+        _check_adapters(adapters_name, linear.adapters, _out_in(linear), x)
     return _apply_norm_linears(x, norm, linears, recompute, slot)
 
 
 def _apply_norm_linears(x, norm, linears, recompute, slot):
     """norm_linears on checked arguments, outside autocast."""
     norm_weight, norm_bias = _contiguous(norm.weight, norm.bias)
-    tensors, layout = [], []
-    for linear in linears:
-        flat, scales = _flatten(linear.adapters)
-        tensors += [linear.weight, linear.bias, *flat]
-        layout.append(scales)
+    tensors, layout = _flat_linears(linears)
     *lead, width = x.shape
     outs = _LayerNormLinears.apply(rows_with_unit_stride(x, width), norm_weight, norm_bias,
-                                   _checked_layout(norm, x), bool(recompute), tuple(layout), slot, *tensors)
-    return [out.view(*lead, linear.weight.shape[0]) for out, linear in zip(outs, linears)]
+                                   _checked_layout(norm, x), bool(recompute), layout, slot, *tensors)
+    return [out.view(*lead, _out_features(linear)) for out, linear in zip(outs, linears)]
 
 
 def _linear_names(count):
@@ -690,29 +738,24 @@ def _fused_mlp(x, fc1, act, fc2, norm, recompute, slot):
                               recompute, slot)
     _check_rows(x)
     if norm is not None:
-        _check_width_against_norm(x, norm.weight, ups[0].weight)
+        _check_width_against_norm(x, norm.weight, ups[0])
         norm_params(norm, x)
     for up, (weight_name, bias_name, adapters_name) in zip(ups, names):
-        _check_linear(weight_name, up.weight, bias_name, up.bias, x.shape[-1], x)
-        _check_adapters(adapters_name, up.adapters, up.weight, x)
+        _check_linear(weight_name, up, bias_name, x.shape[-1], x)
+        _check_adapters(adapters_name, up.adapters, _out_in(up), x)
     hidden = _activation_width(act, ups)
-    _check_linear("w2", fc2.weight, "b2", fc2.bias, hidden, x)
-    _check_adapters("fc2_adapters", fc2.adapters, fc2.weight, x)
+    _check_linear("w2", fc2, "b2", hidden, x)
+    _check_adapters("fc2_adapters", fc2.adapters, _out_in(fc2), x)
     return _apply_mlp(x, ups, act, fc2, norm, recompute, slot)
 
 
 def _apply_mlp(x, ups, act, fc2, norm, recompute, slot):
     """fused_mlp on checked arguments (ups: the up projections, a list), outside autocast."""
     norm_weight, norm_bias = _contiguous(norm.weight, norm.bias) if norm is not None else (None, None)
-    tensors, scales = [], []
-    for linear in (*ups, fc2):
-        flat, linear_scales = _flatten(linear.adapters)
-        bias = linear.bias.contiguous() if linear.bias is not None else None  # it may go to the GELU kernel
-        tensors += [linear.weight, bias, *flat]
-        scales.append(linear_scales)
-    layout = _MLPLayout(_checked_layout(norm, x) if norm is not None else None, act, bool(recompute), tuple(scales))
+    tensors, linears = _flat_linears((*ups, fc2))
+    layout = _MLPLayout(_checked_layout(norm, x) if norm is not None else None, act, bool(recompute), linears)
     out = _MLP.apply(layout, rows_with_unit_stride(x, x.shape[-1]), norm_weight, norm_bias, slot, *tensors)
-    return out.view(*x.shape[:-1], fc2.weight.shape[0])
+    return out.view(*x.shape[:-1], _out_features(fc2))
 
 
 def _checked_layout(norm, x):
@@ -754,16 +797,16 @@ class Checked:
 def _activation_width(act, ups):
     """The width of act's output: the up projection's, or a gate's (the half of a fused gate ∥ up)."""
     if not act.gated:
-        return ups[0].weight.shape[0]
+        return _out_features(ups[0])
     if len(ups) == 2:
-        if ups[0].weight.shape != ups[1].weight.shape:
-            raise ValueError(f"gate and up must have the same shape, got {tuple(ups[0].weight.shape)} and "
-                             f"{tuple(ups[1].weight.shape)}")
-        return ups[0].weight.shape[0]
-    if ups[0].weight.shape[0] % 2:
+        if _out_in(ups[0]).shape != _out_in(ups[1]).shape:
+            raise ValueError(f"gate and up must have the same shape (out, in), got {tuple(_out_in(ups[0]).shape)} "
+                             f"and {tuple(_out_in(ups[1]).shape)}")
+        return _out_features(ups[0])
+    if _out_features(ups[0]) % 2:
         raise ValueError(f"a fused gate_up projection has an even number of outputs (gate, then up), "
-                         f"got {ups[0].weight.shape[0]}")
-    return ups[0].weight.shape[0] // 2
+                         f"got {_out_features(ups[0])}")
+    return _out_features(ups[0]) // 2
 
 
 # ---------------------------------------------------------------------------------------------
