@@ -1,9 +1,10 @@
 """Hugging Face transformers support for remat.convert, by structure: structure.py probes what reads
-what, rules.py fuses what that shows safe (modules.py holds the swapped classes; probe.py checks each
-fusion against the stock forward), interface.py makes "remat" the model's attention implementation,
-experts.py its experts', head_norm.py fuses q/k norms into the attention, loss.py the LM head into its
-loss. bloom.py is the one family swapped by class (its ALiBi attention). What each swap computes and
-when it runs stock: docs/huggingface.md.
+what, rules.py fuses what that shows safe (modules.py holds the swapped classes, handoff.py the links by
+which one does the work of the modules before it; probe.py checks each fusion against the stock
+forward), interface.py makes "remat" the model's attention implementation, experts.py its experts',
+head_norm.py fuses q/k norms into the attention, loss.py the LM head into its loss. bloom.py is the one
+family swapped by class (its ALiBi attention). What each swap computes and when it runs stock:
+docs/huggingface.md.
 """
 
 import sys
