@@ -23,9 +23,10 @@ DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
 PACKAGE_DIR = {"remat": "python/remat", "remat.triton_kernels": "triton_kernels"}
 
 
-def packages(root=os.path.join(HERE, "python", "remat")):
+def packages():
     """remat and every package below it (a folder with an __init__.py), found rather than listed: a
     package missing from a list installs without error and fails at its first import."""
+    root = os.path.join(HERE, PACKAGE_DIR["remat"])
     found = ["remat", "remat.triton_kernels"]
     for folder, _, files in sorted(os.walk(root)):
         if folder != root and "__init__.py" in files and "__pycache__" not in folder:

@@ -415,8 +415,8 @@ extras() {  # with the time left, in the order asked for
             moe) [ ${#EXTRA_SUITES[@]} -gt 0 ] && bench_suite experts ;;
             memory) run_step memory "$OUT_DIR/memory.log" "$PYTHON" -m remat memory --model gpt2-medium --batch 8 \
                 --seq 1024 --budget 20 --out "$OUT_DIR/memory" ;;
-            rest) [ "$HAVE_PYTEST" = 1 ] && pytest_group tests_rest 8 20 tests --ignore tests/build/test_cuda_compile.py \
-                --ignore tests/build/test_triton_aot.py \
+            rest) [ "$HAVE_PYTEST" = 1 ] && pytest_group tests_rest 8 20 tests --ignore tests/package/test_cuda_compile.py \
+                --ignore tests/package/test_triton_aot.py \
                 -k "not ($SELECT_TRITON) and not ($SELECT_CUDA) and not $EXHAUSTIVE and not compiles_without_spills" ;;
             exhaustive) [ "$HAVE_PYTEST" = 1 ] && pytest_group tests_exhaustive 8 60 tests/ops/test_autotune.py \
                 -k "$EXHAUSTIVE" ;;

@@ -24,13 +24,13 @@ trap 'rm -rf "$TREE"' EXIT
 git ls-files -z --cached --others --exclude-standard | tar --null --ignore-failed-read -T - -cf - | tar -xf - -C "$TREE"
 cd "$TREE"
 # The CUDA extension for sm_90 alone (when nvcc is present): that it builds against torch 2.11's
-# headers and loads is what is checked; tests/build checks the code it compiles to.
+# headers and loads is what is checked; tests/package checks the code it compiles to.
 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-2} "$PYTHON" -m pip install --quiet --no-build-isolation --no-deps -e .
 "$PYTHON" -c "import remat, torch, triton, transformers; print('oldest stack: torch', torch.__version__, 'triton',
       triton.__version__, 'transformers', transformers.__version__, 'backends', {k: v[0] for k, v in remat.backends().items()})"
-# Left out: tests/build (the compiler's output, checked with the pinned stack; triton 3.6 puts
+# Left out: tests/package (the compiler's output, checked with the pinned stack; triton 3.6 puts
 # 8 bytes on the stack in 7 of ~2000 kernels that 3.8 compiles clean), and one test that turns
 # warnings into errors, where triton 3.6's interpreter itself warns (numpy's deprecated
 # array-to-int conversion).
-"$PYTHON" -m pytest -n "${REMAT_TEST_WORKERS:-2}" -p no:cacheprovider --ignore tests/build \
+"$PYTHON" -m pytest -n "${REMAT_TEST_WORKERS:-2}" -p no:cacheprovider --ignore tests/package \
     --deselect "tests/ops/test_attention.py::test_row_offsets_past_2_31_elements" "$@"

@@ -74,7 +74,7 @@ HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and padded head dim, for fp16/bf16 on
 # sm_80/sm_90. BLOCK_M is the query block, BLOCK_N the key block. Causal and non-causal share
 # an entry (the causal loops are shorter, not different); bf16 and fp16 share one (same sizes).
-# Chosen so that nothing spills on sm_80 or sm_90 (tests/build/test_triton_aot.py compiles them all):
+# Chosen so that nothing spills on sm_80 or sm_90 (tests/package/test_triton_aot.py compiles them all):
 #   fwd:  a (BLOCK_M, D) fp32 accumulator and the q tile stay in registers across the loop.
 #   dkdv: k, v tiles and two (BLOCK_N, D) fp32 accumulators stay in registers; query blocks
 #         stream past, so BLOCK_M is the small one.
@@ -131,7 +131,7 @@ _DROPOUT_CONFIGS = {
 }
 # Further autotuning candidates, timed after the table entry on first use per key (see
 # _select_config); the table entry wins ties, so tuning can only pick something faster. Every
-# one compiles without spills on sm_80 and sm_90 (tests/build/test_triton_aot.py). They vary the tile
+# one compiles without spills on sm_80 and sm_90 (tests/package/test_triton_aot.py). They vary the tile
 # shape, warps and pipeline depth around the table entry within that register budget.
 _HALF_CANDIDATES = {
     "fwd": {32: [(128, 128, 8, 3), (64, 64, 4, 4)], 64: [(64, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3)],

@@ -53,14 +53,14 @@ TILE_WARPS = 8
 # 16 rows), or NARROW_BLOCK_N where that pads the row much less (rows up to ~200 wide, or just
 # past a multiple of 256 such as 1025; a 127-wide row would leave half the lanes of a 256-wide
 # block idle). Two candidates only: every one multiplies the compiled variants (aot_cases), and
-# tests/build/test_triton_aot.py compiles them all for two archs.
+# tests/package/test_triton_aot.py compiles them all for two archs.
 WIDE_BLOCK_N = 256
 NARROW_BLOCK_N = 32
 # The wide block may pad the row by up to this factor more than the narrow one.
 PADDING_SLACK = 1.125
 # Backward (tiled): persistent grid of (column blocks, G) programs; G row groups make the dbias
 # partial buffer (G, N). Programs resident at once per SM: with a bias the backward uses 75-124
-# registers a thread (tests/build/test_triton_aot.py, sm_80/sm_90), so two 8-warp programs fit in the
+# registers a thread (tests/package/test_triton_aot.py, sm_80/sm_90), so two 8-warp programs fit in the
 # 64K registers of an SM. More would only run in a second wave and add rows to the buffer.
 BWD_PROGRAMS_PER_SM = 2
 

@@ -49,7 +49,7 @@ from ._common import (
 # 1. Configuration
 # ---------------------------------------------------------------------------------------------
 # Rows wider than these do not fit in registers without spilling (checked by
-# tests/build/test_triton_aot.py on sm_80 and sm_90) and take the looped paths. The forward holds one
+# tests/package/test_triton_aot.py on sm_80 and sm_90) and take the looped paths. The forward holds one
 # fp32 copy of the row and the weight: 32 KiB of input a row, i.e. 16384 bf16/fp16 or 8192 fp32
 # elements. The backward holds x, dy, the weight and two fp32 gradient accumulators.
 MAX_FUSED_BYTES_FWD = 32768

@@ -81,7 +81,7 @@ class Tiles(NamedTuple):
 # multiply in full fp32 (input_precision="ieee", as torch's default fp32 matmul; tf32 would round
 # the inputs to 10 mantissa bits) on FMA units: smaller tiles, 8 warps where 4 took sm_80 to 255
 # registers or spilled. Registers a thread, the most over the cases of aot_cases(), sm_80 / sm_90
-# (tests/build/test_triton_aot.py compiles every one for both and fails on any spill): bf16
+# (tests/package/test_triton_aot.py compiles every one for both and fails on any spill): bf16
 # forward 174 / 148, logits (dz) 208 / 239, dx 175 / 107, dw 170 / 112; fp32 forward 244 / 128,
 # logits 212 / 162, dx 108 / 66, dw 101 / 64.
 HALF_TILES = {"forward": Tiles(128, 64, 64, 8, 3), "logits": Tiles(128, 128, 64, 8, 3), "dx": Tiles(128, 128, 64, 8, 3),

@@ -1,5 +1,5 @@
 """Attention: kernels against a float64 reference and PyTorch's SDPA, memory, the module, bad input
-(the op contract and the ahead-of-time GPU compile: tests/ops/test_op_registry.py, tests/build/test_triton_aot.py)."""
+(the op contract and the ahead-of-time GPU compile: tests/ops/test_op_registry.py, tests/package/test_triton_aot.py)."""
 
 import importlib
 import math
@@ -387,7 +387,7 @@ def test_bad_input_names_the_argument(call, error, words):
         call(*_qkv())
 
 
-# --- the autotuning candidates on Hopper (their ahead-of-time compile: tests/build/test_triton_aot.py)
+# --- the autotuning candidates on Hopper (their ahead-of-time compile: tests/package/test_triton_aot.py)
 
 
 def _kernel_module():

@@ -214,7 +214,7 @@ def test_quick_gelu_recompute_and_saturation(device):
     assert torch.allclose(dx, torch.tensor([[0.0, 0.0, 1.0, 1.0]], device=device), atol=1e-6)
 
 
-# --- ahead-of-time compile (every case of gated.aot_cases(): tests/build/test_triton_aot.py) ---------
+# --- ahead-of-time compile (every case of gated.aot_cases(): tests/package/test_triton_aot.py) ---------
 
 
 def vector_cases():

@@ -204,7 +204,7 @@ def _module_in(folder, name, monkeypatch):
 
 
 def test_the_aot_test_compiles_every_family_with_triton_kernels(monkeypatch):
-    aot = _module_in("tests/build", "test_triton_aot", monkeypatch)
+    aot = _module_in("tests/package", "test_triton_aot", monkeypatch)
     modules = {family.triton for family in FAMILIES.values() if family.triton}
     assert set(aot.KERNEL_MODULES) == modules
     assert set(aot.CI_SUBSETS) <= modules, "a CI subset for a kernel module no family has"

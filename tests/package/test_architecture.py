@@ -2,6 +2,7 @@
 a lazy import only hides a cycle), and the Triton kernels depend on nothing of remat's."""
 
 import ast
+import fnmatch
 import os
 import pathlib
 import shutil
@@ -123,3 +124,13 @@ def test_no_module_of_the_package_is_over_800_lines():
     long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
             if not p.is_relative_to(PACKAGE / "triton_kernels") and (n := len(p.read_text().splitlines())) > 800}
     assert long == {}
+
+
+def test_pytest_collects_every_test_folder(request):
+    """No folder of tests is one pytest's norecursedirs passes over without a word (this folder was
+    tests/build, and pytest's default skips "build": its tests ran in no suite for five days)."""
+    patterns = request.config.getini("norecursedirs")
+    folders = {p.parent for p in (ROOT / "tests").rglob("test_*.py")}
+    skipped = [str(f.relative_to(ROOT)) for f in folders
+               if any(fnmatch.fnmatch(part, pattern) for part in f.relative_to(ROOT).parts for pattern in patterns)]
+    assert skipped == []
