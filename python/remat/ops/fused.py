@@ -695,7 +695,11 @@ class Checked:
             not any(linear.adapters for linear in linears)
 
     def passed(self, x):
-        """Record x, whose call passed the full check (not under autocast: the check saw its cast)."""
+        """Record x, whose call passed the full check (not under autocast: the check saw its cast). Nothing
+        while torch.compile traces: a traced call's check is not kept (the graph's guards stand for it), and
+        torch 2.11's dynamo cannot trace torch.amp.is_autocast_available."""
+        if torch.compiler.is_compiling():
+            return
         if autocast_dtype(x.device.type) is None:
             self._like = (x.dtype, x.shape[-1], x.device)
             self._autocast = x.device.type if torch.amp.is_autocast_available(x.device.type) else None
