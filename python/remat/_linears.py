@@ -85,11 +85,6 @@ def plain_linear(module):
     return Linear(module.weight, module.bias, (), is_conv1d(module))
 
 
-def in_features(linear):
-    """The in_features of a remat.specs.Linear: its weight is (out, in), or (in, out) where transposed."""
-    return linear.weight.shape[0 if linear.transposed else 1]
-
-
 def projection(module, label="projection", allow=None):
     """(remat.ops.fused.Linear, None) when a fused op can compute `module` exactly at this call, else
     (None, why not); hooks allow(hook) takes (an engine's the fused op takes over) not counted, but on

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from . import _zero3 as zero3
 from ._guards import fallback, plain_reason
-from ._linears import decided_projections, fused_saved_bytes, in_features, projection
+from ._linears import decided_projections, fused_saved_bytes, projection, widths
 from ._validate import check_float_tensor, check_self_attention_input
 from .ops.attention import multihead_self_attention
 from .ops.fused import check_input_width, fused_mlp, norm_linears
@@ -263,7 +263,7 @@ class MLP(torch.nn.Module):
             act = self.__dict__.get("remat_activation")  # the GELU module convert fused, if any
             return self.fc2(act(h) if act is not None else _stock_gelu(h, approximate))
         fc1, fc2 = linears
-        _input_checked(x, in_features(fc1), self)
+        _input_checked(x, widths(self.fc1)[0], self)
         return fused_mlp(x, fc1, Activation(self.activation), fc2, norm_of(norm) if norm is not None else None,
                          self.recompute, checked=checked)
 
@@ -396,7 +396,7 @@ class GatedMLP(torch.nn.Module):
             fallback(self, reason)
             return self._stock(norm(x) if norm is not None else x)
         *ups, down = linears
-        _input_checked(x, in_features(ups[0]), self)
+        _input_checked(x, widths(projections[0])[0], self)
         return fused_mlp(x, ups[0] if len(ups) == 1 else tuple(ups), Activation(self.activation, gated=True), down,
                          norm_of(norm) if norm is not None else None, self.recompute, checked=checked)
 

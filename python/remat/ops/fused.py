@@ -707,17 +707,17 @@ class Checked:
 
 def _activation_width(act, ups):
     """The width of act's output: the up projection's, or a gate's (the half of a fused gate ∥ up)."""
+    width = _out_features(ups[0])
     if not act.gated:
-        return _out_features(ups[0])
+        return width
     if len(ups) == 2:
-        if _out_in(ups[0]).shape != _out_in(ups[1]).shape:
-            raise ValueError(f"gate and up must have the same shape (out, in), got {tuple(_out_in(ups[0]).shape)} "
-                             f"and {tuple(_out_in(ups[1]).shape)}")
-        return _out_features(ups[0])
-    if _out_features(ups[0]) % 2:
-        raise ValueError(f"a fused gate_up projection has an even number of outputs (gate, then up), "
-                         f"got {_out_features(ups[0])}")
-    return _out_features(ups[0]) // 2
+        shapes = [tuple(_out_in(up).shape) for up in ups]
+        if shapes[0] != shapes[1]:
+            raise ValueError(f"gate and up must have the same shape (out, in), got {shapes[0]} and {shapes[1]}")
+        return width
+    if width % 2:
+        raise ValueError(f"a fused gate_up projection has an even number of outputs (gate, then up), got {width}")
+    return width // 2
 
 
 # ---------------------------------------------------------------------------------------------
