@@ -18,6 +18,7 @@ never silently fused.
 import torch
 from torch import nn
 
+from . import _zero3 as zero3
 from ._guards import decided, from_transformers, hook_reason, kept_under, plain_reason
 from ._numerics import rel_error
 from ._tensor_memo import MISSING
@@ -134,7 +135,8 @@ def decided_projections(owner, modules, labels, others=(), other_reason=None, al
         why = why or others_reason()
         return (None, why, None) if why else (linears, None, None)
     why, checked = decided(owner, [*modules, *others],
-                           lambda: (projections(modules, labels, allow)[1] or others_reason(), Checked()), under=under)
+                           lambda: (projections(modules, labels, allow)[1] or others_reason(),
+                                    Checked(keeps_calls=not zero3.any_partitioned([*modules, *others]))), under=under)
     return (None, why, None) if why else ([plain_linear(m) for m in modules], None, checked)
 
 

@@ -31,6 +31,12 @@ def partitioned(module):
     return bool(_partitioned_params([module]))
 
 
+def any_partitioned(modules):
+    """Whether ZeRO-3 partitions the own parameters of one of `modules` (None entries skipped): a fused op
+    reading them gathers them first, at every call (no kept call, remat.ops.fused.Checked)."""
+    return bool(_partitioned_params([m for m in modules if m is not None]))
+
+
 def _partitioned_params(owners):
     """The own parameters of the modules `owners` that ZeRO-3 partitions."""
     return [p for owner in owners for p in owner._parameters.values() if p is not None and hasattr(p, "ds_id")]

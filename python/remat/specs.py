@@ -34,10 +34,15 @@ def norm_of(module, style=None):
         style = "torch"
     if style is None:
         return Norm(module.weight, module.bias, module.eps)
+    return Norm(module.weight, None, norm_eps(module), "rms_norm", style)
+
+
+def norm_eps(module):
+    """The eps of a norm module as norm_of reads it (an RMSNorm's `eps`, or transformers' `variance_epsilon`)."""
     eps = module.__dict__.get("eps")  # read at every fused call: hasattr on a module without it raises inside
     if eps is None:
         eps = module.eps if hasattr(module, "eps") else module.variance_epsilon
-    return Norm(module.weight, None, eps, "rms_norm", style)
+    return eps
 
 
 _GELU_OF_APPROXIMATE = {approximate: Activation(name) for name, approximate in GELU_APPROXIMATE.items()}

@@ -253,3 +253,43 @@ def test_the_checks_are_decided_once_and_again_after_a_change(monkeypatch):
         checks.clear()
         assert rel_error(loss, stock(input_ids=ids, labels=ids).loss) < 1e-5, name
     assert any("k_proj has forward/backward hooks" in reason for reason in k_proj.__dict__["remat_fallbacks"])
+
+
+def _kept_calls(model):
+    """The fused modules of `model` whose fused op call is kept with their verdict (remat.ops.fused.Checked)."""
+    from remat.ops.fused import Checked
+
+    return [m for m in model.modules() if isinstance(m.__dict__.get("remat_decided"), tuple)
+            and type(m.__dict__["remat_decided"][1]) is tuple
+            and isinstance(m.__dict__["remat_decided"][1][-1], Checked)
+            and m.__dict__["remat_decided"][1][-1]._call is not None]
+
+
+NORMS = {"gpt2": ("ln_1", "ln_2", "eps"), "llama": ("input_layernorm", "post_attention_layernorm", "variance_epsilon")}
+
+
+@pytest.mark.parametrize("family", NORMS)
+def test_what_a_kept_call_does_not_hold_is_read_again(family):
+    """After fused calls, whose arguments are kept with their verdict (the fused op's call, decided once), a
+    norm's eps set on its module (no fingerprint covers it) and a weight's data replaced in place (the same
+    Parameter) are what the next call computes with, as stock does."""
+    stock = build("gpt2")[0] if family == "gpt2" else _llama()
+    converted = conv.convert(copy.deepcopy(stock))
+    batch = inputs("gpt2", "cpu") if family == "gpt2" else {"input_ids": torch.randint(0, 100, (2, 7))}
+    batch["labels"] = batch["input_ids"]
+    for _ in range(2):
+        converted(**batch)
+    assert len(_kept_calls(converted)) == 2 * LAYERS  # each layer's q/k/v or c_attn, and its MLP
+    first, second, eps = NORMS[family]
+    layers = lambda model: model.transformer.h if family == "gpt2" else model.model.layers  # noqa: E731
+    weight = torch.randn_like(layers(stock)[1].mlp.down_proj.weight if family == "llama" else
+                              layers(stock)[1].mlp.c_fc.weight)
+    for model in (stock, converted):
+        setattr(getattr(layers(model)[0], first), eps, 0.5)
+        setattr(getattr(layers(model)[1], second), eps, 0.25)
+        projection = layers(model)[1].mlp.down_proj if family == "llama" else layers(model)[1].mlp.c_fc
+        projection.weight.data = weight.clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RematFallbackWarning)
+        loss = converted(**batch).loss
+    assert rel_error(loss, stock(**batch).loss) < 1e-5

@@ -96,3 +96,107 @@ def test_parameters_given_data_of_another_shape_are_checked_again():
     mlp.down_proj.weight.data = torch.randn(8, 10)
     with pytest.raises(ValueError, match=r"w2 must have shape \(out_features, 12\), got \(8, 10\)"):
         mlp(x)
+
+
+# --- the kept call: the fused op's arguments but x, worked out once per verdict --------------------
+
+
+def _fused_mlp_args(width=13, hidden=19):
+    norm = Norm(torch.randn(width, requires_grad=True), torch.randn(width, requires_grad=True), 1e-5)
+    fc1 = Linear(torch.randn(hidden, width, requires_grad=True), torch.randn(hidden, requires_grad=True))
+    fc2 = Linear(torch.randn(width, hidden, requires_grad=True), torch.randn(width, requires_grad=True))
+    return norm, fc1, fc2
+
+
+@pytest.mark.parametrize("op", ["norm_linears", "fused_mlp"])
+def test_a_kept_call_computes_what_the_full_check_computes(op):
+    """The call kept after a checked one, run on a new x of the same kind, gives the outputs and gradients
+    the full path gives, bit for bit."""
+    if op == "norm_linears":
+        norm, linears = _norm_linears_args()
+        params = [norm.weight, norm.bias, *(t for lin in linears for t in lin[:2])]
+        run = lambda x, checked=None: norm_linears(x, norm, linears, checked=checked)  # noqa: E731
+    else:
+        norm, fc1, fc2 = _fused_mlp_args()
+        params = [norm.weight, norm.bias, *fc1[:2], *fc2[:2]]
+        run = lambda x, checked=None: [fused_mlp(x, fc1, remat.specs.gelu("tanh"), fc2, norm,  # noqa: E731
+                                                 checked=checked)]
+    checked = Checked()
+    assert checked.kept_call(torch.randn(2, 13), norm.eps) is None  # nothing kept yet
+    run(torch.randn(2, 13), checked)  # the full check
+    run(torch.randn(2, 13), checked)  # checked, kept
+    x = torch.randn(1, 5, 13, requires_grad=True)  # another x: one sequence, 5 tokens
+    call = checked.kept_call(x, norm.eps)
+    assert call is not None
+    kept, full = call(x, None), run(x)
+    kept = kept if isinstance(kept, list) else [kept]
+    assert all(torch.equal(a, b) for a, b in zip(kept, full, strict=True))
+    for a, b in zip(_grads(kept, [x, *params]), _grads(full, [x, *params]), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_kept_call_is_given_only_for_what_it_was_made_for():
+    """Not for another input dtype or width, another eps of the norm (its module's attribute, which no
+    fingerprint covers), under autocast, nor once a tensor a kernel reads whole has strided data (a
+    .data replaced in place: the full path then copies it)."""
+    norm, linears = _norm_linears_args()
+    checked = Checked()
+    for _ in range(2):
+        norm_linears(torch.randn(3, 13), norm, linears, checked=checked)
+    x = torch.randn(4, 13)
+    assert checked.kept_call(x, norm.eps) is not None
+    assert checked.kept_call(x.double(), norm.eps) is None
+    assert checked.kept_call(torch.randn(4, 11), norm.eps) is None
+    assert checked.kept_call(x, 1e-3) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert checked.kept_call(x, norm.eps) is None
+    linears[0].bias.data = torch.randn(14)[::2]  # strided, the same shape: no fingerprint sees it
+    assert checked.kept_call(x, norm.eps) is None
+    linears[0].bias.data = linears[0].bias.data.contiguous()
+    norm.weight.data = torch.randn(26)[::2]
+    assert checked.kept_call(x, norm.eps) is None
+
+
+def test_copies_and_partitioned_parameters_are_never_kept():
+    """A call that reads a contiguous copy of a strided parameter is not kept (the copy would not see the
+    optimizer's steps), nor is any call of a Checked made not to keep (ZeRO-3: the parameters are
+    gathered at each call)."""
+    norm, linears = _norm_linears_args()
+    strided = Norm(torch.randn(26)[::2].requires_grad_(), norm.bias, norm.eps)
+    checked = Checked()
+    for _ in range(2):
+        norm_linears(torch.randn(3, 13), strided, linears, checked=checked)
+    assert checked.kept_call(torch.randn(3, 13), norm.eps) is None
+    refusing = Checked(keeps_calls=False)
+    for _ in range(2):
+        norm_linears(torch.randn(3, 13), norm, linears, checked=refusing)
+    assert refusing.holds(torch.randn(3, 13), linears) and refusing.kept_call(torch.randn(3, 13), norm.eps) is None
+
+
+def test_a_traced_call_keeps_nothing():
+    """While torch.compile traces, the kept call is neither made nor replaced: one made inside a trace would
+    hold the trace's tensors."""
+    norm, linears = _norm_linears_args()
+    checked = Checked()
+    for _ in range(2):
+        norm_linears(torch.randn(3, 13), norm, linears, checked=checked)
+    kept = checked.kept_call(torch.randn(3, 13), norm.eps)
+    compiled = torch.compile(lambda x: norm_linears(x, norm, linears, checked=checked)[0], backend="eager",
+                             fullgraph=True)
+    compiled(torch.randn(3, 13))
+    assert checked.kept_call(torch.randn(3, 13), norm.eps) is kept
+
+
+def test_a_copy_keeps_no_call():
+    """A deep copy or a pickle of a Checked (a converted model's, copied with it) starts afresh: a kept call
+    holds the original's parameters."""
+    import copy
+    import pickle
+
+    norm, linears = _norm_linears_args()
+    checked = Checked()
+    for _ in range(2):
+        norm_linears(torch.randn(3, 13), norm, linears, checked=checked)
+    for twin in (copy.deepcopy(checked), pickle.loads(pickle.dumps(checked))):
+        assert twin.keeps_calls and not twin.holds(torch.randn(3, 13), linears)
+        assert twin.kept_call(torch.randn(3, 13), norm.eps) is None

@@ -546,7 +546,8 @@ def norm_linears(x, norm, linears, recompute=True, shared=None, checked=None):
     checked: a Checked, for a caller that passes the same parameters at every call (below).
     """
     if checked is not None and checked.holds(x, linears):
-        return sharing(shared, x, lambda slot: _apply_norm_linears(x, norm, linears, recompute, slot))
+        call = checked.keep(*_norm_linears_call(x, norm, linears, recompute), norm.eps)
+        return sharing(shared, x, lambda slot: call(x, slot))
     out = sharing(shared, x, lambda slot: _norm_linears(x, norm, linears, recompute, slot))
     if checked is not None:
         checked.passed(x)
@@ -575,12 +576,36 @@ def _norm_linears(x, norm, linears, recompute, slot):
 
 def _apply_norm_linears(x, norm, linears, recompute, slot):
     """norm_linears on checked arguments, outside autocast."""
+    return _norm_linears_call(x, norm, linears, recompute)[0](x, slot)
+
+
+def _norm_linears_call(x, norm, linears, recompute):
+    """(call(x, slot): norm_linears on checked arguments like these, outside autocast, everything but x
+    worked out now; _whole_as_given: the tensors a kernel reads whole, or None where it may not be kept)."""
     norm_weight, norm_bias = _contiguous(norm.weight, norm.bias)
     tensors, layout = _flat_linears(linears)
-    *lead, width = x.shape
-    outs = _LayerNormLinears.apply(rows_with_unit_stride(x, width), norm_weight, norm_bias,
-                                   _checked_layout(norm, x), bool(recompute), layout, slot, *tensors)
-    return [out.view(*lead, _out_features(linear)) for out, linear in zip(outs, linears)]
+    norm_layout, recompute = _checked_layout(norm, x), bool(recompute)
+    features = [_out_features(linear) for linear in linears]
+
+    def call(x, slot):
+        *lead, width = x.shape
+        outs = _LayerNormLinears.apply(rows_with_unit_stride(x, width), norm_weight, norm_bias, norm_layout,
+                                       recompute, layout, slot, *tensors)
+        return [out.view(*lead, n) for out, n in zip(outs, features)]
+
+    return call, _whole_as_given(norm, norm_weight, norm_bias, linears, tensors)
+
+
+def _whole_as_given(norm, norm_weight, norm_bias, linears, tensors):
+    """The tensors a kernel reads whole (the norm's weight and bias, each Linear's bias) where every tensor a
+    call reads (norm_weight, norm_bias, the flat `tensors`) is the caller's own as given in `norm` and
+    `linears`, none copied to be contiguous nor an adapter's (a call that may be kept); else None."""
+    given = [norm.weight, norm.bias] if norm is not None else [None, None]
+    given += [t for linear in linears for t in (linear.weight, linear.bias)]
+    used = [norm_weight, norm_bias, *tensors]
+    if len(used) != len(given) or any(u is not g for u, g in zip(used, given)):
+        return None
+    return tuple(t for t in (norm_weight, norm_bias, *tensors[1::2]) if t is not None)
 
 
 def _linear_names(count):
@@ -622,7 +647,8 @@ def fused_mlp(x, fc1, act, fc2, norm=None, recompute=True, shared=None, checked=
     if checked is not None:  # the arguments were checked once: fc1 a Linear, or a (gate, up) pair of them
         ups = _up_projections(fc1, act)[0]
         if checked.holds(x, (*ups, fc2)):
-            return sharing(shared, x, lambda slot: _apply_mlp(x, ups, act, fc2, norm, recompute, slot))
+            call = checked.keep(*_mlp_call(x, ups, act, fc2, norm, recompute), norm.eps if norm is not None else None)
+            return sharing(shared, x, lambda slot: call(x, slot))
     out = sharing(shared, x, lambda slot: _fused_mlp(x, fc1, act, fc2, norm, recompute, slot))
     if checked is not None:
         checked.passed(x)
@@ -658,11 +684,21 @@ def _fused_mlp(x, fc1, act, fc2, norm, recompute, slot):
 
 def _apply_mlp(x, ups, act, fc2, norm, recompute, slot):
     """fused_mlp on checked arguments (ups: the up projections, a list), outside autocast."""
+    return _mlp_call(x, ups, act, fc2, norm, recompute)[0](x, slot)
+
+
+def _mlp_call(x, ups, act, fc2, norm, recompute):
+    """(call(x, slot), _whole_as_given) as _norm_linears_call's, for fused_mlp."""
     norm_weight, norm_bias = _contiguous(norm.weight, norm.bias) if norm is not None else (None, None)
     tensors, linears = _flat_linears((*ups, fc2))
     layout = _MLPLayout(_checked_layout(norm, x) if norm is not None else None, act, bool(recompute), linears)
-    out = _MLP.apply(layout, rows_with_unit_stride(x, x.shape[-1]), norm_weight, norm_bias, slot, *tensors)
-    return out.view(*x.shape[:-1], _out_features(fc2))
+    features = _out_features(fc2)
+
+    def call(x, slot):
+        out = _MLP.apply(layout, rows_with_unit_stride(x, x.shape[-1]), norm_weight, norm_bias, slot, *tensors)
+        return out.view(*x.shape[:-1], features)
+
+    return call, _whole_as_given(norm, norm_weight, norm_bias, (*ups, fc2), tensors)
 
 
 def _checked_layout(norm, x):
@@ -679,12 +715,20 @@ class Checked:
     check: the input's dtype, width and device it passed with. While x is like that input, outside
     autocast, and no Linear has LoRA adapters (which the fingerprint does not cover), only the
     parameters' data are read, unchecked; any other call is checked in full and, passing, is the one
-    compared from then on. A new verdict of the caller's (other parameters) takes a new Checked."""
+    compared from then on. A new verdict of the caller's (other parameters) takes a new Checked.
 
-    __slots__ = ("_like", "_autocast")
+    It keeps the call too (keep): the fused Function with every argument but x worked out, holding the
+    caller's very parameters (not copies), which the caller repeats on the next x like this one
+    (kept_call) while its verdict stands, instead of building the arguments again: decided once, paid
+    once. The caller compares its norm's eps, which its fingerprint does not cover; the call checks
+    that the tensors a kernel reads whole are still contiguous (a .data replaced in place). keeps_calls
+    False (a caller whose call gathers ZeRO-3 partitioned parameters first) keeps none."""
 
-    def __init__(self):
-        self._like = self._autocast = None
+    __slots__ = ("_like", "_autocast", "_call", "_eps", "_whole", "keeps_calls")
+
+    def __init__(self, keeps_calls=True):
+        self._like = self._autocast = self._call = self._eps = None
+        self._whole, self.keeps_calls = (), keeps_calls
 
     def holds(self, x, linears):
         if self._like is None or not isinstance(x, torch.Tensor) or x.dim() == 0 or \
@@ -703,6 +747,23 @@ class Checked:
         if autocast_dtype(x.device.type) is None:
             self._like = (x.dtype, x.shape[-1], x.device)
             self._autocast = x.device.type if torch.amp.is_autocast_available(x.device.type) else None
+
+    def keep(self, call, whole, eps):
+        """Keep `call` (made for an x holds() passed, with a norm of `eps`) where `whole` says it may be kept
+        (_whole_as_given: not None); returns it. Nothing kept while torch.compile traces."""
+        if self.keeps_calls and whole is not None and not torch.compiler.is_compiling():
+            self._call, self._whole, self._eps = call, whole, eps
+        return call
+
+    def __reduce__(self):  # a copy or a pickle checks afresh: the kept call holds this object's parameters
+        return Checked, (self.keeps_calls,)
+
+    def kept_call(self, x, eps):
+        """The call kept for inputs like x and a norm of this `eps` (None without a norm), or None."""
+        if self._call is None or eps != self._eps or not self.holds(x, ()) or \
+                not all(t.is_contiguous() for t in self._whole):
+            return None
+        return self._call
 
 
 def _activation_width(act, ups):

@@ -17,8 +17,8 @@ from ... import _zero3 as zero3
 from ..._guards import decided, fallback, kept_under, plain_reason
 from ..._linears import decided_projections, fused_saved_bytes, plain_linear, projection, projections, widths
 from ..._tensor_memo import MISSING
-from ...ops.fused import Checked, fused_mlp, norm_linears
-from ...specs import Activation, gelu, norm_of
+from ...ops.fused import Checked, fused_mlp, norm_linears, sharing
+from ...specs import Activation, gelu, norm_eps, norm_of
 from ..patterns import (
     MLP,
     activation_reason,
@@ -126,6 +126,24 @@ def norm_spec(norm):
     return norm_of(norm, norm.remat_style)
 
 
+def _kept_call(module, x, norm):
+    """The output on x of the fused op call `module` kept (remat.ops.fused.Checked.kept_call) with the verdict
+    it decided under its handoff's, taken at this call: while that stands, nothing the call reads changed but
+    x and the norm's eps, which the Checked compares; else None, and the full path decides. Only with a norm
+    handed over: the handoff's verdict covers every module the call reads (a tensor-parallel or ZeRO-3 call
+    keeps none)."""
+    if norm is None:
+        return None
+    verdict = kept_under(module, module.remat_handoff.verdict())
+    if type(verdict) is not tuple or verdict[0] is not None or verdict[-1] is None:  # (MISSING, or a reason)
+        return None
+    call = verdict[-1].kept_call(x, norm_eps(norm))
+    if call is None:
+        return None
+    module._remat_fallback(None)  # (the conversion probe's trace)
+    return sharing(_shared_statistics(module), x, lambda slot: call(x, slot))
+
+
 def _layer_norm_reason(norm):
     """Why a fused norm's parameters cannot be read by a fused op at this call, or None (also when there is none)."""
     return plain_reason(norm, (type(norm),), "the fused norm", zero3.is_hook) if norm is not None else None
@@ -153,13 +171,20 @@ class _RematMLP(_RematModule):
                        labels=["fc1", "activation", "fc2"])
 
     def forward(self, hidden_states):
+        norm, norm_reason = _handed_over(self, hidden_states)
+        out = _kept_call(self, hidden_states, norm)
+        if out is not None:
+            return self._remat_dropout(out)
         projections = [self._modules[self.remat_parts.fc1], self._modules[self.remat_parts.fc2]]
         with zero3.gathered(self, projections):  # it reads their parameters without calling them
-            return self._remat_forward(hidden_states, projections)
+            return self._remat_forward(hidden_states, projections, norm, norm_reason)
 
-    def _remat_forward(self, hidden_states, projections):
+    def _remat_dropout(self, out):
+        dropout = self.remat_parts.dropout
+        return self._modules[dropout](out) if dropout else out
+
+    def _remat_forward(self, hidden_states, projections, norm, norm_reason):
         parts = self.remat_parts
-        norm, norm_reason = _handed_over(self, hidden_states)
         activation = self._modules[parts.act]
         linears, reason, checked = decided_projections(
             self, projections, [parts.fc1, parts.fc2], [activation, norm],
@@ -175,7 +200,7 @@ class _RematMLP(_RematModule):
         fc1, fc2 = linears
         out = fused_mlp(hidden_states, fc1, act, fc2, norm_spec(norm) if norm is not None else None,
                         self.remat_recompute, _shared_statistics(self), checked)
-        return self._modules[parts.dropout](out) if parts.dropout else out
+        return self._remat_dropout(out)
 
     def remat_saved_bytes(self):
         """Bytes per token this module keeps less than stock: the GELU output, where fc2 trains."""
@@ -220,6 +245,9 @@ class _RematGatedMLP(_RematModule):
         parts = self.remat_parts
         names = (*fc1_names(parts), parts.fc2)
         norm, norm_reason = _handed_over(self, hidden_states)
+        out = _kept_call(self, hidden_states, norm) if self.remat_call_reason() is None else None
+        if out is not None:
+            return out
         modules = [self._modules[n] for n in names]
         if tensor_parallel.is_sharded(modules[-1]):
             return self._remat_tensor_parallel(hidden_states, norm, norm_reason, modules, names)
@@ -357,8 +385,12 @@ class _RematNormedLinear(_RematModule):
         modules = [self, *siblings]
         # the statistics are shared with the consumers this op does not compute (none: with all its siblings)
         shared = _shared_statistics(self) if len(modules) < len(self.remat_handoff.consumers) else None
-        outs = norm_linears(input, norm_spec(norm), [m._remat_linear() for m in modules], self.remat_recompute,
-                            shared, checked)
+        call = checked.kept_call(input, norm_eps(norm)) if checked is not None else None
+        if call is not None:  # the arguments of the last call, decided under this verdict (_kept_call)
+            outs = sharing(shared, input, lambda slot: call(input, slot))
+        else:
+            outs = norm_linears(input, norm_spec(norm), [m._remat_linear() for m in modules], self.remat_recompute,
+                                shared, checked)
         if siblings:
             self.remat_handoff.outputs.store(input, {id(m): o for m, o in zip(siblings, outs[1:])})
         return outs[0]
@@ -403,7 +435,7 @@ class _RematNormedLinear(_RematModule):
         def check():  # its own call gathers its ZeRO-3 parameters; a sibling's does not (no siblings then)
             reason = self._remat_reason(zero3.is_hook) or _layer_norm_reason(norm)
             siblings = () if reason else tuple(m for m in others if m._remat_reason() is None)
-            return reason, siblings, None if lora else Checked()
+            return reason, siblings, None if lora else Checked(keeps_calls=not zero3.any_partitioned([self, norm]))
 
         return check() if lora else decided(self, [self, *others, norm], check, under=handoff.verdict())
 
