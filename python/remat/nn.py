@@ -23,7 +23,7 @@ from .ops.gelu import gelu
 from .ops.layer_norm import layer_norm
 from .ops.linear_cross_entropy import linear_cross_entropy, loss_options
 from .ops.rms_norm import rms_norm
-from .specs import GELU_APPROXIMATE, Activation, norm_of
+from .specs import GELU_APPROXIMATE, Activation, norm_eps, norm_of
 
 ACTIVATIONS = GELU_APPROXIMATE  # the activation names remat.nn.MLP takes
 
@@ -129,6 +129,15 @@ def _fused_call(module, parts):
     """The context of a fused module's call: DeepSpeed ZeRO-3 gathers `parts` (its submodules whose parameters
     the fused op reads without calling them) with `module`'s own parameters (_zero3.gathered); nothing else."""
     return zero3.gathered(module, [part for part in parts if part is not None])
+
+
+def _kept_call(module, checked, x, norm, act):
+    """The fused op call kept with this verdict's Checked for an x like this one, the norm's eps, the
+    Activation `act` and the recompute switch now (remat.ops.fused.Checked.kept_call), or None: the full
+    path then checks x and builds the call."""
+    if checked is None:
+        return None
+    return checked.kept_call(x, norm_eps(norm) if norm is not None else None, act, module.recompute)
 
 
 def _input_checked(x, width, module):
@@ -262,10 +271,14 @@ class MLP(torch.nn.Module):
             h = self.fc1(norm(x) if norm is not None else x)
             act = self.__dict__.get("remat_activation")  # the GELU module convert fused, if any
             return self.fc2(act(h) if act is not None else _stock_gelu(h, approximate))
+        act = Activation(self.activation)
+        kept = _kept_call(self, checked, x, norm, act)
+        if kept is not None:
+            return kept(x, None)
         fc1, fc2 = linears
         _input_checked(x, widths(self.fc1)[0], self)
-        return fused_mlp(x, fc1, Activation(self.activation), fc2, norm_of(norm) if norm is not None else None,
-                         self.recompute, checked=checked)
+        return fused_mlp(x, fc1, act, fc2, norm_of(norm) if norm is not None else None, self.recompute,
+                         checked=checked)
 
     def saved_bytes_per_token(self):
         """Activation bytes per token kept less than the unfused stack (the GELU output where fc2
@@ -395,9 +408,13 @@ class GatedMLP(torch.nn.Module):
         if reason:
             fallback(self, reason)
             return self._stock(norm(x) if norm is not None else x)
+        act = Activation(self.activation, gated=True)
+        kept = _kept_call(self, checked, x, norm, act)
+        if kept is not None:
+            return kept(x, None)
         *ups, down = linears
         _input_checked(x, widths(projections[0])[0], self)
-        return fused_mlp(x, ups[0] if len(ups) == 1 else tuple(ups), Activation(self.activation, gated=True), down,
+        return fused_mlp(x, ups[0] if len(ups) == 1 else tuple(ups), act, down,
                          norm_of(norm) if norm is not None else None, self.recompute, checked=checked)
 
     def _stock(self, x):

@@ -116,17 +116,19 @@ def test_a_kept_call_computes_what_the_full_check_computes(op):
         norm, linears = _norm_linears_args()
         params = [norm.weight, norm.bias, *(t for lin in linears for t in lin[:2])]
         run = lambda x, checked=None: norm_linears(x, norm, linears, checked=checked)  # noqa: E731
+        made_for = (None, True)  # no activation; recompute
     else:
         norm, fc1, fc2 = _fused_mlp_args()
         params = [norm.weight, norm.bias, *fc1[:2], *fc2[:2]]
         run = lambda x, checked=None: [fused_mlp(x, fc1, remat.specs.gelu("tanh"), fc2, norm,  # noqa: E731
                                                  checked=checked)]
+        made_for = (remat.specs.gelu("tanh"), True)
     checked = Checked()
-    assert checked.kept_call(torch.randn(2, 13), norm.eps) is None  # nothing kept yet
+    assert checked.kept_call(torch.randn(2, 13), norm.eps, *made_for) is None  # nothing kept yet
     run(torch.randn(2, 13), checked)  # the full check
     run(torch.randn(2, 13), checked)  # checked, kept
     x = torch.randn(1, 5, 13, requires_grad=True)  # another x: one sequence, 5 tokens
-    call = checked.kept_call(x, norm.eps)
+    call = checked.kept_call(x, norm.eps, *made_for)
     assert call is not None
     kept, full = call(x, None), run(x)
     kept = kept if isinstance(kept, list) else [kept]
@@ -136,25 +138,35 @@ def test_a_kept_call_computes_what_the_full_check_computes(op):
 
 
 def test_a_kept_call_is_given_only_for_what_it_was_made_for():
-    """Not for another input dtype or width, another eps of the norm (its module's attribute, which no
-    fingerprint covers), under autocast, nor once a tensor a kernel reads whole has strided data (a
-    .data replaced in place: the full path then copies it)."""
-    norm, linears = _norm_linears_args()
+    """Not for another input dtype or width, another eps of the norm, activation or recompute switch (module
+    attributes, which no fingerprint covers), under autocast, nor once a tensor a kernel reads whole has
+    strided data (a .data replaced in place: the full path then copies it)."""
+    norm, fc1, fc2 = _fused_mlp_args()
+    act = remat.specs.gelu("tanh")
     checked = Checked()
     for _ in range(2):
-        norm_linears(torch.randn(3, 13), norm, linears, checked=checked)
+        fused_mlp(torch.randn(3, 13), fc1, act, fc2, norm, checked=checked)
     x = torch.randn(4, 13)
-    assert checked.kept_call(x, norm.eps) is not None
-    assert checked.kept_call(x.double(), norm.eps) is None
-    assert checked.kept_call(torch.randn(4, 11), norm.eps) is None
-    assert checked.kept_call(x, 1e-3) is None
+    assert checked.kept_call(x, norm.eps, act, True) is not None
+    assert checked.kept_call(x.double(), norm.eps, act, True) is None
+    assert checked.kept_call(torch.randn(4, 11), norm.eps, act, True) is None
+    assert checked.kept_call(x, 1e-3, act, True) is None
+    assert checked.kept_call(x, norm.eps, remat.specs.gelu("none"), True) is None
+    assert checked.kept_call(x, norm.eps, act, False) is None
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert checked.kept_call(x, norm.eps) is None
-    linears[0].bias.data = torch.randn(14)[::2]  # strided, the same shape: no fingerprint sees it
-    assert checked.kept_call(x, norm.eps) is None
-    linears[0].bias.data = linears[0].bias.data.contiguous()
+        assert checked.kept_call(x, norm.eps, act, True) is None
+    fc1.bias.data = torch.randn(38)[::2]  # strided, the same shape: no fingerprint sees it
+    assert checked.kept_call(x, norm.eps, act, True) is None
+    fc1.bias.data = fc1.bias.data.contiguous()
     norm.weight.data = torch.randn(26)[::2]
-    assert checked.kept_call(x, norm.eps) is None
+    assert checked.kept_call(x, norm.eps, act, True) is None
+
+
+def _called_twice(norm, linears, checked):
+    """`checked` after two norm_linears calls on fresh (3, 13) inputs: the full check, then the kept one."""
+    for _ in range(2):
+        norm_linears(torch.randn(3, 13), norm, linears, checked=checked)
+    return checked
 
 
 def test_copies_and_partitioned_parameters_are_never_kept():
@@ -163,28 +175,23 @@ def test_copies_and_partitioned_parameters_are_never_kept():
     gathered at each call)."""
     norm, linears = _norm_linears_args()
     strided = Norm(torch.randn(26)[::2].requires_grad_(), norm.bias, norm.eps)
-    checked = Checked()
-    for _ in range(2):
-        norm_linears(torch.randn(3, 13), strided, linears, checked=checked)
-    assert checked.kept_call(torch.randn(3, 13), norm.eps) is None
-    refusing = Checked(keeps_calls=False)
-    for _ in range(2):
-        norm_linears(torch.randn(3, 13), norm, linears, checked=refusing)
-    assert refusing.holds(torch.randn(3, 13), linears) and refusing.kept_call(torch.randn(3, 13), norm.eps) is None
+    checked = _called_twice(strided, linears, Checked())
+    assert checked.kept_call(torch.randn(3, 13), norm.eps, None, True) is None
+    refusing = _called_twice(norm, linears, Checked(keeps_calls=False))
+    assert refusing.holds(torch.randn(3, 13), linears) and refusing.kept_call(torch.randn(3, 13), norm.eps, None,
+                                                                                         True) is None
 
 
 def test_a_traced_call_keeps_nothing():
     """While torch.compile traces, the kept call is neither made nor replaced: one made inside a trace would
     hold the trace's tensors."""
     norm, linears = _norm_linears_args()
-    checked = Checked()
-    for _ in range(2):
-        norm_linears(torch.randn(3, 13), norm, linears, checked=checked)
-    kept = checked.kept_call(torch.randn(3, 13), norm.eps)
+    checked = _called_twice(norm, linears, Checked())
+    kept = checked.kept_call(torch.randn(3, 13), norm.eps, None, True)
     compiled = torch.compile(lambda x: norm_linears(x, norm, linears, checked=checked)[0], backend="eager",
                              fullgraph=True)
     compiled(torch.randn(3, 13))
-    assert checked.kept_call(torch.randn(3, 13), norm.eps) is kept
+    assert kept is not None and checked.kept_call(torch.randn(3, 13), norm.eps, None, True) is kept
 
 
 def test_a_copy_keeps_no_call():
@@ -194,9 +201,39 @@ def test_a_copy_keeps_no_call():
     import pickle
 
     norm, linears = _norm_linears_args()
-    checked = Checked()
-    for _ in range(2):
-        norm_linears(torch.randn(3, 13), norm, linears, checked=checked)
+    checked = _called_twice(norm, linears, Checked())
     for twin in (copy.deepcopy(checked), pickle.loads(pickle.dumps(checked))):
         assert twin.keeps_calls and not twin.holds(torch.randn(3, 13), linears)
-        assert twin.kept_call(torch.randn(3, 13), norm.eps) is None
+        assert twin.kept_call(torch.randn(3, 13), norm.eps, None, True) is None
+
+
+CHANGES_A_FINGERPRINT_MISSES = {
+    "activation": lambda mlp: setattr(mlp, "activation", "gelu_tanh"),
+    "recompute": lambda mlp: setattr(mlp, "recompute", False),
+    "eps": lambda mlp: setattr(mlp.norm, "eps", 0.5),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES_A_FINGERPRINT_MISSES)
+def test_a_fused_layer_changed_after_its_kept_calls_computes_the_change(change):
+    """remat.nn.LayerNormMLP's attributes no fingerprint covers (its activation, recompute switch, its norm's
+    eps), set after the calls that kept its fused op's call: the next call computes with them, as a copy made
+    after the change does (a copy keeps no call): the same outputs, gradients and bytes kept."""
+    import copy
+
+    from numerics import activation_bytes
+
+    torch.manual_seed(0)
+    mlp = remat.nn.LayerNormMLP(16, 24)
+    x = torch.randn(3, 16, requires_grad=True)
+    for _ in range(2):
+        mlp(x)
+    CHANGES_A_FINGERPRINT_MISSES[change](mlp)
+    fresh = copy.deepcopy(mlp)
+    out, want = mlp(x), fresh(x)
+    assert torch.equal(out, want)
+    params = list(mlp.parameters())
+    grads = torch.autograd.grad(out.square().sum(), [x, *params])
+    for a, b in zip(grads, torch.autograd.grad(want.square().sum(), [x, *fresh.parameters()]), strict=True):
+        assert torch.equal(a, b)
+    assert activation_bytes(mlp, x) == activation_bytes(fresh, x)

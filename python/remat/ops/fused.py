@@ -546,7 +546,7 @@ def norm_linears(x, norm, linears, recompute=True, shared=None, checked=None):
     checked: a Checked, for a caller that passes the same parameters at every call (below).
     """
     if checked is not None and checked.holds(x, linears):
-        call = checked.keep(*_norm_linears_call(x, norm, linears, recompute), norm.eps)
+        call = checked.keep(*_norm_linears_call(x, norm, linears, recompute), (norm.eps, None, bool(recompute)))
         return sharing(shared, x, lambda slot: call(x, slot))
     out = sharing(shared, x, lambda slot: _norm_linears(x, norm, linears, recompute, slot))
     if checked is not None:
@@ -647,7 +647,8 @@ def fused_mlp(x, fc1, act, fc2, norm=None, recompute=True, shared=None, checked=
     if checked is not None:  # the arguments were checked once: fc1 a Linear, or a (gate, up) pair of them
         ups = _up_projections(fc1, act)[0]
         if checked.holds(x, (*ups, fc2)):
-            call = checked.keep(*_mlp_call(x, ups, act, fc2, norm, recompute), norm.eps if norm is not None else None)
+            made_for = (norm.eps if norm is not None else None, act, bool(recompute))
+            call = checked.keep(*_mlp_call(x, ups, act, fc2, norm, recompute), made_for)
             return sharing(shared, x, lambda slot: call(x, slot))
     out = sharing(shared, x, lambda slot: _fused_mlp(x, fc1, act, fc2, norm, recompute, slot))
     if checked is not None:
@@ -720,14 +721,15 @@ class Checked:
     It keeps the call too (keep): the fused Function with every argument but x worked out, holding the
     caller's very parameters (not copies), which the caller repeats on the next x like this one
     (kept_call) while its verdict stands, instead of building the arguments again: decided once, paid
-    once. The caller compares its norm's eps, which its fingerprint does not cover; the call checks
-    that the tensors a kernel reads whole are still contiguous (a .data replaced in place). keeps_calls
-    False (a caller whose call gathers ZeRO-3 partitioned parameters first) keeps none."""
+    once. The caller compares what its fingerprint does not cover and the call was made for (its norm's
+    eps, its activation, its recompute switch: module attributes); the call checks that the tensors a
+    kernel reads whole are still contiguous (a .data replaced in place). keeps_calls False (a caller whose
+    call gathers ZeRO-3 partitioned parameters first) keeps none."""
 
-    __slots__ = ("_like", "_autocast", "_call", "_eps", "_whole", "keeps_calls")
+    __slots__ = ("_like", "_autocast", "_call", "_made_for", "_whole", "keeps_calls")
 
     def __init__(self, keeps_calls=True):
-        self._like = self._autocast = self._call = self._eps = None
+        self._like = self._autocast = self._call = self._made_for = None
         self._whole, self.keeps_calls = (), keeps_calls
 
     def holds(self, x, linears):
@@ -748,19 +750,21 @@ class Checked:
             self._like = (x.dtype, x.shape[-1], x.device)
             self._autocast = x.device.type if torch.amp.is_autocast_available(x.device.type) else None
 
-    def keep(self, call, whole, eps):
-        """Keep `call` (made for an x holds() passed, with a norm of `eps`) where `whole` says it may be kept
-        (_whole_as_given: not None); returns it. Nothing kept while torch.compile traces."""
+    def keep(self, call, whole, made_for):
+        """Keep `call` (made for an x holds() passed, and for `made_for`: the norm's eps or None, the
+        Activation or None, the recompute switch) where `whole` says it may be kept (_whole_as_given: not
+        None); returns it. Nothing kept while torch.compile traces."""
         if self.keeps_calls and whole is not None and not torch.compiler.is_compiling():
-            self._call, self._whole, self._eps = call, whole, eps
+            self._call, self._whole, self._made_for = call, whole, made_for
         return call
 
     def __reduce__(self):  # a copy or a pickle checks afresh: the kept call holds this object's parameters
         return Checked, (self.keeps_calls,)
 
-    def kept_call(self, x, eps):
-        """The call kept for inputs like x and a norm of this `eps` (None without a norm), or None."""
-        if self._call is None or eps != self._eps or not self.holds(x, ()) or \
+    def kept_call(self, x, eps, act, recompute):
+        """The call kept for inputs like x, made for a norm of this `eps` (None without one), the Activation
+        `act` (None for norm_linears) and this recompute switch; else None."""
+        if self._call is None or (eps, act, recompute) != self._made_for or not self.holds(x, ()) or \
                 not all(t.is_contiguous() for t in self._whole):
             return None
         return self._call

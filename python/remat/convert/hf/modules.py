@@ -15,7 +15,7 @@ from torch import nn
 from ... import _tensor_parallel as tensor_parallel
 from ... import _zero3 as zero3
 from ..._guards import decided, fallback, kept_under, plain_reason
-from ..._linears import decided_projections, fused_saved_bytes, plain_linear, projection, projections, widths
+from ..._linears import decided_projections, fused_saved_bytes, plain_linear, projection, widths
 from ..._tensor_memo import MISSING
 from ...ops.fused import Checked, fused_mlp, norm_linears, sharing
 from ...specs import Activation, gelu, norm_eps, norm_of
@@ -126,22 +126,30 @@ def norm_spec(norm):
     return norm_of(norm, norm.remat_style)
 
 
-def _kept_call(module, x, norm):
+def _kept_call(module, x, handed_over, norm, act):
     """The output on x of the fused op call `module` kept (remat.ops.fused.Checked.kept_call) with the verdict
     it decided under its handoff's, taken at this call: while that stands, nothing the call reads changed but
-    x and the norm's eps, which the Checked compares; else None, and the full path decides. Only with a norm
-    handed over: the handoff's verdict covers every module the call reads (a tensor-parallel or ZeRO-3 call
-    keeps none)."""
-    if norm is None:
+    x and what the Checked compares (the norm's eps, the activation `act`, the recompute switch); else None,
+    and the full path decides. Only where a producer handed x over at this call (handed_over): the handoff's
+    verdict then covers every module the call reads (a tensor-parallel or ZeRO-3 call keeps none). norm: the
+    norm handed over, or None."""
+    if not handed_over:
         return None
     verdict = kept_under(module, module.remat_handoff.verdict())
     if type(verdict) is not tuple or verdict[0] is not None or verdict[-1] is None:  # (MISSING, or a reason)
         return None
-    call = verdict[-1].kept_call(x, norm_eps(norm))
+    call = verdict[-1].kept_call(x, norm_eps(norm) if norm is not None else None, act, module.remat_recompute)
     if call is None:
         return None
     module._remat_fallback(None)  # (the conversion probe's trace)
     return sharing(_shared_statistics(module), x, lambda slot: call(x, slot))
+
+
+def _gelu_of(act, kind=None):
+    """The remat.specs.Activation of the GELU module `act` computes now (judged as a `kind`: its stock class),
+    its approximate read at every call; None for one remat does not compute (activation_reason says why)."""
+    approximate = gelu_approximate(act, kind)
+    return gelu(approximate) if approximate is not None else None
 
 
 def _layer_norm_reason(norm):
@@ -172,12 +180,15 @@ class _RematMLP(_RematModule):
 
     def forward(self, hidden_states):
         norm, norm_reason = _handed_over(self, hidden_states)
-        out = _kept_call(self, hidden_states, norm)
+        out = _kept_call(self, hidden_states, norm is not None, norm, self._remat_activation())
         if out is not None:
             return self._remat_dropout(out)
         projections = [self._modules[self.remat_parts.fc1], self._modules[self.remat_parts.fc2]]
         with zero3.gathered(self, projections):  # it reads their parameters without calling them
             return self._remat_forward(hidden_states, projections, norm, norm_reason)
+
+    def _remat_activation(self):
+        return _gelu_of(self._modules[self.remat_parts.act])
 
     def _remat_dropout(self, out):
         dropout = self.remat_parts.dropout
@@ -196,7 +207,7 @@ class _RematMLP(_RematModule):
                 hidden_states = stock_norm(norm, hidden_states)
             return self.remat_stock.forward(self, hidden_states)
         self._remat_fallback(norm_reason)
-        act = gelu(gelu_approximate(activation))
+        act = self._remat_activation()
         fc1, fc2 = linears
         out = fused_mlp(hidden_states, fc1, act, fc2, norm_spec(norm) if norm is not None else None,
                         self.remat_recompute, _shared_statistics(self), checked)
@@ -245,7 +256,8 @@ class _RematGatedMLP(_RematModule):
         parts = self.remat_parts
         names = (*fc1_names(parts), parts.fc2)
         norm, norm_reason = _handed_over(self, hidden_states)
-        out = _kept_call(self, hidden_states, norm) if self.remat_call_reason() is None else None
+        out = _kept_call(self, hidden_states, norm is not None, norm, self._remat_activation()) \
+            if self.remat_call_reason() is None else None
         if out is not None:
             return out
         modules = [self._modules[n] for n in names]
@@ -385,7 +397,7 @@ class _RematNormedLinear(_RematModule):
         modules = [self, *siblings]
         # the statistics are shared with the consumers this op does not compute (none: with all its siblings)
         shared = _shared_statistics(self) if len(modules) < len(self.remat_handoff.consumers) else None
-        call = checked.kept_call(input, norm_eps(norm)) if checked is not None else None
+        call = checked.kept_call(input, norm_eps(norm), None, self.remat_recompute) if checked is not None else None
         if call is not None:  # the arguments of the last call, decided under this verdict (_kept_call)
             outs = sharing(shared, input, lambda slot: call(input, slot))
         else:
@@ -470,11 +482,14 @@ class _RematLayerMLP(_RematModule):
             self._remat_fallback(_not_fused(handoff, reason))
             return self.remat_stock.forward(self, input)
         fc1, act, norm = handoff.source("fc1"), handoff.source("act"), handoff.source("norm")
+        out = _kept_call(self, input, True, norm, _gelu_of(act, act.remat_stock))
+        if out is not None:
+            return out
         labels = handoff.producers
-        reason = decided(self, [self, fc1, act, norm], lambda: (
+        reason, checked = decided(self, [self, fc1, act, norm], lambda: (
             _own_reason(fc1, labels["fc1"]) or _own_reason(self, self.remat_path)
-            or activation_reason(act, labels["act"], act.remat_stock) or _layer_norm_reason(norm)),
-            under=handoff.verdict())
+            or activation_reason(act, labels["act"], act.remat_stock) or _layer_norm_reason(norm),
+            Checked(keeps_calls=not zero3.any_partitioned([self, fc1, act, norm]))), under=handoff.verdict())
         if reason:  # the handoff holds, so input is what the first producer got: compute them here
             self._remat_fallback(reason)
             if norm is not None:
@@ -482,8 +497,8 @@ class _RematLayerMLP(_RematModule):
             hidden = act.remat_stock.forward(act, fc1.remat_stock.forward(fc1, input))
             return self.remat_stock.forward(self, hidden)
         self._remat_fallback(None)
-        return fused_mlp(input, plain_linear(fc1), gelu(gelu_approximate(act, act.remat_stock)), plain_linear(self),
-                         norm_spec(norm) if norm is not None else None, self.remat_recompute)
+        return fused_mlp(input, plain_linear(fc1), _gelu_of(act, act.remat_stock), plain_linear(self),
+                         norm_spec(norm) if norm is not None else None, self.remat_recompute, checked=checked)
 
     def remat_saved_bytes(self):
         """Bytes per token kept less than stock: the GELU output, where this fc2 trains."""
@@ -500,16 +515,23 @@ class _RematOutput(_RematModule):
         if intermediate is None:  # the intermediate computed itself
             self._remat_fallback(reason)
             return self.remat_stock.forward(self, hidden_states, input_tensor)
-        linears, reason = projections([intermediate.dense, self.dense], ["intermediate.dense", "dense"])
+        # decided on their own fingerprint: the handoff's verdict does not watch the intermediate's children
         act = intermediate.intermediate_act_fn
-        reason = reason or activation_reason(act, "intermediate.intermediate_act_fn")
+        linears, reason, checked = decided_projections(
+            self, [intermediate.dense, self.dense], ["intermediate.dense", "dense"], [act],
+            lambda: activation_reason(act, "intermediate.intermediate_act_fn"))
         if reason:
             self._remat_fallback(reason)
             hidden_states = intermediate.remat_stock.forward(intermediate, hidden_states)
             return self.remat_stock.forward(self, hidden_states, input_tensor)
         self._remat_fallback(None)
-        fc1, fc2 = linears
-        out = fused_mlp(hidden_states, fc1, gelu(gelu_approximate(act)), fc2, recompute=self.remat_recompute)
+        gelu_spec = _gelu_of(act)
+        call = checked.kept_call(hidden_states, None, gelu_spec, self.remat_recompute) if checked is not None else None
+        if call is not None:
+            out = call(hidden_states, None)
+        else:
+            fc1, fc2 = linears
+            out = fused_mlp(hidden_states, fc1, gelu_spec, fc2, recompute=self.remat_recompute, checked=checked)
         return self.LayerNorm(self.dropout(out) + input_tensor)
 
     def remat_saved_bytes(self):
