@@ -465,20 +465,33 @@ def _dropout_seed(device):
 def checked_call(q, causal, return_lse, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p):
     """(softmax_scale as a float, the ops' feature arguments after softmax_scale) of a call of
     attention or attention_varlen, its flags checked; with dropout, the seed drawn (see _dropout_seed)."""
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
+    _check_causal(causal)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not math.isfinite(
-        softmax_scale
-    ):
+    _check_softmax_scale(softmax_scale)
+    return _scale_for(q, softmax_scale), _with_dropout((window_left, window_right, softcap, alibi_slopes), dropout_p,
+                                                       q.device)
+
+
+def _check_causal(causal):
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+
+
+def _check_softmax_scale(softmax_scale):
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+                                      or not math.isfinite(softmax_scale)):
         raise ValueError(f"softmax_scale must be a finite float or None, got {softmax_scale!r}")
-    features = (window_left, window_right, softcap, alibi_slopes)
-    if dropout_p > 0:
-        features += (dropout_p, _dropout_seed(q.device))
-    return float(softmax_scale), features
+
+
+def _scale_for(q, softmax_scale):
+    """softmax_scale (checked) as a float, 1 / sqrt(head_dim) for None."""
+    return 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+
+
+def _with_dropout(features, dropout_p, device):
+    """The ops' feature arguments with dropout's (its probability and a fresh seed) where there is dropout."""
+    return features + (dropout_p, _dropout_seed(device)) if dropout_p > 0 else features
 
 
 def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, attn_mask=None, window_size=(-1, -1),
@@ -528,14 +541,53 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, attn_
     dropout_p = _check_dropout_p(dropout_p)
     softmax_scale, features = checked_call(q, causal, return_lse, softmax_scale, window_left, window_right, softcap,
                                            alibi_slopes, dropout_p)
+    return _attention_of_checked(q, k, v, causal, softmax_scale, return_lse, features)
+
+
+def _attention_of_checked(q, k, v, causal, softmax_scale, return_lse, features):
+    """attention() of checked arguments outside autocast: the kernels, or the fallback where they cannot run."""
     reason = _fallback_reason(q, k, v, (q, k, v, causal, softmax_scale, *features))
     if reason is not None:
         _warn_fallback_once(reason, fallback=SDPA_FALLBACK if features == _NO_FEATURES else REFERENCE_FALLBACK)
         return _fallback(q, k, v, causal, softmax_scale, return_lse, features)
-
     o, lse = attention_fwd(_unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v), causal, softmax_scale,
                            *features)
     return (o, lse) if return_lse else o
+
+
+class AttentionFlags:
+    """remat.attention's flags for calls that repeat them (an attention module's causality, softmax scale,
+    softcap and dropout, the same at each call), checked once, as attention() checks them.
+
+    flags(q, k, v, window_size) is attention(q, k, v, causal, softmax_scale, window_size=window_size,
+    softcap=softcap, dropout_p=dropout_p), window_size a pair of ints >= -1 that the caller made (not
+    checked). q, k and v are checked as attention() checks them, unless they are like the last ones that
+    passed (shapes, dtypes, devices); under autocast the call is attention()'s own.
+    """
+
+    __slots__ = ("causal", "softmax_scale", "softcap", "dropout_p", "_like")
+
+    def __init__(self, causal, softmax_scale, softcap, dropout_p):
+        _check_causal(causal)
+        _check_softmax_scale(softmax_scale)
+        self.causal, self.softmax_scale = causal, softmax_scale
+        self.softcap, self.dropout_p = _check_softcap(softcap), _check_dropout_p(dropout_p)
+        self._like = None
+
+    def __call__(self, q, k, v, window_size):
+        if autocast_dtype_for(q) is not None:
+            return attention(q, k, v, self.causal, self.softmax_scale, window_size=window_size, softcap=self.softcap,
+                             dropout_p=self.dropout_p)
+        like = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device) \
+            if isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor) else None
+        if like is None or like != self._like:
+            _check_qkv(q, k, v)
+            self._like = like
+        return _attention_of_checked(q, k, v, self.causal, _scale_for(q, self.softmax_scale), False,
+                                     _with_dropout((*window_size, self.softcap, None), self.dropout_p, q.device))
+
+    def __reduce__(self):  # a copy or a pickle checks its first q, k and v afresh
+        return AttentionFlags, (self.causal, self.softmax_scale, self.softcap, self.dropout_p)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch
 import remat
 from remat._guards import RematFallbackWarning, fallback_counts
 from remat.convert.hf import interface
+from remat.ops import attention as attn_ops
 
 from hf_models import (
     SEQ,
@@ -201,6 +202,39 @@ def test_dropout_in_training_is_remat_s_and_reproducible():
     stock.eval()
     assert not torch.equal(converted(**batch).loss, first)
     torch.testing.assert_close(converted(**batch).loss, stock(**batch).loss, rtol=1e-5, atol=1e-6)
+
+
+def test_a_module_s_calls_check_their_flags_once_and_ask_the_rest_each_time(monkeypatch):
+    """Each attention module's calls check remat.attention's flags and q, k and v once, at the first call
+    (kept for the call's scalars, interface._kept_flags); what may change between calls is asked at each:
+    a scaling set on the modules after kept calls (new flags, q, k and v checked again), attention
+    weights requested (the model's eager attention, weights as stock's). Every step stock's."""
+    stock, _ = build("llama")
+    converted = with_remat(stock)
+    batch = family_inputs("llama", "cpu")
+    checked = []
+    check = attn_ops._check_qkv
+    monkeypatch.setattr(attn_ops, "_check_qkv", lambda *args: (checked.append(1), check(*args)))
+    for _ in range(3):
+        assert_same_step(stock, converted, batch)
+    layers = [layer.self_attn for layer in converted.model.layers]
+    assert len(checked) == len(layers)
+    assert all("remat_attention_flags" in vars(attention) for attention in layers)
+    for model in (stock, converted):
+        for layer in model.model.layers:
+            layer.self_attn.scaling = 0.05
+    assert_same_step(stock, converted, batch)
+    assert len(checked) == 2 * len(layers)
+    inputs = {"input_ids": batch["input_ids"]}
+    eager = copy.deepcopy(stock)
+    eager.set_attn_implementation("eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = converted(**inputs, output_attentions=True).attentions
+        want = eager(**inputs, output_attentions=True).attentions
+    assert len(got) == len(want) == len(layers)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
 
 
 def test_attention_weights_requested_run_the_model_s_eager_attention():

@@ -46,6 +46,8 @@ The attention function, per call:
   sinks, attention weights, a keyword sdpa does not take), for a call with a 4-D mask, a refused or
   unknown keyword, attention weights requested, or on a GPU a head dim remat's Triton kernels lack,
   with the reason recorded (remat.convert's report, fallback_counts()).
+A module's plain calls (no mask, its q/k norms not fused) keep remat.attention's flags, checked once for
+the call's scalars (AttentionFlags, _kept_flags); the rest is asked at every call.
 """
 
 import sys
@@ -54,8 +56,8 @@ import torch
 
 from ..._guards import EXCLUDED, fallback
 from ..._tensor_memo import MISSING, TensorMemo
+from ...ops.attention import AttentionFlags, attention
 from ...ops.attention import _fallback_reason as kernels_reason
-from ...ops.attention import attention
 from ...ops.attention_varlen import attention_varlen
 from ...ops.qk_norm_attention import VarlenTokens, own_views
 from ..swap import join
@@ -140,10 +142,12 @@ def revert_attention(module):
     if previous is not None:
         module.set_attn_implementation(previous)
         for below in module.modules():
-            for key in ("remat_attention_previous", "remat_attention_path", "remat_attention_stock"):
+            for key in ("remat_attention_previous", "remat_attention_path", "remat_attention_stock",
+                        "remat_attention_flags"):
                 below.__dict__.pop(key, None)
     elif "remat_attention_previous" in module.__dict__:
         module.__dict__["remat_attention_stock"] = module.__dict__["remat_attention_previous"]
+        module.__dict__.pop("remat_attention_flags", None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,6 +267,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     functions return it; query (batch, heads, seq, head_dim), key and value (batch, kv_heads, ...)."""
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     window = _window(sliding_window, key.shape[2], causal)
+    scalars = (causal, dropout, scaling, sliding_window, softcap)
+    flags = _kept_flags(module, scalars) if attention_mask is None else None
+    if flags is not None and _stock_reason_of_call(module, query, key, value, None, kwargs,
+                                                   _keyword_reason(kwargs)) is None:
+        return flags(*own_views(query, key, value), window).transpose(1, 2), None
     reverted = module.__dict__.get("remat_attention_stock")  # its layer reverted alone: stock, asked for
     reason, sdpa_can = (None, True) if reverted is not None else _stock_reason(module, query, key, value,
                                                                               attention_mask, kwargs)
@@ -283,7 +292,24 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if fused is not None:  # its q/k norms fused: q and k rebuilt from the projections' outputs in the backward
         return fused.transpose(1, 2), None
     query, key, value = own_views(query, key, value)  # (the varlen paths above gather copies)
-    return attention(query, key, value, causal=causal, **features).transpose(1, 2), None
+    if torch.compiler.is_compiling():
+        return attention(query, key, value, causal=causal, **features).transpose(1, 2), None
+    flags = AttentionFlags(causal, scaling, features["softcap"], features["dropout_p"])
+    module.__dict__["remat_attention_flags"] = scalars, flags
+    return flags(query, key, value, window).transpose(1, 2), None
+
+
+def _kept_flags(module, scalars):
+    """The AttentionFlags a plain call of `module` (no mask, its q/k norms not fused: remat.attention on
+    the q, k and v it is handed) kept for these scalars (causal, dropout, scaling, sliding_window, softcap),
+    else None: a call with other scalars, of a module reverted alone or whose q/k norms may be fused, or
+    one torch.compile traces, takes the whole path. The call's tensors, keywords and the attention weights
+    question are asked at every call (_stock_reason_of_call)."""
+    kept = module.__dict__.get("remat_attention_flags")
+    if kept is None or kept[0] != scalars or torch.compiler.is_compiling() or \
+            "remat_attention_stock" in module.__dict__ or "remat_qk_call" in module.__dict__:
+        return None
+    return kept[1]
 
 
 def _stock_reason(module, query, key, value, mask, kwargs):
