@@ -179,12 +179,15 @@ def own_views(query, key, value):
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return query, key, value
     tensors = (query, key, value)
-    covered = collections.Counter()  # id of a base -> the elements of it q, k and v view
-    for t in tensors:
-        if t._base is not None:
-            covered[id(t._base)] += t.numel()
-    return tuple(t if t._base is None or t._base.numel() <= covered[id(t._base)]
-                 else t.clone(memory_format=torch.contiguous_format) for t in tensors)
+    bases = [t._base for t in tensors]
+    covered = {}  # id of a base -> the elements of it q, k and v view
+    for t, base in zip(tensors, bases):
+        if base is not None:
+            covered[id(base)] = covered.get(id(base), 0) + t.numel()
+    if not covered:
+        return tensors
+    return tuple(t if base is None or base.numel() <= covered[id(base)]
+                 else t.clone(memory_format=torch.contiguous_format) for t, base in zip(tensors, bases))
 
 
 
