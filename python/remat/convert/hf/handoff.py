@@ -131,6 +131,11 @@ class Handoff:
             return True
         return self._fed.get(x) is not MISSING or (x._base is not None and self._fed.get(x._base) is not MISSING)
 
+    def handed(self, x):
+        """Whether a producer handed `x` over at this call with the handoff holding: received(x) would give
+        None without deciding again. Not while torch.compile traces (no memo there)."""
+        return not torch.compiler.is_compiling() and self._given.get(x) is None
+
     def received(self, x):
         """The verdict given for `x` (taken: once), else reason()."""
         if torch.compiler.is_compiling():

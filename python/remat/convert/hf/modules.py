@@ -126,15 +126,25 @@ def norm_spec(norm):
     return norm_of(norm, norm.remat_style)
 
 
-def _kept_call(module, x, handed_over, norm, act):
-    """The output on x of the fused op call `module` kept (remat.ops.fused.Checked.kept_call) with the verdict
-    it decided under its handoff's, taken at this call: while that stands, nothing the call reads changed but
-    x and what the Checked compares (the norm's eps, the activation `act`, the recompute switch); else None,
-    and the full path decides. Only where a producer handed x over at this call (handed_over): the handoff's
-    verdict then covers every module the call reads (a tensor-parallel or ZeRO-3 call keeps none). norm: the
-    norm handed over, or None."""
-    if not handed_over:
+def _kept_call(module, x, act=None):
+    """(the fused op call `module` kept, its verdict: _kept_under_verdict) where a producer handed x over at
+    this call with the handoff holding (taken then, as received() takes it); else None, and the full path
+    decides. Asked first at a call: the steady state of a converted layer, which reads nothing else."""
+    handoff = module.__dict__.get("remat_handoff")
+    if handoff is None or not handoff.handed(x):
         return None
+    kept = _kept_under_verdict(module, x, handoff.source("norm"), act)
+    if kept is not None:
+        handoff.received(x)
+    return kept
+
+
+def _kept_under_verdict(module, x, norm, act):
+    """(the fused op call `module` kept (remat.ops.fused.Checked.kept_call) with the verdict it decided under its
+    handoff's, that verdict) while the handoff's verdict taken at this call is that one: nothing the call reads
+    changed but x and what the Checked compares (the norm's eps, the activation `act`, the recompute switch);
+    else None. Only where a producer handed x over at this call: the handoff's verdict then covers every module
+    the call reads (a tensor-parallel or ZeRO-3 call keeps none). norm: the norm handed over, or None."""
     verdict = kept_under(module, module.remat_handoff.verdict())
     if type(verdict) is not tuple or verdict[0] is not None or verdict[-1] is None:  # (MISSING, or a reason)
         return None
@@ -142,7 +152,13 @@ def _kept_call(module, x, handed_over, norm, act):
     if call is None:
         return None
     module._remat_fallback(None)  # (the conversion probe's trace)
-    return sharing(_shared_statistics(module), x, lambda slot: call(x, slot))
+    return call, verdict
+
+
+def _sharing(call, x, shared):
+    """call(x, slot) with the norm statistics `shared` holds for x (remat.ops.fused.sharing), none to share
+    without a closure."""
+    return call(x, None) if shared is None else sharing(shared, x, lambda slot: call(x, slot))
 
 
 def _gelu_of(act, kind=None):
@@ -179,10 +195,10 @@ class _RematMLP(_RematModule):
                        labels=["fc1", "activation", "fc2"])
 
     def forward(self, hidden_states):
+        kept = _kept_call(self, hidden_states, self._remat_activation())
+        if kept is not None:
+            return self._remat_dropout(_sharing(kept[0], hidden_states, _shared_statistics(self)))
         norm, norm_reason = _handed_over(self, hidden_states)
-        out = _kept_call(self, hidden_states, norm is not None, norm, self._remat_activation())
-        if out is not None:
-            return self._remat_dropout(out)
         projections = [self._modules[self.remat_parts.fc1], self._modules[self.remat_parts.fc2]]
         with zero3.gathered(self, projections):  # it reads their parameters without calling them
             return self._remat_forward(hidden_states, projections, norm, norm_reason)
@@ -255,11 +271,10 @@ class _RematGatedMLP(_RematModule):
     def forward(self, hidden_states):
         parts = self.remat_parts
         names = (*fc1_names(parts), parts.fc2)
+        kept = _kept_call(self, hidden_states, self._remat_activation()) if self.remat_call_reason() is None else None
+        if kept is not None:
+            return _sharing(kept[0], hidden_states, _shared_statistics(self))
         norm, norm_reason = _handed_over(self, hidden_states)
-        out = _kept_call(self, hidden_states, norm is not None, norm, self._remat_activation()) \
-            if self.remat_call_reason() is None else None
-        if out is not None:
-            return out
         modules = [self._modules[n] for n in names]
         if tensor_parallel.is_sharded(modules[-1]):
             return self._remat_tensor_parallel(hidden_states, norm, norm_reason, modules, names)
@@ -379,13 +394,17 @@ class _RematNormedLinear(_RematModule):
         return plain_linear(self)  # read at every call: weights replaced in place stay seen
 
     def forward(self, input):
-        if tensor_parallel.is_sharded(self):
-            return self._remat_tensor_parallel(input)
         outputs = self.remat_handoff.outputs
         out = outputs.take(self, input) if outputs is not None else None
         if out is not None:  # computed a moment ago by a sibling, which checked this module then
             self._remat_fallback(None)
             return out
+        kept = _kept_call(self, input)
+        if kept is not None:  # the arguments of the last call, decided under this verdict
+            call, (_, siblings, _) = kept
+            return self._remat_outputs(input, siblings, lambda shared: _sharing(call, input, shared))
+        if tensor_parallel.is_sharded(self):
+            return self._remat_tensor_parallel(input)
         norm, reason = _handed_over(self, input)
         reason, siblings, checked = (reason, (), None) if norm is None else self._remat_decided(norm)
         if reason:
@@ -393,16 +412,20 @@ class _RematNormedLinear(_RematModule):
             if norm is not None:
                 input = stock_norm(norm, input)
             return self.remat_stock.forward(self, input)
+        kept = _kept_under_verdict(self, input, norm, None) if checked is not None else None
+        if kept is not None:  # (x not the tensor handed over at this call, the handoff holding all the same)
+            return self._remat_outputs(input, siblings, lambda shared: _sharing(kept[0], input, shared))
         self._remat_fallback(None)
         modules = [self, *siblings]
-        # the statistics are shared with the consumers this op does not compute (none: with all its siblings)
-        shared = _shared_statistics(self) if len(modules) < len(self.remat_handoff.consumers) else None
-        call = checked.kept_call(input, norm_eps(norm), None, self.remat_recompute) if checked is not None else None
-        if call is not None:  # the arguments of the last call, decided under this verdict (_kept_call)
-            outs = sharing(shared, input, lambda slot: call(input, slot))
-        else:
-            outs = norm_linears(input, norm_spec(norm), [m._remat_linear() for m in modules], self.remat_recompute,
-                                shared, checked)
+        return self._remat_outputs(input, siblings, lambda shared: norm_linears(
+            input, norm_spec(norm), [m._remat_linear() for m in modules], self.remat_recompute, shared, checked))
+
+    def _remat_outputs(self, input, siblings, compute):
+        """This projection's output of compute(shared) (its output and its siblings', computed together; shared:
+        the norm statistics shared with the consumers this op does not compute, None with all of them), the
+        siblings' stored for their calls."""
+        shared = _shared_statistics(self) if len(siblings) + 1 < len(self.remat_handoff.consumers) else None
+        outs = compute(shared)
         if siblings:
             self.remat_handoff.outputs.store(input, {id(m): o for m, o in zip(siblings, outs[1:])})
         return outs[0]
@@ -482,9 +505,9 @@ class _RematLayerMLP(_RematModule):
             self._remat_fallback(_not_fused(handoff, reason))
             return self.remat_stock.forward(self, input)
         fc1, act, norm = handoff.source("fc1"), handoff.source("act"), handoff.source("norm")
-        out = _kept_call(self, input, True, norm, _gelu_of(act, act.remat_stock))
-        if out is not None:
-            return out
+        kept = _kept_under_verdict(self, input, norm, _gelu_of(act, act.remat_stock))
+        if kept is not None:
+            return _sharing(kept[0], input, _shared_statistics(self))
         labels = handoff.producers
         reason, checked = decided(self, [self, fc1, act, norm], lambda: (
             _own_reason(fc1, labels["fc1"]) or _own_reason(self, self.remat_path)
