@@ -126,10 +126,11 @@ class OpFamily:
         op, defaults = self.forward_op, _trailing_defaults(self.forward_ref)
 
         def forward(*args, **kwargs):
-            if kwargs or not _plain_eager_call(args):
+            plain = None if kwargs else _plain_eager_call(args)
+            if plain is None:
                 return op(*args, **kwargs)
-            args = _filled(args, defaults)
-            if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            args = _filled(args, defaults)  # (the schema's defaults are no tensors)
+            if plain and torch.is_grad_enabled():
                 return autograd.apply(*args)
             return self._implementation(0, args)(*args)
 
@@ -141,7 +142,7 @@ class OpFamily:
         op, defaults = self.backward_op, _trailing_defaults(self.backward_ref)
 
         def backward(*args, **kwargs):
-            if kwargs or torch.is_grad_enabled() or not _plain_eager_call(args):
+            if kwargs or torch.is_grad_enabled() or _plain_eager_call(args) is None:
                 return op(*args, **kwargs)
             args = _filled(args, defaults)
             return self._implementation(1, args)(*args)
@@ -256,16 +257,20 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _plain_eager_call(args):
-    """Whether an op call may skip torch.library's dispatch: eager (not traced by torch.compile), no
-    dispatch or function mode and no functorch transform active (they must see the op), every tensor a
-    plain CPU or CUDA one (not a subclass, not meta: those dispatch to the op's fake or their own handling)."""
+    """Whether an op call may skip torch.library's dispatch: None where it may not, else whether a tensor
+    among `args` requires grad. It may not while torch.compile traces, under a dispatch or function mode or
+    a functorch transform (they must see the op), or with a tensor that is not a plain CPU or CUDA one (a
+    subclass, or meta: those dispatch to the op's fake or their own handling)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() \
             or torch._C._is_torch_function_mode_enabled() or torch._C._functorch.peek_interpreter_stack() is not None:
-        return False
+        return None
+    requires_grad = False
     for a in args:
-        if isinstance(a, torch.Tensor) and not (type(a) in _PLAIN_TENSORS and (a.is_cpu or a.is_cuda)):
-            return False
-    return True
+        if isinstance(a, torch.Tensor):
+            if not (type(a) in _PLAIN_TENSORS and (a.is_cpu or a.is_cuda)):
+                return None
+            requires_grad = requires_grad or a.requires_grad
+    return requires_grad
 
 
 def grad_leaves(*tensors):
