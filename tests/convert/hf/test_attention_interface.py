@@ -204,6 +204,16 @@ def test_dropout_in_training_is_remat_s_and_reproducible():
     torch.testing.assert_close(converted(**batch).loss, stock(**batch).loss, rtol=1e-5, atol=1e-6)
 
 
+def attention_weights(converted, stock, inputs):
+    """(the converted model's attention weights, those of stock's eager attention) of output_attentions=True."""
+    eager = copy.deepcopy(stock)
+    eager.set_attn_implementation("eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return (converted(**inputs, output_attentions=True).attentions,
+                eager(**inputs, output_attentions=True).attentions)
+
+
 def test_a_module_s_calls_check_their_flags_once_and_ask_the_rest_each_time(monkeypatch):
     """Each attention module's calls check remat.attention's flags and q, k and v once, at the first call
     (kept for the call's scalars, interface._kept_flags); what may change between calls is asked at each:
@@ -226,12 +236,7 @@ def test_a_module_s_calls_check_their_flags_once_and_ask_the_rest_each_time(monk
     assert_same_step(stock, converted, batch)
     assert len(checked) == 2 * len(layers)
     inputs = {"input_ids": batch["input_ids"]}
-    eager = copy.deepcopy(stock)
-    eager.set_attn_implementation("eager")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        got = converted(**inputs, output_attentions=True).attentions
-        want = eager(**inputs, output_attentions=True).attentions
+    got, want = attention_weights(converted, stock, inputs)
     assert len(got) == len(want) == len(layers)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
@@ -245,12 +250,7 @@ def test_attention_weights_requested_run_the_model_s_eager_attention():
     converted = with_remat(stock)
     batch = padded_batch(family_inputs("llama", "cpu"), "left", causal=True)
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-    eager = copy.deepcopy(stock)
-    eager.set_attn_implementation("eager")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        got = converted(**inputs, output_attentions=True).attentions
-        want = eager(**inputs, output_attentions=True).attentions
+    got, want = attention_weights(converted, stock, inputs)
     assert len(got) == len(want) == stock.config.num_hidden_layers
     for g, w in zip(got, want):
         torch.testing.assert_close(g[0], w[0])  # the unpadded row; stock's padded rows see whatever
