@@ -143,8 +143,9 @@ def _kept_under_verdict(module, x, norm, act):
     """(the fused op call `module` kept (remat.ops.fused.Checked.kept_call) with the verdict it decided under its
     handoff's, that verdict) while the handoff's verdict taken at this call is that one: nothing the call reads
     changed but x and what the Checked compares (the norm's eps, the activation `act`, the recompute switch);
-    else None. Only where a producer handed x over at this call: the handoff's verdict then covers every module
-    the call reads (a tensor-parallel or ZeRO-3 call keeps none). norm: the norm handed over, or None."""
+    else None. Only where the handoff holds at this call (its verdict taken at this call): that verdict then
+    covers every module the call reads (a tensor-parallel or ZeRO-3 call keeps none). norm: the norm handed
+    over, or None."""
     verdict = kept_under(module, module.remat_handoff.verdict())
     if type(verdict) is not tuple or verdict[0] is not None or verdict[-1] is None:  # (MISSING, or a reason)
         return None
