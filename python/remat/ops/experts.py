@@ -394,7 +394,7 @@ def _normed(x, norm, shared, top_k_index, top_k_weights, gate_up, down, gate_up_
     """experts(norm(x), ...) on _NormedExperts, norm checked against x."""
     norm, norm_weight, norm_bias = norm_params(check_norm(norm), x)
     layout = norm_layout(norm)
-    return sharing(shared, x, lambda slot: _NormedExperts.apply(
+    return sharing(shared, x, lambda x, slot: _NormedExperts.apply(
         x.contiguous(), norm_weight, norm_bias, layout, slot, top_k_index, top_k_weights, gate_up, down,
         gate_up_bias, down_bias, options))
 

@@ -173,11 +173,12 @@ def exchange(slot, stats):
 
 
 def sharing(shared, x, call):
-    """call(slot): the fused op with the statistics `shared` holds for `x`, storing those it kept."""
+    """call(x, slot): the fused op with the statistics `shared` holds for `x`, storing those it kept (a
+    kept call, which takes x and the slot, is passed as it is)."""
     if shared is None or torch.compiler.is_compiling():
-        return call(None)
+        return call(x, None)
     slot = _StatisticsSlot(shared.lookup(x))
-    out = call(slot)
+    out = call(x, slot)
     if slot.kept:
         shared.store(x, slot.kept)
     return out
@@ -548,8 +549,8 @@ def norm_linears(x, norm, linears, recompute=True, shared=None, checked=None):
     """
     if checked is not None and checked.holds(x, linears):
         call = checked.keep(*_norm_linears_call(x, norm, linears, recompute), (norm.eps, None, bool(recompute)))
-        return sharing(shared, x, lambda slot: call(x, slot))
-    out = sharing(shared, x, lambda slot: _norm_linears(x, norm, linears, recompute, slot))
+        return sharing(shared, x, call)
+    out = sharing(shared, x, lambda x, slot: _norm_linears(x, norm, linears, recompute, slot))
     if checked is not None:
         checked.passed(x)
     return out
@@ -650,8 +651,8 @@ def fused_mlp(x, fc1, act, fc2, norm=None, recompute=True, shared=None, checked=
         if checked.holds(x, (*ups, fc2)):
             made_for = (norm.eps if norm is not None else None, act, bool(recompute))
             call = checked.keep(*_mlp_call(x, ups, act, fc2, norm, recompute), made_for)
-            return sharing(shared, x, lambda slot: call(x, slot))
-    out = sharing(shared, x, lambda slot: _fused_mlp(x, fc1, act, fc2, norm, recompute, slot))
+            return sharing(shared, x, call)
+    out = sharing(shared, x, lambda x, slot: _fused_mlp(x, fc1, act, fc2, norm, recompute, slot))
     if checked is not None:
         checked.passed(x)
     return out

@@ -294,9 +294,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     query, key, value = own_views(query, key, value)  # (the varlen paths above gather copies)
     if torch.compiler.is_compiling():
         return attention(query, key, value, causal=causal, **features).transpose(1, 2), None
-    flags = AttentionFlags(causal, scaling, features["softcap"], features["dropout_p"])
-    module.__dict__["remat_attention_flags"] = scalars, flags
-    return flags(query, key, value, window).transpose(1, 2), None
+    kept = module.__dict__.get("remat_attention_flags")
+    if kept is None or kept[0] != scalars:  # (kept ones for these scalars are reused: a q/k-norm module's calls)
+        kept = module.__dict__["remat_attention_flags"] = scalars, AttentionFlags(
+            causal, scaling, features["softcap"], features["dropout_p"])
+    return kept[1](query, key, value, window).transpose(1, 2), None
 
 
 def _kept_flags(module, scalars):

@@ -156,12 +156,6 @@ def _kept_under_verdict(module, x, norm, act):
     return call, verdict
 
 
-def _sharing(call, x, shared):
-    """call(x, slot) with the norm statistics `shared` holds for x (remat.ops.fused.sharing), none to share
-    without a closure."""
-    return call(x, None) if shared is None else sharing(shared, x, lambda slot: call(x, slot))
-
-
 def _gelu_of(act, kind=None):
     """The remat.specs.Activation of the GELU module `act` computes now (judged as a `kind`: its stock class),
     its approximate read at every call; None for one remat does not compute (activation_reason says why)."""
@@ -198,7 +192,7 @@ class _RematMLP(_RematModule):
     def forward(self, hidden_states):
         kept = _kept_call(self, hidden_states, self._remat_activation())
         if kept is not None:
-            return self._remat_dropout(_sharing(kept[0], hidden_states, _shared_statistics(self)))
+            return self._remat_dropout(sharing(_shared_statistics(self), hidden_states, kept[0]))
         norm, norm_reason = _handed_over(self, hidden_states)
         projections = [self._modules[self.remat_parts.fc1], self._modules[self.remat_parts.fc2]]
         with zero3.gathered(self, projections):  # it reads their parameters without calling them
@@ -274,7 +268,7 @@ class _RematGatedMLP(_RematModule):
         names = (*fc1_names(parts), parts.fc2)
         kept = _kept_call(self, hidden_states, self._remat_activation()) if self.remat_call_reason() is None else None
         if kept is not None:
-            return _sharing(kept[0], hidden_states, _shared_statistics(self))
+            return sharing(_shared_statistics(self), hidden_states, kept[0])
         norm, norm_reason = _handed_over(self, hidden_states)
         modules = [self._modules[n] for n in names]
         if tensor_parallel.is_sharded(modules[-1]):
@@ -403,7 +397,7 @@ class _RematNormedLinear(_RematModule):
         kept = _kept_call(self, input)
         if kept is not None:  # the arguments of the last call, decided under this verdict
             call, (_, siblings, _) = kept
-            return self._remat_outputs(input, siblings, lambda shared: _sharing(call, input, shared))
+            return self._remat_outputs(input, siblings, lambda shared: sharing(shared, input, call))
         if tensor_parallel.is_sharded(self):
             return self._remat_tensor_parallel(input)
         norm, reason = _handed_over(self, input)
@@ -415,7 +409,7 @@ class _RematNormedLinear(_RematModule):
             return self.remat_stock.forward(self, input)
         kept = _kept_under_verdict(self, input, norm, None) if checked is not None else None
         if kept is not None:  # (x not the tensor handed over at this call, the handoff holding all the same)
-            return self._remat_outputs(input, siblings, lambda shared: _sharing(kept[0], input, shared))
+            return self._remat_outputs(input, siblings, lambda shared: sharing(shared, input, kept[0]))
         self._remat_fallback(None)
         modules = [self, *siblings]
         return self._remat_outputs(input, siblings, lambda shared: norm_linears(
@@ -508,7 +502,7 @@ class _RematLayerMLP(_RematModule):
         fc1, act, norm = handoff.source("fc1"), handoff.source("act"), handoff.source("norm")
         kept = _kept_under_verdict(self, input, norm, _gelu_of(act, act.remat_stock))
         if kept is not None:
-            return _sharing(kept[0], input, _shared_statistics(self))
+            return sharing(_shared_statistics(self), input, kept[0])
         labels = handoff.producers
         reason, checked = decided(self, [self, fc1, act, norm], lambda: (
             _own_reason(fc1, labels["fc1"]) or _own_reason(self, self.remat_path)
