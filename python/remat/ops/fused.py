@@ -221,6 +221,8 @@ class _LayerNormLinears(torch.autograd.Function):
     def backward(ctx, *d_outs):
         x, *rest = ctx.saved_tensors
         stats, (normed, norm_weight, norm_bias, *rest) = rest[:ctx.statistics], rest[ctx.statistics:]
+        if not any(ctx.layout.scales):
+            return _plain_norm_linears_backward(ctx, d_outs, x, stats, normed, norm_weight, norm_bias, rest)
         count = sum(2 + _PER_ADAPTER * len(scales) for scales in ctx.layout.scales)
         linears = _unpack_linears(rest[:count], ctx.layout)
         intermediates = iter(rest[count:])
@@ -250,6 +252,34 @@ class _LayerNormLinears(torch.autograd.Function):
             d_norm_bias if need_nb and norm_bias is not None else None,
             None, None, None, None, *flat,
         )
+
+
+def _plain_norm_linears_backward(ctx, d_outs, x, stats, normed, norm_weight, norm_bias, tensors):
+    """_LayerNormLinears.backward where no Linear carries adapters (every call of a converted model without
+    LoRA): the same gradients, in straight-line code. The general path's adapter bookkeeping (empty loops,
+    comprehensions, lists of Nones) costs a converted layer's backward its host time at every step
+    (docs/overhead.md). tensors: per Linear, its weight and bias."""
+    transposed, needs = ctx.layout.transposed, ctx.needs
+    d_normed = None
+    if ctx.need_norm_grad:
+        for i, d_out in enumerate(d_outs):
+            weight = tensors[2 * i]
+            part = d_out.matmul(weight.t() if transposed[i] else weight)
+            d_normed = part if d_normed is None else d_normed + part
+    dx = d_norm_weight = d_norm_bias = None
+    if ctx.need_norm_grad:
+        rebuild = ctx.need_normed and normed is None
+        dx, d_norm_weight, d_norm_bias, rebuilt = norm_backward(
+            ctx.norm_layout, d_normed, x, norm_weight, norm_bias, stats, rebuild)
+        normed = rebuilt if rebuild else normed
+    grads = ()
+    for i, d_out in enumerate(d_outs):
+        weight, bias, need = tensors[2 * i], tensors[2 * i + 1], needs[i]
+        grads += (_weight_grad(d_out, normed, Linear(weight, bias, (), transposed[i])) if need.weight else None,
+                  d_out.sum(0) if need.bias and bias is not None else None)
+    need_x, need_nw, need_nb = ctx.needs_input_grad[:3]
+    return (dx if need_x else None, d_norm_weight if need_nw and norm_weight is not None else None,
+            d_norm_bias if need_nb and norm_bias is not None else None, None, None, None, None, *grads)
 
 
 _Needs = collections.namedtuple("_Needs", "weight bias adapters")
@@ -391,6 +421,8 @@ class _MLP(torch.autograd.Function):
     @_backend.on_forward_backend
     def backward(ctx, d_out):
         layout, needs = ctx.layout, ctx.needs
+        if not any(layout.linears.scales):
+            return _plain_mlp_backward(ctx, d_out)
         saved = iter(ctx.saved_tensors)
         x = next(saved)
         stats = tuple(next(saved) for _ in range(ctx.statistics))
@@ -454,6 +486,52 @@ class _MLP(torch.autograd.Function):
             None,  # the statistics slot
             *flat_ups, *flat_down,
         )
+
+
+def _plain_mlp_backward(ctx, d_out):
+    """_MLP.backward where no Linear carries adapters (every call of a converted model without LoRA): the
+    same gradients, in the same order (the rebuilt act(h) dropped before the up projections' pass), in
+    straight-line code, for the reason _plain_norm_linears_backward gives."""
+    layout, needs = ctx.layout, ctx.needs
+    count = len(needs) - 1  # up projections
+    x, *saved = ctx.saved_tensors
+    stats, (up_input, *saved) = saved[:ctx.statistics], saved[ctx.statistics:]
+    hs, (activation, norm_weight, norm_bias, *tensors) = saved[:count], saved[count:]
+    transposed = layout.linears.transposed
+    down = Linear(tensors[-2], tensors[-1], (), transposed[-1])
+    kernel_bias = None if layout.act.gated else tensors[1]  # (_bias_in_kernel: one up projection, no adapters)
+    d_hs = d_kernel_bias = None
+    if ctx.need_dh:
+        rebuild = ctx.need_activation and activation is None
+        d_hs, d_kernel_bias, rebuilt = _activation_backward(layout.act, d_out.matmul(_out_in(down)), hs, kernel_bias,
+                                                            rebuild)
+        activation = rebuilt if rebuild else activation
+    grads_down = (_weight_grad(d_out, activation, down) if needs[-1].weight else None,
+                  d_out.sum(0) if needs[-1].bias and down.bias is not None else None)
+    activation = None  # the rebuilt act(h) lives only for dW2
+    need_x, need_nw, need_nb = ctx.needs_input_grad[1:4]
+    dx = d_norm_weight = d_norm_bias = None
+    grads_up = (None, None) * count
+    if d_hs is not None:
+        ups = [Linear(tensors[2 * i], tensors[2 * i + 1], (), transposed[i]) for i in range(count)]
+        d_up_input = None
+        if need_x or ctx.need_norm_grad:
+            for up, dh in zip(ups, d_hs):
+                part = dh.matmul(_out_in(up))
+                d_up_input = part if d_up_input is None else d_up_input + part
+        if layout.norm is None:
+            dx, up_input = d_up_input, x
+        elif ctx.need_norm_grad:
+            rebuild = ctx.need_up_input and up_input is None
+            dx, d_norm_weight, d_norm_bias, rebuilt = norm_backward(
+                layout.norm, d_up_input, x, norm_weight, norm_bias, stats, rebuild)
+            up_input = rebuilt if rebuild else up_input
+        grads_up = ()
+        for up, need, dh in zip(ups, needs, d_hs):
+            d_bias = d_kernel_bias if kernel_bias is not None else dh.sum(0) if up.bias is not None else None
+            grads_up += (_weight_grad(dh, up_input, up) if need.weight else None, d_bias if need.bias else None)
+    return (None, dx if need_x else None, d_norm_weight if need_nw and norm_weight is not None else None,
+            d_norm_bias if need_nb and norm_bias is not None else None, None, *grads_up, *grads_down)
 
 
 # ---------------------------------------------------------------------------------------------
