@@ -179,6 +179,10 @@ def own_views(query, key, value):
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return query, key, value
     tensors = (query, key, value)
+    base = query._base
+    if base is not None and key._base is base and value._base is base and \
+            base.numel() <= query.numel() + key.numel() + value.numel():
+        return tensors  # views covering one tensor (a fused qkv projection's output, as GPT-2's): kept as a whole
     bases = [t._base for t in tensors]
     covered = {}  # id of a base -> the elements of it q, k and v view
     for t, base in zip(tensors, bases):
