@@ -138,3 +138,27 @@ def test_the_empty_kernels_allocate_the_outputs_and_the_real_ones_come_back(refe
     finally:
         switch.restore()
     torch.testing.assert_close(pair.forward(pair.converted), want)
+
+
+def test_each_converted_row_is_timed_in_a_pair_of_its_own_with_stock(monkeypatch, reference_backend):
+    """Interleaved three ways, stock ran after the reference's arithmetic half the time, which slowed it where
+    the empty launches (the same modules the reference had just run) were not: the target's ratio came out
+    5 to 8 points too low. Each converted row is compared with the stock calls of its own pair."""
+    timed = []
+    real = overhead.interleaved_us
+
+    def recording(calls, reps, warmup=None):
+        samples = real(calls, reps, warmup)
+        timed.append(samples)
+        return samples
+
+    monkeypatch.setattr(overhead, "interleaved_us", recording)
+    rows, _, _ = overhead.measure_layer("gpt2", 8, torch.float32, 3, 1)
+    assert [sorted(samples) for samples in timed] == [sorted(["stock", overhead.EMPTY_KERNELS]), ["remat", "stock"]]
+    empty, reference = timed
+    stock_row, remat_row, empty_row = rows
+    assert stock_row["p50_us"] == pytest.approx(overhead.quantiles(empty["stock"])[1])
+    assert empty_row["minus_first_us"] == pytest.approx(
+        overhead.quantiles(empty[overhead.EMPTY_KERNELS])[1] - overhead.quantiles(empty["stock"])[1])
+    assert remat_row["minus_first_us"] == pytest.approx(
+        overhead.quantiles(reference["remat"])[1] - overhead.quantiles(reference["stock"])[1])

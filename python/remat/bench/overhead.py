@@ -24,7 +24,11 @@ A third row per layer times the converted layer with remat's kernels as empty la
 call allocates its outputs (the op's fake) and computes nothing, switched in the untimed reset
 before each call. Its difference from stock is remat's host overhead itself (Python, autograd,
 allocations), without the reference's arithmetic, which a GPU's kernels do instead: the row held
-against the target.
+against the target. Each converted row is timed in a pair of its own with stock (stock and the
+empty launches, then stock and the reference; the stock row is the first pair's): interleaved three
+ways, stock ran after the reference's arithmetic half the time, which slowed it (caches filled with
+other data) where the empty launches, running the same modules the reference had just run, were
+not, and the ratio came out 5 to 8 points too low (docs/overhead.md).
 
 Beside the layers: what torch's custom-op machinery costs per call, for a trivial op declared as
 remat declares its ops (torch.library.custom_op with a fake and autograd): a call without grad
@@ -483,15 +487,15 @@ def measure_layer(name, seq, dtype, reps, profile_calls):
                  _row(subject, pair.shape, dtype, EMPTY_KERNELS, [], check="wrong", error=verdict)],
                 [], None)
     switch = _KernelSwitch()
-    try:
-        samples = interleaved_us({"stock": switch.real(stock_calls), "remat": switch.real(ours_calls),
-                                  EMPTY_KERNELS: switch.empty(ours_calls)}, reps)
+    try:  # each converted row in a pair of its own with stock (see the module's docstring)
+        empty = interleaved_us({"stock": switch.real(stock_calls), EMPTY_KERNELS: switch.empty(ours_calls)}, reps)
+        reference = interleaved_us({"stock": switch.real(stock_calls), "remat": switch.real(ours_calls)}, reps)
     finally:
         switch.restore()
-    rows = [_row(subject, pair.shape, dtype, "stock", samples["stock"], counts=stock_counts),
-            _row(subject, pair.shape, dtype, "remat", samples["remat"], samples["stock"], check=verdict,
+    rows = [_row(subject, pair.shape, dtype, "stock", empty["stock"], counts=stock_counts),
+            _row(subject, pair.shape, dtype, "remat", reference["remat"], reference["stock"], check=verdict,
                  counts=ours_counts),
-            _row(subject, pair.shape, dtype, EMPTY_KERNELS, samples[EMPTY_KERNELS], samples["stock"],
+            _row(subject, pair.shape, dtype, EMPTY_KERNELS, empty[EMPTY_KERNELS], empty["stock"],
                  check="same calls")]
     profile = profile_top(*ours_calls, calls=profile_calls, top=None)
     return rows, profile, remat_calls(ours_counts)
@@ -546,8 +550,8 @@ def environment(reps):
         env.pop(key, None)
     env["transformers"] = report._version("transformers")
     env["backend"] = f"{BACKEND}: remat's ops run their pure-PyTorch reference (not the Triton interpreter)"
-    env["timings"] = (f"host wall-clock (time.perf_counter) of each forward + backward, {reps} calls each, stock and "
-                      "remat interleaved, gc off; p20 / p50 / p80 in µs")
+    env["timings"] = (f"host wall-clock (time.perf_counter) of each forward + backward, {reps} calls each, each "
+                      "converted row interleaved with stock in a pair of its own, gc off; p20 / p50 / p80 in µs")
     env["torch_threads"] = torch.get_num_threads()
     # other work on the machine slows both alike, but widens the spread: say how busy it was
     env["cpus"] = os.cpu_count()
