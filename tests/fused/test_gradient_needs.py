@@ -38,8 +38,9 @@ def _rms_norm():
 
 
 def _norm_linears_case():
-    norm, linears = _layer_norm(), [_linear(7, WIDTH), _linear(3, WIDTH, transposed=True), _linear(5, WIDTH, bias=False)]
-    tensors = [norm.weight, norm.bias, *(t for linear in linears for t in (linear.weight, linear.bias) if t is not None)]
+    norm = _layer_norm()
+    linears = [_linear(7, WIDTH), _linear(3, WIDTH, transposed=True), _linear(5, WIDTH, bias=False)]
+    tensors = [norm.weight, norm.bias, *(t for lin in linears for t in (lin.weight, lin.bias) if t is not None)]
 
     def ours(x):
         return sum(out.square().sum() for out in norm_linears(x, norm, linears))

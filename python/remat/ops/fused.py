@@ -20,13 +20,11 @@ eager PyTorch does, so tests and benchmarks can compare the two modes.
 """
 
 import collections
-import weakref
 
 import torch
 import torch.nn.functional as F
 
 from .. import _backend
-from .._tensor_memo import MISSING, TensorMemo
 from .._validate import (
     autocast_dtype,
     cast_for_autocast,
@@ -50,12 +48,14 @@ from ._lora import (
     _input_grad_from_adapters,
     _unflatten,
 )
+from ._shared_statistics import SharedStatistics, exchange, sharing
 from .gated import gated_bwd, gated_fwd
 from .gelu import check_approximate, gelu_bwd, gelu_fwd
 from .layer_norm import layer_norm_bwd, layer_norm_fwd
 from .rms_norm import check_style, default_eps, rms_norm_bwd, rms_norm_fwd
 
-__all__ = ["Activation", "Checked", "Linear", "LoRA", "Norm", "layer_norm_linear", "mlp", "norm_linears", "fused_mlp"]
+__all__ = ["Activation", "Checked", "Linear", "LoRA", "Norm", "SharedStatistics", "layer_norm_linear", "mlp",
+           "norm_linears", "fused_mlp"]
 
 # What the fused ops compute of a remat.specs.Norm besides its tensors.
 _NormLayout = collections.namedtuple("_NormLayout", "kind eps style")
@@ -120,70 +120,6 @@ def _kept(keep, *tensors):
     return tensors if keep else (None,) * len(tensors)
 
 
-class SharedStatistics:
-    """The fp32 row statistics a fused op computed of one norm over one input, handed to the next
-    fused op applying the same norm to the same input (a parallel layer's attention and MLP, Phi's
-    and GPT-J's), which keeps these very tensors for its backward instead of its own: saved once.
-
-    The same kernel on the same input gives the same statistics bit for bit, so either op's are
-    the other's. Holds weak references only: the statistics live while some backward keeps them,
-    and the input must be the same tensor object, not modified in place since. Not used while
-    torch.compile traces (each op then keeps its own).
-    """
-
-    def __init__(self):
-        self._stored = TensorMemo()  # weak references to the statistics, for x
-
-    def lookup(self, x):
-        """The statistics stored for `x`, if still alive, else None."""
-        refs = self._stored.get(_rows_of(x))
-        if refs is MISSING:
-            return None
-        stats = tuple(s() for s in refs)
-        return None if any(s is None for s in stats) else stats
-
-    def store(self, x, stats):
-        self._stored.put(_rows_of(x), tuple(weakref.ref(s) for s in stats))
-
-
-def _rows_of(x):
-    """The tensor whose rows x's rows are: x's base where x is a reshape of all of it keeping its last
-    dimension (a mixture of experts' block and its router flatten the tokens, each in its own view),
-    else x. Their row statistics are the same tensors."""
-    base = x._base
-    if base is not None and base.numel() == x.numel() and base.dim() and x.dim() and base.shape[-1] == x.shape[-1] \
-            and base.is_contiguous() and x.is_contiguous() and base.data_ptr() == x.data_ptr():
-        return base
-    return x
-
-
-class _StatisticsSlot:
-    """What one fused op call exchanges with a SharedStatistics: the statistics given, and those kept."""
-
-    def __init__(self, given):
-        self.given, self.kept = given, None
-
-    def exchange(self, stats):
-        self.kept = self.given if self.given is not None else stats
-        return self.kept
-
-
-def exchange(slot, stats):
-    return stats if slot is None else slot.exchange(stats)
-
-
-def sharing(shared, x, call):
-    """call(x, slot): the fused op with the statistics `shared` holds for `x`, storing those it kept (a
-    kept call, which takes x and the slot, is passed as it is)."""
-    if shared is None or torch.compiler.is_compiling():
-        return call(x, None)
-    slot = _StatisticsSlot(shared.lookup(x))
-    out = call(x, slot)
-    if slot.kept:
-        shared.store(x, slot.kept)
-    return out
-
-
 class _LayerNormLinears(torch.autograd.Function):
     """outs[i] = Linear_i(LayerNorm(x)) [+ its LoRA adapters] on rows x (M, K), for one or more Linears
     reading the same LayerNorm (ViT's q, k, v): LayerNorm(x) is computed once, and x with one fp32
@@ -234,12 +170,8 @@ class _LayerNormLinears(torch.autograd.Function):
                 part = _input_grad_from_adapters(d_out.matmul(_out_in(linear)), linear.adapters, d_ts)
                 d_normed = part if d_normed is None else d_normed + part
             grads.append((d_out, adapter_grads, d_ts))
-        dx = d_norm_weight = d_norm_bias = None
-        if ctx.need_norm_grad:
-            rebuild = ctx.need_normed and normed is None
-            dx, d_norm_weight, d_norm_bias, rebuilt = norm_backward(
-                ctx.norm_layout, d_normed, x, norm_weight, norm_bias, stats, rebuild)
-            normed = rebuilt if rebuild else normed
+        dx, d_norm_weight, d_norm_bias, normed = _normed_backward(ctx, d_normed, x, norm_weight, norm_bias, stats,
+                                                                  normed)
         flat = []
         for linear, need, (d_out, adapter_grads, d_ts) in zip(linears, ctx.needs, grads):
             flat.append(_weight_grad(d_out, normed, linear) if need.weight else None)
@@ -254,6 +186,18 @@ class _LayerNormLinears(torch.autograd.Function):
         )
 
 
+def _normed_backward(ctx, d_normed, x, norm_weight, norm_bias, stats, normed):
+    """(dx, d norm weight, d norm bias, norm(x)) of _LayerNormLinears' backward, from the gradient that reached
+    norm(x), norm(x) rebuilt in the norm's pass where it was not kept; Nones and the kept norm(x) where the
+    norm's backward does not run."""
+    if not ctx.need_norm_grad:
+        return None, None, None, normed
+    rebuild = ctx.need_normed and normed is None
+    dx, d_norm_weight, d_norm_bias, rebuilt = norm_backward(ctx.norm_layout, d_normed, x, norm_weight, norm_bias,
+                                                            stats, rebuild)
+    return dx, d_norm_weight, d_norm_bias, rebuilt if rebuild else normed
+
+
 def _plain_norm_linears_backward(ctx, d_outs, x, stats, normed, norm_weight, norm_bias, tensors):
     """_LayerNormLinears.backward where no Linear carries adapters (every call of a converted model without
     LoRA): the same gradients, in straight-line code. The general path's adapter bookkeeping (empty loops,
@@ -266,12 +210,7 @@ def _plain_norm_linears_backward(ctx, d_outs, x, stats, normed, norm_weight, nor
             weight = tensors[2 * i]
             part = d_out.matmul(weight.t() if transposed[i] else weight)
             d_normed = part if d_normed is None else d_normed + part
-    dx = d_norm_weight = d_norm_bias = None
-    if ctx.need_norm_grad:
-        rebuild = ctx.need_normed and normed is None
-        dx, d_norm_weight, d_norm_bias, rebuilt = norm_backward(
-            ctx.norm_layout, d_normed, x, norm_weight, norm_bias, stats, rebuild)
-        normed = rebuilt if rebuild else normed
+    dx, d_norm_weight, d_norm_bias, normed = _normed_backward(ctx, d_normed, x, norm_weight, norm_bias, stats, normed)
     grads = ()
     for i, d_out in enumerate(d_outs):
         weight, bias, need = tensors[2 * i], tensors[2 * i + 1], needs[i]
@@ -464,13 +403,8 @@ class _MLP(torch.autograd.Function):
                     part = _input_grad_from_adapters(dh.matmul(_out_in(up)), up.adapters, d_ts)
                     d_up_input = part if d_up_input is None else d_up_input + part
                 pending.append((grads, d_ts))
-            if layout.norm is None:
-                dx, up_input = d_up_input, x
-            elif ctx.need_norm_grad:
-                rebuild = ctx.need_up_input and up_input is None
-                dx, d_norm_weight, d_norm_bias, rebuilt = norm_backward(
-                    layout.norm, d_up_input, x, norm_weight, norm_bias, stats, rebuild)
-                up_input = rebuilt if rebuild else up_input
+            dx, d_norm_weight, d_norm_bias, up_input = _up_input_backward(ctx, d_up_input, x, norm_weight, norm_bias,
+                                                                          stats, up_input)
             flat_ups = []
             for up, need, dh, (grads, d_ts) in zip(ups, up_needs, d_hs, pending):
                 d_bias = d_kernel_bias if kernel_bias is not None else dh.sum(0) if up.bias is not None else None
@@ -486,6 +420,21 @@ class _MLP(torch.autograd.Function):
             None,  # the statistics slot
             *flat_ups, *flat_down,
         )
+
+
+def _up_input_backward(ctx, d_up_input, x, norm_weight, norm_bias, stats, up_input):
+    """(dx, d norm weight, d norm bias, the up projections' input) of _MLP's backward, from the gradient that
+    reached that input: through the norm, norm(x) rebuilt in its pass where it was not kept; x itself
+    without a norm."""
+    norm = ctx.layout.norm
+    if norm is None:
+        return d_up_input, None, None, x
+    if not ctx.need_norm_grad:
+        return None, None, None, up_input
+    rebuild = ctx.need_up_input and up_input is None
+    dx, d_norm_weight, d_norm_bias, rebuilt = norm_backward(norm, d_up_input, x, norm_weight, norm_bias, stats,
+                                                            rebuild)
+    return dx, d_norm_weight, d_norm_bias, rebuilt if rebuild else up_input
 
 
 def _plain_mlp_backward(ctx, d_out):
@@ -519,13 +468,8 @@ def _plain_mlp_backward(ctx, d_out):
             for up, dh in zip(ups, d_hs):
                 part = dh.matmul(_out_in(up))
                 d_up_input = part if d_up_input is None else d_up_input + part
-        if layout.norm is None:
-            dx, up_input = d_up_input, x
-        elif ctx.need_norm_grad:
-            rebuild = ctx.need_up_input and up_input is None
-            dx, d_norm_weight, d_norm_bias, rebuilt = norm_backward(
-                layout.norm, d_up_input, x, norm_weight, norm_bias, stats, rebuild)
-            up_input = rebuilt if rebuild else up_input
+        dx, d_norm_weight, d_norm_bias, up_input = _up_input_backward(ctx, d_up_input, x, norm_weight, norm_bias,
+                                                                      stats, up_input)
         grads_up = ()
         for up, need, dh in zip(ups, needs, d_hs):
             d_bias = d_kernel_bias if kernel_bias is not None else dh.sum(0) if up.bias is not None else None
