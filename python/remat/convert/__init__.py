@@ -164,6 +164,7 @@ def _convert(model, options, excluded):
     else:
         _convert_children(inner, options, inner_path, rows, hf_rules, set())
     if hf.is_hf_model(inner) and options.wants("attention"):
+        hf.swap_bloom_attention(inner, inner_path, rows, options, attention_modules)
         hf.convert_attention(inner, inner_path, rows, attention_modules)
     if hf.is_hf_model(inner) and options.wants("loss"):
         hf.convert_loss(inner, inner_path, rows)

@@ -15,6 +15,7 @@ from remat.convert.hf import rules
 
 from hf_models import (
     assert_tiny_step_as_stock,
+    build,
     experts_on_the_reference,
     remat_attention_calls,
     tiny_causal_lm,
@@ -160,3 +161,18 @@ def test_a_rule_that_would_touch_a_rejected_module_is_an_error(monkeypatch):
                                                r"transformer\.h\.0\.mlp above it computes in its place"):
             remat.convert(stock, layers=("layernorm", "mlp"),
                           filter_fn=lambda module, fqn: fqn != "transformer.h.0.mlp.dropout")
+
+
+@pytest.mark.parametrize("family, attention", [("llama", "model.layers.0.self_attn"),
+                                               ("bloom", "transformer.h.0.self_attention")])
+def test_a_rejected_attention_has_one_row_saying_so(family, attention):
+    """An attention module filter_fn rejects runs the model's previous attention implementation (llama), or keeps
+    its class (BLOOM's, swapped by class elsewhere): its one row says it is excluded, none that it runs remat's."""
+    model, _ = build(family)
+    report = remat.convert(model, dry_run=True, filter_fn=lambda module, fqn: fqn != attention)
+    rows = [(row.action, row.reason) for row in report if row.path == attention]
+    assert rows == [("skipped", "excluded by convert's filter_fn: it and the modules below it stay stock")]
+    other = attention.replace(".0.", ".1.")  # the next layer's attention: its row as without the filter
+    whole = remat.convert(model, dry_run=True)
+    assert [(row.action, row.reason) for row in report if row.path == other] == \
+        [(row.action, row.reason) for row in whole if row.path == other] != []

@@ -3,12 +3,13 @@ what, rules.py fuses what that shows safe (modules.py holds the swapped classes,
 which one does the work of the modules before it; probe.py checks each fusion against the stock
 forward), interface.py makes "remat" the model's attention implementation, experts.py its experts',
 head_norm.py fuses q/k norms into the attention, loss.py the LM head into its loss. bloom.py is the one
-family swapped by class (its ALiBi attention). What each swap computes and when it runs stock:
-docs/huggingface.md.
+family swapped by class (its ALiBi attention), a plan of its own applied after the rules by structure.
+What each swap computes and when it runs stock: docs/huggingface.md.
 """
 
 import sys
 
+from .bloom import swap_attention as swap_bloom_attention
 from .experts import convert_experts, revert_experts
 from .handoff import Handoff
 from .interface import convert_attention, revert_attention
@@ -21,7 +22,7 @@ from .structure import probe as probe_structure
 
 __all__ = ["PROBE_BROKEN", "Handoff", "RematFusedLayerNorm", "convert_attention", "convert_children",
            "convert_experts", "convert_loss", "example_inputs", "is_hf_model", "probe_structure",
-           "revert_attention", "revert_experts", "revert_loss"]
+           "revert_attention", "revert_experts", "revert_loss", "swap_bloom_attention"]
 
 
 def is_hf_model(model):

@@ -19,12 +19,15 @@ import sys
 import torch
 from torch import nn
 
-from ..._guards import from_transformers
+from ..._guards import EXCLUDED, from_transformers
 from ..._linears import base_layer
 from ...ops.attention import HEAD_DIMS, attention
+from ..swap import join
 from .interface import attention_weights_requested
 from .masks import Packing, causal_pattern, packed_attention
 from .modules import _RematModule, stock_function
+from .probe import self_probe
+from .rules import _instance_reason, _swapped
 
 # The stock forward's parameters, in order: the remat forward takes the same (checked at convert time).
 FORWARD = ("self", "hidden_states", "residual", "alibi", "attention_mask", "layer_past", "use_cache",
@@ -212,3 +215,35 @@ def probe_kwargs(module, param):
     residual = torch.randn(2, 3, module.dense.out_features, generator=torch.Generator().manual_seed(2))
     return {"alibi": alibi, "attention_mask": hidden.triu(1)[None, None].expand(2, 1, 3, 3),
             "residual": residual.to(param.device, param.dtype)}
+
+
+# ---------------------------------------------------------------------------------------------
+# BLOOM's plan: its attention swapped by class
+# ---------------------------------------------------------------------------------------------
+
+
+def swap_attention(model, path, report, options, attention_modules):
+    """Swap each BloomAttention of the Hugging Face `model` (at `path`) to _RematBloomAttention, after the
+    rules by structure (its query_key_value may have taken input_layernorm in), each checked by a probe call;
+    a row each, swapped or skipped. attention_modules: (path, module) of the attention modules convert
+    leaves as they are (interface.convert_attention gives each a row); those this reports leave it. Modules
+    convert's filter_fn rejects are left to the row convert gives them."""
+    found = [(parent, name, child, join(path, join(parent_path, name)))
+             for parent_path, parent in model.named_modules() for name, child in parent._modules.items()
+             if child is not None and is_bloom_attention(child) and EXCLUDED not in vars(child)]
+    for parent, name, module, module_path in found:
+        reason = _instance_reason(module) or swap_reason(module)
+        if reason is None:
+            new = _swapped(module, _RematBloomAttention, options, module_path)
+            weight = base_layer(module.query_key_value).weight
+            extra = {} if weight.is_meta else probe_kwargs(module, weight)
+            reason = self_probe(module, new, weight.shape[1], weight, extra)
+        if reason:
+            report.add(module_path, module, "skipped", reason)
+            continue
+        parent._modules[name] = new
+        report.add(module_path, module, f"swapped to {type(new).__name__}",
+                   "remat.attention with its ALiBi slopes (attention_varlen for padding and packed sequences); the "
+                   "stock forward for other masks, KV caches with past keys, attention weights", new.remat_saved_bytes)
+    reported = {id(module) for _, _, module, _ in found}
+    attention_modules[:] = [(p, m) for p, m in attention_modules if id(m) not in reported]

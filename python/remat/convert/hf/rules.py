@@ -1,7 +1,7 @@
 """The rules remat.convert applies to each module of a Hugging Face model: what the structure probe
-(structure.py) found fused (norms handed over to the projections after them, MLPs, a split FFN),
-and BLOOM's attention, the one module swapped by its class (bloom.py); each fusion checked by a
-probe call when it is made."""
+(structure.py) found fused (norms handed over to the projections after them, MLPs, a split FFN), each
+fusion checked by a probe call when it is made. BLOOM's attention, the one module swapped by its class,
+is bloom.py's plan of its own."""
 
 import collections
 import dataclasses
@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..._guards import excluded_below, from_transformers, hook_reason
+from ..._guards import EXCLUDED, excluded_below, from_transformers, hook_reason
 from ..._linears import (
     base_layer,
     fused_saved_bytes,
@@ -24,8 +24,8 @@ from ..._linears import (
 )
 from ..patterns import MLP, fusable, layer_norm_fusable
 from ..swap import is_converted, join, with_class
-from . import bloom, head_norm
 from . import experts as hf_experts
+from . import head_norm
 from . import structure as structure_probe
 from .experts import _RematNormedRouter, router_reason
 from .handoff import _between_reason, link, submodule
@@ -77,31 +77,9 @@ def _fused_norm(norm, path, style=None):
 
 
 def _self_probe(module, new, width, param):
-    """probe.self_probe with the arguments a call of `module` (an MLP, BLOOM's attention) needs besides
-    its input: no mask, and BLOOM's ALiBi bias, mask and residual."""
-    if param.is_meta:
-        extra = {}
-    elif bloom.is_bloom_attention(module):
-        extra = bloom.probe_kwargs(module, param)
-    else:
-        extra = {"attention_mask": None} if "attention_mask" in inspect.signature(module.forward).parameters else {}
-    return self_probe(module, new, width, param, extra)
-
-
-def _bloom_attention_rule(parent, name, module, options, path, report):
-    """Swap BLOOM's attention (bloom.py); the reason when it is not swapped."""
-    reason = _instance_reason(module) or bloom.swap_reason(module)
-    if reason is None:
-        new = _swapped(module, bloom._RematBloomAttention, options, join(path, name))
-        weight = base_layer(module.query_key_value).weight
-        reason = _self_probe(module, new, weight.shape[1], weight)
-    if reason:
-        return reason
-    parent._modules[name] = new
-    report.add(join(path, name), module, f"swapped to {type(new).__name__}",
-               "remat.attention with its ALiBi slopes (attention_varlen for padding and packed sequences); the stock "
-               "forward for other masks, KV caches with past keys, attention weights", new.remat_saved_bytes)
-    return None
+    """probe.self_probe of an MLP module, called with no mask where its forward takes one."""
+    takes_mask = not param.is_meta and "attention_mask" in inspect.signature(module.forward).parameters
+    return self_probe(module, new, width, param, {"attention_mask": None} if takes_mask else {})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -703,7 +681,7 @@ def _input_dtype_reason(structure, norm):
 
 def convert_children(parent, options, path, report, structure=None, attention_modules=None):
     """Fuse in a transformers module `parent` what the structure probe (structure.probe of the model)
-    found, and swap BLOOM's attention among its children; returns the names convert must not touch.
+    found; returns the names convert must not touch.
     attention_modules: a list collecting (path, module) of the attention modules that stay as they are,
     their attention function the model's implementation (interface.convert_attention reports them)."""
     handled = set()
@@ -712,15 +690,10 @@ def convert_children(parent, options, path, report, structure=None, attention_mo
         handled |= head_norm.fuse_qk_norms(parent, structure, options, path, report, verdicts)
         handled |= _structural_rule(parent, structure, options, path, report, handled)
     for name, child in list(parent._modules.items()):
-        if child is None or name in handled or not from_transformers(type(child)):
-            continue
+        if child is None or name in handled or not from_transformers(type(child)) or EXCLUDED in vars(child):
+            continue  # (a module convert's filter_fn rejects has the row convert gives it)
         kind = type(child).__name__
-        if bloom.is_bloom_attention(child) and options.wants("attention"):
-            reason = _bloom_attention_rule(parent, name, child, options, path, report)
-            if reason:
-                report.add(join(path, name), child, "skipped", reason)
-            handled.add(name)
-        elif _is_attention(child) and options.wants("attention") and not _holds_attention(child):
+        if _is_attention(child) and options.wants("attention") and not _holds_attention(child):
             if attention_modules is not None:  # T5LayerSelfAttention: its SelfAttention has the row
                 attention_modules.append((join(path, name), child))
         elif _is_block(child) and _holds_norm(child) and (structure is None or structure.reason):
