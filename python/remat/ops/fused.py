@@ -203,19 +203,17 @@ def _plain_norm_linears_backward(ctx, d_outs, x, stats, normed, norm_weight, nor
     LoRA): the same gradients, in straight-line code. The general path's adapter bookkeeping (empty loops,
     comprehensions, lists of Nones) costs a converted layer's backward its host time at every step
     (docs/overhead.md). tensors: per Linear, its weight and bias."""
-    transposed, needs = ctx.layout.transposed, ctx.needs
+    linears = _unpack_linears(tensors, ctx.layout)
     d_normed = None
     if ctx.need_norm_grad:
-        for i, d_out in enumerate(d_outs):
-            weight = tensors[2 * i]
-            part = d_out.matmul(weight.t() if transposed[i] else weight)
+        for linear, d_out in zip(linears, d_outs):
+            part = d_out.matmul(_out_in(linear))
             d_normed = part if d_normed is None else d_normed + part
     dx, d_norm_weight, d_norm_bias, normed = _normed_backward(ctx, d_normed, x, norm_weight, norm_bias, stats, normed)
     grads = ()
-    for i, d_out in enumerate(d_outs):
-        weight, bias, need = tensors[2 * i], tensors[2 * i + 1], needs[i]
-        grads += (_weight_grad(d_out, normed, Linear(weight, bias, (), transposed[i])) if need.weight else None,
-                  d_out.sum(0) if need.bias and bias is not None else None)
+    for linear, need, d_out in zip(linears, ctx.needs, d_outs):
+        grads += (_weight_grad(d_out, normed, linear) if need.weight else None,
+                  d_out.sum(0) if need.bias and linear.bias is not None else None)
     need_x, need_nw, need_nb = ctx.needs_input_grad[:3]
     return (dx if need_x else None, d_norm_weight if need_nw and norm_weight is not None else None,
             d_norm_bias if need_nb and norm_bias is not None else None, None, None, None, None, *grads)
@@ -446,9 +444,8 @@ def _plain_mlp_backward(ctx, d_out):
     x, *saved = ctx.saved_tensors
     stats, (up_input, *saved) = saved[:ctx.statistics], saved[ctx.statistics:]
     hs, (activation, norm_weight, norm_bias, *tensors) = saved[:count], saved[count:]
-    transposed = layout.linears.transposed
-    down = Linear(tensors[-2], tensors[-1], (), transposed[-1])
-    kernel_bias = None if layout.act.gated else tensors[1]  # (_bias_in_kernel: one up projection, no adapters)
+    *ups, down = _unpack_linears(tensors, layout.linears)
+    kernel_bias = _bias_in_kernel(layout.act, ups)
     d_hs = d_kernel_bias = None
     if ctx.need_dh:
         rebuild = ctx.need_activation and activation is None
@@ -462,7 +459,6 @@ def _plain_mlp_backward(ctx, d_out):
     dx = d_norm_weight = d_norm_bias = None
     grads_up = (None, None) * count
     if d_hs is not None:
-        ups = [Linear(tensors[2 * i], tensors[2 * i + 1], (), transposed[i]) for i in range(count)]
         d_up_input = None
         if need_x or ctx.need_norm_grad:
             for up, dh in zip(ups, d_hs):
