@@ -140,6 +140,31 @@ def test_the_empty_kernels_allocate_the_outputs_and_the_real_ones_come_back(refe
     torch.testing.assert_close(pair.forward(pair.converted), want)
 
 
+def test_the_empty_kernels_pay_the_choice_of_the_kernel_as_real_calls_do(monkeypatch, reference_backend):
+    """A kernel launch on a GPU follows the backend's choice of that kernel (_backend.choose, at every op
+    call): the empty launches make it as often as the real calls do, or the row would leave it out of
+    remat's overhead."""
+    from remat import _backend
+
+    choices = []
+    real_choose = _backend.choose
+    monkeypatch.setattr(_backend, "choose", lambda *args, **kwargs: choices.append(args[0]) or
+                        real_choose(*args, **kwargs))
+    pair = overhead.LayerPair("gpt2", seq=8)
+    switch = overhead._KernelSwitch()
+    made = {}
+    try:
+        for name, switched in (("real", switch.real), ("empty", switch.empty)):
+            step, reset = switched((pair.step(pair.converted), pair.reset(pair.converted)))
+            reset()
+            choices.clear()
+            step()
+            made[name] = sorted(choices)
+    finally:
+        switch.restore()
+    assert made["empty"] == made["real"] and {"layer_norm", "attention", "gelu"} <= set(made["real"])
+
+
 def test_each_converted_row_is_timed_in_a_pair_of_its_own_with_stock(monkeypatch, reference_backend):
     """Interleaved three ways, stock ran after the reference's arithmetic half the time, which slowed it where
     the empty launches (the same modules the reference had just run) were not: the target's ratio came out

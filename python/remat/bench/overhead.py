@@ -20,15 +20,15 @@ converted layer's output and gradients (input and every weight) are checked agai
 copy of the stock layer, within twice the stock layer's own error, as every benchmark case is:
 both timings compute the same result.
 
-A third row per layer times the converted layer with remat's kernels as empty launches: each op
-call allocates its outputs (the op's fake) and computes nothing, switched in the untimed reset
-before each call. Its difference from stock is remat's host overhead itself (Python, autograd,
-allocations), without the reference's arithmetic, which a GPU's kernels do instead: the row held
-against the target. Each converted row is timed in a pair of its own with stock (stock and the
-empty launches, then stock and the reference; the stock row is the first pair's): interleaved three
-ways, stock ran after the reference's arithmetic half the time, which slowed it (caches filled with
-other data) where the empty launches, running the same modules the reference had just run, were
-not, and the ratio came out 5 to 8 points too low (docs/overhead.md).
+A third row per layer times the converted layer with remat's kernels as empty launches: each op call
+makes the backend's choice as a real call does, then allocates its outputs (the op's fake) and
+computes nothing, switched in the untimed reset before each call. Its difference from stock is remat's
+host overhead itself (Python, autograd, allocations), without the reference's arithmetic, which a
+GPU's kernels do instead: the row held against the target. Each converted row is timed in a pair of
+its own with stock (stock and the empty launches, then stock and the reference; the stock row is the
+first pair's): interleaved three ways, stock ran after the reference's arithmetic half the time, which
+slowed it (caches filled with other data) where the empty launches, running the same modules the
+reference had just run, were not, and the ratio came out 5 to 8 points too low (docs/overhead.md).
 
 Beside the layers: what torch's custom-op machinery costs per call, for a trivial op declared as
 remat declares its ops (torch.library.custom_op with a fake and autograd): a call without grad
@@ -445,21 +445,25 @@ def _backend_set(name):
 
 class _KernelSwitch:
     """remat's op implementations, real (the backend's: here the reference) or empty launches: each op
-    call allocates its outputs (the op's fake) and computes nothing, standing in for a GPU kernel
-    launch, whose own host cost the GPU check measures. Switched by the untimed reset before each
-    call, so that the switch itself is not timed."""
+    call makes the backend's choice as a real call does (OpFamily._implementation: the device, the
+    dtypes, _backend.choose), then allocates its outputs (the op's fake) and computes nothing, standing
+    in for a GPU kernel launch, whose own host cost the GPU check measures. Switched by the untimed
+    reset before each call, so that the switch itself is not timed."""
 
     def __init__(self):
         from ..ops._family import OpFamily
 
         self._owner, self._real = OpFamily, OpFamily._implementation
+        choose = self._real
+
+        def launch_nothing(family, index, args):
+            choose(family, index, args)  # what a real call pays to find its kernel
+            return (family.forward_fake, family.backward_fake)[index]
+
+        self._empty = launch_nothing
 
     def _set(self, implementation):
         self._owner._implementation = implementation
-
-    @staticmethod
-    def _fake(family, index, args):
-        return (family.forward_fake, family.backward_fake)[index]
 
     def real(self, calls):
         step, reset = calls
@@ -467,7 +471,7 @@ class _KernelSwitch:
 
     def empty(self, calls):
         step, reset = calls
-        return step, lambda: (self._set(self._fake), reset())
+        return step, lambda: (self._set(self._empty), reset())
 
     def restore(self):
         self._set(self._real)
