@@ -102,10 +102,13 @@ class OpFamily:
     backward_op: object = field(init=False, repr=False)
     forward: Callable = field(init=False, repr=False)  # what the family's code calls (see the module docstring)
     backward: Callable = field(init=False, repr=False)
+    kernels: tuple = field(init=False, repr=False)  # the backends with kernels for it, as _backend.choose takes them
 
     def __post_init__(self):
         if self.name in FAMILIES:
             raise ValueError(f"op family {self.name!r} is declared twice")
+        # once: _implementation passes it at every op call
+        self.kernels = tuple(name for name, present in (("triton", self.triton), ("cuda", self.cuda)) if present)
         self.forward_op = self._custom_op(0, self.forward_ref, self.forward_fake)
         self.backward_op = self._custom_op(1, self.backward_ref, self.backward_fake)
         self.forward_op.register_autograd(_backend.on_forward_backend(self.autograd_backward),
@@ -164,11 +167,6 @@ class OpFamily:
         """The CUDA extension's ops, forward then backward, as declared (whether or not it is built)."""
         return tuple(f"remat_C::{name}" for name in self.op_names) if self.cuda else ()
 
-    @property
-    def kernels(self):
-        """The backends with kernels for this family, as _backend.choose takes them."""
-        return tuple(name for name, present in (("triton", self.triton), ("cuda", self.cuda)) if present)
-
     def _custom_op(self, index, reference, fake):
         def dispatch(*args):
             return self._implementation(index, args)(*args)
@@ -180,9 +178,13 @@ class OpFamily:
 
     def _implementation(self, index, args):
         """What runs op `index` (0 forward, 1 backward) on `args`: a Triton launcher, a remat_C op or the reference."""
-        device = next(a for a in args if isinstance(a, torch.Tensor)).device
-        if any(isinstance(a, torch.Tensor) and a.dtype == torch.float64 for a in args):
-            return (self.forward_ref, self.backward_ref)[index]  # the kernels compute in fp32 at most
+        device = None
+        for a in args:  # (a loop, not generators: this runs at every op call)
+            if isinstance(a, torch.Tensor):
+                if a.dtype == torch.float64:
+                    return (self.forward_ref, self.backward_ref)[index]  # the kernels compute in fp32 at most
+                if device is None:
+                    device = a.device
         backend = _backend.choose(self.name, device, kernels=self.kernels)
         if backend == "cuda" and self.cuda_takes is not None and not self.cuda_takes(*args):
             backend = "triton" if self.triton and _backend.triton_available() else "reference"
