@@ -103,12 +103,14 @@ class OpFamily:
     forward: Callable = field(init=False, repr=False)  # what the family's code calls (see the module docstring)
     backward: Callable = field(init=False, repr=False)
     kernels: tuple = field(init=False, repr=False)  # the backends with kernels for it, as _backend.choose takes them
+    op_names: tuple = field(init=False, repr=False)  # (<name>_fwd, <name>_bwd): its ops' names in remat's and remat_C's
 
     def __post_init__(self):
         if self.name in FAMILIES:
             raise ValueError(f"op family {self.name!r} is declared twice")
-        # once: _implementation passes it at every op call
+        # once: _implementation reads them at every op call
         self.kernels = tuple(name for name, present in (("triton", self.triton), ("cuda", self.cuda)) if present)
+        self.op_names = f"{self.name}_fwd", f"{self.name}_bwd"
         self.forward_op = self._custom_op(0, self.forward_ref, self.forward_fake)
         self.backward_op = self._custom_op(1, self.backward_ref, self.backward_fake)
         self.forward_op.register_autograd(_backend.on_forward_backend(self.autograd_backward),
@@ -151,11 +153,6 @@ class OpFamily:
             return self._implementation(1, args)(*args)
 
         return backward
-
-    @property
-    def op_names(self):
-        """(<name>_fwd, <name>_bwd): the ops' names in the remat namespace (and remat_C's)."""
-        return f"{self.name}_fwd", f"{self.name}_bwd"
 
     @property
     def qualified_op_names(self):
