@@ -41,6 +41,21 @@ BF16_CASTS_PATCHED = INTERPRETER and round_interpreter_bf16_casts_to_nearest()
 DOTS_AND_MATH_PATCHED = INTERPRETER and make_interpreter_dots_and_math_isa_independent()
 
 
+def pytest_configure(config):
+    """Each pytest-xdist worker's torch gets its share of the cores. torch's default is a thread per core in
+    every process: two workers on two cores ran four threads, and the tests' small ops paid for the
+    contention (tests/convert/hf/test_hf_rms_families.py with tests/ops/test_attention.py on two workers:
+    192 s, 152 s at one thread each). The processes a test starts (gloo ranks, AOT compile workers) inherit
+    it through OMP_NUM_THREADS. An OMP_NUM_THREADS the caller set is kept."""
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers is None or "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, cores // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
 def pytest_report_header(config):
     lines = []
     if BF16_CASTS_PATCHED:
