@@ -3,6 +3,7 @@ activation memory, the same state_dict keys, and what is (not) swapped and why."
 
 import copy
 import importlib
+import os
 import warnings
 from unittest import mock
 
@@ -741,3 +742,13 @@ def test_remat_gpt_stock_blocks_are_fused_through_fx_keeping_their_keys(target):
         assert rel_error(mine, theirs) < GRAD_TOL
     conv.revert(converted)
     assert not any("remat_fx" in vars(m) or "forward" in vars(m) for m in converted.modules())
+
+
+def test_the_integration_folders_run_the_references():
+    """tests/conftest.py: a conversion test that asks for no kernels runs remat's ops on the references."""
+    assert remat.get_backend() == "reference"
+
+
+@pytest.mark.kernels
+def test_a_test_marked_kernels_runs_the_sessions_backend():
+    assert remat.get_backend() == os.environ.get("REMAT_BACKEND", "auto")

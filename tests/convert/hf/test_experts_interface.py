@@ -31,19 +31,6 @@ from hf_models import (
 )
 from numerics import COMPILE_BACKEND, saved_bytes
 
-
-@pytest.fixture(autouse=True)
-def _reference(request):
-    """remat's ops on their PyTorch references (the interpreter takes 5 to 15 s a tiny MoE model's step;
-    the integration is the subject here), but in the tests marked `kernels`, which run the Triton kernels
-    as the session does (the interpreter on CPU)."""
-    if request.node.get_closest_marker("kernels"):
-        yield
-    else:
-        with remat.use_backend("reference"):
-            yield
-
-
 IDS = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))  # 18 tokens: not a power of two
 
 

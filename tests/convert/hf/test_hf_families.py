@@ -147,6 +147,7 @@ def test_same_loss_gradients_and_checkpoint(target, name):
     assert counter.counts["remat::attention_bwd"] == case.attention
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("name", [n for n in CASES if n not in ("falcon-new-one-ln", "falcon-sequential")])
 def test_training_under_bf16_autocast_is_as_accurate_as_stock(name):
     """fp32 weights under bf16 autocast (the Trainer's bf16=True), each family's default cache in
@@ -434,6 +435,7 @@ def test_falcon_alibi_keeps_the_stock_attention():
     assert calls == 0
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("name", ["bart", "opt", "clip", "siglip", "distilbert", "gptj"])
 def test_padded_batches_run_remat_attention_varlen(name):
     """A right-padded batch: the padded attentions (BART's encoder and its decoder's cross-attention
@@ -451,6 +453,7 @@ def test_padded_batches_run_remat_attention_varlen(name):
     assert varlen == (2 * LAYERS if name == "bart" else LAYERS)
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_bloom_padded_batch_runs_remat_attention_varlen_with_its_alibi(side):
     """Padding restarts BLOOM's ALiBi positions at each sequence's first real token: the bias remat

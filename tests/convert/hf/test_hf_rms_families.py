@@ -277,6 +277,7 @@ def test_compile_fullgraph_with_the_default_cache(name):
 ROTARY = ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt_neox"]
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("name", ROTARY)
 def test_rotary_models_train_under_autocast(name):
     """fp32 weights under bf16 autocast (the Trainer's bf16=True): the rotary embedding leaves q and k
@@ -314,6 +315,7 @@ def test_a_4d_mask_runs_stock_attention_on_the_fused_projections():
 @pytest.mark.parametrize("name, config", [("llama", {}), ("mistral", {"sliding_window": 4}), ("gemma2", {
     "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]})], ids=["llama", "mistral-window",
                                                                                      "gemma2-window-softcap"])
+@pytest.mark.kernels
 def test_a_padded_batch_runs_remat_attention_varlen(name, config, side):
     """Padding, with a sliding window of 4 over the 8 tokens (Mistral's every layer, Gemma2's first, with
     its softcap): remat.attention_varlen on the real tokens, the same step, nothing seq x seq saved."""

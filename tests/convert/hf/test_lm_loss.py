@@ -42,6 +42,7 @@ def convert(stock, **kwargs):
         return remat.convert(stock, report=True, **kwargs)
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("name", ["llama", "gemma2", "gpt2", "qwen3"])
 def test_the_stock_step_without_logits(name):
     """Llama; Gemma2 with its final_logit_softcapping; GPT-2 and Qwen3 with the head tied to the

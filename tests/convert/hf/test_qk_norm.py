@@ -38,6 +38,7 @@ def _convert(stock):
         return remat.convert(stock, report=True, layers=LAYER_RULES)
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("config_name", FAMILIES)
 def test_qk_norms_fused_train_as_stock(config_name):
     stock = tiny_causal_lm(config_name)
