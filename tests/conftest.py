@@ -101,14 +101,15 @@ def reference_backend():
 
 
 # The folders whose subject is remat's integration (conversion, the planner, memory measurement), not
-# its kernels: their tests run remat's ops on the PyTorch references, to which tests/ops holds the
-# kernels at every dtype and awkward shape. Under the interpreter the kernels took ~60 % of these tests'
-# time (test_hf_families.py with test_hf_rms_families.py on two workers: 274 s, 111 s on the references).
-# Where the kernels at a model's shapes and strides are the subject, a test asks for them: the `target`
-# fixture (each family file's same-loss, same-gradients and saved-bytes tests, LoRA), or the `kernels`
-# marker (training under bf16 autocast as accurately as stock, padded batches on the varlen kernels,
-# the fused LM-head loss, the fused q/k norms, the experts'). The processes a test starts (the gloo
-# ranks) choose their backend as any process does.
+# its kernels: under the interpreter (no GPU) their tests run remat's ops on the PyTorch references, to
+# which tests/ops holds the kernels at every dtype and awkward shape; on a GPU they run the kernels.
+# Under the interpreter the kernels took ~60 % of these tests' time (test_hf_families.py with
+# test_hf_rms_families.py on two workers: 274 s, 111 s on the references). Where the kernels at a
+# model's shapes and strides are the subject, a test asks for them: the `target` fixture (each family
+# file's same-loss, same-gradients and saved-bytes tests, LoRA), or the `kernels` marker (training
+# under bf16 autocast as accurately as stock, padded batches on the varlen kernels, the fused LM-head
+# loss, the fused q/k norms, the experts'). The processes a test starts (the gloo ranks) choose their
+# backend as any process does.
 INTEGRATION_FOLDERS = ("convert", "plan", "measure")
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -116,7 +117,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 @pytest.fixture(autouse=True)
 def _references_where_integration_is_the_subject(request):
     folder = os.path.relpath(str(request.node.path), TESTS).split(os.sep)[0]
-    if folder not in INTEGRATION_FOLDERS or "target" in request.fixturenames or \
+    if not INTERPRETER or folder not in INTEGRATION_FOLDERS or "target" in request.fixturenames or \
             request.node.get_closest_marker("kernels"):
         yield
     else:
