@@ -456,8 +456,8 @@ class _KernelSwitch:
         self._owner, self._real = OpFamily, OpFamily._implementation
         choose = self._real
 
-        def launch_nothing(family, index, args):
-            choose(family, index, args)  # what a real call pays to find its kernel
+        def launch_nothing(family, index, args, device=None):
+            choose(family, index, args, device)  # what a real call pays to find its kernel
             return (family.forward_fake, family.backward_fake)[index]
 
         self._empty = launch_nothing

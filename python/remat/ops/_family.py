@@ -104,6 +104,8 @@ class OpFamily:
     backward: Callable = field(init=False, repr=False)
     kernels: tuple = field(init=False, repr=False)  # the backends with kernels for it, as _backend.choose takes them
     op_names: tuple = field(init=False, repr=False)  # (<name>_fwd, <name>_bwd): its ops' names in remat's and remat_C's
+    _defaults: tuple = field(init=False, repr=False)  # the forward's and the backward's _trailing_defaults
+    _launchers: tuple | None = field(default=None, init=False, repr=False)  # _triton_launchers, once imported
 
     def __post_init__(self):
         if self.name in FAMILIES:
@@ -113,6 +115,7 @@ class OpFamily:
         self.op_names = f"{self.name}_fwd", f"{self.name}_bwd"
         self.forward_op = self._custom_op(0, self.forward_ref, self.forward_fake)
         self.backward_op = self._custom_op(1, self.backward_ref, self.backward_fake)
+        self._defaults = _trailing_defaults(self.forward_ref), _trailing_defaults(self.backward_ref)
         self.forward_op.register_autograd(_backend.on_forward_backend(self.autograd_backward),
                                           setup_context=self._setup_context)
         _backend.refuse_double_backward(self.backward_op, self.qualified_op_names[1])
@@ -128,7 +131,7 @@ class OpFamily:
     def _eager_forward(self, autograd):
         """The forward op, or in eager mode on plain tensors its implementation: under `autograd`
         when a gradient is needed."""
-        op, defaults = self.forward_op, _trailing_defaults(self.forward_ref)
+        op, defaults = self.forward_op, self._defaults[0]
 
         def forward(*args, **kwargs):
             plain = None if kwargs else _plain_eager_call(args)
@@ -144,7 +147,7 @@ class OpFamily:
     def _eager_backward(self):
         """The backward op, or in eager mode on plain tensors without a gradient to record (outside a
         create_graph backward: the op's derivative is a clear error) its implementation."""
-        op, defaults = self.backward_op, _trailing_defaults(self.backward_ref)
+        op, defaults = self.backward_op, self._defaults[1]
 
         def backward(*args, **kwargs):
             if kwargs or torch.is_grad_enabled() or _plain_eager_call(args) is None:
@@ -153,6 +156,16 @@ class OpFamily:
             return self._implementation(1, args)(*args)
 
         return backward
+
+    def run(self, index, device, *args):
+        """Op `index` (0 forward, 1 backward) on `args` from inside a fused op's call (remat.ops.fused) that
+        decided once, for all its op calls, that they may run their implementations directly: `device`,
+        from eager_device or eager_backward_device. The op's own checks of each call (forward and backward:
+        plain tensors, no float64, no mode) are what that decision stands for; device None: they run."""
+        if device is None:
+            return (self.forward, self.backward)[index](*args)
+        args = _filled(args, self._defaults[index])
+        return self._implementation(index, args, device)(*args)
 
     @property
     def qualified_op_names(self):
@@ -173,15 +186,16 @@ class OpFamily:
         op.register_fake(fake)
         return op
 
-    def _implementation(self, index, args):
-        """What runs op `index` (0 forward, 1 backward) on `args`: a Triton launcher, a remat_C op or the reference."""
-        device = None
-        for a in args:  # (a loop, not generators: this runs at every op call)
-            if isinstance(a, torch.Tensor):
-                if a.dtype == torch.float64:
-                    return (self.forward_ref, self.backward_ref)[index]  # the kernels compute in fp32 at most
-                if device is None:
-                    device = a.device
+    def _implementation(self, index, args, device=None):
+        """What runs op `index` (0 forward, 1 backward) on `args`: a Triton launcher, a remat_C op or the
+        reference. device: the tensors' device, given where the caller knows that none is float64 (run)."""
+        if device is None:
+            for a in args:  # (a loop, not generators: this runs at every op call)
+                if isinstance(a, torch.Tensor):
+                    if a.dtype == torch.float64:
+                        return (self.forward_ref, self.backward_ref)[index]  # the kernels compute in fp32 at most
+                    if device is None:
+                        device = a.device
         backend = _backend.choose(self.name, device, kernels=self.kernels)
         if backend == "cuda" and self.cuda_takes is not None and not self.cuda_takes(*args):
             backend = "triton" if self.triton and _backend.triton_available() else "reference"
@@ -189,11 +203,17 @@ class OpFamily:
         if backend == "triton" and (self.triton_takes is None or self.triton_takes(*args)):
             if device.type == "cpu" and self.uses_tl_dot:
                 self._check_interpreter_dot(args)
-            module = importlib.import_module(f"remat.triton_kernels.{self.triton}")
-            return getattr(module, (self.triton_launchers or self.op_names)[index])
+            return self._triton_launchers()[index]
         if backend == "cuda":
             return getattr(torch.ops.remat_C, self.op_names[index])
         return (self.forward_ref, self.backward_ref)[index]
+
+    def _triton_launchers(self):
+        """(forward, backward) Triton launchers, imported on first use (not at every call: importlib's lookup)."""
+        if self._launchers is None:
+            module = importlib.import_module(f"remat.triton_kernels.{self.triton}")
+            self._launchers = tuple(getattr(module, name) for name in (self.triton_launchers or self.op_names))
+        return self._launchers
 
     def _check_interpreter_dot(self, args):
         """Refuses bf16 kernels the Triton interpreter would compute wrong (its bf16 tl.dot: triton
@@ -255,13 +275,47 @@ def _filled(args, defaults):
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
+def _modes_or_tracing():
+    """Whether torch.compile traces, or a dispatch mode, a function mode or a functorch transform is active:
+    each must see remat's ops, not their implementations."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() \
+        or torch._C._is_torch_function_mode_enabled() or torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def eager_device(tensors):
+    """For a fused op's call on `tensors` (None entries skipped): the device of its op calls where each may
+    run its implementation directly (OpFamily.run), which their own checks would allow each of them (plain
+    CPU or CUDA tensors, no float64 among them, outside torch.compile, modes and transforms, without a
+    gradient to record: the op calls inside an autograd.Function's forward); else None. Asked once a call:
+    the op calls inside read these tensors and tensors computed from them."""
+    if torch.is_grad_enabled() or _modes_or_tracing():
+        return None
+    device = None
+    for t in tensors:
+        if t is not None:
+            if not (type(t) in _PLAIN_TENSORS and (t.is_cpu or t.is_cuda)) or t.dtype == torch.float64:
+                return None
+            if device is None:
+                device = t.device
+    return device
+
+
+def eager_backward_device(device, grad):
+    """For an op call in the backward of a fused op whose forward's op calls ran on `device` (eager_device),
+    on the gradient `grad` and the forward's tensors: `device` where it may run its implementation directly
+    too, else None. What may differ from the forward there: the grad mode (create_graph), the modes, and
+    the gradient autograd passed (a tensor subclass)."""
+    if device is None or type(grad) not in _PLAIN_TENSORS or torch.is_grad_enabled() or _modes_or_tracing():
+        return None
+    return device
+
+
 def _plain_eager_call(args):
     """Whether an op call may skip torch.library's dispatch: None where it may not, else whether a tensor
     among `args` requires grad. It may not while torch.compile traces, under a dispatch or function mode or
     a functorch transform (they must see the op), or with a tensor that is not a plain CPU or CUDA one (a
     subclass, or meta: those dispatch to the op's fake or their own handling)."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() \
-            or torch._C._is_torch_function_mode_enabled() or torch._C._functorch.peek_interpreter_stack() is not None:
+    if _modes_or_tracing():
         return None
     requires_grad = False
     for a in args:

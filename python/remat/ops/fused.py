@@ -36,6 +36,7 @@ from .._validate import (
 )
 from ..specs import GELU_APPROXIMATE, Activation, Linear, LoRA, Norm, check_activation, check_norm, gelu
 from ._checked import Checked
+from ._family import eager_backward_device, eager_device
 from ._lora import (
     _PER_ADAPTER,
     _adapter_grads,
@@ -49,10 +50,12 @@ from ._lora import (
     _unflatten,
 )
 from ._shared_statistics import SharedStatistics, exchange, sharing
-from .gated import gated_bwd, gated_fwd
-from .gelu import check_approximate, gelu_bwd, gelu_fwd
-from .layer_norm import layer_norm_bwd, layer_norm_fwd
-from .rms_norm import check_style, default_eps, rms_norm_bwd, rms_norm_fwd
+from .gated import FAMILY as GATED
+from .gelu import FAMILY as GELU
+from .gelu import check_approximate
+from .layer_norm import FAMILY as LAYER_NORM
+from .rms_norm import FAMILY as RMS_NORM
+from .rms_norm import check_style, default_eps
 
 __all__ = ["Activation", "Checked", "Linear", "LoRA", "Norm", "SharedStatistics", "layer_norm_linear", "mlp",
            "norm_linears", "fused_mlp"]
@@ -65,22 +68,23 @@ def norm_layout(norm):
     return _NormLayout(norm.kind, float(norm.eps), norm.style)
 
 
-def norm_forward(layout, x, weight, bias):
-    """(norm(x), its fp32 row statistics: (mean, rstd) for a LayerNorm, (rstd,) for an RMSNorm)."""
+def norm_forward(layout, x, weight, bias, device=None):
+    """(norm(x), its fp32 row statistics: (mean, rstd) for a LayerNorm, (rstd,) for an RMSNorm). device: the
+    fused call's (remat.ops._family.eager_device), where its op calls run their implementations directly."""
     if layout.kind == "rms_norm":
         # Llama's and T5's styles give a float32 weight's dtype: the Linears read x's, as autocast casts it
-        y, rstd = rms_norm_fwd(x, weight, layout.eps, layout.style)
+        y, rstd = RMS_NORM.run(0, device, x, weight, layout.eps, layout.style)
         return y.to(x.dtype), (rstd,)
-    y, mean, rstd = layer_norm_fwd(x, weight, bias, layout.eps)
+    y, mean, rstd = LAYER_NORM.run(0, device, x, weight, bias, layout.eps)
     return y, (mean, rstd)
 
 
-def norm_backward(layout, dy, x, weight, bias, stats, rebuild):
+def norm_backward(layout, dy, x, weight, bias, stats, rebuild, device=None):
     """(dx, d weight, d bias, norm(x) rebuilt when `rebuild`, else None) from x and its statistics."""
     if layout.kind == "rms_norm":
-        dx, d_weight, rebuilt = rms_norm_bwd(dy, x, weight, *stats, layout.style, rebuild)
+        dx, d_weight, rebuilt = RMS_NORM.run(1, device, dy, x, weight, *stats, layout.style, rebuild)
         return dx, d_weight, None, rebuilt.to(x.dtype) if rebuild else None
-    dx, d_weight, d_bias, rebuilt = layer_norm_bwd(dy, x, weight, bias, *stats, rebuild)
+    dx, d_weight, d_bias, rebuilt = LAYER_NORM.run(1, device, dy, x, weight, bias, *stats, rebuild)
     return dx, d_weight, d_bias, rebuilt if rebuild else None
 
 
@@ -138,7 +142,8 @@ class _LayerNormLinears(torch.autograd.Function):
         # Rebuilding LN(x) pays only where x is kept anyway, for the LayerNorm's own backward;
         # otherwise LN(x) is kept as eager keeps it (it is smaller than x and its statistics).
         rebuild = recompute and need_norm_grad
-        normed, stats = norm_forward(norm_layout, x, norm_weight, norm_bias)
+        ctx.eager_device = device = eager_device((x, norm_weight, norm_bias, *tensors))  # its op calls', decided once
+        normed, stats = norm_forward(norm_layout, x, norm_weight, norm_bias, device)
         stats = exchange(slot, stats)
         outs, intermediates = [], []
         for linear in linears:
@@ -193,8 +198,9 @@ def _normed_backward(ctx, d_normed, x, norm_weight, norm_bias, stats, normed):
     if not ctx.need_norm_grad:
         return None, None, None, normed
     rebuild = ctx.need_normed and normed is None
+    device = eager_backward_device(ctx.eager_device, d_normed)
     dx, d_norm_weight, d_norm_bias, rebuilt = norm_backward(ctx.norm_layout, d_normed, x, norm_weight, norm_bias,
-                                                            stats, rebuild)
+                                                            stats, rebuild, device)
     return dx, d_norm_weight, d_norm_bias, rebuilt if rebuild else normed
 
 
@@ -282,21 +288,21 @@ def _gate_and_up(hs):
     return hs[0][:, :width], hs[0][:, width:]
 
 
-def _activation_forward(act, hs, bias):
+def _activation_forward(act, hs, bias, device):
     """act over the up projections' outputs hs: gelu(h + bias) of [h], or act(gate) * up."""
     if act.gated:
-        return gated_fwd(*_gate_and_up(hs), act.name, True)
-    return gelu_fwd(hs[0], bias, GELU_APPROXIMATE[act.name])
+        return GATED.run(0, device, *_gate_and_up(hs), act.name, True)
+    return GELU.run(0, device, hs[0], bias, GELU_APPROXIMATE[act.name])
 
 
-def _activation_backward(act, d_activation, hs, bias, rebuild):
+def _activation_backward(act, d_activation, hs, bias, rebuild, device):
     """([d h] per up projection output, d bias (None without it), the rebuilt activation or None)."""
     if act.gated:
-        d_gate_up, rebuilt = gated_bwd(d_activation, *_gate_and_up(hs), act.name, rebuild, True)
+        d_gate_up, rebuilt = GATED.run(1, device, d_activation, *_gate_and_up(hs), act.name, rebuild, True)
         width = d_gate_up.shape[1] // 2
         d_hs = [d_gate_up[:, :width], d_gate_up[:, width:]] if len(hs) == 2 else [d_gate_up]
         return d_hs, None, rebuilt if rebuild else None
-    dh, d_bias, rebuilt = gelu_bwd(d_activation, hs[0], bias, GELU_APPROXIMATE[act.name], rebuild)
+    dh, d_bias, rebuilt = GELU.run(1, device, d_activation, hs[0], bias, GELU_APPROXIMATE[act.name], rebuild)
     return [dh], d_bias if bias is not None else None, rebuilt if rebuild else None
 
 
@@ -321,8 +327,9 @@ class _MLP(torch.autograd.Function):
         need_dh = (ctx.needs_input_grad[1] or need_norm_grad or need_up_input
                    or any(n.bias or any(a[1] or a[2] for a in n.adapters) for n in up_needs))
         need_activation = down_needs.weight or any(a[0] for a in down_needs.adapters)  # for dW2 and down's dA
+        ctx.eager_device = device = eager_device((x, norm_weight, norm_bias, *tensors))  # its op calls', decided once
         if has_norm:
-            up_input, stats = norm_forward(layout.norm, x, norm_weight, norm_bias)
+            up_input, stats = norm_forward(layout.norm, x, norm_weight, norm_bias, device)
             stats = exchange(slot, stats)
         else:
             up_input, stats = x, ()
@@ -335,7 +342,7 @@ class _MLP(torch.autograd.Function):
                 h, ts = _add_adapters(_project(up_input, up), up_input, up.adapters)
             hs.append(h)
             intermediates += ts
-        activation = _activation_forward(layout.act, hs, kernel_bias)
+        activation = _activation_forward(layout.act, hs, kernel_bias, device)
         out, ts = _add_adapters(_project(activation, down), activation, down.adapters)
         intermediates += ts
         # As for the norm: rebuilding pays only where the backward runs that pass anyway (the norm's
@@ -381,7 +388,8 @@ class _MLP(torch.autograd.Function):
         if ctx.need_dh:
             d_activation = _input_grad_from_adapters(d_out.matmul(_out_in(down)), down.adapters, down_d_ts)
             d_hs, d_kernel_bias, rebuilt = _activation_backward(layout.act, d_activation, hs, kernel_bias,
-                                                                rebuild_activation)
+                                                                rebuild_activation,
+                                                                eager_backward_device(ctx.eager_device, d_activation))
             activation = rebuilt if rebuild_activation else activation
             d_activation = None
         flat_down = [_weight_grad(d_out, activation, down) if down_needs.weight else None,
@@ -430,8 +438,9 @@ def _up_input_backward(ctx, d_up_input, x, norm_weight, norm_bias, stats, up_inp
     if not ctx.need_norm_grad:
         return None, None, None, up_input
     rebuild = ctx.need_up_input and up_input is None
+    device = eager_backward_device(ctx.eager_device, d_up_input)
     dx, d_norm_weight, d_norm_bias, rebuilt = norm_backward(norm, d_up_input, x, norm_weight, norm_bias, stats,
-                                                            rebuild)
+                                                            rebuild, device)
     return dx, d_norm_weight, d_norm_bias, rebuilt if rebuild else up_input
 
 
@@ -449,8 +458,10 @@ def _plain_mlp_backward(ctx, d_out):
     d_hs = d_kernel_bias = None
     if ctx.need_dh:
         rebuild = ctx.need_activation and activation is None
-        d_hs, d_kernel_bias, rebuilt = _activation_backward(layout.act, d_out.matmul(_out_in(down)), hs, kernel_bias,
-                                                            rebuild)
+        d_activation = d_out.matmul(_out_in(down))
+        d_hs, d_kernel_bias, rebuilt = _activation_backward(layout.act, d_activation, hs, kernel_bias, rebuild,
+                                                            eager_backward_device(ctx.eager_device, d_activation))
+        d_activation = None
         activation = rebuilt if rebuild else activation
     grads_down = (_weight_grad(d_out, activation, down) if needs[-1].weight else None,
                   d_out.sum(0) if needs[-1].bias and down.bias is not None else None)
