@@ -12,7 +12,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=${REMAT_VENV:-.venv}
 PYTHON="$VENV/bin/python"
 REQUIREMENTS=("${REMAT_TORCH:-torch==2.15.0}" "triton>=3.6" ninja "pytest>=7" "pytest-xdist>=3" "hypothesis>=6"
-              numpy matplotlib setuptools wheel "transformers>=5.25,<6" "peft>=0.21" "accelerate>=1.15" ruff==0.17.6
+              numpy matplotlib "setuptools>=77" wheel "transformers>=5.25,<6" "peft>=0.21" "accelerate>=1.15" ruff==0.17.6
               deepspeed==0.19.8)  # deepspeed: the ZeRO-3 tests (tests/convert/test_distributed.py), not remat's
 if [ ! -x "$PYTHON" ]; then
     echo "setup: creating $VENV"

@@ -16,7 +16,7 @@ PYTHON="$VENV/bin/python"
 # numpy below 2.4: triton 3.6's interpreter turns one-element arrays into Python ints, which numpy
 # 2.4 refuses (the compiled kernels on a GPU do not use numpy).
 "$PYTHON" -m pip install --quiet torch==2.11.0 triton==3.6.0 transformers==5.17.0 peft==0.21.2 accelerate==1.15.0 \
-    "numpy<2.4" ninja "pytest>=7" "pytest-xdist>=3" "hypothesis>=6" matplotlib setuptools wheel
+    "numpy<2.4" ninja "pytest>=7" "pytest-xdist>=3" "hypothesis>=6" matplotlib "setuptools>=77" wheel
 
 TREE=$(mktemp -d)
 trap 'rm -rf "$TREE"' EXIT
