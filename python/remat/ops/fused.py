@@ -20,6 +20,7 @@ eager PyTorch does, so tests and benchmarks can compare the two modes.
 """
 
 import collections
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -136,9 +137,7 @@ class _LayerNormLinears(torch.autograd.Function):
     def forward(ctx, x, norm_weight, norm_bias, norm_layout, recompute, layout, slot, *tensors):
         _backend.remember_backend(ctx)
         linears = _unpack_linears(tensors, layout)
-        needs = _unpack_needs(ctx.needs_input_grad[7:], layout)
-        need_norm_grad = any(ctx.needs_input_grad[:3])  # the LayerNorm's backward runs
-        need_normed = any(n.weight or any(a[0] for a in n.adapters) for n in needs)  # for each dW and dA
+        needs, need_norm_grad, need_normed = _norm_linears_needs(ctx.needs_input_grad, layout)
         # Rebuilding LN(x) pays only where x is kept anyway, for the LayerNorm's own backward;
         # otherwise LN(x) is kept as eager keeps it (it is smaller than x and its statistics).
         rebuild = recompute and need_norm_grad
@@ -150,7 +149,7 @@ class _LayerNormLinears(torch.autograd.Function):
             out, ts = _add_adapters(_project(normed, linear), normed, linear.adapters)
             outs.append(out)
             intermediates.extend(ts)
-        kept = [t if n[1] else None for t, n in zip(intermediates, [a for n in needs for a in n.adapters])]
+        kept = _kept_intermediates(intermediates, needs)
         ctx.save_for_backward(*_kept(need_norm_grad or (need_normed and rebuild), x, *stats),
                               *_kept(need_normed and not rebuild, normed), norm_weight, norm_bias, *tensors, *kept)
         ctx.norm_layout, ctx.statistics, ctx.layout, ctx.needs = norm_layout, len(stats), layout, needs
@@ -226,6 +225,42 @@ def _plain_norm_linears_backward(ctx, d_outs, x, stats, normed, norm_weight, nor
 
 
 _Needs = collections.namedtuple("_Needs", "weight bias adapters")
+
+
+# What a fused Function's forward and backward compute and keep follows from its inputs' needs_input_grad and its
+# layout alone: decided once per combination (a converted layer's calls bring the same ones at every step), not
+# worked out again at every call. needs: a _Needs per Linear; the flags: see the Functions' forwards.
+_NormLinearsNeeds = collections.namedtuple("_NormLinearsNeeds", "needs norm_grad normed")
+_MLPNeeds = collections.namedtuple("_MLPNeeds", "needs norm_grad up_input dh activation")
+
+
+@functools.lru_cache(maxsize=1024)
+def _norm_linears_needs(needs_input_grad, layout):
+    """_LayerNormLinears': whether the norm's backward runs, and whether norm(x) is needed (for each dW and dA)."""
+    needs = tuple(_unpack_needs(needs_input_grad[7:], layout))
+    return _NormLinearsNeeds(needs, any(needs_input_grad[:3]),
+                             any(n.weight or any(a[0] for a in n.adapters) for n in needs))
+
+
+@functools.lru_cache(maxsize=1024)
+def _mlp_needs(needs_input_grad, has_norm, layout):
+    """_MLP's: whether the norm's backward runs, the up projections' input is needed (for their dW and dA), dh is
+    (for dx, the norm's gradients, those and the up biases' and adapters') and act(h) is (for dW2 and down's dA)."""
+    needs = tuple(_unpack_needs(needs_input_grad[5:], layout))
+    up_needs, down_needs = needs[:-1], needs[-1]
+    norm_grad = has_norm and any(needs_input_grad[1:4])
+    up_input = any(n.weight or any(a[0] for a in n.adapters) for n in up_needs)
+    dh = (needs_input_grad[1] or norm_grad or up_input
+          or any(n.bias or any(a[1] or a[2] for a in n.adapters) for n in up_needs))
+    activation = down_needs.weight or any(a[0] for a in down_needs.adapters)
+    return _MLPNeeds(needs, norm_grad, up_input, dh, activation)
+
+
+def _kept_intermediates(intermediates, needs):
+    """The adapters' rank-r intermediates A(x) whose B's gradient is needed (None for the others)."""
+    if not intermediates:  # no adapters (every fused call of a converted model without LoRA)
+        return ()
+    return [t if a[1] else None for t, a in zip(intermediates, [a for n in needs for a in n.adapters])]
 
 # What a fused Function knows of its Linears besides their tensors: per Linear, its adapters' scales, and
 # whether its weight is stored (in, out) (remat.specs.Linear's transposed).
@@ -319,14 +354,10 @@ class _MLP(torch.autograd.Function):
     def forward(ctx, layout, x, norm_weight, norm_bias, slot, *tensors):
         _backend.remember_backend(ctx)
         linears = _unpack_linears(tensors, layout.linears)
-        needs = _unpack_needs(ctx.needs_input_grad[5:], layout.linears)
-        ups, down, up_needs, down_needs = linears[:-1], linears[-1], needs[:-1], needs[-1]
+        ups, down = linears[:-1], linears[-1]
         has_norm = layout.norm is not None
-        need_norm_grad = has_norm and any(ctx.needs_input_grad[1:4])
-        need_up_input = any(n.weight or any(a[0] for a in n.adapters) for n in up_needs)  # for dW and dA
-        need_dh = (ctx.needs_input_grad[1] or need_norm_grad or need_up_input
-                   or any(n.bias or any(a[1] or a[2] for a in n.adapters) for n in up_needs))
-        need_activation = down_needs.weight or any(a[0] for a in down_needs.adapters)  # for dW2 and down's dA
+        needs, need_norm_grad, need_up_input, need_dh, need_activation = _mlp_needs(ctx.needs_input_grad, has_norm,
+                                                                                    layout.linears)
         ctx.eager_device = device = eager_device((x, norm_weight, norm_bias, *tensors))  # its op calls', decided once
         if has_norm:
             up_input, stats = norm_forward(layout.norm, x, norm_weight, norm_bias, device)
@@ -351,7 +382,7 @@ class _MLP(torch.autograd.Function):
         rebuild_activation = layout.recompute and need_dh
         keep_x = need_norm_grad or (need_up_input and not has_norm)
         keep_up_input = has_norm and need_up_input and not rebuild_up_input
-        kept = [t if a[1] else None for t, a in zip(intermediates, [a for n in needs for a in n.adapters])]
+        kept = _kept_intermediates(intermediates, needs)
         ctx.save_for_backward(
             *_kept(keep_x, x), *_kept(keep_x and has_norm, *stats), *_kept(keep_up_input, up_input),
             *_kept(need_dh, *hs), *_kept(need_activation and not rebuild_activation, activation),
