@@ -254,8 +254,10 @@ def _activation_forward(act, hs, bias, device):
     return GELU.run(0, device, hs[0], bias, GELU_APPROXIMATE[act.name])
 
 
-def _activation_backward(act, d_activation, hs, bias, rebuild, device):
-    """([d h] per up projection output, d bias (None without it), the rebuilt activation or None)."""
+def _activation_backward(act, d_activation, hs, bias, rebuild, forward_device):
+    """([d h] per up projection output, d bias (None without it), the rebuilt activation or None).
+    forward_device: the fused forward's eager_device (ctx.eager_device)."""
+    device = eager_backward_device(forward_device, d_activation)
     if act.gated:
         d_gate_up, rebuilt = GATED.run(1, device, d_activation, *_gate_and_up(hs), act.name, rebuild, True)
         width = d_gate_up.shape[1] // 2
@@ -343,8 +345,7 @@ class _MLP(torch.autograd.Function):
         if ctx.need_dh:
             d_activation = _input_grad_from_adapters(d_out.matmul(_out_in(down)), down.adapters, down_d_ts)
             d_hs, d_kernel_bias, rebuilt = _activation_backward(layout.act, d_activation, hs, kernel_bias,
-                                                                rebuild_activation,
-                                                                eager_backward_device(ctx.eager_device, d_activation))
+                                                                rebuild_activation, ctx.eager_device)
             activation = rebuilt if rebuild_activation else activation
             d_activation = None
         flat_down = [_weight_grad(d_out, activation, down) if down_needs.weight else None,
@@ -413,10 +414,8 @@ def _plain_mlp_backward(ctx, d_out):
     d_hs = d_kernel_bias = None
     if ctx.need_dh:
         rebuild = ctx.need_activation and activation is None
-        d_activation = d_out.matmul(_out_in(down))
-        d_hs, d_kernel_bias, rebuilt = _activation_backward(layout.act, d_activation, hs, kernel_bias, rebuild,
-                                                            eager_backward_device(ctx.eager_device, d_activation))
-        d_activation = None
+        d_hs, d_kernel_bias, rebuilt = _activation_backward(layout.act, d_out.matmul(_out_in(down)), hs, kernel_bias,
+                                                            rebuild, ctx.eager_device)
         activation = rebuilt if rebuild else activation
     grads_down = (_weight_grad(d_out, activation, down) if needs[-1].weight else None,
                   d_out.sum(0) if needs[-1].bias and down.bias is not None else None)
