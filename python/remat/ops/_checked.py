@@ -29,12 +29,15 @@ class Checked:
         self._whole, self.keeps_calls = (), keeps_calls
 
     def holds(self, x, linears):
+        return self._like_passed(x) and not any(linear.adapters for linear in linears)
+
+    def _like_passed(self, x):
+        """Whether x is like the input that passed, outside autocast."""
         if self._like is None or not isinstance(x, torch.Tensor) or x.dim() == 0 or \
                 (x.dtype, x.shape[-1], x.device) != self._like:
             return False
         # autocast asked of the recorded device type only where it has one (autocast_dtype, decided once)
-        return not (self._autocast and torch.is_autocast_enabled(self._autocast)) and \
-            not any(linear.adapters for linear in linears)
+        return not (self._autocast and torch.is_autocast_enabled(self._autocast))
 
     def passed(self, x):
         """Record x, whose call passed the full check (not under autocast: the check saw its cast). Nothing
@@ -60,7 +63,9 @@ class Checked:
     def kept_call(self, x, eps, act, recompute):
         """The call kept for inputs like x, made for a norm of this `eps` (None without one), the Activation
         `act` (None for norm_linears) and this recompute switch; else None."""
-        if self._call is None or (eps, act, recompute) != self._made_for or not self.holds(x, ()) or \
-                not all(t.is_contiguous() for t in self._whole):
+        if self._call is None or (eps, act, recompute) != self._made_for or not self._like_passed(x):
             return None
+        for tensor in self._whole:  # (a loop, not a generator: this runs at every kept call)
+            if not tensor.is_contiguous():
+                return None
         return self._call

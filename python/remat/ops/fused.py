@@ -254,10 +254,9 @@ def _activation_forward(act, hs, bias, device):
     return GELU.run(0, device, hs[0], bias, GELU_APPROXIMATE[act.name])
 
 
-def _activation_backward(act, d_activation, hs, bias, rebuild, forward_device):
+def _activation_backward(act, d_activation, hs, bias, rebuild, device):
     """([d h] per up projection output, d bias (None without it), the rebuilt activation or None).
-    forward_device: the fused forward's eager_device (ctx.eager_device)."""
-    device = eager_backward_device(forward_device, d_activation)
+    device: the fused backward's eager_backward_device."""
     if act.gated:
         d_gate_up, rebuilt = GATED.run(1, device, d_activation, *_gate_and_up(hs), act.name, rebuild, True)
         width = d_gate_up.shape[1] // 2
@@ -322,8 +321,10 @@ class _MLP(torch.autograd.Function):
     @_backend.on_forward_backend
     def backward(ctx, d_out):
         layout, needs = ctx.layout, ctx.needs
+        # its op calls' device, asked once: the gradients they take are computed from d_out and the forward's tensors
+        device = eager_backward_device(ctx.eager_device, d_out)
         if not any(layout.linears.scales):
-            return _plain_mlp_backward(ctx, d_out)
+            return _plain_mlp_backward(ctx, d_out, device)
         saved = iter(ctx.saved_tensors)
         x = next(saved)
         stats = tuple(next(saved) for _ in range(ctx.statistics))
@@ -345,7 +346,7 @@ class _MLP(torch.autograd.Function):
         if ctx.need_dh:
             d_activation = _input_grad_from_adapters(d_out.matmul(_out_in(down)), down.adapters, down_d_ts)
             d_hs, d_kernel_bias, rebuilt = _activation_backward(layout.act, d_activation, hs, kernel_bias,
-                                                                rebuild_activation, ctx.eager_device)
+                                                                rebuild_activation, device)
             activation = rebuilt if rebuild_activation else activation
             d_activation = None
         flat_down = [_weight_grad(d_out, activation, down) if down_needs.weight else None,
@@ -366,7 +367,7 @@ class _MLP(torch.autograd.Function):
                     d_up_input = part if d_up_input is None else d_up_input + part
                 pending.append((grads, d_ts))
             dx, d_norm_weight, d_norm_bias, up_input = _up_input_backward(ctx, d_up_input, x, norm_weight, norm_bias,
-                                                                          stats, up_input)
+                                                                          stats, up_input, device)
             flat_ups = []
             for up, need, dh, (grads, d_ts) in zip(ups, up_needs, d_hs, pending):
                 d_bias = d_kernel_bias if kernel_bias is not None else dh.sum(0) if up.bias is not None else None
@@ -384,23 +385,22 @@ class _MLP(torch.autograd.Function):
         )
 
 
-def _up_input_backward(ctx, d_up_input, x, norm_weight, norm_bias, stats, up_input):
+def _up_input_backward(ctx, d_up_input, x, norm_weight, norm_bias, stats, up_input, device):
     """(dx, d norm weight, d norm bias, the up projections' input) of _MLP's backward, from the gradient that
     reached that input: through the norm, norm(x) rebuilt in its pass where it was not kept; x itself
-    without a norm."""
+    without a norm. device: the backward's eager_backward_device."""
     norm = ctx.layout.norm
     if norm is None:
         return d_up_input, None, None, x
     if not ctx.need_norm_grad:
         return None, None, None, up_input
     rebuild = ctx.need_up_input and up_input is None
-    device = eager_backward_device(ctx.eager_device, d_up_input)
     dx, d_norm_weight, d_norm_bias, rebuilt = norm_backward(norm, d_up_input, x, norm_weight, norm_bias, stats,
                                                             rebuild, device)
     return dx, d_norm_weight, d_norm_bias, rebuilt if rebuild else up_input
 
 
-def _plain_mlp_backward(ctx, d_out):
+def _plain_mlp_backward(ctx, d_out, device):
     """_MLP.backward where no Linear carries adapters (every call of a converted model without LoRA): the
     same gradients, in the same order (the rebuilt act(h) dropped before the up projections' pass), in
     straight-line code, for the reason _plain_norm_linears_backward gives."""
@@ -415,7 +415,7 @@ def _plain_mlp_backward(ctx, d_out):
     if ctx.need_dh:
         rebuild = ctx.need_activation and activation is None
         d_hs, d_kernel_bias, rebuilt = _activation_backward(layout.act, d_out.matmul(_out_in(down)), hs, kernel_bias,
-                                                            rebuild, ctx.eager_device)
+                                                            rebuild, device)
         activation = rebuilt if rebuild else activation
     grads_down = (_weight_grad(d_out, activation, down) if needs[-1].weight else None,
                   d_out.sum(0) if needs[-1].bias and down.bias is not None else None)
@@ -430,7 +430,7 @@ def _plain_mlp_backward(ctx, d_out):
                 part = dh.matmul(_out_in(up))
                 d_up_input = part if d_up_input is None else d_up_input + part
         dx, d_norm_weight, d_norm_bias, up_input = _up_input_backward(ctx, d_up_input, x, norm_weight, norm_bias,
-                                                                      stats, up_input)
+                                                                      stats, up_input, device)
         grads_up = ()
         for up, need, dh in zip(ups, needs, d_hs):
             d_bias = d_kernel_bias if kernel_bias is not None else dh.sum(0) if up.bias is not None else None

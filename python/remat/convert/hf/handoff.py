@@ -75,8 +75,8 @@ class Handoff:
         self.settings = tuple(settings)
         self.statistics = SharedStatistics() if len(self.consumers) > 1 else None
         self.outputs = SiblingOutputs() if len(self.consumers) > 1 else None
-        self._given = TensorMemo()  # the verdict for the tensor a producer handed over
-        self._fed = TensorMemo()  # that tensor, until the next hand-over (reaches)
+        self._handed = TensorMemo()  # the tensor a producer handed over last: [its verdict, not yet received]
+        self._members = ()  # the modules _watched found at the last reason(): source() reads them
 
     def reason(self):
         """None while the handoff holds, else why not: decided again only when the modules it watches
@@ -86,7 +86,8 @@ class Handoff:
             return "the layer holding it is gone"
         state = tuple(_attribute(layer, name) for name in (*self.dropout, *(path for path, _ in self.settings))) \
             if self.dropout or self.settings else ()
-        return decided(self, self._watched(layer), lambda: self._reason(layer), extra=state)
+        self._members = self._watched(layer)
+        return decided(self, self._members, lambda: self._reason(layer), extra=state)
 
     def verdict(self):
         """The verdict reason() kept, as an object a consumer's own check is kept under (_guards.decided's
@@ -96,7 +97,7 @@ class Handoff:
     def _watched(self, layer):
         """The layer, every module along the paths, and each consumer's children (an MLP's projections
         and activation, which its fused op reads): what the handoff's verdict is kept for."""
-        modules, (steps, consumers) = [layer], self._walk
+        modules, (steps, consumers, _) = [layer], self._walk
         for parent, name in steps:
             owner = modules[parent]
             modules.append(owner._modules.get(name) if owner is not None else None)
@@ -111,8 +112,7 @@ class Handoff:
         torch.compile traces (the graph's guards stand for the checks)."""
         reason = self.reason()
         if not torch.compiler.is_compiling():
-            self._given.put(x, reason)
-            self._fed.put(x, None)
+            self._handed.put(x, [reason, True])
         return reason
 
     def _lend(self, layer):
@@ -129,20 +129,25 @@ class Handoff:
         there: the graph was traced from the layer's call)."""
         if torch.compiler.is_compiling():
             return True
-        return self._fed.get(x) is not MISSING or (x._base is not None and self._fed.get(x._base) is not MISSING)
+        return self._handed.get(x) is not MISSING or (x._base is not None and self._handed.get(x._base) is not MISSING)
 
-    def handed(self, x):
-        """Whether a producer handed `x` over at this call with the handoff holding: received(x) would give
-        None without deciding again. Not while torch.compile traces (no memo there)."""
-        return not torch.compiler.is_compiling() and self._given.get(x) is None
+    def take(self, x):
+        """Whether a producer handed `x` over at this call with the handoff holding, its verdict not received
+        yet: True receives it (a consumer then acts on it without deciding again). Not while torch.compile
+        traces (no memo there)."""
+        given = self._handed.get(x)
+        if given is MISSING or given[0] is not None or not given[1] or torch.compiler.is_compiling():
+            return False
+        given[1] = False
+        return True
 
     def received(self, x):
-        """The verdict given for `x` (taken: once), else reason()."""
-        if torch.compiler.is_compiling():
+        """The verdict given for `x` (received: once), else reason()."""
+        given = MISSING if torch.compiler.is_compiling() else self._handed.get(x)
+        if given is MISSING or not given[1]:
             return self.reason()
-        given = self._given.get(x)
-        self._given.clear()
-        return self.reason() if given is MISSING else given
+        given[1] = False
+        return given[0]
 
     def _reason(self, layer):
         for path in self._paths:
@@ -182,12 +187,13 @@ class Handoff:
     @property
     def _walk(self):
         """((index of its parent in _watched's list, 0 the layer; its name) of each module along the paths,
-        the consumers' indices in that list), worked out once."""
+        the consumers' indices in that list, {role: index} of the producers'), worked out once."""
         walk = self.__dict__.get("_walk_steps")
         if walk is None:
             index = {"": 0, **{path: i + 1 for i, path in enumerate(self._along)}}
             steps = tuple((index[path.rpartition(".")[0]], path.rpartition(".")[2]) for path in self._along)
-            walk = self._walk_steps = steps, tuple(index[path] for path in self.consumers)
+            walk = self._walk_steps = steps, tuple(index[path] for path in self.consumers), \
+                {role: index[path] for role, path in self.producers.items()}
         return walk
 
     def consumer_replaced(self):
@@ -222,9 +228,10 @@ class Handoff:
         return [submodule(self._layer(), path) for path in self.consumers]
 
     def source(self, role="norm"):
-        """The producer of `role` (call only while reason() is None), or None when it has none."""
-        path = self.producers.get(role)
-        return submodule(self._layer(), path) if path is not None else None
+        """The producer of `role` (call only while reason() is None, at the same call: the module in its place
+        when reason() last looked), or None when it has none."""
+        index = self._walk[2].get(role)
+        return self._members[index] if index is not None else None
 
     def __deepcopy__(self, memo):
         layer = self._layer()
@@ -235,7 +242,7 @@ class Handoff:
         new.settings = self.settings
         new.statistics = SharedStatistics() if self.statistics is not None else None
         new.outputs = SiblingOutputs() if self.outputs is not None else None
-        new._given, new._fed = TensorMemo(), TensorMemo()
+        new._handed, new._members = TensorMemo(), ()
         return new
 
     def __reduce__(self):  # pickling a model: the layer itself, which pickle keeps once

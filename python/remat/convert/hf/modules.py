@@ -128,15 +128,12 @@ def norm_spec(norm):
 
 def _kept_call(module, x, act=None):
     """(the fused op call `module` kept, its verdict: _kept_under_verdict) where a producer handed x over at
-    this call with the handoff holding (taken then, as received() takes it); else None, and the full path
+    this call with the handoff holding (its verdict received then: Handoff.take); else None, and the full path
     decides. Asked first at a call: the steady state of a converted layer, which reads nothing else."""
     handoff = module.__dict__.get("remat_handoff")
-    if handoff is None or not handoff.handed(x):
+    if handoff is None or not handoff.take(x):
         return None
-    kept = _kept_under_verdict(module, x, handoff.source("norm"), act)
-    if kept is not None:
-        handoff.received(x)
-    return kept
+    return _kept_under_verdict(module, x, handoff.source("norm"), act)
 
 
 def _kept_under_verdict(module, x, norm, act):
@@ -152,7 +149,8 @@ def _kept_under_verdict(module, x, norm, act):
     call = verdict[-1].kept_call(x, norm_eps(norm) if norm is not None else None, act, module.remat_recompute)
     if call is None:
         return None
-    module._remat_fallback(None)  # (the conversion probe's trace)
+    if "remat_trace" in module.__dict__:  # the conversion probe's trace (no fallback to record: its remat path)
+        module._remat_fallback(None)
     return call, verdict
 
 
