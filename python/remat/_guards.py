@@ -85,12 +85,14 @@ def fingerprint(modules):
     (identities: replaced by a quantised one; dtypes: cast in place by .to(); shapes: data replaced,
     which a fused op's kept argument check, remat.ops.fused.Checked, relies on), devices aside (a
     parameter's device moves with it, and Checked compares the input's), with the global hooks' counts."""
-    key = [*map(len, _GLOBAL_HOOK_DICTS)]  # one flat list: this runs at every fused call
+    # one flat list, each module's state read from its __dict__: this runs at every fused call
+    key = [*map(len, _GLOBAL_HOOK_DICTS)]
     for m in modules:
         if m is not None:
-            key += (m, m.__class__, m.training, len(m._forward_hooks), len(m._forward_pre_hooks),
-                    len(m._backward_hooks), len(m._backward_pre_hooks))
-            for p in m._parameters.values():
+            state = m.__dict__
+            key += (m, m.__class__, state["training"], len(state["_forward_hooks"]), len(state["_forward_pre_hooks"]),
+                    len(state["_backward_hooks"]), len(state["_backward_pre_hooks"]))
+            for p in state["_parameters"].values():
                 if p is not None:
                     key += (id(p), p.__class__, p.dtype, p.shape)
     return key

@@ -275,11 +275,16 @@ def _filled(args, defaults):
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
+# torch's own answers to "which modes are active", looked up once (_modes_or_tracing runs at every op call)
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_modes = torch._C._is_torch_function_mode_enabled
+_functorch_transform = torch._C._functorch.peek_interpreter_stack
+
+
 def _modes_or_tracing():
     """Whether torch.compile traces, or a dispatch mode, a function mode or a functorch transform is active:
     each must see remat's ops, not their implementations."""
-    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() \
-        or torch._C._is_torch_function_mode_enabled() or torch._C._functorch.peek_interpreter_stack() is not None
+    return torch.compiler.is_compiling() or _dispatch_modes() or _function_modes() or _functorch_transform() is not None
 
 
 def eager_device(tensors):

@@ -87,7 +87,9 @@ class Handoff:
         state = tuple(_attribute(layer, name) for name in (*self.dropout, *(path for path, _ in self.settings))) \
             if self.dropout or self.settings else ()
         self._members = self._watched(layer)
-        return decided(self, self._members, lambda: self._reason(layer), extra=state)
+        # the layer itself matters only for its training flag, which a dropout between the members reads
+        return decided(self, self._members if self.dropout else self._members[1:], lambda: self._reason(layer),
+                       extra=state)
 
     def verdict(self):
         """The verdict reason() kept, as an object a consumer's own check is kept under (_guards.decided's
