@@ -87,7 +87,21 @@ class _RematModule:
         return strip(self, self.remat_stock)
 
 
-class _RematFusedNorm(_RematModule):
+class _RematPassThrough(_RematModule):
+    """A module whose work the consumer of its handoff does inside its fused op (a pre-norm block's norm,
+    _RematFusedNorm; BertIntermediate; the fc1 and activation a layer holds itself): returns its input while
+    the handoff holds."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        reason = self.remat_handoff.give(hidden_states)
+        if reason is None:
+            return hidden_states
+        if self.remat_handoff.unheard(self):  # no consumer says it: said here
+            self._remat_fallback(_not_fused(self.remat_handoff, reason))
+        return self.remat_stock.forward(self, hidden_states, *args, **kwargs)
+
+
+class _RematFusedNorm(_RematPassThrough):
     """A pre-norm block's norm (an nn.LayerNorm, or a transformers RMSNorm class: LlamaRMSNorm,
     GemmaRMSNorm, ...) whose consumer (the attention's q/k/v projection or the MLP's first
     projection) applies it, fused: while their handoff holds, forward returns its input; otherwise
@@ -97,14 +111,6 @@ class _RematFusedNorm(_RematModule):
 
     remat_prefix = "RematFused"
     remat_style = None  # None: a LayerNorm; else the RMSNorm rounding (remat.specs.RMS_NORM_STYLES)
-
-    def forward(self, hidden_states):
-        reason = self.remat_handoff.give(hidden_states)
-        if reason is None:
-            return hidden_states
-        if self.remat_handoff.unheard(self):  # no consumer says it: said here
-            self._remat_fallback(_not_fused(self.remat_handoff, reason))
-        return self.remat_stock.forward(self, hidden_states)
 
     def extra_repr(self):
         return f"{super().extra_repr()}, applied fused by the next projection"
@@ -337,19 +343,6 @@ class _RematGatedMLP(_RematModule):
 
     def extra_repr(self):
         return f"on remat's fused gated MLP, recompute={self.remat_recompute}"
-
-
-class _RematPassThrough(_RematModule):
-    """A module whose work the consumer of its handoff does inside its fused op (BertIntermediate;
-    the fc1 and activation a layer holds itself): returns its input while the handoff holds."""
-
-    def forward(self, hidden_states, *args, **kwargs):
-        reason = self.remat_handoff.give(hidden_states)
-        if reason is None:
-            return hidden_states
-        if self.remat_handoff.unheard(self):  # no consumer says it: said here
-            self._remat_fallback(_not_fused(self.remat_handoff, reason))
-        return self.remat_stock.forward(self, hidden_states, *args, **kwargs)
 
 
 _RematIntermediate = _RematPassThrough  # BertIntermediate's place: the output computes the whole FFN
