@@ -55,14 +55,20 @@ def gelu_approximate(module, kind=None):
     return None
 
 
+def _activation_reason(act, label, kind, allow, computed, what):
+    """Why `act` (judged as a `kind`, default its own class) is none of the activations `what` names, those
+    for which computed(act, kind) is not None, or None (hooks allow(hook) takes not counted)."""
+    label = label or "activation"
+    if not isinstance(act, nn.Module) or computed(act, kind) is None:
+        return f"{label} {(kind or type(act)).__name__} is not {what}"
+    reason = hook_reason(act, allow=allow)
+    return f"{type(act).__name__} {reason}" if reason else None
+
+
 def activation_reason(act, label=None, kind=None, allow=None):
     """Why `act` (judged as a `kind`, default its own class) cannot play the activation role, or None (hooks
     allow(hook) takes not counted)."""
-    label = label or "activation"
-    if not isinstance(act, nn.Module) or gelu_approximate(act, kind) is None:
-        return f"{label} {(kind or type(act)).__name__} is not a GELU remat computes (exact, tanh or quick)"
-    reason = hook_reason(act, allow=allow)
-    return f"{type(act).__name__} {reason}" if reason else None
+    return _activation_reason(act, label, kind, allow, gelu_approximate, "a GELU remat computes (exact, tanh or quick)")
 
 
 # transformers' SiLU modules, by class name: ACT2FN["silu"] (nn.functional.silu; nn.SiLU in older releases).
@@ -81,12 +87,8 @@ def gated_activation_name(module, kind=None):
 def gated_activation_reason(act, label=None, kind=None, allow=None):
     """Why `act` cannot be the activation of a gated MLP remat fuses, or None (hooks allow(hook) takes not
     counted)."""
-    label = label or "activation"
-    if not isinstance(act, nn.Module) or gated_activation_name(act, kind) is None:
-        return f"{label} {(kind or type(act)).__name__} is not an activation remat's gated MLP computes " \
-               "(SiLU, exact or tanh GELU)"
-    reason = hook_reason(act, allow=allow)
-    return f"{type(act).__name__} {reason}" if reason else None
+    return _activation_reason(act, label, kind, allow, gated_activation_name,
+                              "an activation remat's gated MLP computes (SiLU, exact or tanh GELU)")
 
 
 def uniform_reason(*modules):
@@ -97,7 +99,7 @@ def uniform_reason(*modules):
     return None
 
 
-def layer_norm_fusable(norm, width=None, need_bias=False):
+def layer_norm_fusable(norm, width, need_bias=False):
     """None when `norm` (an exact nn.LayerNorm) can play the norm role before a Linear of input
     width `width`, else why not."""
     if type(norm) not in (nn.LayerNorm, remat_nn.LayerNorm):
@@ -108,16 +110,9 @@ def layer_norm_fusable(norm, width=None, need_bias=False):
         return "LayerNorm without affine parameters (elementwise_affine=False) is not supported by the fused layers"
     if need_bias and norm.bias is None:
         return "LayerNorm without bias is not supported by LayerNormMLP"
-    if width is not None and norm.normalized_shape[0] != width:
+    if norm.normalized_shape[0] != width:
         return f"LayerNorm width {norm.normalized_shape[0]} != the Linear's in_features {width}"
     return hook_reason(norm)
-
-
-def _linear_reason(module, label):
-    if widths(module) is None:
-        return f"{label} is {type(module).__name__}, not exactly nn.Linear"
-    reason = projection(module, label)[1]
-    return reason
 
 
 def fusable(pattern, modules, labels=None):
@@ -128,7 +123,9 @@ def fusable(pattern, modules, labels=None):
     roles = pattern.roles if pattern is not LAYER_NORM_LINEAR else ("norm",) + ("linear",) * (len(modules) - 1)
     linears = [(m, label) for m, role, label in zip(modules, roles, labels, strict=True) if role == "linear"]
     for module, label in linears:
-        reason = _linear_reason(module, label)
+        if widths(module) is None:
+            return f"{label} is {type(module).__name__}, not exactly nn.Linear"
+        reason = projection(module, label)[1]
         if reason:
             return reason
     for module, role in zip(modules, roles):
@@ -169,22 +166,18 @@ GATED_MLP_NAMES = ({"gate_proj", "up_proj", "down_proj"}, {"gate_up_proj", "down
 # ---------------------------------------------------------------------------------------------
 
 
-def _meta_module(cls, *args, **kwargs):
-    """cls(*args) with its own parameters on the meta device: they are replaced right after."""
-    return cls(*args, **kwargs, device="meta")
-
-
 def fused_module(pattern, modules, recompute):
-    """The remat.nn module for a fusable run, holding the very modules of the run."""
+    """The remat.nn module for a fusable run, holding the very modules of the run (made with its own
+    parameters on the meta device: they are replaced right after)."""
     if pattern is LAYER_NORM_LINEAR:
         norm, linear = modules
-        new = _meta_module(remat_nn.LayerNormLinear, *widths(linear), recompute=recompute)
+        new = remat_nn.LayerNormLinear(*widths(linear), recompute=recompute, device="meta")
         new.norm, new.linear = norm, linear
         return new
     norm, (fc1, act, fc2) = (modules[0], modules[1:]) if pattern is LAYER_NORM_MLP else (None, modules)
     activation = "gelu_tanh" if gelu_approximate(act) == "tanh" else "gelu"
     cls = remat_nn.LayerNormMLP if norm is not None else remat_nn.MLP
-    new = _meta_module(cls, *widths(fc1), activation, recompute=recompute)
+    new = cls(*widths(fc1), activation, recompute=recompute, device="meta")
     if norm is not None:
         new.norm = norm
     new.fc1, new.fc2 = fc1, fc2

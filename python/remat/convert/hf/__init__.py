@@ -11,7 +11,6 @@ import sys
 
 from .bloom import swap_attention as swap_bloom_attention
 from .experts import convert_experts, revert_experts
-from .handoff import Handoff
 from .interface import convert_attention, revert_attention
 from .loss import convert_loss, revert_loss
 from .modules import RematFusedLayerNorm
@@ -20,7 +19,7 @@ from .rules import convert_children
 from .structure import example_inputs
 from .structure import probe as probe_structure
 
-__all__ = ["PROBE_BROKEN", "Handoff", "RematFusedLayerNorm", "convert_attention", "convert_children",
+__all__ = ["PROBE_BROKEN", "RematFusedLayerNorm", "convert_attention", "convert_children",
            "convert_experts", "convert_loss", "example_inputs", "is_hf_model", "probe_structure",
            "revert_attention", "revert_experts", "revert_loss", "swap_bloom_attention"]
 

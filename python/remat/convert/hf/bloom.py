@@ -141,11 +141,6 @@ class _RematBloomAttention(_RematModule):
                     "equals remat.attention's under a causal mask only)"), None
         return None, pattern
 
-    def remat_saved_bytes(self):
-        """Bytes per token kept less than stock by the attention itself: none against SDPA's flash
-        and efficient kernels, which keep what remat.attention keeps (q, k, v, output, lse)."""
-        return 0
-
     def extra_repr(self):
         return "BloomAttention on remat.attention"
 
@@ -242,8 +237,10 @@ def swap_attention(model, path, report, options, attention_modules):
             report.add(module_path, module, "skipped", reason)
             continue
         parent._modules[name] = new
+        # saves nothing per token by the attention itself: SDPA's flash and efficient kernels keep what
+        # remat.attention keeps (q, k, v, output, lse)
         report.add(module_path, module, f"swapped to {type(new).__name__}",
                    "remat.attention with its ALiBi slopes (attention_varlen for padding and packed sequences); the "
-                   "stock forward for other masks, KV caches with past keys, attention weights", new.remat_saved_bytes)
+                   "stock forward for other masks, KV caches with past keys, attention weights", lambda: 0)
     reported = {id(module) for _, _, module, _ in found}
     attention_modules[:] = [(p, m) for p, m in attention_modules if id(m) not in reported]

@@ -65,10 +65,12 @@ from ...ops.qk_norm_attention import (
     rebuild,
 )
 from ...saved import saved_bytes
+from ...specs import norm_eps
 from ..swap import is_converted, join, with_class
 from . import structure as structure_probe
 from .handoff import _between_reason
 from .modules import _RematModule, remat_class
+from .probe import training_mode
 
 # Functions that pass a projection's output on to a norm unchanged in value (views of it).
 _VIEWS = frozenset({"view", "reshape", "transpose", "unflatten", "contiguous", "__getitem__"})
@@ -79,11 +81,6 @@ _PROBE_NAME = "remat_qk_probe"  # the attention implementation of the convert-ti
 # ---------------------------------------------------------------------------------------------
 # The head norm: the stock operations as a Function that keeps x and rstd
 # ---------------------------------------------------------------------------------------------
-
-
-def _eps(norm):
-    eps = norm.__dict__.get("eps")
-    return eps if eps is not None else getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
 
 
 class _RematHeadNorm(_RematModule):
@@ -106,7 +103,7 @@ class _RematHeadNorm(_RematModule):
         if reason is not None:
             self._remat_fallback(reason)
             return self.remat_stock.forward(self, hidden_states)
-        y, rstd = HeadNormFunction.apply(hidden_states, self.weight, _eps(self), self.remat_style)
+        y, rstd = HeadNormFunction.apply(hidden_states, self.weight, norm_eps(self), self.remat_style)
         call = self.__dict__.get("remat_qk_call")
         if call is not None:
             call.record(self.__dict__["remat_qk_role"], hidden_states, rstd)
@@ -211,7 +208,7 @@ def fused_attention(module, query, key, value, causal, scaling, features, varlen
 
 
 def _spec(norm):
-    return NormSpec(norm.remat_style, _eps(norm), norm.__dict__["remat_qk_layout"])
+    return NormSpec(norm.remat_style, norm_eps(norm), norm.__dict__["remat_qk_layout"])
 
 
 def _where(module):
@@ -272,7 +269,7 @@ def fuse_qk_norms(attention, structure, options, path, report, verdicts):
     frame = structure.frame(attention)
     if frame is None or frame.hidden_states() is None:
         return set()
-    candidates = _candidates(structure, frame, attention)
+    candidates = _candidates(frame, attention)
     if len(candidates) != 2:
         return set()
     reason = None
@@ -299,7 +296,7 @@ def fuse_qk_norms(attention, structure, options, path, report, verdicts):
     return set(candidates)
 
 
-def _candidates(structure, frame, attention):
+def _candidates(frame, attention):
     """The names of the norm children whose input is a Linear-like child's output (through views)
     and whose output only functions read, and the forward does not return."""
     names = []
@@ -374,7 +371,7 @@ def _replay(attention, frame, styles):
     _swap_norms(twin, {name: (name, styles[name], "bhsd", dtype) for name in styles})  # (the layout: found below)
     _hook(twin, tuple(styles), _rotary_index(attention))
     args, kwargs = _materialised((frame.args, frame.kwargs), dtype) if on_meta else (frame.args, frame.kwargs)
-    with torch.no_grad(), structure_probe._eval(twin):
+    with torch.no_grad(), training_mode(False, twin):
         twin(*args, **kwargs)
     captured = twin.__dict__.pop("remat_qk_captured", None)
     if captured is None:
@@ -412,8 +409,8 @@ def _rebuilds(call, norm, layout, handed):
     if heads_shape(x, layout, handed.shape[1]) != tuple(handed.shape):
         return False
     cos, sin = call.rotary
-    rebuilt = rebuild(x, norm.weight, rstd, NormSpec(norm.remat_style, _eps(norm), layout), handed.shape[1], cos, sin,
-                      handed.dtype)
+    rebuilt = rebuild(x, norm.weight, rstd, NormSpec(norm.remat_style, norm_eps(norm), layout), handed.shape[1], cos,
+                      sin, handed.dtype)
     return rebuilt.dtype == handed.dtype and torch.equal(rebuilt, handed)
 
 
@@ -433,12 +430,7 @@ def _cpu_twin(module, dtype):
             if isinstance(tensor, nn.Parameter) else empty
     memo[id(getattr(module, "config", None))] = None  # set by the caller
     twin = _stock_children(copy.deepcopy(module, memo)).to_empty(device="cpu")
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for tensor in (*twin.parameters(), *twin.buffers()):
-            if tensor.is_floating_point():
-                tensor.copy_(1 + 0.1 * torch.randn(tensor.shape, generator=generator))
-    return twin.to(dtype)
+    return structure_probe.near_one(twin).to(dtype)
 
 
 def _stock_children(module):

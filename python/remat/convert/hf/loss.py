@@ -35,9 +35,9 @@ from torch import nn
 from ... import _tensor_parallel as tensor_parallel
 from ... import _zero3 as zero3
 from ..._guards import fallback, hook_reason, tensor_reason
-from ..._numerics import rel_error
 from ...ops.linear_cross_entropy import linear_cross_entropy
 from ..swap import strip
+from .probe import failed, mismatch, training_mode
 
 _CLASSES = {}
 
@@ -289,24 +289,14 @@ def _probe(model, stock_class):
     generator = torch.Generator().manual_seed(0)
     vocab = head.out_features
     ids = torch.randint(0, vocab, (2, 5), generator=generator).to(head.weight.device)
-    training = [(m, m.training) for m in model.modules()]
     try:
-        with torch.no_grad():
-            for m, _ in training:
-                m.train(False)  # no dropout in either
+        with torch.no_grad(), training_mode(False, model):  # no dropout in either
             want = stock_class.forward(model, input_ids=ids, labels=ids, return_dict=True)
             loss, outputs = model._remat_fused_loss(ids, {"input_ids": ids})
     except Exception as error:  # noqa: BLE001 - a forward the fused path does not know how to call
-        return f"probe failed ({type(error).__name__}: {error})"
-    finally:
-        for m, flag in training:
-            m.training = flag
+        return failed(error)
     extra = sorted(set(want) - {"loss", "logits"} - set(_passed_on(outputs)))
     if extra or _asks_router_logits(model.config, {}):
         return f"its output holds {', '.join(extra or ['router_logits'])} besides the loss and the base model's outputs"
-    error = rel_error(loss, want.loss)
-    tolerance = 1e-4 if head.weight.dtype in (torch.float32, torch.float64) else 3e-2
-    if not error <= tolerance:
-        return (f"probe mismatch (relative error {error:.2g}): its head or loss computes more than "
-                "cross-entropy of lm_head's logits (a logit scale, an auxiliary loss, another loss_type)")
-    return None
+    return mismatch(loss, want.loss, head.weight.dtype, "its head or loss computes more than cross-entropy of "
+                    "lm_head's logits (a logit scale, an auxiliary loss, another loss_type)")

@@ -13,16 +13,17 @@ from .handoff import submodule
 
 
 @contextlib.contextmanager
-def eval_mode(*modules):
-    """Every submodule of `modules` in eval mode (no dropout) for the duration, then as it was."""
+def training_mode(training, *modules):
+    """Every submodule of `modules` in training mode `training` (False: eval mode, no dropout) for the
+    duration, then as it was."""
     flags = [(m, m.training) for root in modules for m in root.modules()]
     for m, _ in flags:
-        m.training = False
+        m.training = training
     try:
         yield
     finally:
-        for m, training in flags:
-            m.training = training
+        for m, was_training in flags:
+            m.training = was_training
 
 
 # The probe's reasons that mean a rule no longer matches the stock forward it was written for (a
@@ -30,21 +31,18 @@ def eval_mode(*modules):
 PROBE_BROKEN = ("probe failed", "probe mismatch")
 
 
-def _probe(before, after, width, param, modules):
-    """None when before(x) == after(x) on a small random x (or when it cannot run), else why not."""
-    if param.is_meta:
-        return None
-    generator = torch.Generator().manual_seed(0)  # private: the caller's RNG stream is untouched
-    x = torch.randn(2, 3, width, generator=generator).to(param.device, param.dtype)
-    try:
-        with torch.no_grad(), eval_mode(*modules):
-            want, got = before(x), after(x)
-    except Exception as error:  # noqa: BLE001 - a forward this rule does not know how to call: leave it alone
-        return f"probe failed ({type(error).__name__}: {error})"
+def failed(error):
+    """The reason of a probe whose forward raised `error`."""
+    return f"probe failed ({type(error).__name__}: {error})"
+
+
+def mismatch(got, want, dtype, why):
+    """None when `got` is `want` within the tolerance of `dtype` (the probe's weights'), else the reason,
+    `why` after the relative error."""
     error = rel_error(got, want)
-    tolerance = 1e-4 if param.dtype in (torch.float32, torch.float64) else 3e-2
+    tolerance = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
     if not error <= tolerance:
-        return f"probe mismatch (relative error {error:.2g}): this transformers version's forward differs"
+        return f"probe mismatch (relative error {error:.2g}): {why}"
     return None
 
 
@@ -67,23 +65,21 @@ def tracing(modules):
 
 
 def _traced(before, after, traced, width, param, modules):
-    """_probe, and then why not when the calls of each of `traced` inside after(x) were not one remat path."""
+    """None when before(x) == after(x) on a small random x (or when it cannot run: on meta) and the
+    calls of each of `traced` inside after(x) were one remat path, else why not."""
     if param.is_meta:
-        return None  # nothing to run on: not probed, as _probe
-    traces = []
-
-    def traced_before(x):  # a consumer that stays in place (an experts module) sees the stock call too
-        with tracing(traced):
-            return before(x)
-
-    def traced_after(x):
-        with tracing(traced) as calls:
-            try:
-                return after(x)
-            finally:
-                traces.extend(calls)
-
-    reason = _probe(traced_before, traced_after, width, param, modules)
+        return None  # nothing to run on: not probed
+    generator = torch.Generator().manual_seed(0)  # private: the caller's RNG stream is untouched
+    x = torch.randn(2, 3, width, generator=generator).to(param.device, param.dtype)
+    try:
+        with torch.no_grad(), training_mode(False, *modules):
+            with tracing(traced):  # a consumer that stays in place (an experts module) sees the stock call too
+                want = before(x)
+            with tracing(traced) as traces:
+                got = after(x)
+    except Exception as error:  # noqa: BLE001 - a forward this rule does not know how to call: leave it alone
+        return failed(error)
+    reason = mismatch(got, want, param.dtype, "this transformers version's forward differs")
     for trace in traces if reason is None else ():
         if trace != [None]:
             return f"the probe call did not take the remat path ({trace[0] if trace else 'not called'})"

@@ -76,12 +76,6 @@ def _fused_norm(norm, path, style=None):
     return new
 
 
-def _self_probe(module, new, width, param):
-    """probe.self_probe of an MLP module, called with no mask where its forward takes one."""
-    takes_mask = not param.is_meta and "attention_mask" in inspect.signature(module.forward).parameters
-    return self_probe(module, new, width, param, {"attention_mask": None} if takes_mask else {})
-
-
 # ---------------------------------------------------------------------------------------------
 # MLP modules
 # ---------------------------------------------------------------------------------------------
@@ -116,7 +110,9 @@ def _mlp_rule(parent, name, module, options, path, report, parts):
     if reason:
         return reason
     fc1 = getattr(module, fc1_names(new.remat_parts)[0])
-    reason = _self_probe(module, new, widths(fc1)[0], fc1.weight)
+    # the MLP module called with no mask where its forward takes one
+    takes_mask = not fc1.weight.is_meta and "attention_mask" in inspect.signature(module.forward).parameters
+    reason = self_probe(module, new, widths(fc1)[0], fc1.weight, {"attention_mask": None} if takes_mask else {})
     if reason:
         return reason
     parent._modules[name] = new
@@ -313,7 +309,10 @@ def _fusable_norm(layer, norm_name, options, style=None):
         return None, "layers excludes layernorm"
     if type(norm) is not nn.LayerNorm and not (style and from_transformers(type(norm))):
         return None, f"{norm_name} is {type(norm).__name__}, not exactly nn.LayerNorm nor an RMSNorm remat matches"
-    return norm, _instance_reason(norm) or _layer_hook_reason(layer)
+    # the layer's hooks but transformers' output recorders (which its first forward with output_router_logits,
+    # output_attentions or output_hidden_states installs, the convert probe's included): they read the layer's
+    # input and outputs, which fusions inside it leave as they are
+    return norm, _instance_reason(norm) or _between_reason(layer)
 
 
 def _rms_norm_reason(norm, width, style=None):
@@ -443,32 +442,20 @@ def _layer_mlp_skipped(layer, parts, path, report, reason):
                f"the MLP {parts.fc1} -> {parts.act} -> {parts.fc2} the layer holds stays stock: {reason}")
 
 
-def _layer_hook_reason(layer):
-    """hook_reason of a layer whose children are fused, but for transformers' output recorders (which
-    its first forward with output_router_logits, output_attentions or output_hidden_states installs,
-    the convert probe's included): they read the layer's input and outputs, which fusions inside it
-    leave as they are (modules._between_reason)."""
-    return _between_reason(layer)
-
-
 def _pair_rule(layer, options, path, report, pair):
-    """BERT's FFN split over two children (pair: (intermediate name, its class name, output name, its
-    class name), as the structure probe found them) fused into the output module."""
-    inter_name, inter_class, out_name, out_class = pair
-    inter, out = getattr(layer, inter_name, None), getattr(layer, out_name, None)
-    if type(inter).__name__ != inter_class or type(out).__name__ != out_class:
-        return None  # already converted, or not the expected structure
+    """BERT's FFN split over two children (pair: (intermediate name, output name), as the structure
+    probe found them just before: _split_ffn, which also checked that the intermediate holds dense and
+    intermediate_act_fn modules, the output dense, dropout and LayerNorm modules) fused into the output
+    module."""
+    inter_name, out_name = pair
+    inter, out = layer._modules[inter_name], layer._modules[out_name]
     row_path = join(path, inter_name)
-    fc1, act = getattr(inter, "dense", None), getattr(inter, "intermediate_act_fn", None)
-    fc2, dropout, norm = (getattr(out, n, None) for n in ("dense", "dropout", "LayerNorm"))
-    reason = _instance_reason(inter) or _instance_reason(out) or _layer_hook_reason(layer)
+    fc1, act, fc2, norm = inter.dense, inter.intermediate_act_fn, out.dense, out.LayerNorm
+    reason = _instance_reason(inter) or _instance_reason(out) or _between_reason(layer)  # as _fusable_norm's
     if reason is None and not callable(getattr(layer, "feed_forward_chunk", None)):
         reason = f"{type(layer).__name__} has no feed_forward_chunk to check the FFN wiring against"
     if reason is None:
-        reason = _mlp_reason(fc1, act, fc2) if isinstance(fc1, nn.Module) and \
-            isinstance(fc2, nn.Module) else "dense layers missing"
-    if reason is None and not isinstance(dropout, nn.Module):
-        reason = "output.dropout is not a module"
+        reason = _mlp_reason(fc1, act, fc2)
     if reason is None and not isinstance(norm, nn.LayerNorm):
         reason = "output.LayerNorm is not an nn.LayerNorm"
     if reason is None:
@@ -522,7 +509,7 @@ def _norm_consumers(readers, mlps):
 
 
 def _split_ffn(structure, layer):
-    """The pair-rule tuple of BERT-like children (an intermediate with dense and intermediate_act_fn whose
+    """The pair-rule names of BERT-like children (an intermediate with dense and intermediate_act_fn whose
     output only the output child reads, that child with dense, dropout and LayerNorm), or None."""
     frame = structure.frame(layer)
     for inter_name, inter in layer._modules.items():
@@ -534,7 +521,7 @@ def _split_ffn(structure, layer):
         out = layer._modules.get(uses[0].name) if len(uses) == 1 and uses[0].kind == "module" else None
         if not returned and out is not None and all(isinstance(getattr(out, n, None), nn.Module)
                                                     for n in ("dense", "dropout", "LayerNorm")):
-            return inter_name, type(inter).__name__, uses[0].name, type(out).__name__
+            return inter_name, uses[0].name
     return None
 
 
@@ -560,7 +547,7 @@ def _layer_plan(layer, structure, frame, options, done):
     """The _LayerPlan of `layer` (a transformers module the probe called on hidden states); `done`: the
     children another rule took (q/k norms). Builds and changes nothing."""
     pair = _split_ffn(structure, layer) if options.wants("mlp") else None
-    split = set(pair[::2]) if pair is not None else set()  # BERT's intermediate and output, the pair rule's
+    split = set(pair) if pair is not None else set()  # BERT's intermediate and output, the pair rule's
     mlps, not_mlps = structure_probe.mlp_children(structure, layer) if options.wants("mlp") else ({}, {})
     mlps = {n: parts for n, parts in mlps.items() if n not in split}
     not_mlps = {n: reason for n, reason in not_mlps.items() if n not in split}
@@ -599,7 +586,7 @@ def _structural_rule(layer, structure, options, path, report, done=()):
     plan = _layer_plan(layer, structure, frame, options, done)
     handled = set()
     if plan.split_ffn is not None:
-        handled |= _pair_rule(layer, options, path, report, plan.split_ffn) or set()
+        handled |= _pair_rule(layer, options, path, report, plan.split_ffn)
     fused = set()
     for norm_name, consumers in plan.norms:
         rows = len(report)

@@ -34,6 +34,7 @@ from ...specs import RMS_NORM_STYLES
 from .experts import METADATA as _METADATA
 from .experts import RESHAPES, is_experts_module
 from .modules import MLPParts, _RematGatedMLP
+from .probe import training_mode
 
 # A call recorded in a module's forward: a child module ("module", its name) or a torch function
 # ("function", its name), with the ids of the tensors it read and returned, and the probability a
@@ -216,17 +217,6 @@ def example_inputs(model, batch, tokens, device, dtype, images=False):
     return {name: x.to(device, dtype) if x.is_floating_point() else x.to(device) for name, x in inputs.items()}, None
 
 
-@contextlib.contextmanager
-def _eval(model):
-    flags = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, training in flags:
-            m.training = training
-
-
 class _MetaReads(TorchDispatchMode):
     """Answers the data-dependent reads of a probe call on meta tensors, which hold no values: a
     tensor read as a Python number (.item(), bool(), an `if` on a tensor) reads 1, True: the token
@@ -261,23 +251,25 @@ def probe(model):
         return Structure({}, f"no probe input: {reason}")
     if "use_cache" in inspect.signature(model.forward).parameters:
         inputs["use_cache"] = False  # the layers' calls recorded without a cache, as in training
-    frames, error = _record(model, param, inputs)
+    frames, error = _record(model, param, (), inputs)
     if error is not None and "pixel_values" in inspect.signature(model.forward).parameters:
         images, _ = example_inputs(model, PROBE_BATCH, PROBE_TOKENS, param.device, dtype, images=True)
         if images is not None:  # CLIP, SigLIP: the call needs both towers' inputs
-            frames, error = _record(model, param, {**inputs, **images})
+            frames, error = _record(model, param, (), {**inputs, **images})
     if error is not None:
         return Structure({}, f"its probe call failed ({type(error).__name__}: {error})")
     return Structure(frames)
 
 
-def _record(model, param, inputs):
-    """(the Frames of one call of `model` on `inputs`, None), or (None, the exception it raised)."""
-    recorder = _Recorder(model)
+def _record(module, param, args, kwargs, training=False):
+    """(the Frames of one call of `module` on `args` and `kwargs`, in training mode `training` (False: eval
+    mode), without gradients, None), or (None, the exception it raised)."""
+    recorder = _Recorder(module)
+    meta_reads = _MetaReads() if param.is_meta else contextlib.nullcontext()
     try:
-        with torch.no_grad(), _eval(model), _MetaReads() if param.is_meta else contextlib.nullcontext(), recorder:
-            model(**inputs)
-    except Exception as error:  # noqa: BLE001 - a model this probe cannot call: no structural fusion
+        with torch.no_grad(), training_mode(training, module), meta_reads, recorder:
+            module(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001 - a forward this probe cannot call: no structural fusion
         return None, error
     finally:
         recorder.close()
@@ -370,20 +362,10 @@ def training_differs(structure, module):
     param = next(module.parameters(), None)
     if frame is None or param is None:
         return None
-    flags = [(m, m.training) for m in module.modules()]
-    recorder = _Recorder(module)
-    try:
-        for m, _ in flags:
-            m.training = True
-        with torch.no_grad(), _MetaReads() if param.is_meta else contextlib.nullcontext(), recorder:
-            module(*frame.args, **frame.kwargs)
-    except Exception as error:  # noqa: BLE001 - a forward the probe cannot call in training: not fused
+    frames, error = _record(module, param, frame.args, frame.kwargs, training=True)
+    if error is not None:  # a forward the probe cannot call in training: not fused
         return f"its forward in training mode failed on the probe's input ({type(error).__name__}: {error})"
-    finally:
-        recorder.close()
-        for m, training in flags:
-            m.training = training
-    trained = recorder.frames.get(module)
+    trained = frames.get(module)
     if trained is None or [n[:2] for n in trained.nodes] != [n[:2] for n in frame.nodes]:
         return (f"{type(module).__name__}'s forward in training mode calls other functions than in eval mode (a "
                 "step only training takes, such as a router's jitter)")
@@ -446,7 +428,12 @@ def _inputs_besides_the_first(module):
 
 def _cpu_copy(module):
     """A copy of the meta `module` on the CPU, its parameters and buffers drawn near 1 (seeded)."""
-    twin = copy.deepcopy(module).to_empty(device="cpu")
+    return near_one(copy.deepcopy(module).to_empty(device="cpu"))
+
+
+def near_one(twin):
+    """`twin` (a CPU copy of a module, to run its forward on) with its floating parameters and buffers
+    drawn near 1 (seeded)."""
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for tensor in (*twin.parameters(), *twin.buffers()):
