@@ -180,11 +180,14 @@ def _layer_norm_reason(norm):
 class _RematMLP(_RematModule):
     """A transformers MLP module (GPT2MLP, ViTMLP, PhiMLP, ...) on remat.mlp:
     dropout(fc2(gelu(fc1(x)))) keeping x and the fc1 output only, with the LayerNorm before it
-    fused in when it was handed over. Any call remat cannot compute runs the stock forward."""
+    fused in when it was handed over. Any call remat cannot compute runs the stock forward.
+    _RematGatedMLP is this with a gated activation."""
 
     remat_parts: "MLPParts"  # the stock module's submodule names, as the structure probe found them
     remat_need_bias = True  # remat.mlp takes LayerNorms with a bias only
     remat_dropped = "the GELU output is"  # what the report says it does not keep
+    remat_gated = False
+    _remat_activation_reason = staticmethod(activation_reason)  # why a module cannot be the activation, or None
 
     @classmethod
     def remat_parts_reason(cls, module, parts):
@@ -194,44 +197,58 @@ class _RematMLP(_RematModule):
                        labels=["fc1", "activation", "fc2"])
 
     def forward(self, hidden_states):
-        kept = _kept_call(self, hidden_states, self._remat_activation())
+        kept = _kept_call(self, hidden_states, self._remat_activation()) if self.remat_call_reason() is None else None
         if kept is not None:
             return self._remat_dropout(sharing(_shared_statistics(self), hidden_states, kept[0]))
         norm, norm_reason = _handed_over(self, hidden_states)
-        projections = [self._modules[self.remat_parts.fc1], self._modules[self.remat_parts.fc2]]
-        with zero3.gathered(self, projections):  # it reads their parameters without calling them
-            return self._remat_forward(hidden_states, projections, norm, norm_reason)
+        names = (*fc1_names(self.remat_parts), self.remat_parts.fc2)
+        modules = [self._modules[n] for n in names]
+        if self.remat_gated and tensor_parallel.is_sharded(modules[-1]):
+            return self._remat_tensor_parallel(hidden_states, norm, norm_reason, modules, names)
+        with zero3.gathered(self, modules):  # it reads its projections' parameters without calling them
+            return self._remat_forward(hidden_states, norm, norm_reason, modules, names)
 
     def _remat_activation(self):
         return _gelu_of(self._modules[self.remat_parts.act])
 
     def _remat_dropout(self, out):
+        """The dropout after fc2 (a gated MLP's is before its down projection: remat_call_reason)."""
         dropout = self.remat_parts.dropout
-        return self._modules[dropout](out) if dropout else out
+        return self._modules[dropout](out) if dropout and not self.remat_gated else out
 
-    def _remat_forward(self, hidden_states, projections, norm, norm_reason):
+    def remat_call_reason(self):
+        """Why this module's stock forward computes something else than the fused MLP now, or None."""
+        return None
+
+    def _remat_forward(self, hidden_states, norm, norm_reason, modules, names):
         parts = self.remat_parts
         activation = self._modules[parts.act]
         linears, reason, checked = decided_projections(
-            self, projections, [parts.fc1, parts.fc2], [activation, norm],
-            lambda: activation_reason(activation, parts.act, allow=zero3.is_hook) or _layer_norm_reason(norm),
+            self, modules, list(names), [activation, norm],
+            lambda: self._remat_activation_reason(activation, parts.act, allow=zero3.is_hook)
+            or _layer_norm_reason(norm),
             zero3.is_hook, _under(self, norm))
+        reason = reason or self.remat_call_reason()
         if reason:
-            self._remat_fallback(reason)
-            if norm is not None:
-                hidden_states = stock_norm(norm, hidden_states)
-            return self.remat_stock.forward(self, hidden_states)
+            return self._remat_stock_call(reason, hidden_states, norm)
         self._remat_fallback(norm_reason)
-        act = self._remat_activation()
-        fc1, fc2 = linears
-        out = fused_mlp(hidden_states, fc1, act, fc2, norm_spec(norm) if norm is not None else None,
-                        self.remat_recompute, _shared_statistics(self), checked)
+        *ups, down = linears
+        out = fused_mlp(hidden_states, tuple(ups) if len(ups) == 2 else ups[0], self._remat_activation(), down,
+                        norm_spec(norm) if norm is not None else None, self.remat_recompute,
+                        _shared_statistics(self), checked)
         return self._remat_dropout(out)
 
+    def _remat_stock_call(self, reason, hidden_states, norm):
+        self._remat_fallback(reason)
+        if norm is not None:
+            hidden_states = stock_norm(norm, hidden_states)
+        return self.remat_stock.forward(self, hidden_states)
+
     def remat_saved_bytes(self):
-        """Bytes per token this module keeps less than stock: the GELU output, where fc2 trains."""
+        """Bytes per token this module keeps less than stock: the GELU output, where fc2 trains (a gated
+        MLP's act(gate) and the product)."""
         fc2 = self._modules[self.remat_parts.fc2]
-        return fused_saved_bytes(fc2=fc2) if self.remat_recompute else 0
+        return fused_saved_bytes(fc2=fc2, gated=self.remat_gated) if self.remat_recompute else 0
 
     def extra_repr(self):
         return f"on remat.mlp, recompute={self.remat_recompute}"
@@ -248,15 +265,16 @@ def _gated_widths_reason(names, shapes):
     return None
 
 
-class _RematGatedMLP(_RematModule):
+class _RematGatedMLP(_RematMLP):
     """A transformers gated MLP (LlamaMLP, GemmaMLP, Phi3MLP, ...) on remat's fused gated MLP:
     down(act(gate(x)) * up(x)), or with one gate_up projection (gate first, as Phi-3's) chunked in
     two; keeps x, gate and up outputs only (never act(gate) nor the product), with the norm before
     it fused in when it was handed over. Any call remat cannot compute runs the stock forward."""
 
-    remat_parts: "MLPParts"
     remat_need_bias = False  # the norm in front may be an RMSNorm, or a LayerNorm without bias
     remat_dropped = "act(gate) and act(gate) * up are"
+    remat_gated = True
+    _remat_activation_reason = staticmethod(gated_activation_reason)
 
     @classmethod
     def remat_parts_reason(cls, module, parts):
@@ -267,43 +285,8 @@ class _RematGatedMLP(_RematModule):
         reason = reason or gated_activation_reason(module._modules[parts.act], parts.act)
         return reason or _gated_widths_reason(names, [widths(m) for m in linears]) or uniform_reason(*linears)
 
-    def forward(self, hidden_states):
-        parts = self.remat_parts
-        names = (*fc1_names(parts), parts.fc2)
-        kept = _kept_call(self, hidden_states, self._remat_activation()) if self.remat_call_reason() is None else None
-        if kept is not None:
-            return sharing(_shared_statistics(self), hidden_states, kept[0])
-        norm, norm_reason = _handed_over(self, hidden_states)
-        modules = [self._modules[n] for n in names]
-        if tensor_parallel.is_sharded(modules[-1]):
-            return self._remat_tensor_parallel(hidden_states, norm, norm_reason, modules, names)
-        with zero3.gathered(self, modules):  # it reads its projections' parameters without calling them
-            return self._remat_forward(hidden_states, norm, norm_reason, modules, names)
-
-    def _remat_forward(self, hidden_states, norm, norm_reason, modules, names):
-        parts = self.remat_parts
-        activation = self._modules[parts.act]
-        linears, reason, checked = decided_projections(
-            self, modules, list(names), [activation, norm],
-            lambda: gated_activation_reason(activation, parts.act, allow=zero3.is_hook) or _layer_norm_reason(norm),
-            zero3.is_hook, _under(self, norm))
-        reason = reason or self.remat_call_reason()
-        if reason:
-            return self._remat_stock_call(reason, hidden_states, norm)
-        self._remat_fallback(norm_reason)
-        *ups, down = linears
-        return fused_mlp(hidden_states, tuple(ups) if len(ups) == 2 else ups[0], self._remat_activation(), down,
-                         norm_spec(norm) if norm is not None else None, self.remat_recompute,
-                         _shared_statistics(self), checked)
-
     def _remat_activation(self):
         return Activation(gated_activation_name(self._modules[self.remat_parts.act]), gated=True)
-
-    def _remat_stock_call(self, reason, hidden_states, norm):
-        self._remat_fallback(reason)
-        if norm is not None:
-            hidden_states = stock_norm(norm, hidden_states)
-        return self.remat_stock.forward(self, hidden_states)
 
     def _remat_tensor_parallel(self, hidden_states, norm, norm_reason, modules, names):
         """The call where parallelize_module sharded the projections (_tensor_parallel.py): the fused MLP
@@ -335,11 +318,6 @@ class _RematGatedMLP(_RematModule):
         if self.training and dropout.p > 0:
             return f"{name} (p={dropout.p}) before {self.remat_parts.fc2} in training"
         return None
-
-    def remat_saved_bytes(self):
-        """Bytes per token kept less than stock: act(gate) and the product (down's input, where it trains)."""
-        down = self._modules[self.remat_parts.fc2]
-        return fused_saved_bytes(fc2=down, gated=True) if self.remat_recompute else 0
 
     def extra_repr(self):
         return f"on remat's fused gated MLP, recompute={self.remat_recompute}"
