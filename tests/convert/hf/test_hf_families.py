@@ -583,6 +583,27 @@ def test_a_layer_mlp_dropout_two_attributes_held_runs_stock_when_either_drops():
     assert_same_dropout_step_falling_back(stock, converted, batch, r"dropout \(p=0.2\) in training")
 
 
+def test_a_layer_set_to_training_alone_runs_its_held_mlp_stock():
+    """BART's layer reads its own training flag for the activation_dropout between its activation and fc2:
+    set on the layer alone (its children still in eval), stock drops there, so the fused MLP, decided in
+    eval, is decided again and runs stock (the handoff's fingerprint watches the layer for its dropout)."""
+    stock, _ = build_case("bart", activation_dropout=0.3)
+    converted = convert_layers(stock)
+    batch = family_inputs("bart", "cpu")
+    stock.eval(), converted.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(converted(**batch).loss, stock(**batch).loss)  # fused, decided in eval
+    for layer in (*stock.model.encoder.layers, *converted.model.encoder.layers):
+        layer.training = True
+    torch.manual_seed(5)
+    with torch.no_grad():
+        want = stock(**batch).loss
+    torch.manual_seed(5)
+    with torch.no_grad(), pytest.warns(RematFallbackWarning, match=r"activation_dropout \(p=0.3\) in training"):
+        got = converted(**batch).loss
+    torch.testing.assert_close(got, want)
+
+
 def test_a_layer_mlp_dropout_read_from_no_attribute_stays_stock(monkeypatch):
     """A dropout between the activation and fc2 whose probability no attribute of the layer holds
     (here a class attribute): whether it drops in training is unknown, so that MLP stays stock."""
