@@ -344,8 +344,8 @@ def test_one_pass_backward_gives_the_deterministic_dk_dv_bitwise_and_dq_to_round
 def test_backend_cuda_runs_the_cuda_kernels_and_fp32_the_triton_ones(monkeypatch):
     chosen = []
     real = attn_ops.FAMILY._implementation
-    monkeypatch.setattr(attn_ops.FAMILY, "_implementation", lambda index, args: chosen.append(real(index, args))
-                        or chosen[-1])
+    monkeypatch.setattr(attn_ops.FAMILY, "_implementation",
+                        lambda index, args, device=None: chosen.append(real(index, args, device)) or chosen[-1])
     q, k, v = _qkv((1, 2, 2, 40, 40, 64), torch.float16)
     _run("cuda", q, k, v, torch.randn_like(q), True)
     assert chosen == [torch.ops.remat_C.attention_fwd, torch.ops.remat_C.attention_bwd]
@@ -377,8 +377,8 @@ def test_packed_sequences_run_the_cuda_kernels_and_match_float64(head_dim, causa
         features = dict(alibi_slopes=torch.rand(len(lengths_q), 4, device="cuda"))
     chosen = []
     real = varlen_ops.FAMILY._implementation
-    monkeypatch.setattr(varlen_ops.FAMILY, "_implementation", lambda index, args: chosen.append(real(index, args))
-                        or chosen[-1])
+    monkeypatch.setattr(varlen_ops.FAMILY, "_implementation",
+                        lambda index, args, device=None: chosen.append(real(index, args, device)) or chosen[-1])
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     with remat.use_backend("cuda"), warnings.catch_warnings():
         warnings.simplefilter("error")  # the CUDA kernels themselves, no fallback

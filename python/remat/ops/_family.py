@@ -137,10 +137,11 @@ class OpFamily:
             plain = None if kwargs else _plain_eager_call(args)
             if plain is None:
                 return op(*args, **kwargs)
+            requires_grad, device = plain
             args = _filled(args, defaults)  # (the schema's defaults are no tensors)
-            if plain and torch.is_grad_enabled():
-                return autograd.apply(*args)
-            return self._implementation(0, args)(*args)
+            if requires_grad and torch.is_grad_enabled():
+                return autograd.apply(*args, device)
+            return self._implementation(0, args, device)(*args)
 
         return forward
 
@@ -150,10 +151,11 @@ class OpFamily:
         op, defaults = self.backward_op, self._defaults[1]
 
         def backward(*args, **kwargs):
-            if kwargs or torch.is_grad_enabled() or _plain_eager_call(args) is None:
+            plain = None if kwargs or torch.is_grad_enabled() else _plain_eager_call(args)
+            if plain is None:
                 return op(*args, **kwargs)
             args = _filled(args, defaults)
-            return self._implementation(1, args)(*args)
+            return self._implementation(1, args, plain[1])(*args)
 
         return backward
 
@@ -246,12 +248,16 @@ def _eager_autograd(family):
     # setup_context has every apply bind its arguments with inspect.signature (tens of µs a call).
     class EagerForward(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, *args):
-            output = family._implementation(0, args)(*args)
+        def forward(ctx, *args_and_device):  # the op's arguments (the backward reads their needs_input_grad by
+            args, device = args_and_device[:-1], args_and_device[-1]  # position), then _plain_eager_call's device
+            output = family._implementation(0, args, device)(*args)
             family._setup_context(ctx, args, output)
             return output
 
-        backward = staticmethod(_backend.on_forward_backend(family.autograd_backward))
+        @staticmethod
+        @_backend.on_forward_backend
+        def backward(ctx, *grads):
+            return *family.autograd_backward(ctx, *grads), None
 
     EagerForward.__qualname__ = EagerForward.__name__ = f"{family.name}_fwd_eager"
     return EagerForward
@@ -316,19 +322,23 @@ def eager_backward_device(device, grad):
 
 
 def _plain_eager_call(args):
-    """Whether an op call may skip torch.library's dispatch: None where it may not, else whether a tensor
-    among `args` requires grad. It may not while torch.compile traces, under a dispatch or function mode or
-    a functorch transform (they must see the op), or with a tensor that is not a plain CPU or CUDA one (a
-    subclass, or meta: those dispatch to the op's fake or their own handling)."""
+    """Whether an op call may skip torch.library's dispatch: None where it may not, else (whether a tensor
+    among `args` requires grad, their device for _implementation where none is float64, else None: it then
+    looks for itself). It may not while torch.compile traces, under a dispatch or function mode or a functorch
+    transform (they must see the op), or with a tensor that is not a plain CPU or CUDA one (a subclass, or
+    meta: those dispatch to the op's fake or their own handling). One pass over the arguments, for both."""
     if _modes_or_tracing():
         return None
-    requires_grad = False
+    requires_grad, device, float64 = False, None, False
     for a in args:
         if isinstance(a, torch.Tensor):
             if not (type(a) in _PLAIN_TENSORS and (a.is_cpu or a.is_cuda)):
                 return None
             requires_grad = requires_grad or a.requires_grad
-    return requires_grad
+            float64 = float64 or a.dtype == torch.float64
+            if device is None:
+                device = a.device
+    return requires_grad, None if float64 else device
 
 
 def grad_leaves(*tensors):
