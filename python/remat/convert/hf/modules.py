@@ -86,6 +86,14 @@ class _RematModule:
     def remat_revert(self):
         return strip(self, self.remat_stock)
 
+    def _remat_stock_call(self, reason, hidden_states, norm):
+        """The stock forward on `hidden_states`, for `reason` (recorded); with the norm handed over (or None)
+        applied first, as the stock layer would have."""
+        self._remat_fallback(reason)
+        if norm is not None:
+            hidden_states = stock_norm(norm, hidden_states)
+        return self.remat_stock.forward(self, hidden_states)
+
 
 class _RematPassThrough(_RematModule):
     """A module whose work the consumer of its handoff does inside its fused op (a pre-norm block's norm,
@@ -212,9 +220,9 @@ class _RematMLP(_RematModule):
         return _gelu_of(self._modules[self.remat_parts.act])
 
     def _remat_dropout(self, out):
-        """The dropout after fc2 (a gated MLP's is before its down projection: remat_call_reason)."""
+        """The dropout after fc2."""
         dropout = self.remat_parts.dropout
-        return self._modules[dropout](out) if dropout and not self.remat_gated else out
+        return self._modules[dropout](out) if dropout else out
 
     def remat_call_reason(self):
         """Why this module's stock forward computes something else than the fused MLP now, or None."""
@@ -237,12 +245,6 @@ class _RematMLP(_RematModule):
                         norm_spec(norm) if norm is not None else None, self.remat_recompute,
                         _shared_statistics(self), checked)
         return self._remat_dropout(out)
-
-    def _remat_stock_call(self, reason, hidden_states, norm):
-        self._remat_fallback(reason)
-        if norm is not None:
-            hidden_states = stock_norm(norm, hidden_states)
-        return self.remat_stock.forward(self, hidden_states)
 
     def remat_saved_bytes(self):
         """Bytes per token this module keeps less than stock: the GELU output, where fc2 trains (a gated
@@ -287,6 +289,10 @@ class _RematGatedMLP(_RematMLP):
 
     def _remat_activation(self):
         return Activation(gated_activation_name(self._modules[self.remat_parts.act]), gated=True)
+
+    def _remat_dropout(self, out):
+        """Nothing: a gated MLP's dropout is before its down projection (remat_call_reason)."""
+        return out
 
     def _remat_tensor_parallel(self, hidden_states, norm, norm_reason, modules, names):
         """The call where parallelize_module sharded the projections (_tensor_parallel.py): the fused MLP
@@ -372,10 +378,7 @@ class _RematNormedLinear(_RematModule):
         norm, reason = _handed_over(self, input)
         reason, siblings, checked = (reason, (), None) if norm is None else self._remat_decided(norm)
         if reason:
-            self._remat_fallback(reason)
-            if norm is not None:
-                input = stock_norm(norm, input)
-            return self.remat_stock.forward(self, input)
+            return self._remat_stock_call(reason, input, norm)
         kept = _kept_under_verdict(self, input, norm, None) if checked is not None else None
         if kept is not None:  # (x not the tensor handed over at this call, the handoff holding all the same)
             return self._remat_outputs(input, siblings, lambda shared: sharing(shared, input, kept[0]))
