@@ -110,7 +110,7 @@ def decided(owner, modules, check, extra=(), under=None):
     covers changed, and the fingerprint is not taken again (kept_under)."""
     if torch.compiler.is_compiling():
         return check()
-    verdict = kept_under(owner, under) if under is not None else MISSING
+    verdict = kept_under(owner, under)
     if verdict is not MISSING:
         return verdict
     key, kept = (fingerprint(modules), extra), owner.__dict__.get("remat_decided")

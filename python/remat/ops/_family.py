@@ -190,7 +190,8 @@ class OpFamily:
 
     def _implementation(self, index, args, device=None):
         """What runs op `index` (0 forward, 1 backward) on `args`: a Triton launcher, a remat_C op or the
-        reference. device: the tensors' device, given where the caller knows that none is float64 (run)."""
+        reference. device: the tensors' device, given where the caller knows that none is float64 (run, and the
+        eager calls through _plain_eager_call)."""
         if device is None:
             for a in args:  # (a loop, not generators: this runs at every op call)
                 if isinstance(a, torch.Tensor):
@@ -301,14 +302,8 @@ def eager_device(tensors):
     the op calls inside read these tensors and tensors computed from them."""
     if torch.is_grad_enabled() or _modes_or_tracing():
         return None
-    device = None
-    for t in tensors:
-        if t is not None:
-            if not (type(t) in _PLAIN_TENSORS and (t.is_cpu or t.is_cuda)) or t.dtype == torch.float64:
-                return None
-            if device is None:
-                device = t.device
-    return device
+    plain = _plain_tensors(tensors)
+    return plain[1] if plain is not None else None
 
 
 def eager_backward_device(device, grad):
@@ -327,8 +322,12 @@ def _plain_eager_call(args):
     looks for itself). It may not while torch.compile traces, under a dispatch or function mode or a functorch
     transform (they must see the op), or with a tensor that is not a plain CPU or CUDA one (a subclass, or
     meta: those dispatch to the op's fake or their own handling). One pass over the arguments, for both."""
-    if _modes_or_tracing():
-        return None
+    return None if _modes_or_tracing() else _plain_tensors(args)
+
+
+def _plain_tensors(args):
+    """None where a tensor among `args` (the other arguments skipped) is not a plain CPU or CUDA one, else
+    (whether one requires grad, their device where none is float64, else None)."""
     requires_grad, device, float64 = False, None, False
     for a in args:
         if isinstance(a, torch.Tensor):
