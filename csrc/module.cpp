@@ -1,4 +1,5 @@
-// remat._C: the Python module whose loading registers the CUDA ops as torch.ops.remat_C.<name>.
+// remat._C: the Python module whose loading registers the CUDA ops as torch.ops.remat_C.<name>, and
+// holds one host-side function, same_fingerprint (guards.cpp).
 //
 // Each op family's .cu registers its own schemas (TORCH_LIBRARY_FRAGMENT) and CUDA kernels
 // (TORCH_LIBRARY_IMPL) next to the kernels; the static registrations run when `import remat._C`
@@ -14,14 +15,16 @@
 // families add their ops to it as fragments.
 TORCH_LIBRARY(remat_C, m) {}
 
-// An empty module: importing it loads this library, which runs the registrations.
+PyMethodDef* remat_guard_methods();  // guards.cpp
+
+// Importing the module loads this library, which runs the registrations.
 PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module = {
       PyModuleDef_HEAD_INIT,
       "_C",
-      "remat CUDA kernels, registered as torch.ops.remat_C.*",
+      "remat CUDA kernels, registered as torch.ops.remat_C.*; same_fingerprint, remat._guards' fast path",
       -1,
-      nullptr,
+      remat_guard_methods(),
   };
   return PyModule_Create(&module);
 }

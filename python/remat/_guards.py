@@ -9,8 +9,10 @@ module records why (`fallback`), warning once per module and reason.
 
 The answer is decided once and kept (`decided`) while a cheap fingerprint of the modules it read
 stays the same: their identities and classes, training flags, hook counts and parameters'
-identities, dtypes and shapes, and the global hooks' counts. Everything the checks read of a plain module
-is in it; a peft LoRA layer's adapters are not, so a check that reads one runs at every call.
+identities, dtypes and shapes, and the global hooks' counts. Everything the checks read of a plain
+module is in it; a peft LoRA layer's adapters are not, so a check that reads one runs at every call.
+Where the extension remat._C is built, a kept fingerprint is compared with the modules in place, in
+C++ (unchanged): a converted layer asks at every call.
 """
 
 import collections
@@ -84,8 +86,9 @@ def fingerprint(modules):
     replaced by another: classes (parametrize swaps it), training flags, hook counts, parameters
     (identities: replaced by a quantised one; dtypes: cast in place by .to(); shapes: data replaced,
     which a fused op's kept argument check, remat.ops.fused.Checked, relies on), devices aside (a
-    parameter's device moves with it, and Checked compares the input's), with the global hooks' counts."""
-    # one flat list, each module's state read from its __dict__: this runs at every fused call
+    parameter's device moves with it, and Checked compares the input's), with the global hooks' counts.
+    csrc/guards.cpp reads this very layout (unchanged): change both together."""
+    # one flat list, each module's state read from its __dict__: without remat._C this runs at every fused call
     key = [*map(len, _GLOBAL_HOOK_DICTS)]
     for m in modules:
         if m is not None:
@@ -96,6 +99,30 @@ def fingerprint(modules):
                 if p is not None:
                     key += (id(p), p.__class__, p.dtype, p.shape)
     return key
+
+
+def _native_comparison():
+    """remat._C.same_fingerprint, the comparison of a kept fingerprint with `modules` read in place (about a
+    tenth of taking it in Python), where the extension is built (a GPU machine, or REMAT_BUILD_CUDA=1); else None."""
+    try:
+        from . import _C
+    except ImportError:
+        return None
+    return getattr(_C, "same_fingerprint", None)  # (None in an extension built before it had it)
+
+
+_same_fingerprint = _native_comparison()
+
+
+def native_comparison():
+    """Whether kept fingerprints are compared in place by remat._C (unchanged), not taken again in Python."""
+    return _same_fingerprint is not None
+
+
+def unchanged(key, modules):
+    """Whether fingerprint(modules) would equal `key`, where remat._C can tell without taking it: true only
+    where it would (false also where it cannot tell: the caller then takes it)."""
+    return _same_fingerprint is not None and _same_fingerprint(key, modules, _GLOBAL_HOOK_DICTS, _PLAIN_TENSOR_TYPES)
 
 
 def decided(owner, modules, check, extra=(), under=None):
@@ -113,7 +140,10 @@ def decided(owner, modules, check, extra=(), under=None):
     verdict = kept_under(owner, under)
     if verdict is not MISSING:
         return verdict
-    key, kept = (fingerprint(modules), extra), owner.__dict__.get("remat_decided")
+    kept = owner.__dict__.get("remat_decided")
+    if kept is not None and kept[2] is under and kept[0][1] == extra and unchanged(kept[0][0], modules):
+        return kept[1]
+    key = fingerprint(modules), extra
     changed = kept is None or kept[0] != key
     if changed or kept[2] is not under:  # kept as it is otherwise: the same object (a handoff's verdict())
         kept = owner.__dict__["remat_decided"] = key, check() if changed else kept[1], under

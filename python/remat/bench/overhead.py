@@ -60,7 +60,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import _backend
+from .. import _backend, _guards
 from . import report
 from .check import compare, outputs_and_grads
 from .timing import quantiles
@@ -556,6 +556,8 @@ def environment(reps):
     env["backend"] = f"{BACKEND}: remat's ops run their pure-PyTorch reference (not the Triton interpreter)"
     env["timings"] = (f"host wall-clock (time.perf_counter) of each forward + backward, {reps} calls each, each "
                       "converted row interleaved with stock in a pair of its own, gc off; p20 / p50 / p80 in µs")
+    env["guards"] = ("kept fingerprints compared in place by remat._C" if _guards.native_comparison()
+                     else "fingerprints taken in Python (remat._C is not built: REMAT_BUILD_CUDA=1 builds it)")
     env["torch_threads"] = torch.get_num_threads()
     # other work on the machine slows both alike, but widens the spread: say how busy it was
     env["cpus"] = os.cpu_count()
