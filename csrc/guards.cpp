@@ -54,7 +54,7 @@ bool has_length(PyObject* dict, PyObject* expected) {
 bool same_parameter(PyObject* p, PyObject** entry, PyObject* plain) {
   if (!PyLong_Check(entry[0]) || PyLong_AsVoidPtr(entry[0]) != static_cast<void*>(p)) return false;
   PyObject* kind = reinterpret_cast<PyObject*>(Py_TYPE(p));
-  if (entry[1] != kind || !PySequence_Contains(plain, kind) || !THPVariable_Check(p)) return false;
+  if (entry[1] != kind || PySequence_Contains(plain, kind) != 1 || !THPVariable_Check(p)) return false;
   const at::Tensor& tensor = THPVariable_Unpack(p);
   if (!THPDtype_Check(entry[2]) || reinterpret_cast<THPDtype*>(entry[2])->scalar_type != tensor.scalar_type()) {
     return false;
