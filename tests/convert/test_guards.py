@@ -17,30 +17,11 @@ import remat
 from remat._guards import RematFallbackWarning
 
 from hf_models import BATCH, LAYERS, SEQ, build, inputs, remat_attention_calls
+from module_changes import double_output, scale_parametrization, to_subclass
 from numerics import rel_error
 
 conv = importlib.import_module("remat.convert")
 patterns = importlib.import_module("remat.convert.patterns")
-
-
-def double_output(module, args, output):
-    return output * 2
-
-
-class Plain(torch.Tensor):
-    """A tensor subclass that computes like a tensor (quantised weights are subclasses too)."""
-
-
-def to_subclass(module):
-    module.weight = nn.Parameter(torch.Tensor._make_subclass(Plain, module.weight.detach(), True))
-
-
-def scale_parametrization(module):
-    class Scale(nn.Module):
-        def forward(self, weight):
-            return weight * 1.5
-
-    torch.nn.utils.parametrize.register_parametrization(module, "weight", Scale())
 
 
 CHANGES = {
@@ -293,64 +274,6 @@ def test_what_a_kept_call_does_not_hold_is_read_again(family):
         warnings.simplefilter("error", RematFallbackWarning)
         loss = converted(**batch).loss
     assert rel_error(loss, stock(**batch).loss) < 1e-5
-
-
-def _guarded_modules():
-    torch.manual_seed(0)
-    return [nn.LayerNorm(6), nn.Linear(6, 5), nn.GELU(), None, nn.Linear(5, 3, bias=False)]
-
-
-def _set_data(module, data):
-    module.weight.data = data
-
-
-FINGERPRINT_CHANGES = {
-    "nothing": lambda m: None,
-    "eval": lambda m: m[2].eval(),
-    "forward hook": lambda m: m[1].register_forward_hook(double_output),
-    "pre-hook": lambda m: m[4].register_forward_pre_hook(lambda mod, args: None),
-    "backward hook": lambda m: m[0].register_full_backward_hook(lambda mod, gi, go: None),
-    "backward pre-hook": lambda m: m[0].register_full_backward_pre_hook(lambda mod, go: None),
-    "dtype in place": lambda m: m[1].to(torch.float64),  # .to() casts the same Parameter's data
-    "shape in place": lambda m: _set_data(m[4], m[4].weight.data[:2]),
-    "a parameter replaced": lambda m: setattr(m[1], "weight", nn.Parameter(m[1].weight.detach().clone())),
-    "a bias dropped": lambda m: setattr(m[1], "bias", None),
-    "a parameter added": lambda m: m[2].register_parameter("scale", nn.Parameter(torch.ones(1))),
-    "a subclass parameter": lambda m: to_subclass(m[4]),
-    "a parametrization": lambda m: scale_parametrization(m[1]),
-    "a module replaced": lambda m: m.__setitem__(2, nn.GELU()),
-    "a module gone": lambda m: m.__setitem__(4, None),
-}
-
-
-@pytest.mark.parametrize("change", FINGERPRINT_CHANGES)
-def test_the_native_comparison_answers_what_the_fingerprint_does(change):
-    """remat._C.same_fingerprint, which a converted module's kept verdict asks at every call where the
-    extension is built, answers unchanged exactly where the fingerprint taken again equals the kept one."""
-    from remat import _guards
-
-    if not _guards.native_comparison():
-        pytest.skip("remat._C is not built here: the fingerprint is taken in Python (the other tests)")
-    modules = _guarded_modules()
-    kept = _guards.fingerprint(modules)
-    FINGERPRINT_CHANGES[change](modules)
-    assert _guards.unchanged(kept, modules) == (change == "nothing") == (_guards.fingerprint(modules) == kept)
-
-
-def test_the_native_comparison_sees_a_global_hook():
-    from remat import _guards
-
-    if not _guards.native_comparison():
-        pytest.skip("remat._C is not built here: the fingerprint is taken in Python (the other tests)")
-    modules = _guarded_modules()
-    kept = _guards.fingerprint(modules)
-    handle = torch.nn.modules.module.register_module_forward_hook(double_output)
-    try:
-        assert not _guards.unchanged(kept, modules)
-    finally:
-        handle.remove()
-    assert _guards.unchanged(kept, modules)
-    assert not _guards.unchanged(kept[:-1], modules) and not _guards.unchanged(kept + [1], modules)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
